@@ -1,0 +1,1 @@
+"""meshlm: recursive Transformers with MeSH."""

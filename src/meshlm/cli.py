@@ -1,0 +1,42 @@
+"""The `meshlm` command line: a table of subcommands, each living in its own module.
+
+Each command module exposes `add_arguments(parser)` and `run(args) -> int`. Modules are imported only
+when their command runs, so `meshlm --help` stays fast. User errors (`MeshlmError`) become one line on
+stderr and exit code 2; nothing else is swallowed.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from meshlm.errors import MeshlmError
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "describe": ("meshlm.commands.describe", "print parameter counts, depth and FLOPs of a model config"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshlm", description="Recursive Transformers with MeSH.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module, help_text) in COMMANDS.items():
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        sp.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(sp)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except MeshlmError as err:
+        print(f"meshlm {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

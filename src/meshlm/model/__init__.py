@@ -1,0 +1,5 @@
+"""The meshlm model: GPT-NeoX layers, the loop, the state schemes and MeSH."""
+from meshlm.model.lm import LMOutput, MeshLM, Stages
+from meshlm.model.schemes import SCHEMES
+
+__all__ = ["LMOutput", "MeshLM", "SCHEMES", "Stages"]

@@ -1,0 +1,53 @@
+"""Every initialisation of a meshlm model, in one place.
+
+| parameter                                         | init                                         |
+|---------------------------------------------------|----------------------------------------------|
+| input and output embeddings, every other Linear   | normal(0, init_std = 0.02), biases 0         |
+| output projections (attention.dense, dense_4h_to_h)| normal(0, init_std / √(2·N)), N = unrolled   |
+|                                                   | depth (if scale_output_init; else init_std)  |
+| LayerNorm                                         | weight 1, bias 0                             |
+| MeSH routers                                      | normal(0, router_init_std = 0.02), bias 0:   |
+|                                                   | near-uniform routing at the start            |
+| static-mix α                                      | alpha_init (default 1, 1, 0)                 |
+| dynamic-mix Linear(d, 3)                          | weight normal(0, router_init_std), bias =    |
+|                                                   | alpha_init: starts as the static mix         |
+
+N counts *unrolled* layers (P + ΣC·K + D): a looped core adds to the residual stream K times, so its output
+projections are scaled as if it were K distinct layers.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from meshlm.config import ModelConfig
+from meshlm.model.memory import Router
+from meshlm.model.schemes import DynamicAlpha, StaticAlpha
+
+OUTPUT_PROJECTIONS = ("attention.dense", "mlp.dense_4h_to_h")
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
+    out_std = cfg.init_std / math.sqrt(2 * cfg.layout.unrolled_depth) if cfg.scale_output_init else cfg.init_std
+    alpha_init = torch.tensor(model.scheme.options.get("alpha_init", [1.0, 1.0, 0.0]))
+    for name, module in model.named_modules():  # generic pass: layers, embeddings, norms
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            std = out_std if name.endswith(OUTPUT_PROJECTIONS) else cfg.init_std
+            nn.init.normal_(module.weight, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+    for module in model.scheme.modules():  # scheme pass: overrides the generic init of its Linears
+        if isinstance(module, Router):
+            nn.init.normal_(module.weight, std=cfg.router_init_std)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, StaticAlpha):
+            module.alpha.copy_(alpha_init)
+        elif isinstance(module, DynamicAlpha):
+            nn.init.normal_(module.proj.weight, std=cfg.router_init_std)
+            module.proj.bias.copy_(alpha_init)

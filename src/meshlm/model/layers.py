@@ -1,0 +1,114 @@
+"""GPT-NeoX (Pythia) layer pieces, exactly as Pythia computes them. Nothing here knows about looping.
+
+One layer is the *parallel* residual of GPT-NeoX:
+
+    x ─┬──────────────────────────────────────────┐
+       ├─ LN1 ─ Attn(rotary on 25% of head dims) ─ + ─→ x + Attn(LN1 x) + MLP(LN2 x)
+       └─ LN2 ─ Linear(d, 4d) ─ GELU ─ Linear(4d, d) ┘
+
+Parameter names follow Hugging Face's GPT-NeoX (`attention.query_key_value`, `mlp.dense_4h_to_h`, …) so
+Pythia checkpoints map onto meshlm by renaming layer indices only. The fused QKV projection is laid out per
+head as (heads, [q|k|v], head_dim), like Pythia. Attention runs through
+`F.scaled_dot_product_attention`, which picks a flash/memory-efficient kernel on GPUs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshlm.config import ModelConfig
+
+Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (B, T, rotary_dims)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for rotary position embeddings on the first `dims` dims of each head."""
+
+    def __init__(self, dims: int, base: float):
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.float32) / dims))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # rebuilt from the config on load
+
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Rope:
+        freqs = position_ids[..., None].float() * self.inv_freq  # (B, T, dims/2), fp32 for accuracy
+        angles = torch.cat((freqs, freqs), dim=-1)  # (B, T, dims), GPT-NeoX's "rotate half" layout
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
+    """Rotate the first rotary_dims of x (B, H, T, hd); the remaining dims pass through unchanged."""
+    cos, sin = (t.unsqueeze(1) for t in rope)  # (B, 1, T, r)
+    r = cos.shape[-1]
+    x_rot, x_pass = x[..., :r], x[..., r:]
+    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.query_key_value = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.dense = nn.Linear(cfg.d_model, cfg.d_model)  # output projection (depth-scaled init)
+
+    def forward(self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None) -> torch.Tensor:
+        b, t, d = x.shape
+        qkv = self.query_key_value(x).view(b, t, self.n_heads, 3 * self.head_dim).transpose(1, 2)
+        q, k, v = qkv.chunk(3, dim=-1)  # each (B, H, T, hd)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        # mask None means plain causal attention; otherwise a boolean (B, 1, T, T) "may attend" mask.
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.dense(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.dense_h_to_4h = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
+        self.dense_4h_to_h = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)  # depth-scaled init
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))  # exact (erf) GELU, as Pythia
+
+
+class NeoXLayer(nn.Module):
+    """Pre-LN GPT-NeoX layer with parallel residual: x + Attn(LN1 x) + MLP(LN2 x)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.post_attention_layernorm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.attention = Attention(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None) -> torch.Tensor:
+        return x + self.attention(self.input_layernorm(x), rope, mask) + self.mlp(self.post_attention_layernorm(x))
+
+
+class Stack(nn.ModuleList):
+    """An ordinary stack of layers (prelude, one core, or coda): f(h) returns a full state, not a delta."""
+
+    def __init__(self, cfg: ModelConfig, n_layers: int):
+        super().__init__(NeoXLayer(cfg) for _ in range(n_layers))
+
+    def forward(self, h: torch.Tensor, rope: Rope, mask: torch.Tensor | None) -> torch.Tensor:
+        for layer in self:
+            h = layer(h, rope, mask)
+        return h
+
+
+def attention_mask_from_padding(padding_mask: torch.Tensor) -> torch.Tensor:
+    """(B, T) with 1 for real tokens, 0 for padding -> boolean (B, 1, T, T) causal "may attend" mask.
+
+    Every query may at least attend to itself, so rows of padding queries never become all -inf (which
+    would make SDPA return NaN); padding positions' outputs are ignored by callers anyway.
+    """
+    t = padding_mask.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=padding_mask.device).tril()
+    allowed = causal & padding_mask.bool()[:, None, None, :]
+    return allowed | torch.eye(t, dtype=torch.bool, device=padding_mask.device)

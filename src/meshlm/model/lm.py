@@ -1,0 +1,113 @@
+"""The one meshlm language model: embed → prelude → loop(cores, scheme) → coda → head.
+
+    x ──embed_in (×√d)──> e ──prelude──> p ──scheme.begin──> h⁰
+                                                              │
+                     ┌────────────────────────────────────────┘
+                     ▼            for t in 0 … n_steps−1 (core = cores[schedule[t]]):
+                    h^t ──core──> u^t ──scheme.update(t, h^t, u^t)──> h^{t+1}
+                                                              │
+    logits <──embed_out── final LN <──coda── h^K <───────────┘
+
+Every scheme (vanilla, base, residual, anchors, mixes, MeSH) runs through this same loop; only
+`scheme.begin` and `scheme.update` differ (meshlm.model.schemes, meshlm.model.memory). Vanilla is a spec
+whose cores each run once. The model knows nothing of training, data, files or devices.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshlm.config import ModelConfig
+from meshlm.errors import ConfigError
+from meshlm.model.init import init_weights
+from meshlm.model.layers import RotaryEmbedding, Stack, attention_mask_from_padding
+from meshlm.model.schemes import LoopContext, build_scheme
+
+
+@dataclass
+class Stages:
+    """Every intermediate state of one forward pass, each (B, T, d); for probes and analysis."""
+
+    embeddings: torch.Tensor  # e (√d-scaled if configured)
+    prelude: torch.Tensor  # p = f_pre(e)
+    states: list[torch.Tensor] = field(default_factory=list)  # h⁰ … h^K
+    core_outputs: list[torch.Tensor] = field(default_factory=list)  # f_core(h^t), t = 0 … K−1
+    coda: torch.Tensor | None = None  # f_coda(h^K), before the final LayerNorm
+    routing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # MeSH (write, read)
+
+
+@dataclass
+class LMOutput:
+    logits: torch.Tensor  # (B, T, vocab)
+    loss: torch.Tensor | None = None  # mean next-token cross-entropy over targets != ignore_index
+    stages: Stages | None = None  # only with return_states=True
+
+
+class MeshLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        layout = cfg.layout
+        self.embed_in = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.prelude = Stack(cfg, layout.prelude)
+        self.cores = nn.ModuleList(Stack(cfg, n) for n in layout.cores)
+        self.coda = Stack(cfg, layout.coda)
+        self.scheme = build_scheme(cfg)
+        self.final_layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+        self.embed_out = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # untied, as Pythia
+        self.rotary = RotaryEmbedding(cfg.rotary_dims, cfg.rotary_base)
+        self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
+        init_weights(self, cfg)
+
+    def schedule(self, loops: int | None = None) -> tuple[int, ...]:
+        """Core index per step. `loops` overrides K for a single-core model (e.g. loss vs. depth)."""
+        layout = self.config.layout
+        if loops is None:
+            return layout.schedule
+        if len(layout.cores) != 1 or loops < 1:
+            raise ConfigError(f"loops={loops} needs a single-core spec and loops >= 1 (spec {self.config.spec!r})")
+        return (0,) * loops
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (B, T) token ids
+        targets: torch.Tensor | None = None,  # (B, T) next-token ids, ignore_index where no loss
+        padding_mask: torch.Tensor | None = None,  # (B, T) 1 = real token, 0 = padding
+        position_ids: torch.Tensor | None = None,  # (B, T); default 0 … T−1
+        return_states: bool = False,
+        loops: int | None = None,
+        ignore_index: int = -100,
+    ) -> LMOutput:
+        b, t = input_ids.shape
+        if t > self.config.context_length:
+            raise ConfigError(f"sequence of {t} tokens exceeds the model's context_length="
+                              f"{self.config.context_length}; truncate the input or use a longer-context config")
+        if position_ids is None:
+            position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
+        e = self.embed_in(input_ids) * self.embed_scale  # (B, T, d)
+        rope = self.rotary(position_ids, e.dtype)
+        mask = None if padding_mask is None else attention_mask_from_padding(padding_mask)
+
+        ctx = LoopContext(e=e)
+        p = self.prelude(e, rope, mask)
+        h = self.scheme.begin(ctx, p)
+        stages = Stages(embeddings=e, prelude=p, states=[h]) if return_states else None
+        for step, core_index in enumerate(self.schedule(loops)):
+            u = self.cores[core_index](h, rope, mask)
+            h = self.scheme.update(step, h, u, ctx)
+            if stages is not None:
+                stages.core_outputs.append(u)
+                stages.states.append(h)
+        y = self.coda(h, rope, mask)
+        logits = self.embed_out(self.final_layer_norm(y))  # (B, T, vocab)
+
+        if stages is not None:
+            stages.coda, stages.routing = y, ctx.routing
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
+        return LMOutput(logits=logits, loss=loss, stages=stages)

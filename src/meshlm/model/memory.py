@@ -1,0 +1,83 @@
+"""MeSH: Memory-as-State-Highways (spec §4) — the paper's contribution in one file.
+
+A buffer of B slots, each the shape of a hidden state, replaces the single recurrent state. K + 1 router
+pairs (write, read), one pair per step, each `Linear(d, B)` + softmax over slots per token, read the *same*
+query: the state entering that step.
+
+    M = [e, 0, …, 0]                                   (B, T, slots, d)   slot 0 = √d-scaled embedding
+    pair 0 (transitional), query p = f_pre(e):  M += w ⊗ p ;  h⁰ = Σ_b r_b m_b
+    pair t+1, query h^t:      u = f_core(h^t);  M += w ⊗ u ;  h^{t+1} = Σ_b r_b m_b   (read after write)
+    the last read h^K is the "final read" into the coda
+
+Writes are additive into every slot; reads are convex combinations; the core never sees a step index, so
+iteration identity enters only through the step-specific routers. Router logits and softmax are computed
+in fp32 even under autocast. Everything is per token, so decoding needs no cache for the buffer.
+
+Beyond the trained steps (evaluating with more loops than trained) the last router pair is reused.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshlm.model.schemes import LoopContext, Scheme, register
+
+
+class Router(nn.Linear):
+    """One router pair fused into a single Linear(d, 2B): columns [0, B) write, [B, 2B) read.
+
+    Fusing is exactly two Linear(d, B) routers (same parameters: 2·B·(d+1)) computed in one matmul.
+    """
+
+    def __init__(self, d_model: int, slots: int):
+        super().__init__(d_model, 2 * slots)
+        self.slots = slots
+
+    def forward(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast(query.device.type, enabled=False):
+            logits = F.linear(query.float(), self.weight.float(), self.bias.float())  # (B, T, 2·slots)
+        write, read = logits.split(self.slots, dim=-1)
+        return write.softmax(-1), read.softmax(-1)  # each (B, T, slots), fp32
+
+
+@register("mesh")
+class MeSH(Scheme):
+    OPTIONS = {"slots": None}  # None -> K + 3 (the paper's rule; 5 for K = 2)
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        n_steps = cfg.layout.n_steps
+        self.slots = self.options["slots"] or n_steps + 3
+        self.routers = nn.ModuleList(Router(cfg.d_model, self.slots) for _ in range(n_steps + 1))
+
+    @classmethod
+    def problems(cls, options, layout):
+        out = super().problems(options, layout)
+        b = options.get("slots")
+        if b is not None and not (isinstance(b, int) and not isinstance(b, bool) and b >= 2):
+            out.append(f"scheme_options.slots={b!r} must be an integer >= 2 (default K+3 = {layout.n_steps + 3})")
+        return out
+
+    def _write_read(self, pair: int, query: torch.Tensor, value: torch.Tensor, ctx: LoopContext):
+        """Route with `query`, add `value` into every slot, then read. Returns the read state (B, T, d)."""
+        write, read = self.routers[min(pair, len(self.routers) - 1)](query)
+        ctx.routing.append((write, read))
+        w, r = write.to(value.dtype), read.to(value.dtype)
+        ctx.buffer = ctx.buffer + w.unsqueeze(-1) * value.unsqueeze(-2)  # (B, T, slots, d)
+        return torch.einsum("bts,btsd->btd", r, ctx.buffer)
+
+    def begin(self, ctx, p):
+        # slot 0 = √d-scaled embedding; the other slots start empty. (B, T, slots, d)
+        ctx.buffer = F.pad(ctx.e.unsqueeze(-2), (0, 0, 0, self.slots - 1))
+        ctx.h0 = self._write_read(0, p, p, ctx)  # transitional write/read between prelude and loop
+        return ctx.h0
+
+    def update(self, t, h, u, ctx):
+        return self._write_read(t + 1, h, u, ctx)
+
+    def flops_per_token(self, d_model, n_steps):
+        # Counted as the paper does (≈0.7551 GFLOPs for 1.4B, 4096 tokens): per router pair two
+        # Linear(d, B) (2d+1 FLOPs per output) plus one FLOP per buffer element written and read.
+        pairs = n_steps + 1
+        return pairs * self.slots * (2 * (2 * d_model + 1) + 2 * d_model)
