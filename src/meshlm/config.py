@@ -148,7 +148,7 @@ class ModelConfig:
         need(self.init_std > 0, f"init_std={self.init_std} must be > 0")
         need(self.router_init_std >= 0, f"router_init_std={self.router_init_std} must be >= 0")
         need(isinstance(self.scheme_options, dict), "scheme_options must be a mapping")
-        if layout is not None and isinstance(self.scheme_options, dict):
+        if isinstance(self.scheme_options, dict):
             from meshlm.model.schemes import scheme_problems  # the registry knows each scheme's options
 
             problems.extend(scheme_problems(self.scheme, self.scheme_options, layout))
@@ -163,18 +163,18 @@ class ModelConfig:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"unknown model config field(s) {unknown}; valid fields: {sorted(known)}")
         return cls(**data)
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return self.from_dict({**self.to_dict(), **changes})
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> "ModelConfig":
+    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
         return cls.from_dict({**PRESETS[name], **overrides})

@@ -2,4 +2,4 @@
 from meshlm.model.lm import LMOutput, MeshLM, Stages
 from meshlm.model.schemes import SCHEMES
 
-__all__ = ["LMOutput", "MeshLM", "SCHEMES", "Stages"]
+__all__ = ["SCHEMES", "LMOutput", "MeshLM", "Stages"]

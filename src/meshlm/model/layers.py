@@ -22,6 +22,11 @@ from meshlm.config import ModelConfig
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (B, T, rotary_dims)
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """Upcast bf16/fp16 to fp32 for numerically sensitive ops (softmax, loss); fp64 stays fp64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for rotary position embeddings on the first `dims` dims of each head."""
 

@@ -24,7 +24,7 @@ from torch import nn
 from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
 from meshlm.model.init import init_weights
-from meshlm.model.layers import RotaryEmbedding, Stack, attention_mask_from_padding
+from meshlm.model.layers import RotaryEmbedding, Stack, at_least_fp32, attention_mask_from_padding
 from meshlm.model.schemes import LoopContext, build_scheme
 
 
@@ -109,5 +109,5 @@ class MeshLM(nn.Module):
             stages.coda, stages.routing = y, ctx.routing
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
+            loss = F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
         return LMOutput(logits=logits, loss=loss, stages=stages)

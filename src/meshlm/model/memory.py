@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.model.layers import at_least_fp32
 from meshlm.model.schemes import LoopContext, Scheme, register
 
 
@@ -35,10 +36,10 @@ class Router(nn.Linear):
         self.slots = slots
 
     def forward(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.autocast(query.device.type, enabled=False):
-            logits = F.linear(query.float(), self.weight.float(), self.bias.float())  # (B, T, 2·slots)
+        with torch.autocast(query.device.type, enabled=False):  # fp32 logits and softmax, even under autocast
+            logits = F.linear(at_least_fp32(query), at_least_fp32(self.weight), at_least_fp32(self.bias))
         write, read = logits.split(self.slots, dim=-1)
-        return write.softmax(-1), read.softmax(-1)  # each (B, T, slots), fp32
+        return write.softmax(-1), read.softmax(-1)  # each (B, T, slots)
 
 
 @register("mesh")
@@ -56,7 +57,8 @@ class MeSH(Scheme):
         out = super().problems(options, layout)
         b = options.get("slots")
         if b is not None and not (isinstance(b, int) and not isinstance(b, bool) and b >= 2):
-            out.append(f"scheme_options.slots={b!r} must be an integer >= 2 (default K+3 = {layout.n_steps + 3})")
+            default = f"K+3 = {layout.n_steps + 3}" if layout else "K+3"
+            out.append(f"scheme_options.slots={b!r} must be an integer >= 2 (default {default})")
         return out
 
     def _write_read(self, pair: int, query: torch.Tensor, value: torch.Tensor, ctx: LoopContext):

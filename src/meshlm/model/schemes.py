@@ -23,7 +23,7 @@ from torch import nn
 
 from meshlm.config import Layout, ModelConfig
 
-SCHEMES: dict[str, type["Scheme"]] = {}
+SCHEMES: dict[str, type[Scheme]] = {}
 ALIASES = {"anchor*": "anchor-emb", "residual+anchor+anchor*": "residual+anchor+anchor-emb",
            "anchor+anchor*": "anchor+anchor-emb"}
 
@@ -60,8 +60,8 @@ class Scheme(nn.Module, abc.ABC):
         self.options = {**self.OPTIONS, **cfg.scheme_options}
 
     @classmethod
-    def problems(cls, options: dict[str, Any], layout: Layout) -> list[str]:
-        """Human-readable problems with these options on this layout (empty if fine)."""
+    def problems(cls, options: dict[str, Any], layout: Layout | None) -> list[str]:
+        """Human-readable problems with these options on this layout (None: the spec is invalid)."""
         unknown = sorted(set(options) - set(cls.OPTIONS))
         if unknown:
             valid = sorted(cls.OPTIONS) or "none"
@@ -107,7 +107,7 @@ class Vanilla(Base):
     @classmethod
     def problems(cls, options, layout):
         extra = ["scheme 'vanilla' shares no weights, but the spec repeats a core; use scheme 'base' (or "
-                 "another scheme) for a looped core, or a spec without R"] if layout.shares_weights else []
+                 "another scheme) for a looped core, or a spec without R"] if layout and layout.shares_weights else []
         return super().problems(options, layout) + extra
 
 
@@ -202,7 +202,7 @@ class DynamicMix(Mix):
         return super().flops_per_token(d_model, n_steps) + n_steps * 3 * (2 * d_model + 1)
 
 
-def scheme_problems(name: str, options: dict[str, Any], layout: Layout) -> list[str]:
+def scheme_problems(name: str, options: dict[str, Any], layout: Layout | None) -> list[str]:
     from meshlm.model import memory  # noqa: F401  (registers "mesh")
 
     cls = SCHEMES.get(canonical(name))

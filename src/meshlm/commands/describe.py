@@ -1,0 +1,50 @@
+"""`meshlm describe`: parameter counts, depth and FLOPs of a config, without allocating its weights."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="mesh-small", help="named config (see --list)")
+    p.add_argument("--spec", help='layer layout, e.g. "4+8R2+4", "4+8+8+4" or "24"')
+    p.add_argument("--scheme", help="state scheme, e.g. mesh, base, anchor, anchor*, residual, static-mix")
+    p.add_argument("--slots", type=int, help="MeSH buffer size B (default K+3)")
+    p.add_argument("--context", type=int, help="context length for attention FLOPs (default: the config's)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--list", action="store_true", help="list the presets and schemes, then exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    from meshlm.config import PRESETS, ModelConfig
+    from meshlm.model.accounting import describe
+    from meshlm.model.schemes import SCHEMES
+
+    if args.list:
+        print("presets:", ", ".join(PRESETS))
+        print("schemes:", ", ".join(SCHEMES), "(anchor* = anchor-emb)")
+        return 0
+    overrides = {k: v for k, v in (("spec", args.spec), ("scheme", args.scheme)) if v is not None}
+    if args.slots is not None:
+        overrides["scheme_options"] = {"slots": args.slots}
+    cfg = ModelConfig.from_preset(args.preset, **overrides)
+    acc = describe(cfg, args.context)
+    if args.json:
+        print(json.dumps({"preset": args.preset, "config": cfg.to_dict(), **acc.to_dict()}, indent=2))
+        return 0
+    rows = [
+        ("preset", args.preset), ("spec", cfg.spec), ("scheme", cfg.scheme),
+        ("d_model / heads", f"{cfg.d_model} / {cfg.n_heads}"), ("vocab", f"{cfg.vocab_size:,}"),
+        ("layers unique / unrolled", f"{acc.unique_layers} / {acc.unrolled_layers}"),
+        ("loop steps", acc.loop_steps), ("MeSH slots B", acc.slots if acc.slots else "-"),
+        ("params total", f"{acc.total_params:,}"), ("params embedding", f"{acc.embedding_params:,}"),
+        ("params non-embedding", f"{acc.non_embedding_params:,}"), ("params scheme", f"{acc.scheme_params:,}"),
+        (f"forward FLOPs/token @ {acc.context_length}", f"{acc.forward_flops_per_token:,}"),
+        ("  of which scheme", f"{acc.scheme_flops_per_token:,} "
+                              f"({100 * acc.scheme_flops_per_token / acc.forward_flops_per_token:.4f}%)"),
+        ("train FLOPs/token", f"{acc.train_flops_per_token:,}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0

@@ -1,0 +1,33 @@
+"""Shared fixtures: tiny configs that run in milliseconds on CPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshlm.config import ModelConfig
+from meshlm.model import MeshLM
+
+
+def tiny(**overrides) -> ModelConfig:
+    """A 4-layer-equivalent model small enough for float64 gradchecks."""
+    base = dict(spec="1+1R2+1", d_model=32, n_heads=4, vocab_size=97, context_length=64, scheme="mesh")
+    return ModelConfig(**{**base, **overrides})
+
+
+def build(cfg: ModelConfig, seed: int = 0, dtype=torch.float32) -> MeshLM:
+    torch.manual_seed(seed)
+    return MeshLM(cfg).to(dtype).eval()
+
+
+def copy_layers(src: MeshLM, dst: MeshLM) -> None:
+    """Copy every non-scheme parameter (embeddings, layers, norms, head) from src into dst."""
+    missing, unexpected = dst.load_state_dict(
+        {k: v for k, v in src.state_dict().items() if not k.startswith("scheme.")}, strict=False)
+    assert all(k.startswith("scheme.") for k in missing), missing
+    assert not unexpected, unexpected
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    torch.manual_seed(0)
+    yield

@@ -1,0 +1,197 @@
+"""Every registered scheme through the one loop: equivalences, causality, gradients, shapes."""
+import pytest
+import torch
+from conftest import build, copy_layers, tiny
+
+from meshlm.model import SCHEMES
+from meshlm.model.schemes import LoopContext, build_scheme
+
+ALL = sorted(SCHEMES)
+
+
+def spec_for(scheme: str) -> str:
+    return "1+2+1+1" if scheme == "vanilla" else "1+1R2+1"
+
+
+def x_batch(cfg, b=2, t=12, seed=1):
+    return torch.randint(0, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+# -- equivalences ------------------------------------------------------------------------------------------
+def test_base_with_one_loop_equals_vanilla_with_the_same_layers():
+    vanilla = build(tiny(spec="4", scheme="vanilla"))
+    base = build(tiny(spec="1+2R1+1", scheme="base"), seed=1)
+    # vanilla keeps all 4 layers in one core; base splits them 1 / 2 / 1
+    state = {k.replace("cores.0.0.", "prelude.0.").replace("cores.0.3.", "coda.0.")
+             .replace("cores.0.1.", "cores.0.0.").replace("cores.0.2.", "cores.0.1."): v
+             for k, v in vanilla.state_dict().items()}
+    base.load_state_dict(state, strict=True)
+    x = x_batch(vanilla.config)
+    assert torch.equal(base(x).logits, vanilla(x).logits)
+
+
+@pytest.mark.parametrize("scheme", ["base", "residual", "anchor", "anchor-emb", "residual+anchor",
+                                    "residual+anchor+anchor-emb", "anchor+anchor-emb"])
+def test_fixed_scheme_formula(scheme):
+    """h^{t+1} = u + Σ terms, with the named terms exactly."""
+    cfg = tiny(scheme=scheme)
+    s = build_scheme(cfg)
+    e, p, h, u = torch.randn(4, 2, 3, cfg.d_model).unbind(0)
+    ctx = LoopContext(e=e)
+    assert s.begin(ctx, p) is p
+    expected = u + (h if "residual" in scheme else 0) + (p if "anchor" in scheme.replace("anchor-emb", "") else 0) \
+        + (e if "anchor-emb" in scheme else 0)
+    torch.testing.assert_close(s.update(0, h, u, ctx), expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("scheme, zeroed, below", [
+    ("residual", "h", "base"),
+    ("anchor", "h0", "base"),
+    ("anchor-emb", "e", "base"),
+    ("residual+anchor", "h0", "residual"),
+    ("residual+anchor", "h", "anchor"),
+    ("residual+anchor+anchor-emb", "e", "residual+anchor"),
+    ("anchor+anchor-emb", "e", "anchor"),
+    ("anchor+anchor-emb", "h0", "anchor-emb"),
+])
+def test_each_fixed_scheme_reduces_to_the_one_below_when_its_extra_term_is_zeroed(scheme, zeroed, below):
+    cfg = tiny(scheme=scheme)
+    upper, lower = build_scheme(cfg), build_scheme(tiny(scheme=below))
+    terms = dict(zip(["e", "h0", "h", "u"], torch.randn(4, 2, 3, cfg.d_model).unbind(0)))
+    terms[zeroed] = torch.zeros_like(terms[zeroed])
+    ctx = LoopContext(e=terms["e"], h0=terms["h0"])
+    assert torch.equal(upper.update(0, terms["h"], terms["u"], ctx), lower.update(0, terms["h"], terms["u"], ctx))
+
+
+@pytest.mark.parametrize("alpha, fixed", [
+    ([1.0, 0.0, 0.0], "base"), ([1.0, 1.0, 0.0], "anchor"), ([1.0, 0.0, 1.0], "anchor-emb"),
+    ([1.0, 1.0, 1.0], "anchor+anchor-emb"),
+])
+def test_static_mix_with_fixed_alphas_equals_the_fixed_scheme(alpha, fixed):
+    mix = build(tiny(scheme="static-mix", scheme_options={"alpha_init": alpha}))
+    ref = build(tiny(scheme=fixed), seed=3)
+    copy_layers(mix, ref)
+    x = x_batch(mix.config)
+    torch.testing.assert_close(mix(x).logits, ref(x).logits, rtol=0, atol=1e-5)
+
+
+def test_dynamic_mix_with_zero_weights_equals_static_mix():
+    dyn = build(tiny(scheme="dynamic-mix", scheme_options={"alpha_init": [0.7, 1.2, 0.3]}))
+    with torch.no_grad():
+        dyn.scheme.alpha.proj.weight.zero_()
+    static = build(tiny(scheme="static-mix", scheme_options={"alpha_init": [0.7, 1.2, 0.3]}), seed=5)
+    copy_layers(dyn, static)
+    x = x_batch(dyn.config)
+    torch.testing.assert_close(dyn(x).logits, static(x).logits, rtol=0, atol=1e-5)
+
+
+def test_anchor_star_alias_builds_anchor_to_embeddings():
+    a, b = build(tiny(scheme="anchor*")), build(tiny(scheme="anchor-emb"))
+    x = x_batch(a.config)
+    assert torch.equal(a(x).logits, b(x).logits)
+
+
+# -- properties of every registered scheme -----------------------------------------------------------------
+@pytest.mark.parametrize("scheme", ALL)
+def test_causal(scheme):
+    model = build(tiny(scheme=scheme, spec=spec_for(scheme)))
+    x = x_batch(model.config, t=10)
+    y = x.clone()
+    y[:, 6:] = (y[:, 6:] + 1) % model.config.vocab_size  # change tokens 6 … 9
+    torch.testing.assert_close(model(x).logits[:, :6], model(y).logits[:, :6], rtol=0, atol=0)
+    assert not torch.allclose(model(x).logits[:, 6:], model(y).logits[:, 6:])
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_gradients_reach_every_parameter(scheme):
+    model = build(tiny(scheme=scheme, spec=spec_for(scheme))).train()
+    x = x_batch(model.config)
+    model(x, targets=torch.roll(x, -1, 1)).loss.backward()
+    dead = [n for n, p in model.named_parameters() if p.grad is None or p.grad.abs().sum() == 0]
+    assert not dead, dead
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_deterministic(scheme):
+    cfg = tiny(scheme=scheme, spec=spec_for(scheme))
+    a, b = build(cfg, seed=7), build(cfg, seed=7)
+    x = x_batch(cfg)
+    assert torch.equal(a(x).logits, b(x).logits)
+    assert torch.equal(a(x).logits, a(x).logits)
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_returned_states_have_the_right_shapes(scheme):
+    cfg = tiny(scheme=scheme, spec=spec_for(scheme))
+    model = build(cfg)
+    x = x_batch(cfg, b=3, t=9)
+    out = model(x, return_states=True)
+    steps = cfg.layout.n_steps
+    shape = (3, 9, cfg.d_model)
+    st = out.stages
+    assert out.logits.shape == (3, 9, cfg.vocab_size) and out.loss is None
+    assert st.embeddings.shape == st.prelude.shape == st.coda.shape == shape
+    assert len(st.states) == steps + 1 and all(h.shape == shape for h in st.states)
+    assert len(st.core_outputs) == steps and all(u.shape == shape for u in st.core_outputs)
+    if scheme == "mesh":
+        assert len(st.routing) == steps + 1
+        for w, r in st.routing:
+            assert w.shape == r.shape == (3, 9, model.scheme.slots)
+            torch.testing.assert_close(w.sum(-1), torch.ones(3, 9))
+    else:
+        assert st.routing == []
+        if scheme in ("base", "vanilla"):  # no state mixing: h^{t+1} is the core output itself
+            assert all(torch.equal(h, u) for h, u in zip(st.states[1:], st.core_outputs))
+    assert model(x).stages is None
+
+
+@pytest.mark.parametrize("scheme", ALL)
+def test_loss_is_next_token_cross_entropy(scheme):
+    model = build(tiny(scheme=scheme, spec=spec_for(scheme)))
+    x = x_batch(model.config)
+    targets = torch.roll(x, -1, 1)
+    targets[:, -1] = -100
+    out = model(x, targets=targets)
+    expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), targets[:, :-1].flatten())
+    torch.testing.assert_close(out.loss, expected)
+
+
+@pytest.mark.parametrize("scheme", ["mesh", "base", "dynamic-mix"])
+def test_left_padding_with_positions_matches_unpadded(scheme):
+    model = build(tiny(scheme=scheme))
+    x = x_batch(model.config, b=1, t=7)
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), x], 1)
+    mask = torch.cat([torch.zeros(1, 3), torch.ones(1, 7)], 1).long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(padded, padding_mask=mask, position_ids=positions).logits[:, 3:]
+    torch.testing.assert_close(out, model(x).logits, rtol=0, atol=1e-5)
+
+
+def test_sequence_longer_than_context_is_a_clear_error():
+    from meshlm.errors import ConfigError
+
+    model = build(tiny(context_length=8))
+    with pytest.raises(ConfigError, match="exceeds the model's context_length=8"):
+        model(torch.zeros(1, 9, dtype=torch.long))
+
+
+def test_bf16_autocast_runs_with_fp32_routers():
+    """The GPU path (bf16 autocast) on a tiny CPU tensor: routers stay fp32, results stay close."""
+    model = build(tiny())
+    x = x_batch(model.config, t=6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(x, return_states=True)
+    assert all(w.dtype == torch.float32 and r.dtype == torch.float32 for w, r in out.stages.routing)
+    assert out.logits.dtype == torch.bfloat16
+    torch.testing.assert_close(out.logits.float(), model(x).logits, rtol=0.1, atol=0.1)
+
+
+def test_model_module_never_touches_files_or_logging():
+    import pathlib
+
+    import meshlm.model as pkg
+
+    for path in pathlib.Path(pkg.__file__).parent.glob("*.py"):
+        text = path.read_text()
+        for forbidden in ["import logging", "open(", "torch.distributed", "print("]:
+            assert forbidden not in text, f"{path.name} uses {forbidden}"
