@@ -126,3 +126,25 @@ def test_loops_override_needs_a_single_core():
     model = build(tiny(spec="1+1+1+1"))
     with pytest.raises(ConfigError, match="single-core spec"):
         model(torch.zeros(1, 3, dtype=torch.long), loops=3)
+
+
+def test_buffer_view_equals_explicit_slot_arithmetic():
+    """The coefficient form holds exactly the slots m_b of the spec after every write."""
+    from meshlm.model.schemes import LoopContext
+
+    model = build(tiny(spec="1+1R3+1"))
+    randomise_routers(model)
+    scheme, d, slots = model.scheme, model.config.d_model, model.scheme.slots
+    e, p, *us = torch.randn(2 + 3, 2, 5, d).unbind(0)
+    ctx = LoopContext(e=e)
+    explicit = [e] + [torch.zeros_like(e)] * (slots - 1)
+    h = scheme.begin(ctx, p)
+    queries_values = [(p, p)]
+    for t, u in enumerate(us):
+        queries_values.append((h, u))
+        h = scheme.update(t, h, u, ctx)
+    for (query, value), (w, r) in zip(queries_values, ctx.routing):
+        explicit = [m + w[..., b:b + 1] * value for b, m in enumerate(explicit)]
+    torch.testing.assert_close(scheme.buffer(ctx), torch.stack(explicit, -2), rtol=0, atol=1e-5)
+    r_last = ctx.routing[-1][1]
+    torch.testing.assert_close(h, sum(r_last[..., b:b + 1] * m for b, m in enumerate(explicit)), rtol=0, atol=1e-5)

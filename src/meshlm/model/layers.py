@@ -65,7 +65,8 @@ class Attention(nn.Module):
         b, t, d = x.shape
         qkv = self.query_key_value(x).view(b, t, self.n_heads, 3 * self.head_dim).transpose(1, 2)
         q, k, v = qkv.chunk(3, dim=-1)  # each (B, H, T, hd)
-        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        # q, k become rotated copies; copying v too lets autograd free the fused qkv (3× the size of v)
+        q, k, v = apply_rotary(q, rope), apply_rotary(k, rope), v.contiguous()
         # mask None means plain causal attention; otherwise a boolean (B, 1, T, T) "may attend" mask.
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.dense(y.transpose(1, 2).reshape(b, t, d))

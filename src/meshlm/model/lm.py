@@ -77,7 +77,7 @@ class MeshLM(nn.Module):
         input_ids: torch.Tensor,  # (B, T) token ids
         targets: torch.Tensor | None = None,  # (B, T) next-token ids, ignore_index where no loss
         padding_mask: torch.Tensor | None = None,  # (B, T) 1 = real token, 0 = padding
-        position_ids: torch.Tensor | None = None,  # (B, T); default 0 … T−1
+        position_ids: torch.Tensor | None = None,  # (B, T) or (1, T); default 0 … T−1
         return_states: bool = False,
         loops: int | None = None,
         ignore_index: int = -100,
@@ -87,7 +87,7 @@ class MeshLM(nn.Module):
             raise ConfigError(f"sequence of {t} tokens exceeds the model's context_length="
                               f"{self.config.context_length}; truncate the input or use a longer-context config")
         if position_ids is None:
-            position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
+            position_ids = torch.arange(t, device=input_ids.device)[None]  # (1, T), broadcast over the batch
         e = self.embed_in(input_ids) * self.embed_scale  # (B, T, d)
         rope = self.rotary(position_ids, e.dtype)
         mask = None if padding_mask is None else attention_mask_from_padding(padding_mask)

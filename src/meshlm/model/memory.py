@@ -13,6 +13,13 @@ Writes are additive into every slot; reads are convex combinations; the core nev
 iteration identity enters only through the step-specific routers. Router logits and softmax are computed
 in fp32 even under autocast. Everything is per token, so decoding needs no cache for the buffer.
 
+How it is computed. Every slot is a per-token linear combination of the J values written so far
+(v = [e, p, u⁰, …]): m_b = Σ_j c[b, j]·v_j, where c starts as the one-hot "e in slot 0" and each write
+appends the column w. A read is then Σ_b r_b m_b = Σ_j (Σ_b r_b c[b, j])·v_j: a per-token weighted sum of
+the J ≤ K + 2 values, with the small (B, T, slots, J) coefficients doing the routing. This is exactly the
+buffer arithmetic above, but never materialises the (B, T, slots, d) buffer: less memory and time, and
+autograd keeps only the values, which the layers keep anyway. `buffer(ctx)` rebuilds the slots for probes.
+
 Beyond the trained steps (evaluating with more loops than trained) the last router pair is reused.
 """
 from __future__ import annotations
@@ -63,20 +70,33 @@ class MeSH(Scheme):
 
     def _write_read(self, pair: int, query: torch.Tensor, value: torch.Tensor, ctx: LoopContext):
         """Route with `query`, add `value` into every slot, then read. Returns the read state (B, T, d)."""
-        write, read = self.routers[min(pair, len(self.routers) - 1)](query)
+        write, read = self.routers[min(pair, len(self.routers) - 1)](query)  # (B, T, slots) each
         ctx.routing.append((write, read))
-        w, r = write.to(value.dtype), read.to(value.dtype)
-        ctx.buffer = ctx.buffer + w.unsqueeze(-1) * value.unsqueeze(-2)  # (B, T, slots, d)
-        return torch.einsum("bts,btsd->btd", r, ctx.buffer)
+        ctx.values.append(value)
+        ctx.coefficients = torch.cat([ctx.coefficients, write.unsqueeze(-1)], dim=-1)  # (B, T, slots, J)
+        mix = torch.einsum("bts,btsj->btj", read, ctx.coefficients).to(value.dtype)  # (B, T, J)
+        h = mix[..., 0:1] * ctx.values[0]
+        for j in range(1, len(ctx.values)):
+            h = h + mix[..., j:j + 1] * ctx.values[j]
+        return h
 
     def begin(self, ctx, p):
-        # slot 0 = √d-scaled embedding; the other slots start empty. (B, T, slots, d)
-        ctx.buffer = F.pad(ctx.e.unsqueeze(-2), (0, 0, 0, self.slots - 1))
+        b, t, _ = ctx.e.shape
+        # slot 0 holds the √d-scaled embedding e, the other slots start empty: c = one-hot (slot 0, value 0)
+        ctx.values = [ctx.e]
+        ctx.coefficients = F.one_hot(torch.zeros(b, t, dtype=torch.long, device=ctx.e.device), self.slots)
+        ctx.coefficients = ctx.coefficients.to(torch.promote_types(ctx.e.dtype, torch.float32)).unsqueeze(-1)
         ctx.h0 = self._write_read(0, p, p, ctx)  # transitional write/read between prelude and loop
         return ctx.h0
 
     def update(self, t, h, u, ctx):
         return self._write_read(t + 1, h, u, ctx)
+
+    @staticmethod
+    def buffer(ctx: LoopContext) -> torch.Tensor:
+        """The slots m_b as the spec defines them, rebuilt from the coefficients: (B, T, slots, d)."""
+        values = torch.stack(ctx.values, dim=0)  # (J, B, T, d)
+        return torch.einsum("btsj,jbtd->btsd", ctx.coefficients.to(values.dtype), values)
 
     def flops_per_token(self, d_model, n_steps):
         # Counted as the paper does (≈0.7551 GFLOPs for 1.4B, 4096 tokens): per router pair two

@@ -47,7 +47,8 @@ class LoopContext:
 
     e: torch.Tensor  # (B, T, d) scaled input embeddings
     h0: torch.Tensor | None = None  # (B, T, d) loop-entry state
-    buffer: torch.Tensor | None = None  # MeSH: (B, T, slots, d)
+    values: list[torch.Tensor] = field(default_factory=list)  # MeSH: e and every written state, (B, T, d)
+    coefficients: torch.Tensor | None = None  # MeSH: slot b = Σ_j coefficients[..., b, j]·values[j]
     routing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # MeSH (write, read)
 
 
