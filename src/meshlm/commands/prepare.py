@@ -1,0 +1,40 @@
+"""`meshlm prepare`: tokenise text files, folders, JSONL or a save_to_disk dataset into token shards.
+
+Writes <out>/manifest.json plus <split>-NNNNN.bin shards (see meshlm.shards) that `meshlm train --data`
+reads. Heavy imports happen in run(), so building the CLI parser stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inputs", nargs="+", help="text/markdown/JSONL files, folders (recursive) or "
+                        "datasets.save_to_disk folders")
+    parser.add_argument("-o", "--out", required=True, help="output folder for shards and manifest.json")
+    parser.add_argument("--tokenizer", default="default",
+                        help="'default' (shipped 8192 BPE), 'pythia' (after `meshlm fetch`) or a tokenizer.json")
+    parser.add_argument("--text-field", default="text", help="JSONL field / dataset column holding the text")
+    # None = the library default (meshlm.data), kept in one place
+    parser.add_argument("--val-fraction", type=float, default=None,
+                        help="share of documents held out for validation, chosen by document hash (default 0.02)")
+    parser.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard file (default 100M)")
+    parser.add_argument("--overwrite", action="store_true", help="replace data already prepared in --out")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from meshlm.data import prepare
+
+    given = {"val_fraction": args.val_fraction, "shard_tokens": args.shard_tokens}
+    manifest = prepare(args.inputs, args.out, args.tokenizer, text_field=args.text_field, overwrite=args.overwrite,
+                       progress=not args.quiet, **{k: v for k, v in given.items() if v is not None})
+    if manifest["replaced_bytes"]:
+        print(f"warning: {manifest['replaced_bytes']} bytes were not valid UTF-8 and became U+FFFD "
+              f"(count recorded in manifest.json)", file=sys.stderr)
+    for split, info in manifest["splits"].items():
+        print(f"{split}: {info['documents']} documents, {info['tokens']:,} tokens in {len(info['shards'])} "
+              f"{manifest['dtype']} shard(s)")
+    print(f"wrote {args.out} (tokenizer {manifest['tokenizer']['name']}, vocab {manifest['tokenizer']['vocab_size']})")
+    return 0

@@ -1,0 +1,258 @@
+"""Tokenised training data: `prepare` writes token shards, `PreparedData` and `get_batch` read them back.
+
+Preparing (meshlm prepare) streams: documents are read in chunks (meshlm.sources), encoded a batch of
+~`batch_chars` characters at a time and appended to shard files (meshlm.shards), so memory stays bounded
+by the batch, whatever the corpus size. It makes two passes over the inputs: the first only lists document
+ids, so the train/validation split by document (meshlm.split) can guarantee both sides are non-empty
+without holding anything; the second tokenises. EOS follows every document.
+
+Reading is stateless: the global batch of optimizer step s is a pure function of (s, seed, data), drawn
+from per-epoch permutations of the non-overlapping windows, so a resumed run replays exactly the same
+data, and each rank takes a fixed, disjoint slice of it.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from meshlm.errors import ConfigError, DataError
+from meshlm.shards import (
+    FORMAT,
+    MANIFEST,
+    ShardWriter,
+    clear_prepared,
+    open_shards,
+    read_manifest,
+    token_dtype,
+    write_manifest,
+)
+from meshlm.sources import EmbeddedCorpus, FileCorpus, ReadStats
+from meshlm.split import SPLITS, TRAIN, VAL, SplitPlan
+from meshlm.tokenizer import TextTokenizer, load_tokenizer
+
+DEFAULT_VAL_FRACTION = 0.02
+DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB per uint16 shard
+BATCH_CHARS = 1 << 21  # characters encoded per tokenizer call: ~0.5M tokens, a few tens of MB
+
+
+# ---------------------------------------------------------------- preparing
+def prepare(inputs, out_dir: str | os.PathLike, tokenizer: str | TextTokenizer = "default", *,
+            text_field: str = "text", val_fraction: float = DEFAULT_VAL_FRACTION,
+            shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False, progress: bool = True,
+            batch_chars: int = BATCH_CHARS) -> dict:
+    """Tokenise `inputs` (paths, or a corpus object with .description/.documents) into `out_dir`.
+
+    Returns the manifest (also written to out_dir/manifest.json). Raises DataError on missing inputs,
+    no text, a missing text field, or an out_dir that already holds prepared data (unless overwrite).
+    """
+    tok = tokenizer if isinstance(tokenizer, TextTokenizer) else load_tokenizer(tokenizer)
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    corpus = inputs if hasattr(inputs, "documents") else FileCorpus(inputs, text_field)
+    plan, n_chars = plan_documents(corpus, val_fraction)
+    out = ready_output_dir(Path(out_dir), overwrite)
+    dtype = token_dtype(tok.vocab_size)
+    writers = {split: ShardWriter(out, split, dtype, shard_tokens) for split in SPLITS}
+    stats = ReadStats()
+    with tqdm(total=n_chars, unit="char", unit_scale=True, desc="tokenizing", disable=not progress) as bar:
+        batch: list[tuple[ShardWriter, str, bool]] = []  # (writer, text, last chunk of its document)
+        batch_len = 0
+        for doc_id, chunks in corpus.documents(stats):
+            writer = writers[plan.split_of(doc_id)]
+            writer.documents += 1
+            for chunk, is_last in _with_last(chunks):
+                batch.append((writer, chunk, is_last))
+                batch_len += len(chunk)
+                if batch_len >= batch_chars:
+                    bar.update(encode_and_write(tok, batch))
+                    batch, batch_len = [], 0
+        bar.update(encode_and_write(tok, batch))
+    manifest = {
+        "format": FORMAT,
+        "tokenizer": {"name": tok.name, "hash": tok.hash, "vocab_size": tok.vocab_size,
+                      "eos_id": tok.eos_id, "pad_id": tok.pad_id},
+        "dtype": dtype.name,
+        "source": corpus.description,
+        "val_fraction": val_fraction,
+        "documents": plan.n_docs,
+        "replaced_bytes": stats.replaced_bytes,
+        "splits": {split: writer.close() for split, writer in writers.items()},
+    }
+    write_manifest(out, manifest)
+    return manifest
+
+
+def plan_documents(corpus, val_fraction: float) -> tuple[SplitPlan, int]:
+    """First pass: every document id into the split plan, and the total characters (for the progress bar)."""
+    plan, n_chars = SplitPlan(val_fraction), 0
+    for doc_id, chunks in corpus.documents(ReadStats()):
+        plan.add(doc_id)
+        n_chars += sum(len(chunk) for chunk in chunks)
+    if plan.n_docs == 0:
+        raise DataError(f"no text found in {corpus.description}; give files or records with non-empty text")
+    return plan, n_chars
+
+
+def ready_output_dir(out: Path, overwrite: bool) -> Path:
+    if out.exists() and not out.is_dir():
+        raise DataError(f"output {out} is a file; pass a folder path")
+    out.mkdir(parents=True, exist_ok=True)
+    holds_data = (out / MANIFEST).exists() or any(out.glob("*-[0-9][0-9][0-9][0-9][0-9].bin"))
+    if holds_data and not overwrite:
+        raise DataError(f"output folder {out} already holds prepared data; pass --overwrite or another folder")
+    clear_prepared(out)
+    return out
+
+
+def _with_last(items):
+    """(item, is_last) pairs, peeking one ahead."""
+    it = iter(items)
+    prev = next(it, None)
+    for item in it:
+        yield prev, False
+        prev = item
+    if prev is not None:
+        yield prev, True
+
+
+def encode_and_write(tok: TextTokenizer, batch: list[tuple[ShardWriter, str, bool]]) -> int:
+    """Encode the batch in one parallel call and append each chunk's ids (+ EOS after a document's last
+    chunk) to its split; returns the characters consumed."""
+    if not batch:
+        return 0
+    for (writer, _, is_last), ids in zip(batch, tok.encode_batch([text for _, text, _ in batch])):
+        writer.write(ids + [tok.eos_id] if is_last else ids)
+    return sum(len(text) for _, text, _ in batch)
+
+
+def prepare_default(cache_dir: str | os.PathLike | None = None, tokenizer: str = "default",
+                    progress: bool = False) -> Path:
+    """The embedded corpus, prepared once per (corpus, tokenizer) into the cache; returns its folder.
+
+    Safe when several processes (ranks) call it at once: each prepares into a private temporary folder
+    and renames it into place; the first rename wins and the others discard their copy.
+    """
+    from meshlm.cache import cache_dir as resolve_cache
+    from meshlm.corpus import VAL_FRACTION, corpus_fingerprint
+
+    tok = load_tokenizer(tokenizer, cache_dir)
+    parent = resolve_cache(cache_dir) / "prepared"
+    target = parent / f"default-{corpus_fingerprint()}-{tok.hash}"
+    if (target / MANIFEST).is_file():
+        return target
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache entry it becomes need not be
+    try:
+        prepare(EmbeddedCorpus(), tmp, tok, val_fraction=VAL_FRACTION, progress=progress)
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / MANIFEST).is_file():  # not a lost race: a real failure
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# ---------------------------------------------------------------- reading
+class PreparedData:
+    """One split of a prepared folder as a single token stream over read-only memory-mapped shards.
+
+    Sequence i is the window of seq_len + 1 tokens starting at token i * seq_len (inputs and shifted
+    targets share their boundary token); windows may span shards and documents (EOS marks the joins).
+    """
+
+    def __init__(self, data_dir: str | os.PathLike, split: str = TRAIN):
+        if split not in SPLITS:
+            raise DataError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+        self.dir, self.split = Path(data_dir), split
+        self.manifest = read_manifest(data_dir)
+        self.shards = open_shards(data_dir, self.manifest, split)
+        # offsets[k] = stream position of shard k's first token; offsets[-1] = total
+        self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
+        self.num_tokens = int(self.offsets[-1])
+
+    @property
+    def vocab_size(self) -> int:
+        return self.manifest["tokenizer"]["vocab_size"]
+
+    def num_sequences(self, seq_len: int) -> int:
+        """How many windows fit; DataError if not even one does."""
+        if seq_len < 1:
+            raise ConfigError(f"sequence length {seq_len} is below 1")
+        if self.num_tokens < seq_len + 1:
+            name = "validation" if self.split == VAL else "training"
+            raise DataError(f"sequence length {seq_len} exceeds the {self.num_tokens} tokens of the {name} "
+                            f"split; lower seq_len or add data")
+        return (self.num_tokens - 1) // seq_len
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Stream positions [start, stop) as int64, gathered across shard boundaries."""
+        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        parts, pos, k = [], start, first
+        while pos < stop:
+            local = pos - int(self.offsets[k])
+            take = min(stop - pos, len(self.shards[k]) - local)
+            parts.append(self.shards[k][local:local + take])
+            pos, k = pos + take, k + 1
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+    def sequence(self, i: int, seq_len: int) -> np.ndarray:
+        """Window i: seq_len + 1 tokens (int64)."""
+        n = self.num_sequences(seq_len)
+        if not 0 <= i < n:
+            raise IndexError(f"sequence {i} out of range [0, {n})")
+        return self.tokens(i * seq_len, i * seq_len + seq_len + 1)
+
+
+# ---------------------------------------------------------------- batches
+@functools.lru_cache(maxsize=4)
+def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
+    """The order of all n windows in one epoch, fixed by (seed, epoch)."""
+    perm = np.random.Generator(np.random.PCG64([seed, epoch])).permutation(n)
+    perm.flags.writeable = False  # cached and shared between calls
+    return perm
+
+
+def batch_indices(step: int, global_batch: int, seed: int, n_sequences: int) -> list[int]:
+    """Window indices of the global batch of optimizer step `step`.
+
+    The data order is the concatenation of epoch permutations; step s takes positions
+    [s * global_batch, (s + 1) * global_batch) of it (a batch may straddle two epochs).
+    """
+    if n_sequences < 1 or global_batch < 1 or step < 0:
+        raise ConfigError(f"need n_sequences >= 1, global_batch >= 1, step >= 0 "
+                          f"(got {n_sequences}, {global_batch}, {step})")
+    positions = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
+    epochs = positions // n_sequences
+    out = np.empty_like(positions)
+    for epoch in np.unique(epochs):
+        mask = epochs == epoch
+        out[mask] = epoch_permutation(seed, int(epoch), n_sequences)[positions[mask] % n_sequences]
+    return out.tolist()
+
+
+def get_batch(data: PreparedData, step: int, global_batch: int, seq_len: int, seed: int,
+              rank: int = 0, world: int = 1, micro_batches: int = 1) -> list:
+    """This rank's part of step `step`'s global batch, as `micro_batches` (x, y) LongTensor pairs.
+
+    Rank r takes the r-th contiguous slice of global_batch / world windows (so the ranks' slices, in rank
+    order, are the single-process batch) and cuts it into micro-batches of global_batch / (world *
+    micro_batches) windows; x = window[:-1] and y = window[1:], each (micro_batch, seq_len).
+    """
+    import torch  # deferred: preparing data must not pay for importing torch
+
+    if world < 1 or micro_batches < 1 or not 0 <= rank < world or global_batch % (world * micro_batches):
+        raise ConfigError(f"global batch {global_batch} must split evenly over {world} ranks x {micro_batches} "
+                          f"micro-batches (rank {rank}); change global_batch or micro_batches")
+    indices = batch_indices(step, global_batch, seed, data.num_sequences(seq_len))
+    per_rank = global_batch // world
+    mine = indices[rank * per_rank:(rank + 1) * per_rank]
+    windows = torch.from_numpy(np.stack([data.sequence(i, seq_len) for i in mine]))  # (per_rank, seq_len + 1)
+    return [(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()) for chunk in windows.chunk(micro_batches)]

@@ -1,0 +1,106 @@
+"""Tokenizers: the shipped 8192-token byte-level BPE, Pythia's GPT-NeoX-20B tokenizer, or any tokenizer.json.
+
+All three load from local files (HF `tokenizers` JSON); nothing here touches the network. "pythia" reads
+the copy that `meshlm fetch` extracted into the cache (see meshlm.fetch).
+
+Both named tokenizers follow Pythia's convention: `<|endoftext|>` = id 0 ends every document (and
+separates documents in the token stream), `<|padding|>` = id 1. A user tokenizer needs an end-of-text
+token under one of EOS_NAMES; its padding id falls back to the EOS id.
+
+`TextTokenizer` wraps the HF object with the few operations meshlm needs and a content hash that keys
+caches of prepared data. `decode` keeps special tokens, so decode(encode(s)) == s for byte-level BPE
+(Pythia's tokenizer also NFC-normalises, so only NFC text round-trips there).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from meshlm.errors import DataError
+
+DEFAULT_PATH = Path(__file__).parent / "assets" / "tokenizer-8192.json"
+DEFAULT_VOCAB = 8192
+EOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|padding|>"
+EOS_NAMES = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+
+
+class TextTokenizer:
+    """A loaded tokenizer: encode/decode plus the ids and identity that data preparation records."""
+
+    def __init__(self, tokenizer: Tokenizer, name: str, content_hash: str):
+        self.hf = tokenizer
+        self.name = name
+        self.hash = content_hash  # first 16 hex digits of the tokenizer file's SHA-256
+        self.vocab_size = tokenizer.get_vocab_size()  # with added tokens: the largest id + 1
+        eos = next((tokenizer.token_to_id(t) for t in EOS_NAMES if tokenizer.token_to_id(t) is not None), None)
+        if eos is None:
+            raise DataError(f"tokenizer {name} has no end-of-text token (one of {', '.join(EOS_NAMES)}); add one")
+        self.eos_id = eos
+        pad = tokenizer.token_to_id(PAD_TOKEN)
+        self.pad_id = eos if pad is None else pad
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encodes in parallel (Rust threads); skips offsets, which meshlm never needs."""
+        return [enc.ids for enc in self.hf.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.hf.decode(list(ids), skip_special_tokens=False)
+
+    def __repr__(self) -> str:
+        return f"TextTokenizer({self.name!r}, vocab_size={self.vocab_size}, hash={self.hash})"
+
+
+def resolve_tokenizer_path(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:
+    """"default" -> the shipped BPE, "pythia" -> the fetched copy, anything else -> an existing file."""
+    if str(name_or_path) == "default":
+        return DEFAULT_PATH
+    if str(name_or_path) == "pythia":
+        from meshlm.fetch import pythia_tokenizer_path
+
+        return pythia_tokenizer_path(cache_dir)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    if not path.is_file():
+        raise DataError(f"tokenizer {str(name_or_path)!r} is not 'default', 'pythia' or a tokenizer.json file; "
+                        f"check the name or path")
+    return path
+
+
+def load_tokenizer(name_or_path: str | os.PathLike = "default",
+                   cache_dir: str | os.PathLike | None = None) -> TextTokenizer:
+    """Load "default", "pythia" (after `meshlm fetch`) or a tokenizer.json path (or a folder holding one)."""
+    path = resolve_tokenizer_path(name_or_path, cache_dir)
+    raw = path.read_bytes()
+    try:
+        hf = Tokenizer.from_str(raw.decode("utf-8"))
+    except Exception as err:  # tokenizers raises a bare Exception on malformed JSON
+        raise DataError(f"{path} is not a valid tokenizers JSON file ({str(err)[:80]}); "
+                        f"pass a tokenizer.json") from None
+    name = str(name_or_path) if str(name_or_path) in ("default", "pythia") else str(path)
+    return TextTokenizer(hf, name, hashlib.sha256(raw).hexdigest()[:16])
+
+
+def check_vocab(model_vocab_size: int, tokenizer: TextTokenizer) -> None:
+    """A model can embed more ids than the tokenizer makes (Pythia pads 50,277 to 50,304), never fewer."""
+    if tokenizer.vocab_size > model_vocab_size:
+        raise DataError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids but the model's vocabulary "
+                        f"has {model_vocab_size}; set the model vocab_size to at least {tokenizer.vocab_size}")
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB) -> Tokenizer:
+    """A byte-level BPE (GPT-2 style pre-tokenisation, no prefix space) with ids 0/1 = EOS/padding."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN, PAD_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
