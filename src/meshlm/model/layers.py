@@ -10,6 +10,9 @@ Parameter names follow Hugging Face's GPT-NeoX (`attention.query_key_value`, `ml
 Pythia checkpoints map onto meshlm by renaming layer indices only. The fused QKV projection is laid out per
 head as (heads, [q|k|v], head_dim), like Pythia. Attention runs through
 `F.scaled_dot_product_attention`, which picks a flash/memory-efficient kernel on GPUs.
+
+For incremental decoding a layer takes an optional `cache` (see meshlm.model.kv_cache) and the index of its
+*unrolled* slot in it: a looped core layer is called once per pass with a different slot.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.config import ModelConfig
+from meshlm.model.kv_cache import LayerCache
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # cos, sin: (B, T, rotary_dims)
 
@@ -32,8 +36,11 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dims: int, base: float):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2, dtype=torch.float32) / dims))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # rebuilt from the config on load
+        self.dims, self.base = dims, base
+        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)  # rebuilt from the config
+
+    def compute_inv_freq(self) -> torch.Tensor:
+        return 1.0 / (self.base ** (torch.arange(0, self.dims, 2, dtype=torch.float32) / self.dims))  # (dims/2,)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Rope:
         freqs = position_ids[..., None].float() * self.inv_freq  # (B, T, dims/2), fp32 for accuracy
@@ -61,14 +68,19 @@ class Attention(nn.Module):
         self.query_key_value = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.dense = nn.Linear(cfg.d_model, cfg.d_model)  # output projection (depth-scaled init)
 
-    def forward(self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None,
+                cache: LayerCache | None = None, slot: int = 0) -> torch.Tensor:
         b, t, d = x.shape
         qkv = self.query_key_value(x).view(b, t, self.n_heads, 3 * self.head_dim).transpose(1, 2)
         q, k, v = qkv.chunk(3, dim=-1)  # each (B, H, T, hd)
         # q, k become rotated copies; copying v too lets autograd free the fused qkv (3× the size of v)
         q, k, v = apply_rotary(q, rope), apply_rotary(k, rope), v.contiguous()
-        # mask None means plain causal attention; otherwise a boolean (B, 1, T, T) "may attend" mask.
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        if cache is not None:
+            k, v = cache.update(k, v, slot)  # (B, H, T_past + T, hd): this slot's whole history
+        # mask None: plain causal attention, or (one query after a cached past) attend to every key.
+        # Otherwise a boolean (B, 1, T, T_past + T) "may attend" mask (built by the model when it is needed).
+        is_causal = mask is None and k.shape[-2] == t
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
         return self.dense(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -92,8 +104,10 @@ class NeoXLayer(nn.Module):
         self.attention = Attention(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None) -> torch.Tensor:
-        return x + self.attention(self.input_layernorm(x), rope, mask) + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None,
+                cache: LayerCache | None = None, slot: int = 0) -> torch.Tensor:
+        attn = self.attention(self.input_layernorm(x), rope, mask, cache, slot)
+        return x + attn + self.mlp(self.post_attention_layernorm(x))
 
 
 class Stack(nn.ModuleList):
@@ -102,19 +116,23 @@ class Stack(nn.ModuleList):
     def __init__(self, cfg: ModelConfig, n_layers: int):
         super().__init__(NeoXLayer(cfg) for _ in range(n_layers))
 
-    def forward(self, h: torch.Tensor, rope: Rope, mask: torch.Tensor | None) -> torch.Tensor:
-        for layer in self:
-            h = layer(h, rope, mask)
+    def forward(self, h: torch.Tensor, rope: Rope, mask: torch.Tensor | None,
+                cache: LayerCache | None = None, first_slot: int = 0) -> torch.Tensor:
+        """Layer i of this stack uses cache slot first_slot + i (one slot per unrolled layer)."""
+        for i, layer in enumerate(self):
+            h = layer(h, rope, mask, cache, first_slot + i)
         return h
 
 
-def attention_mask_from_padding(padding_mask: torch.Tensor) -> torch.Tensor:
-    """(B, T) with 1 for real tokens, 0 for padding -> boolean (B, 1, T, T) causal "may attend" mask.
+def attention_mask_from_padding(padding_mask: torch.Tensor, past: int = 0) -> torch.Tensor:
+    """(B, S) with 1 for real tokens, 0 for padding -> boolean (B, 1, T, S) causal "may attend" mask.
 
+    S = past + T: the mask covers the `past` cached tokens and the T new ones (queries are the last T).
     Every query may at least attend to itself, so rows of padding queries never become all -inf (which
     would make SDPA return NaN); padding positions' outputs are ignored by callers anyway.
     """
-    t = padding_mask.shape[-1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=padding_mask.device).tril()
-    allowed = causal & padding_mask.bool()[:, None, None, :]
-    return allowed | torch.eye(t, dtype=torch.bool, device=padding_mask.device)
+    s = padding_mask.shape[-1]
+    query_pos = torch.arange(past, s, device=padding_mask.device)[:, None]  # (T, 1) absolute positions
+    key_pos = torch.arange(s, device=padding_mask.device)[None]  # (1, S)
+    allowed = (key_pos <= query_pos) & padding_mask.bool()[:, None, None, :]  # (B, 1, T, S)
+    return allowed | (key_pos == query_pos)

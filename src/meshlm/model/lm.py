@@ -11,6 +11,12 @@
 Every scheme (vanilla, base, residual, anchors, mixes, MeSH) runs through this same loop; only
 `scheme.begin` and `scheme.update` differ (meshlm.model.schemes, meshlm.model.memory). Vanilla is a spec
 whose cores each run once. The model knows nothing of training, data, files or devices.
+
+Incremental decoding: pass a `cache` (meshlm.model.kv_cache) and only the new tokens. Each unrolled layer
+gets its own cache slot; the scheme state (MeSH buffer, anchors) is per token and needs none. With a cache,
+`padding_mask` covers the cached tokens too (B, T_past + T), as in Hugging Face's `generate()`.
+Default positions count real tokens only (cumsum of `padding_mask` − 1), so a left-padded row gets the same
+positions as the unpadded prompt.
 """
 from __future__ import annotations
 
@@ -24,7 +30,8 @@ from torch import nn
 from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
 from meshlm.model.init import init_weights
-from meshlm.model.layers import RotaryEmbedding, Stack, at_least_fp32, attention_mask_from_padding
+from meshlm.model.kv_cache import LayerCache, slot_offsets
+from meshlm.model.layers import Rope, RotaryEmbedding, Stack, at_least_fp32, attention_mask_from_padding
 from meshlm.model.schemes import LoopContext, build_scheme
 
 
@@ -76,33 +83,28 @@ class MeshLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # (B, T) token ids
         targets: torch.Tensor | None = None,  # (B, T) next-token ids, ignore_index where no loss
-        padding_mask: torch.Tensor | None = None,  # (B, T) 1 = real token, 0 = padding
-        position_ids: torch.Tensor | None = None,  # (B, T) or (1, T); default 0 … T−1
+        padding_mask: torch.Tensor | None = None,  # (B, T_past + T) 1 = real token, 0 = padding
+        position_ids: torch.Tensor | None = None,  # (B, T) or (1, T); default: see the module docstring
         return_states: bool = False,
         loops: int | None = None,
         ignore_index: int = -100,
+        cache: LayerCache | None = None,  # KV cache, updated in place; holds T_past tokens before the call
     ) -> LMOutput:
-        b, t = input_ids.shape
-        if t > self.config.context_length:
-            raise ConfigError(f"sequence of {t} tokens exceeds the model's context_length="
-                              f"{self.config.context_length}; truncate the input or use a longer-context config")
-        if position_ids is None:
-            position_ids = torch.arange(t, device=input_ids.device)[None]  # (1, T), broadcast over the batch
-        e = self.embed_in(input_ids) * self.embed_scale  # (B, T, d)
-        rope = self.rotary(position_ids, e.dtype)
-        mask = None if padding_mask is None else attention_mask_from_padding(padding_mask)
+        schedule = self.schedule(loops)
+        e, rope, mask = self._prepare(input_ids, padding_mask, position_ids, cache)
+        pre_slot, step_slots, coda_slot, _ = slot_offsets(self.config.layout, schedule)
 
         ctx = LoopContext(e=e)
-        p = self.prelude(e, rope, mask)
+        p = self.prelude(e, rope, mask, cache, pre_slot)
         h = self.scheme.begin(ctx, p)
         stages = Stages(embeddings=e, prelude=p, states=[h]) if return_states else None
-        for step, core_index in enumerate(self.schedule(loops)):
-            u = self.cores[core_index](h, rope, mask)
+        for step, core_index in enumerate(schedule):
+            u = self.cores[core_index](h, rope, mask, cache, step_slots[step])
             h = self.scheme.update(step, h, u, ctx)
             if stages is not None:
                 stages.core_outputs.append(u)
                 stages.states.append(h)
-        y = self.coda(h, rope, mask)
+        y = self.coda(h, rope, mask, cache, coda_slot)
         logits = self.embed_out(self.final_layer_norm(y))  # (B, T, vocab)
 
         if stages is not None:
@@ -111,3 +113,31 @@ class MeshLM(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
         return LMOutput(logits=logits, loss=loss, stages=stages)
+
+    def _prepare(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None,
+                 position_ids: torch.Tensor | None, cache: LayerCache | None
+                 ) -> tuple[torch.Tensor, Rope, torch.Tensor | None]:
+        """Embeddings e (B, T, d), rotary tables for the positions, and the attention mask (or None)."""
+        b, t = input_ids.shape
+        past = 0 if cache is None else cache.get_seq_length()
+        if past + t > self.config.context_length:
+            raise ConfigError(f"sequence of {past + t} tokens exceeds the model's context_length="
+                              f"{self.config.context_length}; truncate the input or use a longer-context config")
+        if padding_mask is not None and padding_mask.shape[-1] != past + t:
+            raise ConfigError(f"padding_mask covers {padding_mask.shape[-1]} tokens but the cache holds {past} and "
+                              f"the input {t}; pass a mask over all {past + t} tokens")
+        if position_ids is None:
+            position_ids = default_positions(padding_mask, past, t, input_ids.device)
+        e = self.embed_in(input_ids) * self.embed_scale  # (B, T, d)
+        rope = self.rotary(position_ids, e.dtype)
+        if padding_mask is None and past > 0 and t > 1:  # several new tokens after a past: causal w.r.t. it
+            padding_mask = torch.ones(b, past + t, dtype=torch.long, device=input_ids.device)
+        mask = None if padding_mask is None else attention_mask_from_padding(padding_mask, past)
+        return e, rope, mask
+
+
+def default_positions(padding_mask: torch.Tensor | None, past: int, t: int, device: torch.device) -> torch.Tensor:
+    """Positions of the T new tokens: past … past+T−1, or with a padding mask, real tokens counted from 0."""
+    if padding_mask is None:
+        return torch.arange(past, past + t, device=device)[None]  # (1, T), broadcast over the batch
+    return (padding_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]  # (B, T); left pads sit at 0

@@ -1,0 +1,91 @@
+"""Decode speed: looped KV cache vs. recomputation, and MeSH vs. base, side by side in one run; prints ratios.
+
+    .venv/bin/python benchmarks/decode_speed.py                  # d=256, spec 2+4R2+2, 256 new tokens
+    .venv/bin/python benchmarks/decode_speed.py --d-model 512 --spec 4+8R2+4 --batch 4 --threads 2
+
+Comparisons (targets from the Hugging Face / generation issue):
+  1. cached vs. uncached greedy decoding of 256 new tokens (MeSH): tokens/s ≥ 5× with the cache.
+  2. MeSH vs. base at the same spec, both cached: tokens/s ≥ 0.95×.
+
+Each round runs every variant once, in turn (interleaved, so machine noise hits all alike); the table shows
+medians. `--clock cpu` measures this process's CPU time instead of wall time: on a shared machine it
+ignores the time other jobs hold the cores (use it with --threads 1). Prompts are random tokens; decoding
+is greedy with EOS ignored, so every run makes exactly --new-tokens tokens per row (the time includes the
+prompt's prefill).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def build(scheme: str, args) -> torch.nn.Module:
+    from meshlm.config import ModelConfig
+    from meshlm.model import MeshLM
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(spec=args.spec, d_model=args.d_model, n_heads=args.heads, vocab_size=args.vocab,
+                      context_length=args.prompt + args.new_tokens, scheme=scheme)
+    return MeshLM(cfg).eval()
+
+
+def decode_seconds(model, prompts, args, cache: bool) -> float:
+    from meshlm.generate import Sampling, generate
+
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    s = Sampling(max_new_tokens=args.new_tokens, temperature=0, stop_at_eos=False)
+    start = clock()
+    out = generate(model, prompts, s, cache=cache)
+    elapsed = clock() - start
+    assert all(len(row) == args.new_tokens for row in out)
+    return elapsed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--spec", default="2+4R2+2")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens per row")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time, or this process's CPU time")
+    p.add_argument("--skip-uncached", action="store_true", help="only MeSH vs. base (uncached is slow at size)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    models = {"mesh": build("mesh", args), "base": build("base", args)}
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(2, args.vocab, (args.batch, args.prompt), generator=g).tolist()
+    variants = {"mesh cached": ("mesh", True), "base cached": ("base", True), "mesh uncached": ("mesh", False)}
+    if args.skip_uncached:
+        del variants["mesh uncached"]
+    decode_seconds(models["mesh"], prompts, argparse.Namespace(**{**vars(args), "new_tokens": 4}), True)  # warm-up
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(args.rounds):
+        for name, (scheme, cache) in variants.items():
+            times[name].append(decode_seconds(models[scheme], prompts, args, cache))
+
+    tokens = args.batch * args.new_tokens
+    rate = {name: tokens / statistics.median(t) for name, t in times.items()}
+    print(f"spec {args.spec}, d_model {args.d_model}, vocab {args.vocab}, batch {args.batch}, prompt {args.prompt}, "
+          f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads, {args.clock} clock, "
+          f"{args.rounds} rounds (medians)")
+    for name, r in rate.items():
+        print(f"  {name:<14} {r:9.1f} tokens/s   ({statistics.median(times[name]):.2f} s)")
+    if "mesh uncached" in rate:
+        speedup = rate["mesh cached"] / rate["mesh uncached"]
+        print(f"cache speed-up (MeSH):      {speedup:6.2f}x   target >= 5x    {'ok' if speedup >= 5 else 'MISSED'}")
+    ratio = rate["mesh cached"] / rate["base cached"]
+    print(f"MeSH / base (cached):       {ratio:6.3f}x   target >= 0.95x {'ok' if ratio >= 0.95 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,243 @@
+"""Checkpoints that describe themselves, written atomically, verified on load.
+
+    <run>/
+      step-000600/
+        model.safetensors   full (unsharded) weights, fp32, names as MeshLM.state_dict()
+        state.pt            optimizer (keyed by parameter name), scheduler, RNG, step, best val loss;
+                            plain tensors and containers only: loaded with torch.load(weights_only=True)
+        config.json         {"model": ModelConfig, "train": TrainConfig, "step", "val_loss",
+                             "files": {name: {"bytes", "sha256"}}}  — written last, it seals the others
+      latest                "step-000600": the newest complete checkpoint (replaced atomically)
+      best                  the checkpoint with the lowest validation loss
+      metrics.jsonl
+
+Atomicity: a checkpoint is written into `.tmp-step-…`, every file fsynced, then the directory is renamed
+into place (rename is atomic on POSIX) and the parent fsynced; pointers are written to a temp file and
+`os.replace`d. A crash leaves either the old state or the new one, never a half checkpoint under a real
+name. Loading checks every file's size and SHA-256 against config.json, so truncation or corruption is
+reported with the file's path, and `find_resumable` falls back to the previous good checkpoint.
+
+Loading never executes code: weights via safetensors, the rest via torch.load(weights_only=True).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from meshlm.errors import CheckpointError
+
+WEIGHTS, STATE, CONFIG = "model.safetensors", "state.pt", "config.json"
+FORMAT = "meshlm-checkpoint/1"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    meta: dict[str, Any]  # config.json
+    weights: dict[str, torch.Tensor] | None = None
+    state: dict[str, Any] | None = None
+
+    @property
+    def step(self) -> int:
+        return int(self.meta["step"])
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+# -- writing ----------------------------------------------------------------------------------------------
+def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Tensor], state: dict[str, Any],
+                    meta: dict[str, Any], keep_last: int = 3, is_best: bool = False) -> Path:
+    """Write <run>/step-NNNNNN atomically, update `latest` (and `best`), prune old checkpoints."""
+    run_dir = Path(run_dir)
+    bad = [name for name, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if bad:
+        raise CheckpointError(f"refusing to save step {step}: non-finite values in {bad[0]} "
+                              f"(and {len(bad) - 1} more); the run diverged, lower train.lr")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    final = run_dir / step_dir_name(step)
+    tmp = run_dir / f".tmp-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    torch.save(state, tmp / STATE)
+    files = {name: _describe(tmp / name) for name in (WEIGHTS, STATE)}
+    _write_json(tmp / CONFIG, {"format": FORMAT, **meta, "step": step, "files": files})
+    for name in (WEIGHTS, STATE, CONFIG):
+        _fsync(tmp / name)
+    _fsync(tmp)
+    if final.exists():  # re-saving a step (e.g. after falling back past a corrupt checkpoint)
+        trash = run_dir / f".trash-{final.name}-{os.getpid()}"
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync(run_dir)
+    _write_pointer(run_dir / "latest", final.name)
+    if is_best:
+        _write_pointer(run_dir / "best", final.name)
+    prune(run_dir, keep_last)
+    return final
+
+
+def prune(run_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` checkpoints, never the `best` one; drop stale temp dirs."""
+    best = _read_pointer(run_dir / "best")
+    for old in list_checkpoints(run_dir)[keep_last:]:
+        if old.name != best:
+            shutil.rmtree(old, ignore_errors=True)
+    for stale in run_dir.glob(".t*-step-*"):
+        if not stale.name.endswith(f"-{os.getpid()}"):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def _describe(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _write_pointer(path: Path, target: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(target + "\n")
+    _fsync(tmp)
+    os.replace(tmp, path)
+
+
+def _read_pointer(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
+
+
+# -- reading ----------------------------------------------------------------------------------------------
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete-looking checkpoint dirs, newest step first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def resolve(path: str | Path) -> Path:
+    """A checkpoint dir, or a run dir (-> its `latest`, else its newest checkpoint)."""
+    path = Path(path)
+    if (path / CONFIG).is_file() or _STEP_DIR.match(path.name):
+        return path
+    pointer = _read_pointer(path / "latest")
+    if pointer and (path / pointer).is_dir():
+        return path / pointer
+    found = list_checkpoints(path)
+    if not found:
+        raise CheckpointError(f"{path} holds no checkpoint (no config.json, `latest` or step-* dirs); "
+                              f"pass a run dir or a step-NNNNNN dir")
+    return found[0]
+
+
+def read_meta(path: str | Path) -> dict[str, Any]:
+    path = resolve(path)
+    file = path / CONFIG
+    try:
+        meta = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{file} is missing: the checkpoint is incomplete; use an earlier one") from None
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{file} is unreadable or corrupt ({err}); use an earlier checkpoint") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{file} is not a meshlm checkpoint config (format {FORMAT!r} expected)")
+    return meta
+
+
+def verify(path: str | Path) -> dict[str, Any]:
+    """Check every file's size and SHA-256 against config.json; returns the metadata."""
+    path = resolve(path)
+    meta = read_meta(path)
+    for name, expected in meta.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file} is missing; the checkpoint is incomplete, use an earlier one")
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{file} is truncated or corrupt: {size} bytes, expected {expected['bytes']}; "
+                                  f"use an earlier checkpoint")
+        if _sha256(file) != expected["sha256"]:
+            raise CheckpointError(f"{file} is corrupt: its SHA-256 does not match config.json; "
+                                  f"use an earlier checkpoint")
+    return meta
+
+
+def load_checkpoint(path: str | Path, with_state: bool = True, check: bool = True) -> Checkpoint:
+    """Read (and verify) one checkpoint; every failure is a CheckpointError naming the file."""
+    path = resolve(path)
+    meta = verify(path) if check else read_meta(path)
+    try:
+        weights = load_file(str(path / WEIGHTS))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"{path / WEIGHTS} cannot be read ({err}); use an earlier checkpoint") from None
+    state = None
+    if with_state:
+        try:
+            state = torch.load(path / STATE, map_location="cpu", weights_only=True)
+        except Exception as err:  # pickle/zip errors have no common base class
+            raise CheckpointError(f"{path / STATE} cannot be read ({str(err)[:120]}); "
+                                  f"use an earlier checkpoint") from None
+    return Checkpoint(path, meta, weights, state)
+
+
+def find_resumable(run_dir: str | Path, warn: Callable[[str], None] = print) -> Checkpoint | None:
+    """The newest checkpoint that verifies and loads; a bad one is reported and skipped (not deleted)."""
+    for path in list_checkpoints(run_dir):
+        try:
+            return load_checkpoint(path)
+        except CheckpointError as err:
+            warn(f"warning: skipping checkpoint {path.name}: {err}")
+    return None
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu"):
+    """A MeshLM with the checkpoint's weights (run dir -> latest). For evaluation, generation, export."""
+    from meshlm.config import ModelConfig
+    from meshlm.model import MeshLM
+
+    ckpt = load_checkpoint(path, with_state=False)
+    cfg = ModelConfig.from_dict(ckpt.meta["model"])
+    model = MeshLM(cfg)
+    missing, unexpected = model.load_state_dict(ckpt.weights, strict=False)
+    if missing or unexpected:
+        raise CheckpointError(f"{ckpt.path / WEIGHTS} does not match its config: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}")
+    return model.to(device).eval()

@@ -1,0 +1,53 @@
+"""`meshlm generate CKPT "prompt"`: sample text from a meshlm checkpoint or Hugging Face folder, streamed.
+
+CKPT is a checkpoint dir, a run dir (its latest checkpoint) or a folder written by `meshlm convert --to hf`.
+Decoding uses the looped KV cache (one entry per unrolled layer). With several prompts they run as one
+left-padded batch and are printed when done; a single prompt streams token by token.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="meshlm checkpoint/run dir, or a Hugging Face folder saved by meshlm")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="text to continue (several: one batch)")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("-t", "--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (1 = off; default 0.95)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+    p.add_argument("--loops", type=int, default=None, help="run the core this many times (single-core specs)")
+    p.add_argument("--tokenizer", default=None, help="override the checkpoint's tokenizer")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (slow)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past <|endoftext|>")
+
+
+def run(args: argparse.Namespace) -> int:
+    from meshlm.generate import Sampling, generate, load_for_generation, stream
+
+    s = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                 top_p=args.top_p, seed=args.seed, stop_at_eos=not args.ignore_eos)
+    model, tok = load_for_generation(args.checkpoint, args.tokenizer, args.device)
+    prompts = [tok.encode(text) for text in args.prompts]
+    common = dict(eos_id=tok.eos_id, pad_id=tok.pad_id, cache=not args.no_cache, loops=args.loops)
+    if len(prompts) > 1:
+        for text, new in zip(args.prompts, generate(model, prompts, s, **common)):
+            print(text + tok.decode(t for t in new if t != tok.eos_id))
+            print("-" * 40)
+        return 0
+    sys.stdout.write(args.prompts[0])
+    new, shown = [], ""
+    for token in stream(model, prompts, s, **common):
+        if int(token[0]) == tok.eos_id and s.stop_at_eos:
+            break
+        new.append(int(token[0]))
+        text = tok.decode(new)
+        if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+    sys.stdout.write(tok.decode(new)[len(shown):] + "\n")
+    return 0

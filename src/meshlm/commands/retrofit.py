@@ -1,0 +1,39 @@
+"""`meshlm retrofit SRC OUT --spec 4+8R2+4`: a looped / MeSH model initialised from a GPT-NeoX stack.
+
+Prelude and coda are the first and last source layers; the shared core replaces the middle blocks, taken
+as is (--core-init block --block N) or averaged (--core-init average). See meshlm.retrofit and docs/hf.md.
+The output is a meshlm checkpoint (step 0) ready for continued training.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="GPT-NeoX (Pythia) folder or vanilla meshlm checkpoint")
+    p.add_argument("out", help="output checkpoint folder (must not exist or be empty)")
+    p.add_argument("--spec", required=True, help='target layout, e.g. "4+8R2+4" for a 24-layer source')
+    p.add_argument("--scheme", default="mesh", help="state scheme of the new model (default mesh)")
+    p.add_argument("--core-init", choices=("average", "block"), default="average",
+                   help="shared core = layer-wise mean of the blocks it replaces (default), or one block as is")
+    p.add_argument("--block", type=int, default=0, help="with --core-init block: which block (0 = first, -1 = last)")
+    p.add_argument("--router-start", choices=("fresh", "base"), default="fresh",
+                   help="MeSH routers: meshlm's init (fresh) or biased to start as plain recursion (base)")
+    p.add_argument("--scheme-options", default="{}", help='JSON, e.g. \'{"slots": 6}\'')
+    p.add_argument("--seed", type=int, default=0, help="seed for the scheme parameters' init")
+
+
+def run(args: argparse.Namespace) -> int:
+    from meshlm.errors import ConfigError
+    from meshlm.retrofit import retrofit_folder
+
+    try:
+        options = json.loads(args.scheme_options)
+    except ValueError:
+        raise ConfigError(f"--scheme-options {args.scheme_options!r} is not JSON; e.g. '{{\"slots\": 6}}'") from None
+    out = retrofit_folder(args.source, args.out, args.spec, scheme=args.scheme, core_init=args.core_init,
+                          block_index=args.block, router_start=args.router_start, scheme_options=options,
+                          seed=args.seed)
+    print(f"wrote {out}: spec {args.spec}, scheme {args.scheme}, core init {args.core_init}")
+    return 0

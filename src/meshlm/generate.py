@@ -1,0 +1,127 @@
+"""Text generation with the looped KV cache: sampling, batching with left padding, streaming.
+
+    stream(model, prompts, Sampling(temperature=0.8, top_k=50))   -> yields the next token of every row
+    generate(model, prompts, Sampling(...))                       -> the new tokens of every row
+
+Prompts of different lengths are left-padded into one batch; the padding mask covers cached tokens too and
+positions count real tokens only, so every row decodes exactly as it would alone. The prompt is prefilled
+once, then each step feeds one token per row (meshlm.model.kv_cache: one entry per unrolled layer; the MeSH
+buffer is per token and needs no cache). `cache=False` recomputes the whole sequence every step, as a
+reference and for the speed benchmark. Temperature 0 is greedy decoding.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from meshlm.errors import ConfigError
+from meshlm.model import MeshLM
+from meshlm.model.kv_cache import KVCache
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0 = greedy (argmax)
+    top_k: int = 0  # keep the k most likely tokens; 0 = all
+    top_p: float = 1.0  # keep the smallest set whose probability reaches p (nucleus); 1 = all
+    seed: int | None = None  # for reproducible sampling
+    stop_at_eos: bool = True
+
+    def __post_init__(self) -> None:
+        problems = [msg for ok, msg in [
+            (self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1"),
+            (self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 = greedy)"),
+            (self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 = no limit)"),
+            (0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]"),
+        ] if not ok]
+        if problems:
+            raise ConfigError("invalid sampling settings: " + "; ".join(problems))
+
+
+def next_token(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(B, V) logits of the last position -> (B,) token ids."""
+    if s.temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / s.temperature
+    if s.top_k:
+        kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p < 1:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative - sorted_logits.softmax(-1) >= s.top_p  # mass before this token already >= p
+        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str = "cpu"
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (B, T) ids with real tokens on the right, and the (B, T) padding mask."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("every prompt needs at least one token; pass a non-empty prompt")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p)
+        mask[row, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@torch.no_grad()
+def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0, pad_id: int = 1,
+           cache: bool = True, loops: int | None = None) -> Iterator[torch.Tensor]:
+    """Yield the (B,) next tokens step by step. Rows that reached EOS keep yielding `pad_id`."""
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, pad_id, device)
+    total = ids.shape[1] + s.max_new_tokens
+    if total > model.config.context_length:
+        raise ConfigError(f"the prompt ({ids.shape[1]} tokens) plus max_new_tokens={s.max_new_tokens} exceeds "
+                          f"context_length={model.config.context_length}; lower max_new_tokens to at most "
+                          f"{model.config.context_length - ids.shape[1]} or shorten the prompt")
+    generator = None if s.seed is None else torch.Generator(device).manual_seed(s.seed)
+    kv = KVCache() if cache else None
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
+    step_input = ids
+    for _ in range(s.max_new_tokens):
+        logits = model(step_input, padding_mask=mask, cache=kv, loops=loops).logits[:, -1]  # (B, V)
+        token = next_token(logits, s, generator).masked_fill(done, pad_id)  # (B,)
+        yield token
+        done |= (token == eos_id) & s.stop_at_eos
+        if done.all():
+            return
+        ids = torch.cat([ids, token[:, None]], dim=1)
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # finished rows' pads are never read
+        step_input = token[:, None] if cache else ids
+
+
+def generate(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0, pad_id: int = 1,
+             cache: bool = True, loops: int | None = None) -> list[list[int]]:
+    """The new tokens of every row, up to and including EOS (when stop_at_eos)."""
+    out: list[list[int]] = [[] for _ in prompts]
+    finished = [False] * len(prompts)
+    for token in stream(model, prompts, s, eos_id, pad_id, cache, loops):
+        for row, t in enumerate(token.tolist()):
+            if not finished[row]:
+                out[row].append(t)
+                finished[row] = s.stop_at_eos and t == eos_id
+    return out
+
+
+def load_for_generation(path: str | Path, tokenizer: str | None = None, device: str = "cpu"):
+    """(MeshLM, TextTokenizer) from a meshlm checkpoint (or run dir) or a Hugging Face folder from save_hf."""
+    from meshlm.checkpoint import load_model
+    from meshlm.convert import checkpoint_tokenizer, detect_format
+    from meshlm.tokenizer import load_tokenizer
+
+    path = Path(path)
+    if detect_format(path) == "hf":
+        from meshlm.hf import load_hf
+
+        return load_hf(path).model.to(device).eval(), load_tokenizer(tokenizer or path)
+    return load_model(path, device), load_tokenizer(tokenizer or checkpoint_tokenizer(path))

@@ -1,0 +1,94 @@
+"""`MeshForCausalLM`: a meshlm model as a transformers `PreTrainedModel` + `GenerationMixin`.
+
+It wraps the one `MeshLM` (as `self.model`, so weights are saved as "model.<meshlm name>") and translates
+Hugging Face conventions to meshlm's:
+
+    attention_mask (B, T_past + T)  -> padding_mask      (left padding in batched generate() included)
+    labels (B, T), shifted inside   -> targets = labels[:, 1:]
+    cache (a transformers Cache)    -> the looped KV cache, one entry per *unrolled* layer
+
+What is non-standard, and why:
+- The cache is used only through `update(key, value, layer_idx)` and `get_seq_length()`, the stable public
+  `Cache` API; slot numbers are unrolled layers (config.num_hidden_layers = unrolled depth, so the
+  `DynamicCache` that `generate()` builds has the right size). Nothing else of transformers' internals is used.
+- transformers 5.x renamed the cache argument and output field `past_key_values` -> `cache`; forward accepts
+  both names and fills whichever field the installed `CausalLMOutputWithPast` declares.
+- Weight init happens once, in `MeshLM.__init__` (meshlm.model.init); `_init_weights` only recomputes the
+  rotary table that loading on the meta device leaves empty.
+
+This file is also the source of the self-contained `modeling_meshlm.py` that `save_pretrained` writes
+(meshlm.hf.remote concatenates it after the model sources), so it imports only torch, transformers and meshlm.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from meshlm.config import ModelConfig
+from meshlm.hf.configuration import MeshConfig
+from meshlm.hf.remote import write_remote_code
+from meshlm.model.layers import RotaryEmbedding
+from meshlm.model.lm import MeshLM
+
+# the output field that carries the cache: "cache" in recent transformers, "past_key_values" before
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+class MeshForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = MeshConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["NeoXLayer"]
+    _supports_sdpa = True  # attention always runs through F.scaled_dot_product_attention
+
+    def __init__(self, config: MeshConfig):
+        super().__init__(config)
+        self.model = MeshLM(ModelConfig.from_dict(config.meshlm))
+        self.post_init()
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        if isinstance(module, RotaryEmbedding):  # a non-persistent buffer: never in the weights file
+            module.inv_freq.copy_(module.compute_inv_freq())
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.model.embed_in
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.model.embed_out
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (B, T)
+        attention_mask: torch.Tensor | None = None,  # (B, T_past + T), 1 = real token
+        position_ids: torch.Tensor | None = None,  # (B, T)
+        cache: object | None = None,
+        labels: torch.Tensor | None = None,  # (B, T), -100 = no loss; shifted here
+        use_cache: bool | None = None,
+        logits_to_keep: int = 0,  # 0 = all positions, n = the last n
+        past_key_values: object | None = None,  # older name of `cache`
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast | tuple:
+        if kwargs.get("inputs_embeds") is not None:
+            raise ValueError("meshlm models take input_ids, not inputs_embeds")
+        if attention_mask is not None and attention_mask.dim() != 2:
+            raise ValueError("meshlm models take a 2D (batch, tokens) attention_mask; use the default dynamic cache")
+        cache = cache if cache is not None else past_key_values
+        if cache is None and use_cache:
+            cache = DynamicCache()
+        targets = None
+        if labels is not None:
+            targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+        out = self.model(input_ids, targets=targets, padding_mask=attention_mask, position_ids=position_ids,
+                         cache=cache)
+        logits = out.logits[:, -logits_to_keep:] if logits_to_keep else out.logits
+        result = CausalLMOutputWithPast(loss=out.loss, logits=logits, **{CACHE_FIELD: cache})
+        return result if return_dict is not False else result.to_tuple()
+
+    def save_pretrained(self, save_directory, *args, **kwargs) -> None:
+        """Save weights (safetensors) and config, plus the self-contained code that `auto_map` names."""
+        self.config.auto_map = {"AutoConfig": "configuration_meshlm.MeshConfig",
+                                "AutoModelForCausalLM": "modeling_meshlm.MeshForCausalLM"}
+        super().save_pretrained(save_directory, *args, **kwargs)
+        write_remote_code(save_directory)

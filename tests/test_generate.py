@@ -1,0 +1,100 @@
+"""Native generation: cached greedy decoding equals an uncached argmax loop; sampling filters; the CLI."""
+import pytest
+import torch
+from conftest import build, tiny
+
+from meshlm.cli import main
+from meshlm.convert import write_checkpoint
+from meshlm.errors import ConfigError
+from meshlm.generate import Sampling, generate, next_token
+from meshlm.hf import save_hf
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
+
+
+def manual_greedy(model, prompt, steps):
+    ids = torch.tensor([prompt])
+    for _ in range(steps):
+        with torch.no_grad():
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("scheme", ["mesh", "anchor", "vanilla"])
+def test_batched_cached_greedy_equals_uncached_argmax_per_prompt(scheme):
+    model = build(tiny(scheme=scheme, spec="1+2+1+1" if scheme == "vanilla" else "1+2R2+1"))
+    s = Sampling(max_new_tokens=20, temperature=0, stop_at_eos=False)
+    out = generate(model, PROMPTS, s)
+    assert out == [manual_greedy(model, p, 20) for p in PROMPTS]
+    assert generate(model, PROMPTS, s, cache=False) == out
+
+
+def test_stops_at_eos_and_pads_finished_rows():
+    model = build(tiny())
+    with torch.no_grad():
+        model.final_layer_norm.weight.zero_()
+        model.final_layer_norm.bias.fill_(1.0)  # the head always sees a vector of ones …
+        model.embed_out.weight.zero_()
+        model.embed_out.weight[0] = 1.0  # … so token 0 (EOS) always wins
+    out = generate(model, PROMPTS, Sampling(max_new_tokens=5, temperature=0))
+    assert out == [[0], [0], [0]]
+
+
+def test_sampling_is_reproducible_and_filters():
+    model = build(tiny())
+    s = Sampling(max_new_tokens=8, temperature=1.0, top_k=5, seed=7, stop_at_eos=False)
+    assert generate(model, PROMPTS, s) == generate(model, PROMPTS, s)
+    logits = torch.tensor([[0.0, 3.0, 2.0, 1.0, -1.0]]).repeat(200, 1)
+    top2 = next_token(logits, Sampling(top_k=2), torch.Generator().manual_seed(0))
+    assert set(top2.tolist()) == {1, 2}
+    nucleus = next_token(logits, Sampling(top_p=0.5), torch.Generator().manual_seed(0))
+    assert set(nucleus.tolist()) == {1}  # token 1 alone holds > 50% of the mass
+    greedy = next_token(logits, Sampling(temperature=0))
+    assert set(greedy.tolist()) == {1}
+
+
+def test_bad_sampling_settings_are_one_clear_error():
+    with pytest.raises(ConfigError, match="temperature=-1.*top_p=0"):
+        Sampling(temperature=-1, top_p=0)
+    model = build(tiny(context_length=10))
+    with pytest.raises(ConfigError, match="lower max_new_tokens to at most 3"):
+        generate(model, PROMPTS, Sampling(max_new_tokens=4))
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """A tiny MeSH model as a meshlm checkpoint and as a Hugging Face folder (shipped 8192 tokenizer)."""
+    root = tmp_path_factory.mktemp("gen")
+    model = build(tiny(vocab_size=8192, context_length=48))
+    write_checkpoint(root / "ckpt", model.config, model.state_dict())
+    save_hf(model, root / "hf")
+    return root
+
+
+@pytest.mark.parametrize("kind", ["ckpt", "hf"])
+def test_cli_generate_streams_a_continuation(checkpoints, kind, capsys):
+    args = ["generate", str(checkpoints / kind), "Once upon a time", "-n", "12", "--seed", "1", "--top-k", "40"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert first.startswith("Once upon a time") and len(first) > len("Once upon a time\n")
+    assert main(args) == 0
+    assert capsys.readouterr().out == first  # same seed, same text
+
+
+def test_cli_generate_greedy_batch_matches_library(checkpoints, capsys):
+    assert main(["generate", str(checkpoints / "ckpt"), "To be", "or not", "-t", "0", "-n", "5",
+                 "--ignore-eos"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("To be") and "or not" in out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["{ckpt}", "hello", "-n", "100"], "exceeds context_length=48"),
+    (["{tmp}/missing", "hello"], "is not a directory"),
+    (["{ckpt}", "hello", "--top-p", "1.5"], "top_p=1.5 must be in (0, 1]"),
+])
+def test_cli_generate_errors_exit_2(checkpoints, tmp_path, args, message, capsys):
+    args = [a.format(ckpt=checkpoints / "ckpt", tmp=tmp_path) for a in args]
+    assert main(["generate", *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("meshlm generate: error:") and message in lines[0], lines

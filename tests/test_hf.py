@@ -1,0 +1,184 @@
+"""transformers integration: save/load round trips, trust_remote_code without meshlm, generate() with the cache."""
+import ast
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import build, tiny
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from meshlm.hf import MeshForCausalLM, from_meshlm, save_hf
+from meshlm.hf.remote import modeling_source
+from meshlm.model import SCHEMES
+from meshlm.tokenizer import load_tokenizer
+
+VOCAB = 8192  # the shipped tokenizer's vocabulary
+
+
+def spec_for(scheme: str) -> str:
+    return "1+2+1+1" if scheme == "vanilla" else "1+2R2+1"
+
+
+def left_padded_batch(vocab, lengths=(5, 2, 7), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(2, vocab, (len(lengths), width), generator=g)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(lengths):
+        ids[row, :width - n], mask[row, width - n:] = 1, 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_save_load_round_trip_is_exact(scheme, tmp_path):
+    model = build(tiny(scheme=scheme, spec=spec_for(scheme), vocab_size=VOCAB))
+    save_hf(model, tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # registered: no trust_remote_code needed
+    assert isinstance(loaded, MeshForCausalLM)
+    x = torch.randint(0, VOCAB, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model(x).logits)
+    assert loaded.config.num_hidden_layers == model.config.layout.unrolled_depth
+
+
+def test_folder_contents_and_tokenizer(tmp_path):
+    save_hf(build(tiny(vocab_size=VOCAB)), tmp_path)
+    names = set(os.listdir(tmp_path))
+    assert {"model.safetensors", "config.json", "tokenizer.json", "configuration_meshlm.py",
+            "modeling_meshlm.py"} <= names
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_meshlm.MeshForCausalLM"
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    ours = load_tokenizer("default")
+    text = "To be, or not to be: that is the question."
+    assert tok(text).input_ids == ours.encode(text)
+    assert (tok.eos_token_id, tok.pad_token_id) == (ours.eos_id, ours.pad_id)
+
+
+def test_generated_modeling_file_is_self_contained():
+    tree = ast.parse(modeling_source())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            assert node.level == 1 or not (node.module or "").startswith("meshlm"), node.module
+        if isinstance(node, ast.Import):
+            assert not any(a.name.startswith("meshlm") for a in node.names)
+
+
+def test_generated_code_runs_as_its_own_package(tmp_path):
+    """Fast in-process stand-in for the fresh-process test: the generated module alone builds the same model."""
+    import importlib
+
+    model = build(tiny(scheme="dynamic-mix", vocab_size=VOCAB))
+    save_hf(model, tmp_path / "pkg_meshlm_remote")
+    (tmp_path / "pkg_meshlm_remote" / "__init__.py").write_text("")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        remote = importlib.import_module("pkg_meshlm_remote.modeling_meshlm")
+    finally:
+        sys.path.remove(str(tmp_path))
+    loaded = remote.MeshForCausalLM.from_pretrained(tmp_path / "pkg_meshlm_remote").eval()
+    assert type(loaded.model).__module__ == "pkg_meshlm_remote.modeling_meshlm"
+    x = torch.randint(0, VOCAB, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(loaded(x).logits, model(x).logits)
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch and transformers: ~5-10 s
+def test_loads_with_trust_remote_code_in_a_process_without_meshlm(tmp_path):
+    folder = tmp_path / "mesh-model"
+    model = build(tiny(scheme="mesh", spec="1+2R2+1", vocab_size=VOCAB))
+    save_hf(model, folder)
+    x, mask = left_padded_batch(VOCAB)
+    with torch.no_grad():
+        expected = model(x, padding_mask=mask).logits
+    torch.save({"x": x, "mask": mask, "logits": expected}, tmp_path / "ref.pt")
+    code = f"""
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+AutoTokenizer.from_pretrained({str(folder)!r}, trust_remote_code=True)
+ref = torch.load({str(tmp_path / "ref.pt")!r})
+with torch.no_grad():
+    logits = model(ref["x"], attention_mask=ref["mask"]).logits
+m = ref["mask"].bool()
+assert (logits - ref["logits"])[m].abs().max().item() <= 1e-6
+out = model.generate(ref["x"], attention_mask=ref["mask"], max_new_tokens=3, do_sample=False)
+assert out.shape == (3, 10), out.shape
+assert "meshlm" not in sys.modules, "the remote code imported meshlm"
+print("ok")
+"""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": ""}  # nothing points the child at meshlm's sources
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+def test_dynamic_cache_gets_one_entry_per_unrolled_layer():
+    """The public Cache API (update/get_seq_length) is all the model uses; transformers' DynamicCache works."""
+    hf = from_meshlm(build(tiny(spec="1+2R2+1")))
+    ids, mask = left_padded_batch(97)
+    cache = DynamicCache()
+    with torch.no_grad():
+        out = hf(ids, attention_mask=mask, cache=cache, use_cache=True)
+        nxt = torch.tensor([[5], [6], [7]])
+        mask = torch.cat([mask, torch.ones_like(nxt)], 1)
+        step = hf(nxt, attention_mask=mask, cache=cache, use_cache=True).logits[:, -1]
+        full = hf(torch.cat([ids, nxt], 1), attention_mask=mask).logits[:, -1]
+    assert len(cache.layers) == 6 and cache.get_seq_length() == 8
+    assert (step - full).abs().max() <= 1e-5
+    assert out.logits.shape == (3, 7, 97)
+
+
+def manual_greedy(model, ids, mask, steps):
+    """Argmax decoding by re-running the whole sequence (no cache): the reference."""
+    for _ in range(steps):
+        with torch.no_grad():
+            nxt = model(ids, padding_mask=mask).logits[:, -1].argmax(-1, keepdim=True)
+        ids, mask = torch.cat([ids, nxt], 1), torch.cat([mask, torch.ones_like(nxt)], 1)
+    return ids
+
+
+@pytest.mark.parametrize("scheme", ["mesh", "residual+anchor"])
+def test_greedy_generate_equals_manual_argmax_without_cache(scheme):
+    model = build(tiny(scheme=scheme, spec="1+2R2+1"))
+    hf = from_meshlm(model)
+    ids, mask = left_padded_batch(97)
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    assert torch.equal(out, manual_greedy(model, ids, mask, 20))
+
+
+def test_sampling_generate_with_and_without_cache_agree():
+    hf = from_meshlm(build(tiny(spec="1+2R2+1")))
+    ids, mask = left_padded_batch(97)
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=True, top_k=20,
+                  top_p=0.9, temperature=0.8)
+    torch.manual_seed(3)
+    cached = hf.generate(ids, **kwargs)
+    torch.manual_seed(3)
+    uncached = hf.generate(ids, use_cache=False, **kwargs)
+    assert torch.equal(cached, uncached)
+    assert cached.shape == (3, 19) and int(cached.max()) < 97
+
+
+def test_beam_search_with_and_without_cache_agree():
+    hf = from_meshlm(build(tiny(spec="1+2R2+1")))
+    ids = torch.randint(2, 97, (2, 5), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(num_beams=3, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert torch.equal(hf.generate(ids, **kwargs), hf.generate(ids, use_cache=False, **kwargs))
+
+
+def test_missing_or_truncated_weights_are_clear_errors(tmp_path):
+    from meshlm.errors import CheckpointError
+    from meshlm.hf import load_hf
+
+    save_hf(build(tiny(vocab_size=VOCAB)), tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="cannot be loaded as a meshlm Hugging Face model"):
+        load_hf(tmp_path)
+    weights.unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors is missing"):
+        load_hf(tmp_path)

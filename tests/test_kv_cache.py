@@ -1,0 +1,116 @@
+"""The looped KV cache: cached decoding equals the uncached forward for every scheme, loop count and batch."""
+import pytest
+import torch
+from conftest import build, tiny
+
+from meshlm.errors import ConfigError
+from meshlm.model import SCHEMES
+from meshlm.model.kv_cache import KVCache, slot_offsets
+
+PROMPT_LENGTHS = (5, 2, 7)  # batch 3, left-padded to 7
+STEPS = 20
+
+
+def spec_for(scheme: str) -> str:
+    return "1+2+1+1" if scheme == "vanilla" else "1+2R2+1"  # a 2-layer core: slots differ within a pass too
+
+
+def left_padded(lengths, vocab, seed=0):
+    """(B, max) token ids with real tokens on the right, and the (B, max) padding mask."""
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(2, vocab, (len(lengths), width), generator=g)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        mask[row, width - n:] = 1
+        ids[row, :width - n] = 1  # pad id
+    return ids, mask
+
+
+def decode_both_ways(model, loops=None, steps=STEPS):
+    """Largest |cached − uncached| logit difference over the prefill (real tokens) and `steps` decode steps."""
+    ids, mask = left_padded(PROMPT_LENGTHS, model.config.vocab_size)
+    cache = KVCache()
+    with torch.no_grad():
+        cached = model(ids, padding_mask=mask, cache=cache, loops=loops).logits
+        full = model(ids, padding_mask=mask, loops=loops).logits
+        worst = (cached - full)[mask.bool()].abs().max().item()
+        g = torch.Generator().manual_seed(1)
+        for _ in range(steps):
+            nxt = torch.randint(2, model.config.vocab_size, (ids.shape[0], 1), generator=g)
+            ids, mask = torch.cat([ids, nxt], 1), torch.cat([mask, torch.ones_like(nxt)], 1)
+            step = model(nxt, padding_mask=mask, cache=cache, loops=loops).logits[:, -1]
+            reference = model(ids, padding_mask=mask, loops=loops).logits[:, -1]
+            worst = max(worst, (step - reference).abs().max().item())
+    return worst, cache
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_cached_decoding_equals_uncached(scheme):
+    model = build(tiny(scheme=scheme, spec=spec_for(scheme)))
+    worst, cache = decode_both_ways(model)
+    assert worst <= 1e-5, worst
+    assert len(cache) == model.config.layout.unrolled_depth
+    assert cache.get_seq_length() == max(PROMPT_LENGTHS) + STEPS
+
+
+@pytest.mark.parametrize("scheme", ["mesh", "base", "residual+anchor", "dynamic-mix"])
+@pytest.mark.parametrize("loops", [1, 3])
+def test_cached_decoding_with_other_loop_counts(scheme, loops):
+    """Extrapolating (or shrinking) the loop at inference: the cache grows a slot per unrolled layer."""
+    model = build(tiny(scheme=scheme, spec="1+2R2+1"))
+    worst, cache = decode_both_ways(model, loops=loops, steps=6)
+    assert worst <= 1e-5, worst
+    assert len(cache) == 1 + 2 * loops + 1
+
+
+def test_left_padded_rows_decode_like_unpadded_prompts():
+    """Row r of a left-padded batch gives the same logits as its prompt alone (positions count real tokens)."""
+    model = build(tiny(spec="1+2R2+1"))
+    ids, mask = left_padded(PROMPT_LENGTHS, model.config.vocab_size)
+    with torch.no_grad():
+        batched = model(ids, padding_mask=mask, cache=KVCache()).logits[:, -1]
+        for row, n in enumerate(PROMPT_LENGTHS):
+            alone = model(ids[row:row + 1, -n:]).logits[:, -1]
+            assert (batched[row] - alone[0]).abs().max() <= 1e-5
+
+
+def test_chunked_prefill_without_padding_mask():
+    """Several new tokens after a cached past are causal with respect to each other and see the whole past."""
+    model = build(tiny())
+    x = torch.randint(0, model.config.vocab_size, (2, 11))
+    cache = KVCache()
+    with torch.no_grad():
+        first = model(x[:, :6], cache=cache).logits
+        second = model(x[:, 6:], cache=cache).logits
+        full = model(x).logits
+    assert (torch.cat([first, second], 1) - full).abs().max() <= 1e-5
+
+
+def test_slots_follow_execution_order():
+    model = build(tiny(spec="2+3R2+1", scheme="base"))
+    assert slot_offsets(model.config.layout, model.schedule()) == (0, [2, 5], 8, 9)
+    assert slot_offsets(model.config.layout, model.schedule(loops=3)) == (0, [2, 5, 8], 11, 12)
+    # each pass of the shared core stores different keys (it attends over different states)
+    cache = KVCache()
+    with torch.no_grad():
+        model(torch.randint(0, 97, (1, 4)), cache=cache)
+    assert not torch.allclose(cache.keys[2], cache.keys[5])
+
+
+def test_mask_that_does_not_cover_the_cache_is_a_clear_error():
+    model = build(tiny())
+    cache = KVCache()
+    with torch.no_grad():
+        model(torch.ones(1, 4, dtype=torch.long), cache=cache)
+        with pytest.raises(ConfigError, match="pass a mask over all 5 tokens"):
+            model(torch.ones(1, 1, dtype=torch.long), padding_mask=torch.ones(1, 1), cache=cache)
+
+
+def test_cache_beyond_context_is_a_clear_error():
+    model = build(tiny(context_length=6))
+    cache = KVCache()
+    with torch.no_grad():
+        model(torch.ones(1, 6, dtype=torch.long), cache=cache)
+        with pytest.raises(ConfigError, match="exceeds the model's context_length=6"):
+            model(torch.ones(1, 1, dtype=torch.long), cache=cache)
