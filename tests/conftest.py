@@ -7,6 +7,10 @@ import torch
 from meshlm.config import ModelConfig
 from meshlm.model import MeshLM
 
+# Tiny models gain nothing from intra-op threads, and on a busy 2-core machine two threads per process make
+# them up to 100× slower (threads wait on each other). Subprocesses the tests start set their own.
+torch.set_num_threads(1)
+
 
 def tiny(**overrides) -> ModelConfig:
     """A 4-layer-equivalent model small enough for float64 gradchecks."""

@@ -43,10 +43,14 @@ class Router(nn.Linear):
         self.slots = slots
 
     def forward(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.autocast(query.device.type, enabled=False):  # fp32 logits and softmax, even under autocast
-            logits = F.linear(at_least_fp32(query), at_least_fp32(self.weight), at_least_fp32(self.bias))
-        write, read = logits.split(self.slots, dim=-1)
-        return write.softmax(-1), read.softmax(-1)  # each (B, T, slots)
+        """(B, T, d) -> write and read weights, each (B, T, slots), softmax in at least fp32."""
+        if query.dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(query.device.type):
+            with torch.autocast(query.device.type, enabled=False):  # fp32 logits, even under autocast
+                logits = F.linear(at_least_fp32(query), at_least_fp32(self.weight), at_least_fp32(self.bias))
+        else:
+            logits = super().forward(query)
+        weights = logits.unflatten(-1, (2, self.slots)).softmax(-1)  # (B, T, 2, slots): both in one kernel
+        return weights[..., 0, :], weights[..., 1, :]
 
 
 @register("mesh")
@@ -74,10 +78,10 @@ class MeSH(Scheme):
         ctx.routing.append((write, read))
         ctx.values.append(value)
         ctx.coefficients = torch.cat([ctx.coefficients, write.unsqueeze(-1)], dim=-1)  # (B, T, slots, J)
-        mix = torch.einsum("bts,btsj->btj", read, ctx.coefficients).to(value.dtype)  # (B, T, J)
+        mix = (read.unsqueeze(-2) @ ctx.coefficients).squeeze(-2).to(value.dtype)  # (B, T, J)
         h = mix[..., 0:1] * ctx.values[0]
-        for j in range(1, len(ctx.values)):
-            h = h + mix[..., j:j + 1] * ctx.values[j]
+        for j in range(1, len(ctx.values)):  # Σ_j mix_j·v_j; autograd keeps references, not copies
+            h = torch.addcmul(h, mix[..., j:j + 1], ctx.values[j])
         return h
 
     def begin(self, ctx, p):

@@ -1,0 +1,169 @@
+"""Forward+backward time and memory, side by side in one run; prints ratios.
+
+    .venv/bin/python benchmarks/model_speed.py                 # defaults: d=256, spec 2+4R2+2, 4×256 tokens
+    .venv/bin/python benchmarks/model_speed.py --d-model 512 --spec 4+8R2+4 --batch 2 --seq 512
+
+Comparisons (targets from the model-core issue):
+  1. MeSH vs. base at the same spec: time ≤ 1.03×, peak memory ≤ 1.05×.
+  2. meshlm vanilla vs. transformers' GPTNeoXForCausalLM at the same config: time ≤ 1.0×.
+
+Timing interleaves the models round by round (so machine noise hits all alike) and reports medians.
+`--clock cpu --threads 1` measures this process's CPU time: on a shared machine it ignores the time other
+jobs hold the cores.
+Memory is measured two ways:
+  - saved: bytes of tensors autograd keeps for backward (deduplicated by storage) + parameters + gradients,
+    measured in this process with saved-tensor hooks; deterministic.
+  - rss: peak resident memory growth during one training step, each model in a fresh subprocess.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+
+def build(kind: str, args) -> torch.nn.Module:
+    from meshlm.config import ModelConfig
+    from meshlm.model import MeshLM
+
+    torch.manual_seed(0)
+    if kind == "hf-neox":
+        from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+        from meshlm.neox import neox_config_kwargs
+
+        return GPTNeoXForCausalLM(GPTNeoXConfig(**neox_config_kwargs(_vanilla_cfg(args))))
+    if kind == "vanilla":
+        return MeshLM(_vanilla_cfg(args))
+    return MeshLM(ModelConfig(spec=args.spec, d_model=args.d_model, n_heads=args.heads, vocab_size=args.vocab,
+                              context_length=args.seq, scheme=kind))
+
+
+def _vanilla_cfg(args):
+    from meshlm.config import ModelConfig, parse_spec
+
+    depth = parse_spec(args.spec).unrolled_depth  # compute-matched plain stack
+    return ModelConfig(spec=str(depth), d_model=args.d_model, n_heads=args.heads, vocab_size=args.vocab,
+                       context_length=args.seq, scheme="vanilla", scale_embeddings=False)
+
+
+def train_step(model, x) -> None:
+    out = model(x, labels=x) if not hasattr(model, "scheme") else model(x, targets=x)
+    out.loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def saved_bytes(model, x) -> int:
+    """Tensors saved for backward (unique storages) + parameters + gradients, in bytes."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        if t.device.type != "meta":
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x, labels=x) if not hasattr(model, "scheme") else model(x, targets=x)
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    act = sum(v for k, v in seen.items() if k not in params)
+    out.loss.backward()
+    model.zero_grad(set_to_none=True)
+    return act + 2 * sum(params.values())
+
+
+def rss_growth(kind: str, args) -> int:
+    """Peak RSS growth (bytes) of one training step, measured in a fresh process."""
+    code = (f"import sys; sys.argv=['x']+{sys.argv[1:]!r}; sys.path.insert(0, {sys.path[0]!r});"
+            f"import model_speed as m; m._rss_child({kind!r})")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def _rss_child(kind: str) -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = build(kind, args)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq))
+    train_step(model, x[:, :8])  # warm up allocator and kernels on a tiny input
+    before = _peak_rss()
+    train_step(model, x)
+    print(_peak_rss() - before)
+
+
+def _peak_rss() -> int:
+    """This process's peak resident memory (VmHWM), bytes. Unlike ru_maxrss it does not inherit the
+    parent's peak across fork+exec."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+def time_models(models: dict, x, rounds: int, clock=time.perf_counter) -> dict[str, float]:
+    times = {k: [] for k in models}
+    for model in models.values():
+        train_step(model, x)  # warm-up
+    for _ in range(rounds):
+        for name, model in models.items():
+            start = clock()
+            train_step(model, x)
+            times[name].append(clock() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--spec", default="2+4R2+2")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time, or this process's CPU time")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--json", action="store_true")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kinds = ["mesh", "base", "vanilla", "hf-neox"]
+    models = {k: build(k, args) for k in kinds}
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    secs = time_models(models, x, args.rounds, clock)
+    saved = {k: saved_bytes(m, x) for k, m in models.items()}
+    rss = {k: rss_growth(k, args) for k in kinds}
+    result = {
+        "setup": vars(args) | {"threads": torch.get_num_threads()},
+        "seconds_per_step": secs, "saved_bytes": saved, "rss_growth_bytes": rss,
+        "ratios": {
+            "mesh/base time": secs["mesh"] / secs["base"],
+            "mesh/base saved memory": saved["mesh"] / saved["base"],
+            "mesh/base rss growth": rss["mesh"] / rss["base"],
+            "meshlm vanilla/transformers GPT-NeoX time": secs["vanilla"] / secs["hf-neox"],
+            "meshlm vanilla/transformers GPT-NeoX saved memory": saved["vanilla"] / saved["hf-neox"],
+        },
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"setup: {result['setup']}")
+    for k in kinds:
+        print(f"{k:>8}: {secs[k] * 1000:8.1f} ms/step  saved {saved[k] / 2**20:8.1f} MiB  "
+              f"rss +{rss[k] / 2**20:8.1f} MiB")
+    for name, ratio in result["ratios"].items():
+        print(f"{name:<48} {ratio:.3f}×")
+
+
+if __name__ == "__main__":
+    main()
