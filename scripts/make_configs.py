@@ -55,7 +55,9 @@ def cpu_configs() -> dict[str, dict]:
     for scheme in SCHEMES:
         out[f"cpu/small-{slug(scheme)}"] = {"model": {"preset": "mesh-small", "scheme": scheme},
                                             "train": {"name": f"small-{slug(scheme)}"}}
-    out["cpu/small-vanilla"] = {"model": {"preset": "vanilla-small"}, "train": {"name": "small-vanilla"}}
+    # the compute-matched vanilla stack: unrolled depth of mesh-small (2+2·2+2 = 8), same width
+    out["cpu/small-vanilla"] = {"model": {"preset": "mesh-small", "spec": "8", "scheme": "vanilla"},
+                                "train": {"name": "small-vanilla"}}
     out["cpu/tiny"] = {"model": {"preset": "tiny", "vocab_size": 8192},
                        "train": {"name": "tiny", "steps": 50, "seq_len": 64, "global_batch": 8, "micro_batch": 8,
                                  "eval_every": 25, "save_every": 25}}

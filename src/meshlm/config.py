@@ -10,6 +10,11 @@ Tokens are separated by "+"; the first is the prelude, the last the coda, every 
 ("C" or "CrK", r/R case-insensitive). The loop runs the cores in order, each K times; one *step* is one
 core pass, so `n_steps` = ΣK. Unrolled (compute) depth = P + ΣC·K + D; unique depth = P + ΣC + D.
 
+The layer kind is `backbone` (docs/backbones.md): "neox" (Pythia: LayerNorm, parallel residual, GELU MLP,
+biases, partial rotary), "llama" (RMSNorm, sequential residual, SwiGLU, no biases, full rotary, grouped-query
+attention) or "olmoe" (Llama-style attention with QK-norm and a top-k routed mixture of SwiGLU experts).
+Fields left at None take the backbone's default (`rotary_fraction`, `kv_heads`, `mlp_width`, `uses_qk_norm`).
+
 Every invalid field is reported at once, in one `ConfigError` message that says what would be valid.
 """
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import Any
 from meshlm.errors import ConfigError
 
 _CORE = re.compile(r"^(\d+)(?:[rR](\d+))?$")
+BACKBONES = ("neox", "llama", "olmoe")  # layer kinds; meshlm.model.backbones maps each to its layer class
 
 
 @dataclass(frozen=True)
@@ -87,10 +93,20 @@ class ModelConfig:
     n_heads: int = 8
     vocab_size: int = 8192
     context_length: int = 512
-    rotary_pct: float = 0.25  # Pythia rotates the first 25% of each head's dims
+    backbone: str = "neox"  # one of BACKBONES
+    rotary_pct: float | None = None  # None -> 0.25 for neox (Pythia), 1.0 (every head dim) for llama/olmoe
     rotary_base: float = 10000.0
-    layer_norm_eps: float = 1e-5
-    mlp_ratio: int = 4
+    layer_norm_eps: float = 1e-5  # eps of every norm: LayerNorm (neox) or RMSNorm (llama, olmoe)
+    mlp_ratio: int = 4  # sets the MLP width when mlp_hidden is None (see `mlp_width`)
+    mlp_hidden: int | None = None  # MLP width (per expert for olmoe); None -> the backbone's rule
+    n_kv_heads: int | None = None  # grouped-query attention (llama/olmoe); None -> n_heads
+    qk_norm: bool | None = None  # RMSNorm on the q and k projections (llama/olmoe); None -> olmoe only
+    tie_embeddings: bool = False  # the output layer reuses the input embedding matrix (Pythia, OLMoE: no)
+    n_experts: int = 8  # olmoe: routed experts per layer (OLMoE-1B-7B: 64)
+    top_k: int = 2  # olmoe: experts per token (OLMoE-1B-7B: 8)
+    norm_topk_prob: bool = False  # olmoe: renormalise the top-k router probabilities to sum to 1 (OLMoE: no)
+    aux_loss_weight: float = 0.01  # olmoe: load-balancing loss weight in the training loss (OLMoE: 0.01)
+    z_loss_weight: float = 0.001  # olmoe: router z-loss weight in the training loss (OLMoE: 0.001)
     scheme: str = "mesh"  # a name in meshlm.model.schemes.SCHEMES
     scheme_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"slots": 5} for mesh
     scale_embeddings: bool = True  # MeSH paper: embeddings × √d (Pythia: off)
@@ -111,8 +127,35 @@ class ModelConfig:
         return self.d_model // self.n_heads
 
     @property
+    def rotary_fraction(self) -> float:
+        if self.rotary_pct is not None:
+            return self.rotary_pct
+        return 0.25 if self.backbone == "neox" else 1.0
+
+    @property
     def rotary_dims(self) -> int:
-        return int(self.head_dim * self.rotary_pct)
+        return int(self.head_dim * self.rotary_fraction)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def mlp_width(self) -> int:
+        """Hidden width of the MLP (of each expert for olmoe). Defaults by backbone:
+        neox mlp_ratio·d (Pythia); llama ⅔·mlp_ratio·d rounded up to a multiple of 64 (SwiGLU has three
+        matrices, so this keeps the MLP's parameters near neox's); olmoe mlp_ratio·d / 8 (= d/2, OLMoE-1B-7B)."""
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        if self.backbone == "llama":
+            return -(-2 * self.mlp_ratio * self.d_model // (3 * 64)) * 64  # ceil(⅔·ratio·d / 64)·64
+        if self.backbone == "olmoe":
+            return max(1, self.mlp_ratio * self.d_model // 8)
+        return self.mlp_ratio * self.d_model
+
+    @property
+    def uses_qk_norm(self) -> bool:
+        return self.backbone == "olmoe" if self.qk_norm is None else bool(self.qk_norm)
 
     # -- validation ----------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -134,17 +177,19 @@ class ModelConfig:
             need(self.d_model % self.n_heads == 0,
                  f"n_heads={self.n_heads} must divide d_model={self.d_model} (e.g. n_heads="
                  f"{_divisor_near(self.d_model, self.n_heads)})")
-            if self.d_model % self.n_heads == 0:
+            if self.d_model % self.n_heads == 0 and _is_number(self.rotary_fraction):
                 need(self.rotary_dims % 2 == 0,
-                     f"rotary_pct={self.rotary_pct} gives {self.rotary_dims} rotary dims per head; "
+                     f"rotary_pct={self.rotary_fraction} gives {self.rotary_dims} rotary dims per head; "
                      "it must be even (head_dim × rotary_pct)")
         need(_is_int(self.vocab_size) and self.vocab_size > 1, f"vocab_size={self.vocab_size!r} must be >= 2")
         need(_is_int(self.context_length) and self.context_length > 0,
              f"context_length={self.context_length!r} must be a positive integer")
-        need(0.0 <= self.rotary_pct <= 1.0, f"rotary_pct={self.rotary_pct} must be in [0, 1]")
+        need(self.rotary_pct is None or (_is_number(self.rotary_pct) and 0.0 <= self.rotary_pct <= 1.0),
+             f"rotary_pct={self.rotary_pct} must be in [0, 1] (or null for the backbone's default)")
         need(self.rotary_base > 0, f"rotary_base={self.rotary_base} must be > 0")
         need(self.layer_norm_eps > 0, f"layer_norm_eps={self.layer_norm_eps} must be > 0")
         need(_is_int(self.mlp_ratio) and self.mlp_ratio > 0, f"mlp_ratio={self.mlp_ratio!r} must be >= 1")
+        problems.extend(self._backbone_problems())
         need(self.init_std > 0, f"init_std={self.init_std} must be > 0")
         need(self.router_init_std >= 0, f"router_init_std={self.router_init_std} must be >= 0")
         need(isinstance(self.scheme_options, dict), "scheme_options must be a mapping")
@@ -154,6 +199,35 @@ class ModelConfig:
             problems.extend(scheme_problems(self.scheme, self.scheme_options, layout))
         if problems:
             raise ConfigError("invalid model config: " + "; ".join(problems))
+
+    def _backbone_problems(self) -> list[str]:
+        """Problems with the backbone and the fields only some backbones use."""
+        if self.backbone not in BACKBONES:
+            return [f"backbone={self.backbone!r} is unknown; choose one of: {', '.join(BACKBONES)}"]
+        out, kv = [], self.n_kv_heads
+        if self.mlp_hidden is not None and not (_is_int(self.mlp_hidden) and self.mlp_hidden > 0):
+            out.append(f"mlp_hidden={self.mlp_hidden!r} must be a positive integer (or null for the default)")
+        if kv is not None and not (_is_int(kv) and kv > 0 and _is_int(self.n_heads) and self.n_heads % kv == 0):
+            out.append(f"n_kv_heads={kv!r} must be a positive divisor of n_heads={self.n_heads} (or null)")
+        elif self.backbone == "neox" and kv not in (None, self.n_heads):
+            out.append(f"n_kv_heads={kv}: the neox backbone has no grouped-query attention; use backbone "
+                       f"'llama' or 'olmoe', or n_kv_heads=null")
+        for name in ("qk_norm", "tie_embeddings", "norm_topk_prob"):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or (value is None and name == "qk_norm")):
+                out.append(f"{name}={value!r} must be true or false")
+        if self.backbone == "neox" and self.qk_norm:
+            out.append("qk_norm=true: the neox backbone has no QK-norm; use backbone 'llama' or 'olmoe'")
+        for name in ("aux_loss_weight", "z_loss_weight"):
+            if not (_is_number(getattr(self, name)) and getattr(self, name) >= 0):
+                out.append(f"{name}={getattr(self, name)!r} must be a number >= 0")
+        if self.backbone == "olmoe":
+            e, k = self.n_experts, self.top_k
+            if not (_is_int(e) and e >= 1):
+                out.append(f"n_experts={e!r} must be an integer >= 1 (OLMoE-1B-7B: 64)")
+            elif not (_is_int(k) and 1 <= k <= e):
+                out.append(f"top_k={k!r} must be an integer in [1, n_experts={e}] (OLMoE-1B-7B: 8 of 64)")
+        return out
 
     # -- serialisation -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -182,6 +256,10 @@ class ModelConfig:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _divisor_near(n: int, target: int) -> int:
@@ -219,12 +297,38 @@ def _pythia(size: str, spec: str | None) -> dict[str, Any]:
     return {**base, "spec": spec, "scheme": "mesh"}
 
 
+# Llama and OLMoE backbones (docs/backbones.md). `olmoe-1b-7b` is OLMoE-1B-7B's public shape (6.9B total /
+# 1.3B active). The MeSH paper's OLMoE comparison states only "2.6B total / 512M active"; meshlm's reading
+# is Pythia-410M's trunk (24 layers, d 1024, 16 heads) with OLMoE-1B-7B's MoE recipe (64 experts, top-8,
+# expert width d/2 = 512): 2.62B total / 0.51B active (tests/test_backbones.py checks the counts).
+_OLMOE = dict(backbone="olmoe", vocab_size=50304, context_length=4096, n_experts=64, top_k=8)
+_OLMOE_410M = dict(_OLMOE, d_model=1024, n_heads=16, mlp_hidden=512)
+_SMALL = dict(d_model=128, n_heads=4, vocab_size=8192, context_length=256)
+_LLAMA_OLMOE: dict[str, dict[str, Any]] = {
+    "tiny-llama": dict(spec="1+2R2+1", d_model=64, n_heads=4, n_kv_heads=2, vocab_size=512, context_length=128,
+                       backbone="llama"),
+    "tiny-olmoe": dict(spec="1+2R2+1", d_model=64, n_heads=4, vocab_size=512, context_length=128,
+                       backbone="olmoe", n_experts=4, top_k=2),
+    # CPU scale: a vanilla 8-layer Llama (the retrofit source) and MeSH models with 8 unrolled layers
+    "llama-small": dict(_SMALL, spec="8", scheme="vanilla", backbone="llama", n_kv_heads=2),
+    "llama-mesh-small": dict(_SMALL, spec="2+2R2+2", backbone="llama", n_kv_heads=2),
+    "olmoe-small": dict(_SMALL, spec="2+2R2+2", backbone="olmoe", n_experts=8, top_k=2, mlp_hidden=128),
+    "olmoe-vanilla-small": dict(_SMALL, spec="8", scheme="vanilla", backbone="olmoe", n_experts=8, top_k=2,
+                                mlp_hidden=128),
+    "olmoe-1b-7b": dict(_OLMOE, spec="16", scheme="vanilla", d_model=2048, n_heads=16, mlp_hidden=1024),
+    "olmoe-2.6b-a512m": dict(_OLMOE_410M, spec="24", scheme="vanilla"),
+    "olmoe-2.6b-a512m-4+8R2+4": dict(_OLMOE_410M, spec="4+8R2+4", scheme="mesh"),
+}
+
 PRESETS: dict[str, dict[str, Any]] = {
     **{f"pythia-{s}": _pythia(s, None) for s in _PYTHIA},
     **{f"pythia-{s}-{spec}": _pythia(s, spec) for s, specs in _PAPER_SPLITS.items() for spec in specs},
     # CPU scale. `tiny` is for tests; `mesh-small` is what `meshlm train` trains by default.
     "tiny": dict(spec="1+2R2+1", d_model=64, n_heads=4, vocab_size=512, context_length=128),
-    "mesh-small": dict(spec="2+4R2+2", d_model=256, n_heads=8, vocab_size=8192, context_length=256),
+    # d=128: on 2 CPU cores a small model sees ~3x the tokens of a d=256 one in the same minutes and ends
+    # lower (measured at equal wall time: d=128 "2+2R2+2" reached val ppl 395 where d=256 "1+2R2+1" got 442)
+    "mesh-small": dict(spec="2+2R2+2", d_model=128, n_heads=4, vocab_size=8192, context_length=256),
     "vanilla-small": dict(spec="12", d_model=256, n_heads=8, vocab_size=8192, context_length=256,
                           scheme="vanilla"),
+    **_LLAMA_OLMOE,
 }

@@ -1,16 +1,19 @@
-"""Conversion between Hugging Face GPT-NeoX (Pythia) folders, meshlm checkpoints and meshlm HF folders.
+"""Conversion between Hugging Face model folders (GPT-NeoX/Pythia, Llama, OLMoE), meshlm checkpoints and
+meshlm HF folders.
 
-    neox  -> meshlm   a vanilla meshlm checkpoint with the same logits (Pythia: no embedding scaling)
-    meshlm -> neox    only a vanilla model (no shared layers, no scheme parameters) is a GPT-NeoX; a model
-                      trained with scaled embeddings has √d folded into embed_in, which is exact
-    meshlm -> hf      a MeshForCausalLM folder (any scheme) for transformers / lm-eval (meshlm.hf)
+    neox | llama | olmoe -> meshlm   a vanilla meshlm checkpoint with the same logits (no embedding scaling)
+    meshlm -> neox | llama | olmoe   only a vanilla model (no shared layers, no scheme parameters) of the
+                      family's backbone; a model trained with scaled embeddings has √d folded into the input
+                      table, which is exact (a tied model is then written untied: the output layer keeps the
+                      unscaled table)
+    meshlm -> hf      a MeshForCausalLM folder (any scheme, any backbone) for transformers / lm-eval (meshlm.hf)
     hf     -> meshlm  back to a meshlm checkpoint
 
 Formats are recognised from config.json: "format": "meshlm-checkpoint/1" (meshlm), "model_type": "meshlm"
-(meshlm HF folder) or "gpt_neox". GPT-NeoX weights are read from model.safetensors, a sharded
-model.safetensors.index.json or pytorch_model.bin (loaded with weights_only=True); the output layer may be
-`embed_out` (Pythia's files) or `lm_head` (transformers 5 modules). Written GPT-NeoX files use Pythia's
-`embed_out.weight`, and config.json carries both transformers-5 `rope_parameters` and Pythia's legacy keys.
+(meshlm HF folder), "gpt_neox", "llama" or "olmoe" (meshlm.families has the name mappings). Weights are read
+from model.safetensors, a sharded model.safetensors.index.json or pytorch_model.bin (loaded with
+weights_only=True). Written GPT-NeoX files use Pythia's `embed_out.weight`, and config.json carries both
+transformers-5 `rope_parameters` and Pythia's legacy keys; written OLMoE files hold one matrix per expert.
 
 A meshlm checkpoint written here is a directory with model.safetensors and config.json in the format of
 meshlm.checkpoint (step 0, no optimizer state): `load_model` reads it, and it is the starting point for
@@ -31,16 +34,25 @@ import torch
 from meshlm import checkpoint
 from meshlm.config import ModelConfig
 from meshlm.errors import CheckpointError, ConfigError
+from meshlm.families import (
+    BY_MODEL_TYPE,
+    FAMILIES,
+    Family,
+    export_problems,
+    from_meshlm,
+    hf_config,
+    split_experts,
+    to_meshlm,
+)
+from meshlm.families import model_config as family_model_config
 from meshlm.model import MeshLM
-from meshlm.neox import meshlm_to_neox, neox_config_kwargs, neox_to_meshlm
 
-FORMATS = ("meshlm", "neox", "hf")
-_IGNORED_NEOX = ("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq")  # buffers in old files
+FORMATS = ("meshlm", "hf", *FAMILIES)
 
 
 # -- recognising a folder ----------------------------------------------------------------------------------
 def detect_format(path: str | Path) -> str:
-    """"meshlm" (checkpoint or run dir), "hf" (a meshlm HF folder) or "neox"; CheckpointError otherwise."""
+    """"meshlm" (checkpoint or run dir), "hf" (a meshlm HF folder) or a family name (meshlm.families)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory; pass a checkpoint folder")
@@ -48,15 +60,19 @@ def detect_format(path: str | Path) -> str:
     if not config.is_file():
         if (path / "latest").is_file() or checkpoint.list_checkpoints(path):
             return "meshlm"
-        raise CheckpointError(f"{path} has no config.json: it is not a GPT-NeoX, meshlm or meshlm-HF checkpoint")
+        raise CheckpointError(f"{path} has no config.json: it is not a {_KNOWN} checkpoint")
     raw = _read_json(config)
     if raw.get("format") == checkpoint.FORMAT:
         return "meshlm"
-    kind = {"meshlm": "hf", "gpt_neox": "neox"}.get(raw.get("model_type"))
-    if kind is None:
-        raise CheckpointError(f"{config} describes model_type {raw.get('model_type')!r}, not a GPT-NeoX (Pythia), "
-                              f"meshlm or meshlm-HF checkpoint; pass a folder holding one of those")
-    return kind
+    if raw.get("model_type") == "meshlm":
+        return "hf"
+    if raw.get("model_type") not in BY_MODEL_TYPE:
+        raise CheckpointError(f"{config} describes model_type {raw.get('model_type')!r}, not a {_KNOWN} "
+                              f"checkpoint; pass a folder holding one of those")
+    return BY_MODEL_TYPE[raw["model_type"]].name
+
+
+_KNOWN = ", ".join(f.title for f in FAMILIES.values()) + ", meshlm or meshlm-HF"
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -69,44 +85,31 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-# -- GPT-NeoX folders --------------------------------------------------------------------------------------
-def neox_model_config(raw: dict[str, Any], where: Path) -> ModelConfig:
-    """The vanilla meshlm config of a GPT-NeoX config.json; one error listing everything unsupported."""
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    d, inter = raw.get("hidden_size"), raw.get("intermediate_size")
-    problems = [msg for bad, msg in [
-        (raw.get("hidden_act", "gelu") != "gelu", f"hidden_act={raw.get('hidden_act')!r} (meshlm uses exact 'gelu')"),
-        (not raw.get("use_parallel_residual", True), "use_parallel_residual=false"),
-        (raw.get("tie_word_embeddings", False), "tied input/output embeddings"),
-        (not raw.get("attention_bias", True), "attention without bias"),
-        (rope.get("rope_type", "default") != "default", f"rope_type={rope.get('rope_type')!r} (only 'default')"),
-        (not (isinstance(d, int) and isinstance(inter, int) and d and inter % d == 0),
-         f"intermediate_size={inter} is not a multiple of hidden_size={d}"),
-    ] if bad]
-    if problems:
-        raise ConfigError(f"{where}: this GPT-NeoX variant is not supported by meshlm: " + "; ".join(problems))
-    return ModelConfig(
-        spec=str(raw["num_hidden_layers"]), d_model=d, n_heads=raw["num_attention_heads"],
-        vocab_size=raw["vocab_size"], context_length=raw.get("max_position_embeddings", 2048),
-        rotary_pct=float(raw.get("rotary_pct", rope.get("partial_rotary_factor", 0.25))),
-        rotary_base=float(raw.get("rotary_emb_base", rope.get("rope_theta", raw.get("rope_theta", 10000.0)))),
-        layer_norm_eps=float(raw.get("layer_norm_eps", 1e-5)), mlp_ratio=inter // d,
-        scheme="vanilla", scale_embeddings=False)
+# -- Hugging Face family folders (GPT-NeoX, Llama, OLMoE) ----------------------------------------------------
+def read_family(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(vanilla ModelConfig, meshlm-named fp32 state dict) of a GPT-NeoX, Llama or OLMoE folder, checked."""
+    folder = Path(folder)
+    kind = detect_format(folder)
+    if kind not in FAMILIES:
+        raise CheckpointError(f"{folder} is a {kind} checkpoint, not a Hugging Face {_KNOWN.split(', meshlm')[0]} "
+                              f"folder (config.json model_type must be one of {sorted(BY_MODEL_TYPE)})")
+    family = FAMILIES[kind]
+    cfg = family_model_config(_read_json(folder / "config.json"), family, folder / "config.json")
+    try:
+        state = {k: v.float() for k, v in to_meshlm(_read_weights(folder), cfg.layout, family).items()}
+    except ValueError as err:
+        raise CheckpointError(f"{folder}: the weights do not match config.json ({err})") from None
+    if cfg.tie_embeddings:
+        state.pop("embed_out.weight", None)  # some tied checkpoints store lm_head too: it is embed_in
+    _check_complete(cfg, state, folder)
+    return cfg, state
 
 
 def read_neox(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(vanilla ModelConfig, meshlm-named fp32 state dict) of a GPT-NeoX folder, checked against the config."""
-    folder = Path(folder)
+    """read_family for a GPT-NeoX folder only."""
     if detect_format(folder) != "neox":
         raise CheckpointError(f"{folder} is not a GPT-NeoX checkpoint (config.json model_type must be 'gpt_neox')")
-    cfg = neox_model_config(_read_json(folder / "config.json"), folder / "config.json")
-    state = {k: v for k, v in _read_neox_weights(folder).items() if not k.endswith(_IGNORED_NEOX)}
-    try:
-        state = {k: v.float() for k, v in neox_to_meshlm(state, cfg.layout).items()}
-    except ValueError as err:
-        raise CheckpointError(f"{folder}: the weights do not match config.json ({err})") from None
-    _check_complete(cfg, state, folder)
-    return cfg, state
+    return read_family(folder)
 
 
 def _check_complete(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: Path) -> None:
@@ -120,7 +123,7 @@ def _check_complete(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: Pa
                               f"model")
 
 
-def _read_neox_weights(folder: Path) -> dict[str, torch.Tensor]:
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -148,28 +151,32 @@ def _read_neox_weights(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def write_neox(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: str | Path, tokenizer=None) -> Path:
-    """Write a vanilla meshlm model as a GPT-NeoX folder (config.json + model.safetensors [+ tokenizer])."""
+def write_family(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: str | Path, family: Family,
+                 tokenizer=None) -> Path:
+    """Write a vanilla meshlm model as a GPT-NeoX, Llama or OLMoE folder (config.json + model.safetensors)."""
     from safetensors.torch import save_file
-    from transformers import GPTNeoXConfig
 
-    layout = cfg.layout
-    if cfg.scheme not in ("vanilla", "base") or layout.shares_weights or any(k.startswith("scheme.") for k in state):
-        raise ConfigError(f"only a vanilla model converts to GPT-NeoX; scheme {cfg.scheme!r} with spec {cfg.spec!r} "
-                          f"has no GPT-NeoX equivalent (export it with --to hf instead)")
+    problems = export_problems(cfg, family)
+    if problems or any(k.startswith("scheme.") for k in state):
+        raise ConfigError("; ".join(problems) or f"only a vanilla model converts to {family.title}")
     state = dict(state)
+    # with √d folded in, the two tables differ; meshlm reads GPT-NeoX folders untied only
+    tied = cfg.tie_embeddings and not cfg.scale_embeddings and family.name != "neox"
+    if cfg.tie_embeddings and not tied:
+        state["embed_out.weight"] = state["embed_in.weight"].clone()  # safetensors refuses shared tensors
     if cfg.scale_embeddings:  # e = embed_in(x)·√d  ==  (embed_in·√d)(x): fold the scale into the table
         state["embed_in.weight"] = state["embed_in.weight"] * math.sqrt(cfg.d_model)
-    neox = meshlm_to_neox(state, layout)
-    neox["embed_out.weight"] = neox.pop("lm_head.weight")  # Pythia's file name for the output layer
+    weights = split_experts(from_meshlm(state, cfg.layout, family))
+    if family.name == "neox":
+        weights["embed_out.weight"] = weights.pop("lm_head.weight")  # Pythia's file name for the output layer
     folder = _fresh_dir(folder)
-    config = GPTNeoXConfig(**neox_config_kwargs(cfg), architectures=["GPTNeoXForCausalLM"],
-                           bos_token_id=0, eos_token_id=0)
-    config.save_pretrained(folder)
-    raw = _read_json(folder / "config.json")  # add Pythia's legacy rotary keys for older transformers
-    raw.update(rotary_pct=cfg.rotary_pct, rotary_emb_base=cfg.rotary_base)
-    (folder / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
-    save_file({k: v.contiguous() for k, v in neox.items()}, str(folder / "model.safetensors"),
+    hf_config(cfg, family, tied, architectures=[family.architecture], bos_token_id=0, eos_token_id=0,
+              pad_token_id=1).save_pretrained(folder)
+    if family.name == "neox":  # add Pythia's legacy rotary keys for older transformers
+        raw = _read_json(folder / "config.json")
+        raw.update(rotary_pct=cfg.rotary_fraction, rotary_emb_base=cfg.rotary_base)
+        (folder / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
     if tokenizer is not None:
         from meshlm.hf import hf_tokenizer
@@ -233,36 +240,37 @@ def _fresh_dir(folder: str | Path, create: bool = True) -> Path:
 
 # -- one entry point for the CLI ---------------------------------------------------------------------------
 def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: str | None = None) -> Path:
-    """Convert between formats; `to` defaults to meshlm for neox/hf sources and to neox for meshlm sources."""
+    """Convert between formats; `to` defaults to meshlm for family/hf sources and, for meshlm sources, to the
+    family of the model's backbone."""
     from meshlm.tokenizer import load_tokenizer
 
     src = Path(src)
     kind = detect_format(src)
-    to = to or ("neox" if kind == "meshlm" else "meshlm")
-    if to not in FORMATS or to == kind:
-        raise ConfigError(f"cannot convert {kind} to {to!r}; choose --to from "
-                          f"{', '.join(f for f in FORMATS if f != kind)}")
-    if kind == "neox":
-        cfg, state = read_neox(src)
-        tok_file = src / "tokenizer.json"
-        tok_file = tok_file if tok_file.is_file() else None
-        if to == "meshlm":
-            return write_checkpoint(out, cfg, state, {"source": {"format": "neox", "path": str(src)}}, tok_file)
-        return _write_hf(cfg, state, out, load_tokenizer(tokenizer or tok_file or "default"))
-    if kind == "hf":
+    if kind == "meshlm":
+        model = checkpoint.load_model(src)
+        cfg, state, tok_file = model.config, model.state_dict(), checkpoint_tokenizer(src)
+    elif kind == "hf":
         from meshlm.hf import load_hf
 
         model = load_hf(src).model
-        tok_file = src / "tokenizer.json" if (src / "tokenizer.json").is_file() else None
-        if to == "meshlm":
-            return write_checkpoint(out, model.config, model.state_dict(),
-                                    {"source": {"format": "hf", "path": str(src)}}, tok_file)
-        return write_neox(model.config, model.state_dict(), out, load_tokenizer(tokenizer or tok_file or "default"))
-    model = checkpoint.load_model(src)
-    tok = load_tokenizer(tokenizer or checkpoint_tokenizer(src))
-    if to == "neox":
-        return write_neox(model.config, model.state_dict(), out, tok)
-    return _write_hf(model.config, model.state_dict(), out, tok)
+        cfg, state, tok_file = model.config, model.state_dict(), _tokenizer_file(src)
+    else:
+        (cfg, state), tok_file = read_family(src), _tokenizer_file(src)
+    to = to or (cfg.backbone if kind == "meshlm" else "meshlm")
+    if to not in FORMATS or to == kind:
+        raise ConfigError(f"cannot convert {kind} to {to!r}; choose --to from "
+                          f"{', '.join(f for f in FORMATS if f != kind)}")
+    if to == "meshlm":
+        local = Path(tok_file) if tok_file and Path(tok_file).is_file() else None
+        return write_checkpoint(out, cfg, state, {"source": {"format": kind, "path": str(src)}}, local)
+    tok = load_tokenizer(tokenizer or tok_file or "default")
+    if to == "hf":
+        return _write_hf(cfg, state, out, tok)
+    return write_family(cfg, state, out, FAMILIES[to], tok)
+
+
+def _tokenizer_file(folder: Path) -> str | None:
+    return str(folder / "tokenizer.json") if (folder / "tokenizer.json").is_file() else None
 
 
 def _write_hf(cfg: ModelConfig, state: dict[str, torch.Tensor], out: str | Path, tok) -> Path:

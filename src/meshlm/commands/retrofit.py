@@ -1,7 +1,9 @@
-"""`meshlm retrofit SRC OUT --spec 4+8R2+4`: a looped / MeSH model initialised from a GPT-NeoX stack.
+"""`meshlm retrofit SRC OUT --spec 4+8R2+4`: a looped / MeSH model initialised from a vanilla stack
+(a GPT-NeoX/Pythia, Llama-family or OLMoE Hugging Face folder, or a vanilla meshlm checkpoint).
 
 Prelude and coda are the first and last source layers; the shared core replaces the middle blocks, taken
-as is (--core-init block --block N) or averaged (--core-init average). See meshlm.retrofit and docs/hf.md.
+as is (--core-init block --block N) or averaged (--core-init average). See meshlm.retrofit, docs/hf.md and
+docs/backbones.md.
 The output is a meshlm checkpoint (step 0) ready for continued training.
 """
 from __future__ import annotations
@@ -11,15 +13,16 @@ import json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", help="GPT-NeoX (Pythia) folder or vanilla meshlm checkpoint")
+    p.add_argument("source", help="GPT-NeoX (Pythia), Llama or OLMoE folder, or a vanilla meshlm checkpoint")
     p.add_argument("out", help="output checkpoint folder (must not exist or be empty)")
     p.add_argument("--spec", required=True, help='target layout, e.g. "4+8R2+4" for a 24-layer source')
     p.add_argument("--scheme", default="mesh", help="state scheme of the new model (default mesh)")
     p.add_argument("--core-init", choices=("average", "block"), default="average",
                    help="shared core = layer-wise mean of the blocks it replaces (default), or one block as is")
     p.add_argument("--block", type=int, default=0, help="with --core-init block: which block (0 = first, -1 = last)")
-    p.add_argument("--router-start", choices=("fresh", "base"), default="fresh",
-                   help="MeSH routers: meshlm's init (fresh) or biased to start as plain recursion (base)")
+    p.add_argument("--router-start", choices=("fresh", "base"), default="base",
+                   help="MeSH routers: biased to start as plain recursion, close to the source (base, default), "
+                        "or meshlm's near-uniform init (fresh)")
     p.add_argument("--scheme-options", default="{}", help='JSON, e.g. \'{"slots": 6}\'')
     p.add_argument("--seed", type=int, default=0, help="seed for the scheme parameters' init")
 

@@ -39,7 +39,7 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = MeshConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
-    _no_split_modules = ["NeoXLayer"]
+    _no_split_modules = ["NeoXLayer", "LlamaLayer", "OlmoeLayer"]  # every meshlm.model.layers.Layer kind
     _supports_sdpa = True  # attention always runs through F.scaled_dot_product_attention
 
     def __init__(self, config: MeshConfig):
@@ -54,8 +54,8 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.embed_in
 
-    def get_output_embeddings(self) -> torch.nn.Module:
-        return self.model.embed_out
+    def get_output_embeddings(self) -> torch.nn.Module | None:
+        return self.model.embed_out  # None with tie_embeddings: meshlm ties inside the model
 
     def forward(
         self,

@@ -1,4 +1,4 @@
-"""The meshlm model: GPT-NeoX layers, the loop, the state schemes and MeSH."""
+"""The meshlm model: the layer kinds (GPT-NeoX, Llama, OLMoE MoE), the loop, the state schemes and MeSH."""
 from meshlm.model.lm import LMOutput, MeshLM, Stages
 from meshlm.model.schemes import SCHEMES
 

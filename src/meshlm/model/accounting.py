@@ -2,12 +2,14 @@
 
 Counts come from the real module tree built on the meta device (no memory is allocated), so they cannot
 drift from the model. Conventions:
-- embedding parameters: input embedding + output unembedding (untied, as Pythia);
-  non-embedding = everything else (layers, final LayerNorm, scheme parameters such as MeSH routers).
-- forward FLOPs per token (PaLM convention, one multiply-add = 2 FLOPs): 2 × matmul weights of every
-  *unrolled* layer, + 4·d·T per unrolled layer for attention scores and mixing at context T,
-  + 2·d·V for the unembedding, + what the scheme adds (MeSH: counted as in the paper).
-  Training FLOPs per token = 3 × forward.
+- embedding parameters: input embedding + output unembedding (counted once when tied);
+  non-embedding = everything else (layers, final norm, scheme parameters such as MeSH routers).
+- active parameters (mixture of experts): the parameters one token uses, i.e. total minus the experts it
+  is not routed to: each layer's experts count k/E of their size. Dense backbones: active = total.
+- forward FLOPs per token (PaLM convention, one multiply-add = 2 FLOPs), *active* compute: 2 × the matmul
+  weights a token meets in every *unrolled* layer (for MoE: the expert router and k of E experts),
+  + 4·d·T per unrolled layer for attention scores and mixing at context T, + 2·d·V for the unembedding,
+  + what the scheme adds (MeSH: counted as in the paper). Training FLOPs per token = 3 × forward.
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from meshlm.config import ModelConfig
+from meshlm.model.layers import Layer
 from meshlm.model.lm import MeshLM
+from meshlm.model.moe import Experts
 
 
 @dataclass
@@ -25,6 +29,8 @@ class Accounting:
     embedding_params: int
     non_embedding_params: int
     scheme_params: int  # MeSH routers, learned mixing coefficients; 0 for fixed schemes
+    active_params: int  # parameters one token uses (MoE: k of E experts per layer); = total_params if dense
+    active_non_embedding_params: int
     unique_layers: int
     unrolled_layers: int
     loop_steps: int
@@ -33,6 +39,9 @@ class Accounting:
     scheme_flops_per_token: int
     train_flops_per_token: int
     context_length: int
+    backbone: str
+    experts: int | None  # MoE: experts per layer (E) and experts per token (k)
+    experts_per_token: int | None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -42,21 +51,40 @@ def count(params) -> int:
     return sum(p.numel() for p in params)
 
 
+def active_share(cfg: ModelConfig) -> float:
+    """Fraction of each expert tensor one token uses: k/E for MoE, 1 for dense layers."""
+    return cfg.top_k / cfg.n_experts if cfg.backbone == "olmoe" else 1.0
+
+
+def matmul_weights(layer: Layer, share: float) -> float:
+    """Weights one token multiplies with in one layer: every Linear's, and `share` of each expert tensor."""
+    linear = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    experts = sum(count(m.parameters()) for m in layer.modules() if isinstance(m, Experts))
+    return linear + share * experts
+
+
 def account(model: MeshLM, context_length: int | None = None) -> Accounting:
     cfg = model.config
     layout = cfg.layout
     t = context_length or cfg.context_length
     d = cfg.d_model
-    embedding = count(model.embed_in.parameters()) + count(model.embed_out.parameters())
+    embedding = count(model.embed_in.parameters()) + (count(model.embed_out.parameters()) if model.embed_out else 0)
     total = count(model.parameters())
-    layer_matmul = 4 * d * d + 2 * cfg.mlp_ratio * d * d  # qkv (3d²) + dense (d²) + MLP (2·ratio·d²)
+    share = active_share(cfg)
+    experts = sum(count(m.parameters()) for m in model.modules() if isinstance(m, Experts))
+    active = total - round((1 - share) * experts)
+    layer = next(m for m in model.modules() if isinstance(m, Layer))  # every layer has the same shape
+    layer_matmul = round(matmul_weights(layer, share))  # neox: qkv 3d² + dense d² + MLP 2·ratio·d²
     scheme_flops = model.scheme.flops_per_token(d, layout.n_steps)
     forward = layout.unrolled_depth * (2 * layer_matmul + 4 * d * t) + 2 * d * cfg.vocab_size + scheme_flops
+    moe = cfg.backbone == "olmoe"
     return Accounting(
         total_params=total,
         embedding_params=embedding,
         non_embedding_params=total - embedding,
         scheme_params=count(model.scheme.parameters()),
+        active_params=active,
+        active_non_embedding_params=active - embedding,
         unique_layers=layout.unique_depth,
         unrolled_layers=layout.unrolled_depth,
         loop_steps=layout.n_steps,
@@ -65,6 +93,9 @@ def account(model: MeshLM, context_length: int | None = None) -> Accounting:
         scheme_flops_per_token=scheme_flops,
         train_flops_per_token=3 * forward,
         context_length=t,
+        backbone=cfg.backbone,
+        experts=cfg.n_experts if moe else None,
+        experts_per_token=cfg.top_k if moe else None,
     )
 
 

@@ -3,9 +3,10 @@
 | parameter                                         | init                                         |
 |---------------------------------------------------|----------------------------------------------|
 | input and output embeddings, every other Linear   | normal(0, init_std = 0.02), biases 0         |
-| output projections (attention.dense, dense_4h_to_h)| normal(0, init_std / √(2·N)), N = unrolled   |
-|                                                   | depth (if scale_output_init; else init_std)  |
-| LayerNorm                                         | weight 1, bias 0                             |
+| (incl. the MoE expert router and experts' gate/up)|                                              |
+| output projections (attention.dense, dense_4h_to_h,| normal(0, init_std / √(2·N)), N = unrolled   |
+| self_attn.o_proj, mlp.down_proj, experts.down_proj)| depth (if scale_output_init; else init_std)  |
+| LayerNorm, RMSNorm (incl. QK-norm)                | weight 1 (bias 0)                            |
 | MeSH routers                                      | normal(0, router_init_std = 0.02), bias 0:   |
 |                                                   | near-uniform routing at the start            |
 | static-mix α                                      | alpha_init (default 1, 1, 0)                 |
@@ -13,7 +14,7 @@
 |                                                   | alpha_init: starts as the static mix         |
 
 N counts *unrolled* layers (P + ΣC·K + D): a looped core adds to the residual stream K times, so its output
-projections are scaled as if it were K distinct layers.
+projections are scaled as if it were K distinct layers. The same table holds for every backbone.
 """
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ import torch
 from torch import nn
 
 from meshlm.config import ModelConfig
+from meshlm.model.layers import RMSNorm
 from meshlm.model.memory import Router
+from meshlm.model.moe import Experts
 from meshlm.model.schemes import DynamicAlpha, StaticAlpha
 
-OUTPUT_PROJECTIONS = ("attention.dense", "mlp.dense_4h_to_h")
+OUTPUT_PROJECTIONS = ("attention.dense", "mlp.dense_4h_to_h", "self_attn.o_proj", "mlp.down_proj")
 
 
 @torch.no_grad()
@@ -42,6 +45,11 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, Experts):
+            nn.init.normal_(module.gate_up_proj, std=cfg.init_std)
+            nn.init.normal_(module.down_proj, std=out_std)
     for module in model.scheme.modules():  # scheme pass: overrides the generic init of its Linears
         if isinstance(module, Router):
             nn.init.normal_(module.weight, std=cfg.router_init_std)

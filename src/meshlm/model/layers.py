@@ -1,18 +1,25 @@
-"""GPT-NeoX (Pythia) layer pieces, exactly as Pythia computes them. Nothing here knows about looping.
+"""Layer pieces shared by every backbone, and the GPT-NeoX (Pythia) layer. Nothing here knows about looping.
 
-One layer is the *parallel* residual of GPT-NeoX:
+Shared: rotary position embeddings (the "rotate half" convention of GPT-NeoX and Llama, on the first
+`rotary_dims` of each head), RMSNorm, the attention kernel `attend` (SDPA with the looped KV cache and
+grouped-query heads), the `Layer` base class every layer kind derives from, and the padding mask.
+The Llama and OLMoE layers live in meshlm.model.llama and meshlm.model.moe; meshlm.model.backbones maps
+`ModelConfig.backbone` to a layer class.
+
+The GPT-NeoX layer is the *parallel* residual of Pythia:
 
     x ─┬──────────────────────────────────────────┐
        ├─ LN1 ─ Attn(rotary on 25% of head dims) ─ + ─→ x + Attn(LN1 x) + MLP(LN2 x)
        └─ LN2 ─ Linear(d, 4d) ─ GELU ─ Linear(4d, d) ┘
 
-Parameter names follow Hugging Face's GPT-NeoX (`attention.query_key_value`, `mlp.dense_4h_to_h`, …) so
-Pythia checkpoints map onto meshlm by renaming layer indices only. The fused QKV projection is laid out per
-head as (heads, [q|k|v], head_dim), like Pythia. Attention runs through
+Parameter names follow Hugging Face (`attention.query_key_value`, `mlp.dense_4h_to_h`, …, and for Llama
+`self_attn.q_proj`, `mlp.gate_proj`, …) so checkpoints map onto meshlm by renaming layer indices only. The
+fused QKV projection is laid out per head as (heads, [q|k|v], head_dim), like Pythia. Attention runs through
 `F.scaled_dot_product_attention`, which picks a flash/memory-efficient kernel on GPUs.
 
 For incremental decoding a layer takes an optional `cache` (see meshlm.model.kv_cache) and the index of its
-*unrolled* slot in it: a looped core layer is called once per pass with a different slot.
+*unrolled* slot in it: a looped core layer is called once per pass with a different slot. Layers with a
+router (MoE) append its logits to `router_logits` when given a list; the others ignore it.
 """
 from __future__ import annotations
 
@@ -44,7 +51,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Rope:
         freqs = position_ids[..., None].float() * self.inv_freq  # (B, T, dims/2), fp32 for accuracy
-        angles = torch.cat((freqs, freqs), dim=-1)  # (B, T, dims), GPT-NeoX's "rotate half" layout
+        angles = torch.cat((freqs, freqs), dim=-1)  # (B, T, dims), the "rotate half" layout
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
@@ -57,11 +64,54 @@ def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
     """Rotate the first rotary_dims of x (B, H, T, hd); the remaining dims pass through unchanged."""
     cos, sin = (t.unsqueeze(1) for t in rope)  # (B, 1, T, r)
     r = cos.shape[-1]
+    if r == x.shape[-1]:  # Llama: every dim rotates (no slicing and concatenation)
+        return x * cos + _rotate_half(x) * sin
     x_rot, x_pass = x[..., :r], x[..., r:]
     return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
-class Attention(nn.Module):
+class RMSNorm(nn.Module):
+    """x / rms(x) · weight, normalised in fp32 and cast back before the weight (as Llama and OLMoE)."""
+
+    def __init__(self, width: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           cache: LayerCache | None, slot: int) -> torch.Tensor:
+    """Causal attention of q (B, H, T, hd) over k, v (B, H_kv, T, hd), H a multiple of H_kv (grouped-query).
+
+    With a cache, k and v are appended to this unrolled slot's history first (the cache stores H_kv heads).
+    mask None: plain causal attention, or (one query after a cached past) attend to every key. Otherwise a
+    boolean (B, 1, T, T_past + T) "may attend" mask (built by the model when it is needed).
+    """
+    if cache is not None:
+        k, v = cache.update(k, v, slot)  # (B, H_kv, T_past + T, hd): this slot's whole history
+    is_causal = mask is None and k.shape[-2] == q.shape[-2]
+    gqa = k.shape[1] != q.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
+
+
+class Layer(nn.Module):
+    """Base class of every layer kind: `forward(x, rope, mask, cache, slot, router_logits) -> x`, (B, T, d).
+
+    Wrappers that act per layer (activation checkpointing, compile, FSDP units) find layers by this class.
+    `norm` builds the backbone's normalisation (also used for the model's final norm).
+    """
+
+    @staticmethod
+    def norm(cfg: ModelConfig) -> nn.Module:
+        raise NotImplementedError
+
+
+# -- GPT-NeoX (Pythia) ----------------------------------------------------------------------------------------
+class NeoXAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
@@ -74,54 +124,38 @@ class Attention(nn.Module):
         qkv = self.query_key_value(x).view(b, t, self.n_heads, 3 * self.head_dim).transpose(1, 2)
         q, k, v = qkv.chunk(3, dim=-1)  # each (B, H, T, hd)
         # q, k become rotated copies; copying v too lets autograd free the fused qkv (3× the size of v)
-        q, k, v = apply_rotary(q, rope), apply_rotary(k, rope), v.contiguous()
-        if cache is not None:
-            k, v = cache.update(k, v, slot)  # (B, H, T_past + T, hd): this slot's whole history
-        # mask None: plain causal attention, or (one query after a cached past) attend to every key.
-        # Otherwise a boolean (B, 1, T, T_past + T) "may attend" mask (built by the model when it is needed).
-        is_causal = mask is None and k.shape[-2] == t
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal)
+        y = attend(apply_rotary(q, rope), apply_rotary(k, rope), v.contiguous(), mask, cache, slot)
         return self.dense(y.transpose(1, 2).reshape(b, t, d))
 
 
-class MLP(nn.Module):
+class NeoXMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.dense_h_to_4h = nn.Linear(cfg.d_model, cfg.mlp_ratio * cfg.d_model)
-        self.dense_4h_to_h = nn.Linear(cfg.mlp_ratio * cfg.d_model, cfg.d_model)  # depth-scaled init
+        self.dense_h_to_4h = nn.Linear(cfg.d_model, cfg.mlp_width)
+        self.dense_4h_to_h = nn.Linear(cfg.mlp_width, cfg.d_model)  # depth-scaled init
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))  # exact (erf) GELU, as Pythia
 
 
-class NeoXLayer(nn.Module):
+class NeoXLayer(Layer):
     """Pre-LN GPT-NeoX layer with parallel residual: x + Attn(LN1 x) + MLP(LN2 x)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.input_layernorm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.post_attention_layernorm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.attention = Attention(cfg)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = self.norm(cfg)
+        self.post_attention_layernorm = self.norm(cfg)
+        self.attention = NeoXAttention(cfg)
+        self.mlp = NeoXMLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None,
-                cache: LayerCache | None = None, slot: int = 0) -> torch.Tensor:
+    @staticmethod
+    def norm(cfg: ModelConfig) -> nn.Module:
+        return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None, cache: LayerCache | None = None,
+                slot: int = 0, router_logits: list[torch.Tensor] | None = None) -> torch.Tensor:
         attn = self.attention(self.input_layernorm(x), rope, mask, cache, slot)
         return x + attn + self.mlp(self.post_attention_layernorm(x))
-
-
-class Stack(nn.ModuleList):
-    """An ordinary stack of layers (prelude, one core, or coda): f(h) returns a full state, not a delta."""
-
-    def __init__(self, cfg: ModelConfig, n_layers: int):
-        super().__init__(NeoXLayer(cfg) for _ in range(n_layers))
-
-    def forward(self, h: torch.Tensor, rope: Rope, mask: torch.Tensor | None,
-                cache: LayerCache | None = None, first_slot: int = 0) -> torch.Tensor:
-        """Layer i of this stack uses cache slot first_slot + i (one slot per unrolled layer)."""
-        for i, layer in enumerate(self):
-            h = layer(h, rope, mask, cache, first_slot + i)
-        return h
 
 
 def attention_mask_from_padding(padding_mask: torch.Tensor, past: int = 0) -> torch.Tensor:

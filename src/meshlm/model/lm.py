@@ -6,11 +6,20 @@
                      ▼            for t in 0 … n_steps−1 (core = cores[schedule[t]]):
                     h^t ──core──> u^t ──scheme.update(t, h^t, u^t)──> h^{t+1}
                                                               │
-    logits <──embed_out── final LN <──coda── h^K <───────────┘
+    logits <──embed_out── final norm <──coda── h^K <─────────┘
 
 Every scheme (vanilla, base, residual, anchors, mixes, MeSH) runs through this same loop; only
 `scheme.begin` and `scheme.update` differ (meshlm.model.schemes, meshlm.model.memory). Vanilla is a spec
-whose cores each run once. The model knows nothing of training, data, files or devices.
+whose cores each run once. Every backbone (GPT-NeoX, Llama, OLMoE MoE: meshlm.model.backbones) runs through
+it too; only the layers and the final norm differ. The model knows nothing of training, data, files or devices.
+
+Tied embeddings (`tie_embeddings`): there is no `embed_out`; the output layer is `embed_in.weight` (the
+unscaled table: the √d scale applies to the input side only).
+
+Mixture-of-experts layers report their router logits (one (B·T, E) tensor per layer call, so a looped core
+contributes one per pass); the load-balancing and z-losses computed from them are returned in `LMOutput`
+and, in training mode, added to `loss` with `aux_loss_weight` / `z_loss_weight`. In eval mode `loss` is the
+plain next-token cross-entropy, so validation perplexity is comparable across backbones.
 
 Incremental decoding: pass a `cache` (meshlm.model.kv_cache) and only the new tokens. Each unrolled layer
 gets its own cache slot; the scheme state (MeSH buffer, anchors) is per token and needs none. With a cache,
@@ -29,9 +38,11 @@ from torch import nn
 
 from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
+from meshlm.model.backbones import Stack, final_norm
 from meshlm.model.init import init_weights
 from meshlm.model.kv_cache import LayerCache, slot_offsets
-from meshlm.model.layers import Rope, RotaryEmbedding, Stack, at_least_fp32, attention_mask_from_padding
+from meshlm.model.layers import Rope, RotaryEmbedding, at_least_fp32, attention_mask_from_padding
+from meshlm.model.moe import router_losses
 from meshlm.model.schemes import LoopContext, build_scheme
 
 
@@ -45,13 +56,17 @@ class Stages:
     core_outputs: list[torch.Tensor] = field(default_factory=list)  # f_core(h^t), t = 0 … K−1
     coda: torch.Tensor | None = None  # f_coda(h^K), before the final LayerNorm
     routing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # MeSH (write, read)
+    router_logits: list[torch.Tensor] = field(default_factory=list)  # MoE: (B·T, E) per layer call
 
 
 @dataclass
 class LMOutput:
     logits: torch.Tensor  # (B, T, vocab)
-    loss: torch.Tensor | None = None  # mean next-token cross-entropy over targets != ignore_index
+    loss: torch.Tensor | None = None  # the objective: lm_loss (+ weighted MoE losses in training mode)
     stages: Stages | None = None  # only with return_states=True
+    lm_loss: torch.Tensor | None = None  # mean next-token cross-entropy over targets != ignore_index
+    aux_loss: torch.Tensor | None = None  # MoE load-balancing loss, unweighted (None without MoE layers)
+    z_loss: torch.Tensor | None = None  # MoE router z-loss, unweighted
 
 
 class MeshLM(nn.Module):
@@ -64,8 +79,9 @@ class MeshLM(nn.Module):
         self.cores = nn.ModuleList(Stack(cfg, n) for n in layout.cores)
         self.coda = Stack(cfg, layout.coda)
         self.scheme = build_scheme(cfg)
-        self.final_layer_norm = nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
-        self.embed_out = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)  # untied, as Pythia
+        self.final_layer_norm = final_norm(cfg)
+        # untied as Pythia and OLMoE; tied: the output layer is embed_in.weight
+        self.embed_out = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rotary_dims, cfg.rotary_base)
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
         init_weights(self, cfg)
@@ -94,25 +110,41 @@ class MeshLM(nn.Module):
         e, rope, mask = self._prepare(input_ids, padding_mask, position_ids, cache)
         pre_slot, step_slots, coda_slot, _ = slot_offsets(self.config.layout, schedule)
 
-        ctx = LoopContext(e=e)
-        p = self.prelude(e, rope, mask, cache, pre_slot)
+        ctx, routed = LoopContext(e=e), []  # routed: MoE router logits of every layer call, in order
+        p = self.prelude(e, rope, mask, cache, pre_slot, routed)
         h = self.scheme.begin(ctx, p)
         stages = Stages(embeddings=e, prelude=p, states=[h]) if return_states else None
         for step, core_index in enumerate(schedule):
-            u = self.cores[core_index](h, rope, mask, cache, step_slots[step])
+            u = self.cores[core_index](h, rope, mask, cache, step_slots[step], routed)
             h = self.scheme.update(step, h, u, ctx)
             if stages is not None:
                 stages.core_outputs.append(u)
                 stages.states.append(h)
-        y = self.coda(h, rope, mask, cache, coda_slot)
-        logits = self.embed_out(self.final_layer_norm(y))  # (B, T, vocab)
+        y = self.coda(h, rope, mask, cache, coda_slot, routed)
+        logits = F.linear(self.final_layer_norm(y), self.output_weight)  # (B, T, vocab)
 
         if stages is not None:
-            stages.coda, stages.routing = y, ctx.routing
-        loss = None
+            stages.coda, stages.routing, stages.router_logits = y, ctx.routing, routed
+        return self._losses(LMOutput(logits=logits, stages=stages), targets, ignore_index, routed, padding_mask)
+
+    def _losses(self, out: LMOutput, targets: torch.Tensor | None, ignore_index: int,
+                routed: list[torch.Tensor], padding_mask: torch.Tensor | None) -> LMOutput:
+        """Fill lm_loss, the MoE losses (if any layer routed) and the objective `loss`."""
+        cfg = self.config
+        if routed:
+            token_mask = None if padding_mask is None else padding_mask[:, -out.logits.shape[1]:]  # (B, T)
+            out.aux_loss, out.z_loss = router_losses(routed, cfg.n_experts, cfg.top_k, token_mask)
         if targets is not None:
-            loss = F.cross_entropy(at_least_fp32(logits).flatten(0, 1), targets.flatten(), ignore_index=ignore_index)
-        return LMOutput(logits=logits, loss=loss, stages=stages)
+            logits = at_least_fp32(out.logits).flatten(0, 1)  # (B·T, vocab)
+            out.lm_loss = out.loss = F.cross_entropy(logits, targets.flatten(), ignore_index=ignore_index)
+            if routed and self.training:
+                out.loss = out.loss + cfg.aux_loss_weight * out.aux_loss + cfg.z_loss_weight * out.z_loss
+        return out
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """(vocab, d): embed_out's weight, or the input embedding table when tied."""
+        return self.embed_in.weight if self.embed_out is None else self.embed_out.weight
 
     def _prepare(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None,
                  position_ids: torch.Tensor | None, cache: LayerCache | None

@@ -1,0 +1,69 @@
+"""`meshlm eval CKPT`: validation perplexity, loss vs. loop count, and the paper's downstream suite
+through lm-evaluation-harness (0- and 5-shot by default); writes <run>/eval.json.
+
+    meshlm eval runs/small-mesh                          # everything (minutes to hours on a CPU)
+    meshlm eval runs/small-mesh --limit 50               # a quick look: 50 items per task, 50 windows
+    meshlm eval runs/small-mesh --tasks piqa,arc_easy --shots 0 --loops 1,2,3,4,6,8
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from meshlm.errors import ConfigError
+
+
+def int_list(text: str) -> list[int]:
+    """"0,5" -> [0, 5]; "none" or "" -> []."""
+    if text.strip().lower() in ("", "none"):
+        return []
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers, e.g. 0,5") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: values must be >= 0")
+    return values
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", metavar="CKPT", help="a run folder (its latest checkpoint) or a step-NNNNNN folder")
+    p.add_argument("--data", help="prepared-data folder for perplexity (default: what the model was trained on)")
+    p.add_argument("--tasks", default="all",
+                   help="comma-separated tasks, 'all' (default) or 'none': lambada_openai, piqa, hellaswag, "
+                        "winogrande, arc_easy, arc_challenge, sciq, mmlu")
+    p.add_argument("--shots", type=int_list, default=[0, 5], help="few-shot settings, e.g. 0,5 (default)")
+    p.add_argument("--loops", type=int_list, default=None,
+                   help="loop counts for loss vs. depth, e.g. 1,2,3,4, or none (default: 1 … 2K for looped models)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="at most N items per task (each MMLU subject counts as a task) and N validation windows")
+    p.add_argument("--batch-size", type=int, default=8, help="validation windows per forward (default 8)")
+    p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per forward when scoring tasks")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    p.add_argument("--out", help="where to write the JSON (default: <run>/eval.json)")
+    p.add_argument("--log-samples", action="store_true",
+                   help="also write every scored item (requests, answers, metrics) to eval-samples/<k>-shot.jsonl")
+    p.add_argument("--verbose", action="store_true", help="show lm-eval's own logging and progress bars")
+
+
+def run(args: argparse.Namespace) -> int:
+    from meshlm.evaluation.loaded import open_checkpoint
+    from meshlm.evaluation.run import EvalOptions, evaluate, write_json
+
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit {args.limit} must be >= 1 (omit it to evaluate everything)")
+    if min(args.batch_size, args.batch_tokens) < 1:
+        raise ConfigError("--batch-size and --batch-tokens must be >= 1")
+    if any(k < 1 for k in args.loops or []):
+        raise ConfigError(f"--loops {args.loops}: loop counts must be >= 1")
+    tasks = None if args.tasks.strip().lower() == "none" else args.tasks
+    loaded = open_checkpoint(args.checkpoint, args.device)
+    out = Path(args.out) if args.out else loaded.run_dir / "eval.json"
+    options = EvalOptions(data=args.data, loops=args.loops, tasks=tasks, shots=args.shots, limit=args.limit,
+                          batch_size=args.batch_size, batch_tokens=args.batch_tokens, verbose=args.verbose,
+                          samples_dir=out.parent / "eval-samples" if args.log_samples else None)
+    print(f"evaluating {loaded.path} ({loaded.model.config.spec} {loaded.model.config.scheme})")
+    result = evaluate(loaded, options)
+    path = write_json(result, out)
+    print(f"results: {path} ({result['seconds']:.0f} s)")
+    return 0

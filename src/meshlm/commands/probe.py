@@ -1,0 +1,92 @@
+"""`meshlm probe CKPT`: the paper's hidden-state probes and MeSH router behaviour on held-out sequences.
+
+    meshlm probe runs/small-mesh                         # 100 validation windows -> <run>/probe/
+    meshlm probe runs/small-base --samples 500 --tokens 128 --save-states
+
+Writes probe.json (mean, std and per-sample values of every measure; see meshlm.probes) and the PNG
+figures of meshlm.plots next to it.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from meshlm.errors import ConfigError
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", metavar="CKPT", help="a run folder (its latest checkpoint) or a step-NNNNNN folder")
+    p.add_argument("--samples", type=int, default=100, help="held-out sequences to probe (default 100)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per sequence (default: the training length)")
+    p.add_argument("--data", help="prepared-data folder (default: what the model was trained on)")
+    p.add_argument("--split", default="val", help="split of the prepared data (default val)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    p.add_argument("--out", help="output folder (default: <run>/probe)")
+    p.add_argument("--save-states", action="store_true",
+                   help="also write every sample's stage matrices to states.safetensors (N, stages, T, d)")
+
+
+def held_out_samples(data, n: int, tokens: int):
+    """`n` windows of `tokens` input tokens spread evenly over the split: (n', tokens) ids, n' <= n."""
+    import numpy as np
+    import torch
+
+    from meshlm.evaluation.perplexity import window_indices
+
+    indices = window_indices(data.num_sequences(tokens), n)
+    return torch.from_numpy(np.stack([data.sequence(i, tokens)[:-1] for i in indices]))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from meshlm import plots
+    from meshlm.evaluation.loaded import open_checkpoint
+    from meshlm.evaluation.run import write_json
+    from meshlm.probes import probe
+
+    if args.samples < 1 or args.batch_size < 1 or (args.tokens is not None and args.tokens < 2):
+        raise ConfigError("--samples and --batch-size must be >= 1 and --tokens >= 2")
+    loaded = open_checkpoint(args.checkpoint, args.device)
+    tokens = args.tokens or loaded.seq_len
+    if tokens > loaded.model.config.context_length:
+        raise ConfigError(f"--tokens {tokens} exceeds the model's context_length "
+                          f"{loaded.model.config.context_length}; pass a smaller --tokens")
+    samples = held_out_samples(loaded.held_out(args.data, args.split), args.samples, tokens)
+    if len(samples) < args.samples:
+        print(f"note: the {args.split} split holds only {len(samples)} windows of {tokens} tokens; probing those")
+    states = [] if args.save_states else None
+    result = probe(loaded.model, samples, args.batch_size, states)
+    result = {"checkpoint": str(loaded.path), "step": loaded.meta.get("step"), "label": loaded.run_dir.name,
+              "model": loaded.model.config.to_dict(), **result}
+    out = Path(args.out) if args.out else loaded.run_dir / "probe"
+    write_json(result, out / "probe.json")
+    paths = plots.save(plots.probe_figures([(result["label"], result)]), out)
+    if states is not None:
+        from safetensors.torch import save_file
+
+        save_file({"states": torch.stack(states)}, str(out / "states.safetensors"),
+                  metadata={"stages": ",".join(result["stages"])})
+    print(summary(result))
+    print(f"results: {out / 'probe.json'}; figures: {', '.join(p.name for p in paths)}")
+    return 0
+
+
+def _fmt(values: list[float]) -> str:
+    return " ".join(f"{v:.3f}" for v in values)
+
+
+def summary(r: dict) -> str:
+    """A few lines of the headline numbers (means over samples)."""
+    fmt, n = _fmt, len(r["stages"])
+    steps = [r["cka_rbf"]["mean"][i][i + 1] for i in range(n - 1)]
+    lines = [f"probed {r['samples']} x {r['tokens']} tokens; stages {' '.join(r['stages'])}",
+             f"  relative update h->f(h)     [{' '.join(r['blocks'])}]: {fmt(r['update_core']['mean'])}",
+             f"  relative update h^t->h^t+1  [{' '.join(r['blocks'])}]: {fmt(r['update_state']['mean'])}",
+             f"  CKA(rbf) consecutive stages: {fmt(steps)}",
+             f"  effective rank per stage:    {' '.join(f'{v:.1f}' for v in r['effective_rank']['mean'])}"]
+    if "read_entropy" in r:
+        lines.append(f"  read entropy per pair:       {fmt(r['read_entropy']['mean'])} "
+                     f"(uniform {r['max_entropy']:.3f})")
+    return "\n".join(lines)

@@ -1,0 +1,23 @@
+"""`meshlm report RUN…`: one self-contained HTML page comparing runs (see meshlm.report).
+
+    meshlm eval runs/small-mesh && meshlm probe runs/small-mesh      # for each run, then:
+    meshlm report runs/small-mesh runs/small-base --out report.html --figures docs/figures
+"""
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders holding eval.json and/or probe/probe.json")
+    p.add_argument("--out", default="report.html", help="HTML file to write (default report.html)")
+    p.add_argument("--title", default="meshlm report", help="page title")
+    p.add_argument("--figures", metavar="DIR", help="also save the page's figures as PNG files in DIR")
+
+
+def run(args: argparse.Namespace) -> int:
+    from meshlm.report import write_report
+
+    path = write_report(args.runs, args.out, args.title, args.figures)
+    print(f"report: {path} ({path.stat().st_size / 1024:.0f} KiB)")
+    return 0

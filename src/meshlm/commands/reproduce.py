@@ -1,0 +1,37 @@
+"""`meshlm reproduce`: run a study (variants × seeds: train, eval, probe, report) from one YAML file.
+
+    meshlm reproduce --quick                                   # configs/studies/quick.yaml (~15 min on 2 CPUs)
+    meshlm reproduce configs/studies/cpu-12layer.yaml          # the CPU-scale study of docs/results.md
+    meshlm reproduce configs/studies/paper-410m.yaml --plan    # print runs, tokens, FLOPs, GPU-hours; exit
+    meshlm reproduce STUDY.yaml train.steps=50                 # dotted overrides for every run
+
+Interrupt it and run it again: finished runs are skipped, a half-trained run resumes.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+STUDIES = Path(__file__).resolve().parents[3] / "configs" / "studies"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("study", nargs="?", help="study YAML (see configs/studies/)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted train-config overrides for every run")
+    p.add_argument("--quick", action="store_true", help="the quick study: configs/studies/quick.yaml")
+    p.add_argument("--plan", action="store_true", help="print the plan with token/FLOP/GPU-hour estimates and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    from meshlm.errors import ConfigError
+    from meshlm.study import execute, load_study, plan_table
+
+    if args.quick == bool(args.study):
+        raise ConfigError("pass a study file or --quick (not both); examples are in configs/studies/")
+    study = load_study(STUDIES / "quick.yaml" if args.quick else args.study, args.overrides)
+    print(plan_table(study), flush=True)
+    if args.plan:
+        return 0
+    execute(study, log=lambda message: print(message, flush=True))
+    print(f"results: {study.dir / 'results.md'} and {study.dir / 'report.html'}")
+    return 0

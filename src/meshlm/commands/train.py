@@ -1,0 +1,52 @@
+"""`meshlm train`: train a model from a YAML config plus dotted overrides; with no arguments, the default
+small MeSH model on the embedded corpus (a few minutes on a laptop CPU).
+
+    meshlm train                                         # the default job
+    meshlm train --config configs/cpu/mesh-tiny.yaml model.d_model=128 train.lr=1e-3
+    meshlm train --config configs/paper/pythia-160m-mesh.yaml --resume
+    torchrun --nproc_per_node=8 -m meshlm.cli train --config ... train.distributed=fsdp
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted overrides applied after the config file, e.g. model.d_model=128 train.lr=1e-3")
+    p.add_argument("--config", help="YAML config with `model:` and `train:` sections (see configs/)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run from its newest good checkpoint (start fresh if it has none)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    import yaml
+
+    from meshlm.train.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(yaml.safe_dump(cfg.to_file_dict(), sort_keys=False), end="")
+        return 0
+    from meshlm.train.trainer import train
+
+    result = train(cfg, resume=args.resume, log=lambda message: print(message, file=sys.stderr, flush=True))
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 reports
+        return 0
+    print(f"trained {result.steps} steps in {result.wall_s:.0f} s ({result.tokens_per_s:,.0f} tokens/s, "
+          f"MFU {100 * result.mfu:.1f}%)")
+    print(f"validation perplexity {result.val_ppl:.2f} (loss {result.val_loss:.4f}); "
+          f"unigram baseline {_unigram(result, cfg):.2f}")
+    print(f"checkpoint: {result.checkpoint}")
+    return 0
+
+
+def _unigram(result, cfg) -> float:
+    from meshlm.data import PreparedData
+    from meshlm.train.baseline import unigram_perplexity
+
+    train_data, val_data = PreparedData(result.data_dir, "train"), PreparedData(result.data_dir, "val")
+    return unigram_perplexity(train_data, val_data, cfg.model_config().vocab_size)

@@ -1,0 +1,96 @@
+"""Downstream accuracy through lm-evaluation-harness: the paper's suite, 0- and k-shot, and its average.
+
+`run_suite` builds the local task group (meshlm.tasks), runs `lm_eval.simple_evaluate` with the MeshLM
+adapter (meshlm.evaluation.harness) and returns, per task, acc and acc_norm (where lm-eval defines it),
+the metric the paper reports, the item count and lm-eval's standard error, plus the average of the
+paper metrics over the tasks run. Nothing here reaches the network: the package switches the Hub off
+before lm-eval (and `datasets`) are imported, and the data are local JSON files.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import time
+from typing import Any
+
+BOOTSTRAP_ITERS = 1000  # only LAMBADA's perplexity is bootstrapped; accuracies have a closed-form stderr
+
+
+def run_suite(lm, task_names: str | list[str] | None = "all", shots: int = 0, limit: int | None = None,
+              cache_dir: str | os.PathLike | None = None, log_samples: bool = False,
+              seed: int = 1234, verbose: bool = False) -> dict[str, Any]:
+    """Evaluate `lm` (an lm_eval LM) on the suite at `shots` few-shot examples; `limit` items per task."""
+    import lm_eval
+
+    from meshlm.tasks import resolve_tasks, task_manager, task_specs
+
+    tasks = resolve_tasks(task_names)
+    start = time.perf_counter()
+    with contextlib.nullcontext() if verbose else quiet():
+        raw = lm_eval.simple_evaluate(
+            model=lm, tasks=task_specs(tasks, cache_dir), task_manager=task_manager(tasks), num_fewshot=shots,
+            limit=limit, bootstrap_iters=BOOTSTRAP_ITERS, log_samples=log_samples, random_seed=seed,
+            numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+    summary = summarise(raw, tasks)
+    summary.update(shots=shots, limit=limit, seconds=time.perf_counter() - start)
+    if log_samples:
+        summary["samples"] = raw["samples"]
+    return summary
+
+
+@contextlib.contextmanager
+def quiet():
+    """Silence lm-eval's per-task log lines and progress bars (one per MMLU subject): errors still raise."""
+    import datasets
+
+    logger = logging.getLogger("lm_eval")
+    level, bars = logger.level, datasets.is_progress_bar_enabled()
+    logger.setLevel(logging.ERROR)
+    datasets.disable_progress_bars()
+    try:
+        # tqdm bars resolve sys.stderr when created; the bootstrap announces itself with print(); lm-eval
+        # runs `git describe`, whose "fatal: not a git repository" outside a repo goes to file descriptor 2
+        with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()), _null_fd(2):
+            yield
+    finally:
+        logger.setLevel(level)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+@contextlib.contextmanager
+def _null_fd(fd: int):
+    saved = os.dup(fd)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), fd)
+    try:
+        yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+def _metric(values: dict, name: str) -> float | None:
+    value = values.get(f"{name},none")
+    return float(value) if isinstance(value, (int, float)) else None
+
+
+def summarise(raw: dict, tasks) -> dict[str, Any]:
+    """lm-eval's result dict -> {"tasks": {name: {...}}, "average": mean of the paper metrics, "items": n}."""
+    from meshlm.tasks import MMLU_GROUP, SUITE_GROUP
+
+    out: dict[str, dict] = {}
+    for task in tasks:
+        values = raw["results"][f"{SUITE_GROUP}::{MMLU_GROUP}" if task.name == "mmlu" else task.harness]
+        out[task.name] = {
+            "acc": _metric(values, "acc"), "acc_norm": _metric(values, "acc_norm"),
+            "metric": task.metric, "score": _metric(values, task.metric),
+            "stderr": _metric(values, f"{task.metric}_stderr"), "items": int(values["sample_len"]),
+        }
+        if _metric(values, "perplexity") is not None:
+            out[task.name]["perplexity"] = _metric(values, "perplexity")
+    scores = [t["score"] for t in out.values() if t["score"] is not None]
+    return {"tasks": out, "average": sum(scores) / len(scores) if scores else None,
+            "items": sum(t["items"] for t in out.values())}

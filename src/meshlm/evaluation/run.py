@@ -1,0 +1,112 @@
+"""`meshlm eval` as a function: perplexity, loss vs. loop count and the downstream suite for one checkpoint.
+
+The result (also written as eval.json in the run folder) is plain JSON:
+
+    {"checkpoint", "step", "model": ModelConfig, "accounting": {...},
+     "perplexity": {"loss", "ppl", "tokens", "sequences", "data", "seq_len"},
+     "loops": [{"loops", "trained", "loss", "ppl", ...}],
+     "downstream": {"0": {"tasks": {name: {"acc", "acc_norm", "metric", "score", "stderr", "items"}},
+                          "average", "items", "seconds", "limit"}, "5": {...}},
+     "seconds"}
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshlm.evaluation.loaded import Loaded
+
+
+@dataclass
+class EvalOptions:
+    data: str | None = None  # prepared-data folder; None = the checkpoint's training data
+    loops: list[int] | None = None  # None = 1 … 2K for weight-shared models; [] = skip
+    tasks: str | list[str] | None = "all"  # None / [] = skip downstream
+    shots: list[int] = field(default_factory=lambda: [0, 5])
+    limit: int | None = None  # items per task, and validation windows
+    batch_size: int = 8  # validation windows per forward
+    batch_tokens: int = 8192  # padded tokens per forward when scoring tasks
+    samples_dir: Path | None = None  # write each scored item (requests, loglikelihoods, metrics) here
+    verbose: bool = False
+
+
+def evaluate(loaded: Loaded, options: EvalOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
+    from meshlm.evaluation.perplexity import default_loop_counts, loss_vs_loops, mean_loss
+    from meshlm.model.accounting import account
+
+    start = time.perf_counter()
+    model = loaded.model
+    result: dict[str, Any] = {"checkpoint": str(loaded.path), "step": loaded.meta.get("step"),
+                              "model": model.config.to_dict(), "accounting": account(model).to_dict()}
+    data = loaded.held_out(options.data)
+    common = dict(batch_size=options.batch_size, max_sequences=options.limit)
+    result["perplexity"] = {**mean_loss(model, data, loaded.seq_len, **common), "data": str(data.dir),
+                            "split": data.split, "seq_len": loaded.seq_len}
+    log(f"validation perplexity {result['perplexity']['ppl']:.3f} (loss {result['perplexity']['loss']:.4f}, "
+        f"{result['perplexity']['tokens']:,} tokens)")
+    counts = default_loop_counts(model) if options.loops is None else options.loops
+    result["loops"] = loss_vs_loops(model, data, loaded.seq_len, counts, **common)
+    for row in result["loops"]:
+        log(f"  loops={row['loops']}{' (trained)' if row['trained'] else ''}: loss {row['loss']:.4f}, "
+            f"ppl {row['ppl']:.3f}")
+    result["downstream"] = {}
+    if options.tasks:
+        result["downstream"] = downstream(loaded, options, log)
+    result["seconds"] = time.perf_counter() - start
+    return result
+
+
+def downstream(loaded: Loaded, options: EvalOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
+    from meshlm.evaluation.downstream import run_suite
+    from meshlm.evaluation.harness import MeshLMEval
+
+    lm = MeshLMEval(loaded.model, loaded.tokenizer, batch_tokens=options.batch_tokens)
+    out = {}
+    for shots in options.shots:
+        summary = run_suite(lm, options.tasks, shots=shots, limit=options.limit, verbose=options.verbose,
+                            log_samples=options.samples_dir is not None)
+        if options.samples_dir is not None:
+            write_samples(summary.pop("samples"), Path(options.samples_dir) / f"{shots}-shot.jsonl")
+        out[str(shots)] = summary
+        log(format_suite(summary))
+    return out
+
+
+SAMPLE_FIELDS = ("doc_id", "target", "arguments", "resps", "acc", "acc_norm", "perplexity")
+
+
+def write_samples(samples: dict[str, list[dict]], path: Path) -> Path:
+    """One JSON line per scored item: its lm-eval task, requests, (loglikelihood, greedy) answers, metrics."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for task, items in samples.items():
+            for item in items:
+                record = {"task": task, **{k: item[k] for k in SAMPLE_FIELDS if k in item}}
+                f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
+    return path
+
+
+def format_suite(summary: dict) -> str:
+    """A few lines: each task's paper metric (and the other), then the average and the speed."""
+    lines = [f"{summary['shots']}-shot ({summary['items']:,} items, {summary['seconds']:.0f} s, "
+             f"{1000 * summary['seconds'] / max(summary['items'], 1):.1f} s per 1,000 items):"]
+    for name, t in summary["tasks"].items():
+        other = "acc_norm" if t["metric"] == "acc" else "acc"
+        extra = f", {other} {100 * t[other]:.2f}" if t.get(other) is not None else ""
+        lines.append(f"  {name:<15} {t['metric']:<8} {100 * t['score']:6.2f}{extra}  (n={t['items']})")
+    if summary["average"] is not None:
+        lines.append(f"  {'average':<15} {'':<8} {100 * summary['average']:6.2f}")
+    return "\n".join(lines)
+
+
+def write_json(result: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(result, indent=1, default=float) + "\n")
+    tmp.replace(path)
+    return path

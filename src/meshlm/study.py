@@ -1,0 +1,251 @@
+"""`meshlm reproduce`: a whole study — variants × seeds trained at matched depth and tokens, evaluated,
+probed and reported — from one YAML file.
+
+    name: quick                        # runs go to <out_dir>/<name>/<variant>-s<seed>
+    out_dir: runs/studies
+    config: configs/cpu/small-mesh.yaml  # the train config every run starts from (optional)
+    overrides: [train.steps=200]       # dotted overrides for every run
+    seeds: [0, 1, 2]
+    variants:                          # name -> overrides (and optionally its own seeds)
+      vanilla: {overrides: [model.spec=12, model.scheme=vanilla]}
+      base:    {overrides: [model.scheme=base]}
+      mesh:    {overrides: [model.scheme=mesh]}
+      mesh-B3: {overrides: [model.scheme=mesh, model.scheme_options.slots=3], seeds: [0]}
+    eval: [--tasks, none, --limit, "200"]   # extra `meshlm eval` arguments
+    probe: [--samples, "50"]                # extra `meshlm probe` arguments
+
+Every stage runs as its own `meshlm` process (train → eval → probe), so an interrupted study is simply run
+again: a run whose eval.json and probe/probe.json exist is skipped, a half-trained run resumes from its
+newest good checkpoint (`meshlm train --resume`). `launcher` (e.g. `torchrun --nproc_per_node=8`) prefixes
+training for multi-GPU studies. Before anything runs, the plan is printed with each run's tokens, training
+FLOPs and an estimate of its accelerator-hours.
+
+The results page (`results.md` beside the runs, plus `report.html` from `meshlm report`) has a Table-1-like
+table with mean ± std over seeds, a buffer-size table for MeSH variants that differ only in B, and wall
+time per run.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshlm.errors import ConfigError
+
+STUDY_KEYS = {"name", "out_dir", "config", "overrides", "seeds", "variants", "eval", "probe", "launcher",
+              "assumed_mfu", "peak_flops", "gpus"}
+
+
+@dataclass
+class Run:
+    variant: str
+    seed: int
+    overrides: list[str]
+    dir: Path
+
+    @property
+    def name(self) -> str:
+        return self.dir.name
+
+
+@dataclass
+class Study:
+    name: str
+    out_dir: Path
+    config: str | None
+    runs: list[Run]
+    eval_args: list[str] = field(default_factory=list)
+    probe_args: list[str] = field(default_factory=list)
+    launcher: list[str] = field(default_factory=list)
+    assumed_mfu: float = 0.4  # for the GPU-hours estimate
+    peak_flops: float = 989e12  # one GPU's peak (default: H100 dense bf16); set per study
+    gpus: int = 1  # GPUs per run (what the launcher starts)
+
+    @property
+    def dir(self) -> Path:
+        return self.out_dir / self.name
+
+
+def load_study(path: str | Path, extra_overrides: list[str] = ()) -> Study:
+    """Parse and check a study file; every problem goes into one ConfigError."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"study file {path} does not exist; see configs/studies/ for examples") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"study file {path} is not valid YAML ({str(err).splitlines()[0]})") from None
+    problems = [f"unknown key {k!r} (valid: {sorted(STUDY_KEYS)})" for k in sorted(set(raw or {}) - STUDY_KEYS)]
+    raw = raw or {}
+    variants = raw.get("variants") or {}
+    if not isinstance(variants, dict) or not variants:
+        problems.append("`variants` must map at least one variant name to {overrides: [...]}")
+        variants = {}
+    seeds = raw.get("seeds", [0])
+    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) for s in seeds)):
+        problems.append(f"`seeds` must be a non-empty list of integers, not {seeds!r}")
+    if problems:
+        raise ConfigError(f"study {path}: " + "; ".join(problems))
+    name = str(raw.get("name") or path.stem)
+    out_dir = Path(raw.get("out_dir", "runs/studies"))
+    common = [*map(str, raw.get("overrides", [])), *extra_overrides]
+    runs = []
+    for variant, spec in variants.items():
+        spec = spec or {}
+        for seed in spec.get("seeds", seeds):
+            run_dir = out_dir / name / f"{variant}-s{seed}"
+            overrides = [*common, *map(str, spec.get("overrides", [])), f"train.seed={seed}",
+                         f"train.out_dir={out_dir / name}", f"train.name={run_dir.name}", "train.progress=false"]
+            runs.append(Run(variant, seed, overrides, run_dir))
+    config = raw.get("config")
+    if config is not None and not Path(config).is_file():
+        raise ConfigError(f"study {path}: config {config} does not exist")
+    study = Study(name, out_dir, config, runs, list(map(str, raw.get("eval", []))),
+                  list(map(str, raw.get("probe", []))), shlex.split(raw.get("launcher", "")),
+                  float(raw.get("assumed_mfu", 0.4)), float(raw.get("peak_flops", 989e12)), int(raw.get("gpus", 1)))
+    for run in runs:
+        train_config(study, run)  # fail now, not after hours of training, if any run's config is invalid
+    return study
+
+
+def train_config(study: Study, run: Run):
+    from meshlm.train.config import load_config
+
+    return load_config(study.config, run.overrides)
+
+
+def estimate(study: Study, run: Run) -> dict[str, Any]:
+    """Tokens, training FLOPs and accelerator-hours of one run (at the study's assumed MFU)."""
+    from meshlm.model.accounting import describe
+
+    cfg = train_config(study, run)
+    model_cfg = cfg.model_config()
+    seq_len = cfg.sequence_length(model_cfg)
+    steps = cfg.total_steps(model_cfg)
+    tokens = steps * cfg.global_batch * seq_len
+    acc = describe(model_cfg, seq_len)
+    flops = tokens * acc.train_flops_per_token
+    return {"run": run.name, "steps": steps, "tokens": tokens, "non_embedding_params": acc.non_embedding_params,
+            "unrolled_layers": acc.unrolled_layers, "train_flops": flops,
+            "gpu_hours": flops / (study.peak_flops * study.assumed_mfu) / 3600}
+
+
+def plan_table(study: Study) -> str:
+    rows = [estimate(study, run) for run in study.runs]
+    lines = [f"study {study.name}: {len(rows)} runs -> {study.dir}",
+             f"{'run':<28} {'non-emb params':>15} {'layers':>6} {'steps':>7} {'tokens':>14} {'train FLOPs':>12} "
+             f"{'GPU-hours':>9} {'wall h':>7}"]
+    for r in rows:
+        lines.append(f"{r['run']:<28} {r['non_embedding_params']:>15,} {r['unrolled_layers']:>6} {r['steps']:>7,} "
+                     f"{r['tokens']:>14,} {r['train_flops']:>12.3e} {r['gpu_hours']:>9.1f} {r['gpu_hours'] / study.gpus:>7.1f}")
+    total = sum(r["gpu_hours"] for r in rows)
+    lines.append(f"GPU-hours in all: {total:.1f} ({total / study.gpus:.1f} h on {study.gpus} GPU(s)) at "
+                 f"{study.assumed_mfu:.0%} MFU of {study.peak_flops:.3g} FLOP/s per GPU (set peak_flops, gpus and "
+                 "assumed_mfu in the study file)")
+    return "\n".join(lines)
+
+
+def meshlm_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "meshlm.cli", *args]
+
+
+def execute(study: Study, log=print) -> None:
+    """Train, evaluate and probe every run that is not finished yet, then write the results page."""
+    for i, run in enumerate(study.runs, 1):
+        if (run.dir / "eval.json").is_file() and (run.dir / "probe" / "probe.json").is_file():
+            log(f"[{i}/{len(study.runs)}] {run.name}: done, skipped")
+            continue
+        log(f"[{i}/{len(study.runs)}] {run.name}: training")
+        start = time.perf_counter()
+        train = meshlm_command("train", "--resume", *(["--config", study.config] if study.config else []),
+                               *run.overrides)
+        _check_call(study.launcher + train[1:] if study.launcher else train, run, "train")
+        _record_wall_time(run, time.perf_counter() - start)
+        log(f"[{i}/{len(study.runs)}] {run.name}: evaluating and probing")
+        _check_call(meshlm_command("eval", str(run.dir), *study.eval_args), run, "eval")
+        _check_call(meshlm_command("probe", str(run.dir), *study.probe_args), run, "probe")
+    write_results(study)
+
+
+def _check_call(command: list[str], run: Run, stage: str) -> None:
+    run.dir.mkdir(parents=True, exist_ok=True)
+    with open(run.dir / f"{stage}.log", "a") as out:
+        code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT)
+    if code:
+        raise ConfigError(f"{stage} of {run.name} failed (exit {code}); see {run.dir / f'{stage}.log'}, fix it and "
+                          f"run the study again (finished runs are skipped)")
+
+
+def _record_wall_time(run: Run, seconds: float) -> None:
+    """Wall time of training, summed over resumed attempts."""
+    path = run.dir / "study.json"
+    previous = json.loads(path.read_text()).get("train_seconds", 0.0) if path.is_file() else 0.0
+    path.write_text(json.dumps({"variant": run.variant, "seed": run.seed, "train_seconds": previous + seconds}))
+
+
+# -- results -------------------------------------------------------------------------------------------------
+def run_row(run: Run) -> dict[str, Any] | None:
+    path = run.dir / "eval.json"
+    if not path.is_file():
+        return None
+    result = json.loads(path.read_text())
+    wall = json.loads((run.dir / "study.json").read_text()) if (run.dir / "study.json").is_file() else {}
+    downstream = result.get("downstream", {}).get("0", {})
+    return {"variant": run.variant, "seed": run.seed, "spec": result["model"]["spec"],
+            "slots": (result["model"].get("scheme_options") or {}).get("slots"),
+            "scheme": result["model"]["scheme"],
+            "non_embedding_params": result["accounting"]["non_embedding_params"],
+            "ppl": result["perplexity"]["ppl"], "avg_acc": downstream.get("average"),
+            "train_seconds": wall.get("train_seconds")}
+
+
+def mean_std(values: list[float]) -> str:
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:.3f}"
+    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+
+
+def results_markdown(study: Study) -> str:
+    rows = [r for r in (run_row(run) for run in study.runs) if r is not None]
+    by_variant: dict[str, list[dict]] = {}
+    for r in rows:
+        by_variant.setdefault(r["variant"], []).append(r)
+    lines = [f"# Study `{study.name}`", "",
+             "| variant | spec | scheme | non-emb params | seeds | val PPL (mean ± std) | 0-shot avg acc | "
+             "train wall time / run |", "|---|---|---|---|---|---|---|---|"]
+    for variant, rs in by_variant.items():
+        accs = [r["avg_acc"] for r in rs if r["avg_acc"] is not None]
+        walls = [r["train_seconds"] for r in rs if r["train_seconds"]]
+        lines.append(f"| {variant} | `{rs[0]['spec']}` | {rs[0]['scheme']} | {rs[0]['non_embedding_params']:,} | "
+                     f"{len(rs)} | {mean_std([r['ppl'] for r in rs])} | {mean_std(accs)} | "
+                     f"{(statistics.mean(walls) / 60 if walls else 0):.1f} min |")
+    mesh = [r for r in rows if r["scheme"] == "mesh"]
+    if len({r["slots"] for r in mesh}) > 1:  # a buffer-size ablation (paper Table 3)
+        lines += ["", "Buffer size (MeSH):", "", "| B | runs | val PPL |", "|---|---|---|"]
+        for slots in sorted({r["slots"] for r in mesh}, key=lambda s: (s is not None, s or 0)):
+            rs = [r for r in mesh if r["slots"] == slots]
+            lines.append(f"| {slots if slots else 'K+3 (default)'} | {len(rs)} | {mean_std([r['ppl'] for r in rs])} |")
+    lines += ["", f"Per-run numbers: `{study.dir}/*/eval.json`; probe figures: `{study.dir}/*/probe/`; "
+              f"full report with overlaid probes: `{study.dir}/report.html`."]
+    return "\n".join(lines) + "\n"
+
+
+def write_results(study: Study) -> Path:
+    study.dir.mkdir(parents=True, exist_ok=True)
+    out = study.dir / "results.md"
+    out.write_text(results_markdown(study))
+    finished = [str(run.dir) for run in study.runs if (run.dir / "eval.json").is_file()]
+    if finished:
+        subprocess.check_call(meshlm_command("report", *finished, "--out", str(study.dir / "report.html")),
+                              stdout=subprocess.DEVNULL)
+    return out

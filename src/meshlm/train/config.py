@@ -1,0 +1,277 @@
+"""The training configuration: one flat, JSON/YAML-serialisable dataclass plus a model section.
+
+A config file has two sections; every key is optional (the defaults are the CPU-scale default job):
+
+    model:                      # a preset plus any ModelConfig field as an override
+      preset: pythia-160m-2+4R2+2
+      scheme: mesh
+    train:                      # any TrainConfig field
+      seq_len: 4096
+      lr: 6.0e-4
+
+Command-line overrides are dotted `key=value` pairs applied in order after the file:
+`model.d_model=128`, `model.scheme_options.slots=4`, `train.lr=1e-3` (or just `lr=1e-3`). Values are parsed
+as YAML scalars/lists and then coerced to the field's type, so `lr=1e-3` is a float even though YAML 1.1
+reads "1e-3" as a string. Every problem is collected into one ConfigError.
+
+Defaults follow the paper's recipe (spec §5): AdamW (0.9, 0.95), eps 1e-8, weight decay 0.01, cosine decay
+to 10% of peak after 1% warmup, grad clip 1.0.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from meshlm.config import ModelConfig
+from meshlm.errors import ConfigError
+
+DISTRIBUTED = ("ddp", "fsdp")
+DTYPES = ("auto", "fp32", "bf16")
+
+
+@dataclass
+class TrainConfig:
+    # -- what to train on ---------------------------------------------------------------------------------
+    name: str = ""  # run name: checkpoints go to <out_dir>/<name>; "" -> "<preset>-<scheme>"
+    out_dir: str = "runs"
+    model: dict[str, Any] = field(default_factory=lambda: {"preset": "mesh-small"})  # preset + overrides
+    data: str = "default"  # a prepared-data dir (`meshlm prepare`), or "default" = the embedded corpus
+    tokenizer: str = "default"  # "default", "pythia" or a tokenizer.json; must match the prepared data
+    # -- batch and length ---------------------------------------------------------------------------------
+    seq_len: int = 0  # tokens per sequence; 0 -> the model's context_length
+    global_batch: int = 8  # sequences per optimizer step, summed over every rank (8: best at CPU scale)
+    micro_batch: int = 8  # sequences per forward on one rank; accumulation = global / (world × micro)
+    steps: int = 300  # optimizer steps; 0 -> derived from `tokens` (300 × 8 × 256: ~7 min on 2 CPU cores)
+    tokens: int = 0  # training tokens (used only when steps = 0)
+    # -- optimizer and schedule (spec §5) -------------------------------------------------------------------
+    lr: float = 4e-3  # peak learning rate (the default small model; the paper configs set theirs)
+    min_lr_ratio: float = 0.1  # cosine decays to this fraction of the peak
+    warmup: float = 0.01  # fraction of the steps spent in linear warmup
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.01  # on matrices (incl. MeSH routers); none on biases and LayerNorm
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    seed: int = 0
+    # -- evaluation, checkpoints, logging ---------------------------------------------------------------
+    eval_every: int = 100  # steps between validation passes (also at the end); 0 -> only at the end
+    eval_batches: int = 16  # validation micro-batches (of micro_batch sequences) per pass
+    save_every: int = 100  # steps between checkpoints (also at the end); 0 -> only at the end
+    keep_last: int = 3  # checkpoints kept besides the best; >= 2 keeps a fallback for a corrupt latest
+    log_every: int = 1  # steps between metrics lines
+    progress: bool = True  # tqdm progress bar on rank 0
+    tensorboard: bool = True  # also write TensorBoard events when `tensorboard` is installed
+    peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 -> measured (CPU) or looked up (GPU)
+    max_nonfinite: int = 5  # abort after this many non-finite steps in a row
+    # -- how to run ---------------------------------------------------------------------------------------
+    device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda"
+    dtype: str = "auto"  # "auto": fp32 on CPU, bf16 autocast on CUDA; or "fp32" / "bf16"
+    compile: bool = False  # torch.compile each layer (slow first step: ~45 s per graph on CPU)
+    activation_checkpointing: bool = False  # recompute each layer's activations in backward
+    distributed: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard per layer)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- derived ------------------------------------------------------------------------------------------
+    def model_config(self) -> ModelConfig:
+        overrides = dict(self.model)
+        preset = overrides.pop("preset", None)
+        if preset is None:
+            return ModelConfig.from_dict(overrides)
+        return ModelConfig.from_preset(preset, **overrides)
+
+    def run_name(self) -> str:
+        if self.name:
+            return self.name
+        cfg = self.model_config()
+        return f"{self.model.get('preset', 'custom')}-{cfg.scheme}".replace("*", "-emb")
+
+    def run_dir(self) -> Path:
+        return Path(self.out_dir) / self.run_name()
+
+    def sequence_length(self, model_cfg: ModelConfig | None = None) -> int:
+        return self.seq_len or (model_cfg or self.model_config()).context_length
+
+    def total_steps(self, model_cfg: ModelConfig | None = None) -> int:
+        if self.steps:
+            return self.steps
+        return max(1, math.ceil(self.tokens / (self.global_batch * self.sequence_length(model_cfg))))
+
+    # -- validation ---------------------------------------------------------------------------------------
+    def validate(self) -> None:
+        problems: list[str] = []
+
+        def need(ok: bool, message: str) -> None:
+            if not ok:
+                problems.append(message)
+
+        for name in ("global_batch", "micro_batch", "eval_batches", "keep_last", "log_every", "max_nonfinite"):
+            need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
+        for name in ("seq_len", "steps", "tokens", "eval_every", "save_every", "seed"):
+            need(getattr(self, name) >= 0, f"{name}={getattr(self, name)} must be >= 0")
+        need(self.steps > 0 or self.tokens > 0, "set steps or tokens (both are 0)")
+        need(self.lr > 0, f"lr={self.lr} must be > 0")
+        need(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        need(0 <= self.warmup < 1, f"warmup={self.warmup} is a fraction of the steps; it must be in [0, 1)")
+        need(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+             f"betas={self.betas} must be two numbers in [0, 1)")
+        need(self.eps > 0, f"eps={self.eps} must be > 0")
+        need(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0")
+        need(self.grad_clip >= 0, f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
+        need(self.peak_flops >= 0, f"peak_flops={self.peak_flops} must be >= 0 (0 = measure)")
+        need(self.device in ("auto", "cpu", "cuda"), f"device={self.device!r} must be auto, cpu or cuda")
+        need(self.dtype in DTYPES, f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
+        need(self.distributed in DISTRIBUTED, f"distributed={self.distributed!r} must be ddp or fsdp")
+        need(self.global_batch % self.micro_batch == 0 if self.micro_batch >= 1 else True,
+             f"global_batch={self.global_batch} must be a multiple of micro_batch={self.micro_batch}")
+        need(isinstance(self.model, dict), "model must be a mapping: a preset plus ModelConfig overrides")
+        model_cfg = None
+        if isinstance(self.model, dict):
+            try:
+                model_cfg = self.model_config()
+            except ConfigError as err:
+                problems.append(str(err))
+        if model_cfg is not None and self.seq_len > model_cfg.context_length:
+            problems.append(f"seq_len={self.seq_len} exceeds the model's context_length="
+                            f"{model_cfg.context_length}; lower train.seq_len or raise model.context_length")
+        if problems:
+            raise ConfigError("invalid training config: " + "; ".join(problems))
+
+    # -- serialisation ------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_file_dict(self) -> dict[str, Any]:
+        """The two-section layout of a config file."""
+        data = self.to_dict()
+        return {"model": data.pop("model"), "train": data}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """Build from flat TrainConfig fields, coercing types and collecting every problem."""
+        kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+        problems, values = [], {}
+        unknown = sorted(set(data) - set(kinds))
+        if unknown:
+            problems.append(f"unknown train field(s) {unknown}; valid fields: {sorted(kinds)}")
+        for key, value in data.items():
+            if key in kinds:
+                try:
+                    values[key] = _coerce(key, kinds[key], value)
+                except ConfigError as err:
+                    problems.append(str(err))
+        if problems:
+            raise ConfigError("invalid training config: " + "; ".join(problems))
+        return cls(**values)
+
+    @classmethod
+    def from_file_dict(cls, data: dict[str, Any], overrides: list[str] = ()) -> TrainConfig:
+        data = data or {}
+        unknown = sorted(set(data) - {"model", "train"})
+        if unknown:
+            raise ConfigError(f"config sections {unknown} are unknown; a config file has `model:` and `train:`")
+        flat = dict(data.get("train") or {})
+        if data.get("model") is not None:
+            flat["model"] = dict(data["model"])
+        for item in overrides:
+            apply_override(flat, item)
+        return cls.from_dict(flat)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """Read a YAML (or JSON) config file, apply dotted overrides, validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist; pass a YAML file (see configs/)")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must hold a mapping with `model:` and `train:` sections")
+    return TrainConfig.from_file_dict(data, list(overrides))
+
+
+def apply_override(flat: dict[str, Any], item: str) -> None:
+    """Apply one `a.b.c=value` to a flat TrainConfig dict (with a nested "model" dict)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} is not key=value; e.g. train.lr=1e-3 or model.d_model=128")
+    parts = key.strip().split(".")
+    if parts[0] == "train":
+        parts = parts[1:]
+    value = _parse_scalar(raw.strip())
+    if parts[0] == "model":
+        if len(parts) == 1:
+            raise ConfigError(f"override {item!r} needs a field, e.g. model.d_model=128 or model.preset=tiny")
+        target = flat.setdefault("model", {"preset": "mesh-small"})
+        for p in parts[1:-1]:
+            target = target.setdefault(p, {})
+        target[parts[-1]] = value
+    elif len(parts) == 1:
+        flat[parts[0]] = value
+    else:
+        raise ConfigError(f"override {item!r}: only model.<field>[.<option>] may be nested")
+
+
+def _parse_scalar(raw: str) -> Any:
+    try:
+        return int(raw)
+    except ValueError:
+        pass
+    try:
+        return float(raw)
+    except ValueError:
+        pass
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+
+
+def _coerce(key: str, kind: str, value: Any) -> Any:
+    """Coerce a parsed YAML value to the field's annotated type (annotations are strings here)."""
+    bad = ConfigError(f"{key}={value!r} must be of type {kind}")
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise bad
+    if kind in ("int", "float"):
+        if isinstance(value, bool):
+            raise bad
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise bad from None
+        if kind == "int":
+            if not number.is_integer():
+                raise bad
+            return int(number)
+        return number
+    if kind == "str":
+        if isinstance(value, (dict, list)):
+            raise bad
+        return str(value)
+    if kind.startswith("list"):
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        return [_coerce(key, "float", v) for v in value]
+    if kind.startswith("dict"):
+        if not isinstance(value, dict):
+            raise bad
+        return dict(value)
+    return value
+
+
+def dumps(cfg: TrainConfig) -> str:
+    return json.dumps(cfg.to_dict(), indent=2, sort_keys=True)

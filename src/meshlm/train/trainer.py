@@ -1,0 +1,314 @@
+"""The training loop: gradient accumulation, the paper's optimizer and schedule, validation, checkpoints.
+
+One optimizer step s (0-based) consumes the global batch `get_batch(step=s)`; a checkpoint named step-N
+holds the state after N steps, so resuming from it replays step N next with exactly the data, learning
+rate, optimizer state and RNG the uninterrupted run had: on CPU the resumed run is bit-identical.
+
+A step whose loss or gradient norm is non-finite is skipped (gradients dropped, weights untouched, the
+step counter and schedule still advance); `max_nonfinite` such steps in a row abort the run. Since
+skipped steps never touch the weights, no checkpoint can hold a non-finite state (and save refuses one).
+"""
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from meshlm import checkpoint
+from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError
+from meshlm.model import MeshLM
+from meshlm.model.accounting import describe
+from meshlm.train import parallel
+from meshlm.train.config import TrainConfig
+from meshlm.train.monitor import Metrics, Progress, device_peak
+from meshlm.train.optim import build_optimizer, build_scheduler, retarget
+
+
+class NonFiniteLossError(MeshlmError):
+    """Too many non-finite steps in a row: the run diverged."""
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int  # optimizer steps completed (including any before a resume)
+    start_step: int  # where this process started (0, or the resumed checkpoint's step)
+    losses: dict[int, float] = field(default_factory=dict)  # step -> train loss, this process's steps
+    val_loss: float = math.nan
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+    wall_s: float = 0.0
+    checkpoint: Path | None = None
+    data_dir: Path | None = None
+
+    @property
+    def val_ppl(self) -> float:
+        return math.exp(self.val_loss) if math.isfinite(self.val_loss) else math.nan
+
+
+def resolve_data(cfg: TrainConfig, env: parallel.Env, tokenizer) -> Path:
+    """The prepared-data dir: the embedded corpus (prepared once, rank 0 first) or the user's folder."""
+    from meshlm.data import prepare_default
+
+    if cfg.data == "default":
+        path = prepare_default(tokenizer=cfg.tokenizer, progress=env.is_main) if env.is_main else None
+        parallel.barrier(env)
+        return path or prepare_default(tokenizer=cfg.tokenizer)
+    path = Path(cfg.data).expanduser()
+    if not path.is_dir():
+        raise DataError(f"data dir {path} does not exist; run `meshlm prepare` or set train.data=default")
+    return path
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, env: parallel.Env, resume: bool = False,
+                 log: Callable[[str], None] = print):
+        from meshlm.data import PreparedData
+        from meshlm.tokenizer import check_vocab, load_tokenizer
+
+        self.cfg, self.env = cfg, env
+        self.log = log if env.is_main else (lambda message: None)
+        self.model_cfg = cfg.model_config()
+        self.seq_len = cfg.sequence_length(self.model_cfg)
+        self.total_steps = cfg.total_steps(self.model_cfg)
+        self.run_dir = cfg.run_dir()
+        if cfg.global_batch % (env.world * cfg.micro_batch):
+            raise ConfigError(f"global_batch={cfg.global_batch} must be a multiple of world size {env.world} × "
+                              f"micro_batch={cfg.micro_batch}; change train.global_batch or train.micro_batch")
+        self.accum = cfg.global_batch // (env.world * cfg.micro_batch)  # micro-batches per rank per step
+
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        check_vocab(self.model_cfg.vocab_size, tokenizer)
+        self.data_dir = data_dir = resolve_data(cfg, env, tokenizer)
+        self.train_data, self.val_data = PreparedData(data_dir, "train"), PreparedData(data_dir, "val")
+        prepared_with = self.train_data.manifest["tokenizer"]
+        if prepared_with["hash"] != tokenizer.hash:
+            raise DataError(f"{data_dir} was prepared with tokenizer {prepared_with['name']!r}, not "
+                            f"{tokenizer.name!r}; set train.tokenizer to match or prepare the data again")
+        self.train_data.num_sequences(self.seq_len)  # DataError if the splits are shorter than one sequence
+        self.val_data.num_sequences(self.seq_len)
+
+        torch.manual_seed(cfg.seed)  # same initial weights on every rank and every resume
+        self.model = MeshLM(self.model_cfg).to(env.device)  # the unwrapped handle: state dicts, saving
+        self.wrapped = parallel.wrap(self.model, cfg, env)  # what forward() goes through
+        self.optimizer = build_optimizer(self.model, cfg, env.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
+        self.flops_per_token = describe(self.model_cfg, self.seq_len).train_flops_per_token
+        self.peak, self.peak_source = device_peak(env.device, env.autocast_dtype, cfg.peak_flops)
+        self.metrics = Metrics(self.run_dir, enabled=env.is_main, tensorboard=cfg.tensorboard)
+        self.step, self.best_val, self.nonfinite_in_row = 0, math.inf, 0
+        self._prepare_run_dir(resume)
+
+    # -- run directory and resume -------------------------------------------------------------------------
+    def _prepare_run_dir(self, resume: bool) -> None:
+        existing = checkpoint.list_checkpoints(self.run_dir)
+        if existing and not resume:
+            raise ConfigError(f"{self.run_dir} already holds checkpoints (newest {existing[0].name}); pass --resume "
+                              f"to continue, or choose another run with train.name=... or train.out_dir=...")
+        ckpt = self._find_resumable() if resume else None
+        if resume and ckpt is None:
+            if existing:
+                raise CheckpointError(f"no usable checkpoint in {self.run_dir}: every one failed verification")
+            self.log(f"no checkpoint in {self.run_dir} yet: starting from step 0")
+        if ckpt is not None:
+            self._restore(ckpt)
+        if self.env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if ckpt is not None:
+                self.metrics.truncate_after(self.step)  # drop what the killed run logged after its checkpoint
+            else:
+                self.metrics.path.unlink(missing_ok=True)
+        parallel.barrier(self.env)
+
+    def _find_resumable(self) -> checkpoint.Checkpoint | None:
+        """Rank 0 verifies (hashes) the candidates; the others load the one it picked without re-hashing."""
+        ckpt = checkpoint.find_resumable(self.run_dir, warn=self.log) if self.env.is_main else None
+        path = parallel.broadcast_object(ckpt.path if ckpt else None, self.env)
+        if ckpt is None and path is not None:
+            ckpt = checkpoint.load_checkpoint(path, check=False)
+        return ckpt
+
+    def _restore(self, ckpt: checkpoint.Checkpoint) -> None:
+        if ckpt.meta["model"] != self.model_cfg.to_dict():
+            raise CheckpointError(f"{ckpt.path / checkpoint.CONFIG} was written for a different model config; "
+                                  f"resume with the config the run started with")
+        changed = sorted(k for k, v in self.cfg.to_dict().items() if ckpt.meta["train"].get(k, v) != v)
+        if changed:
+            self.log(f"warning: resuming with changed train settings: {', '.join(changed)}")
+        state = ckpt.state
+        parallel.load_full_state(self.model, self.optimizer, ckpt.weights, state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        retarget(self.scheduler, self.cfg, self.total_steps)  # the current config's schedule, at the saved step
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if torch.cuda.is_available() and state["rng"].get("cuda"):
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        self.step, self.best_val = ckpt.step, state["best_val"]
+        self.nonfinite_in_row = state["nonfinite_in_row"]
+        self.log(f"resumed {self.run_dir} from {ckpt.path.name} (step {self.step}/{self.total_steps})")
+
+    # -- one optimizer step ---------------------------------------------------------------------------------
+    def train_step(self, step: int) -> tuple[float, float, bool]:
+        """Forward/backward over this rank's micro-batches, then clip and step. Returns (loss, grad norm, ok)."""
+        from meshlm.data import get_batch
+
+        cfg, env = self.cfg, self.env
+        batches = get_batch(self.train_data, step, cfg.global_batch, self.seq_len, cfg.seed,
+                            env.rank, env.world, micro_batches=self.accum)
+        total = torch.zeros((), device=env.device)
+        for i, (x, y) in enumerate(batches):  # x, y: (micro_batch, seq_len)
+            x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+            with parallel.no_sync(self.wrapped, sync=i == len(batches) - 1):
+                with parallel.autocast(env):
+                    loss = self.wrapped(x, y).loss
+                (loss / len(batches)).backward()  # mean over micro-batches = mean over the global batch
+            total += loss.detach()
+        loss = parallel.all_mean(total / len(batches), env)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or math.inf)
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
+            norm = norm.full_tensor()
+        ok = bool(torch.isfinite(loss) & torch.isfinite(norm))  # identical on every rank (reduced values)
+        if ok:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return loss.item(), norm.item(), ok
+
+    # -- validation ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean next-token loss over a fixed, evenly spread set of validation windows (same for any world)."""
+        cfg, env = self.cfg, self.env
+        n_val = self.val_data.num_sequences(self.seq_len)
+        n = min(n_val, cfg.eval_batches * cfg.micro_batch)
+        n = max(env.world, n - n % env.world) if n_val >= env.world else n  # equal work on every rank
+        indices = [j * n_val // n for j in range(n)]
+        per_rank = max(1, n // env.world)
+        mine = indices[env.rank * per_rank:(env.rank + 1) * per_rank] or indices[:1]
+        total, count = torch.zeros((), device=env.device, dtype=torch.float64), 0
+        self.model.eval()
+        for start in range(0, len(mine), cfg.micro_batch):
+            windows = [self.val_data.sequence(i, self.seq_len) for i in mine[start:start + cfg.micro_batch]]
+            batch = torch.from_numpy(np.stack(windows)).to(env.device)  # (b, seq_len + 1)
+            with parallel.autocast(env):
+                loss = self.wrapped(batch[:, :-1], batch[:, 1:]).loss
+            total += loss.double() * batch[:, 1:].numel()
+            count += batch[:, 1:].numel()
+        self.model.train()
+        total = parallel.all_sum(total, env)
+        count = parallel.all_sum(torch.tensor(count, device=env.device, dtype=torch.float64), env)
+        return (total / count).item()
+
+    # -- checkpoints --------------------------------------------------------------------------------------
+    def save(self, val_loss: float) -> Path | None:
+        weights = parallel.full_model_state(self.model)  # collective under FSDP
+        optim = parallel.full_optimizer_state(self.model, self.optimizer)
+        path = None
+        if self.env.is_main:
+            is_best = math.isfinite(val_loss) and val_loss < self.best_val
+            self.best_val = val_loss if is_best else self.best_val
+            state = {
+                "step": self.step, "optimizer": optim, "scheduler": self.scheduler.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                "best_val": self.best_val, "nonfinite_in_row": self.nonfinite_in_row,
+            }
+            meta = {"model": self.model_cfg.to_dict(), "train": self.cfg.to_dict(), "val_loss": val_loss,
+                    "tokens": self.step * self.cfg.global_batch * self.seq_len}
+            path = checkpoint.save_checkpoint(self.run_dir, self.step, weights, state, meta,
+                                              keep_last=self.cfg.keep_last, is_best=is_best)
+        self.best_val = parallel.broadcast_object(self.best_val, self.env)
+        parallel.barrier(self.env)
+        return path
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def run(self) -> TrainResult:
+        result = TrainResult(self.run_dir, self.step, self.step, data_dir=self.data_dir)
+        self._announce()
+        bar = Progress(self.env.is_main and self.cfg.progress, self.env.is_main, self.total_steps, self.step,
+                       self.run_dir.name)
+        start, train_time, rate = time.perf_counter(), 0.0, 0.0
+        if self.step >= self.total_steps:  # resumed a finished run: report it, train nothing
+            result.val_loss, result.checkpoint = self.evaluate(), checkpoint.resolve(self.run_dir)
+        try:
+            while self.step < self.total_steps:
+                t0, lr = time.perf_counter(), self.scheduler.get_last_lr()[0]  # the rate this step uses
+                loss, norm, ok = self.train_step(self.step)
+                dt = time.perf_counter() - t0
+                self.step += 1
+                train_time += dt
+                rate = self.tokens_per_step / dt if rate == 0 else 0.9 * rate + 0.1 * self.tokens_per_step / dt
+                self._after_step(ok, loss, norm, bar)
+                self._record(ok, loss, norm, lr, rate, time.perf_counter() - start, bar)
+                result.losses[self.step] = loss
+                self._evaluate_and_save(loss, result, bar)
+        finally:
+            bar.close()
+            self.metrics.close()
+        result.steps, result.wall_s = self.step, time.perf_counter() - start
+        result.tokens_per_s = (self.step - result.start_step) * self.tokens_per_step / max(train_time, 1e-9)
+        result.mfu = self.mfu(result.tokens_per_s)
+        return result
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.global_batch * self.seq_len
+
+    def mfu(self, tokens_per_s: float) -> float:
+        return tokens_per_s * self.flops_per_token / (self.peak * self.env.world)
+
+    def _announce(self) -> None:
+        m, cfg, env = self.model_cfg, self.cfg, self.env
+        precision = "bf16 autocast" if env.autocast_dtype else "fp32"
+        self.log(f"training {self.run_dir.name}: {m.spec} {m.scheme} d={m.d_model}, {self.total_steps} steps x "
+                 f"{cfg.global_batch} x {self.seq_len} tokens, world {env.world}, {env.device.type} {precision}; "
+                 f"MFU peak {self.peak / 1e9:,.0f} GFLOP/s per device ({self.peak_source})")
+
+    def _record(self, ok: bool, loss: float, norm: float, lr: float, rate: float, elapsed: float,
+                bar: Progress) -> None:
+        if self.step % self.cfg.log_every == 0 or not ok:
+            self.metrics.log({"kind": "train" if ok else "skip", "step": self.step, "loss": loss, "lr": lr,
+                              "grad_norm": norm, "tokens": self.step * self.tokens_per_step,
+                              "tokens_per_s": rate, "mfu": self.mfu(rate), "elapsed_s": elapsed})
+        bar.update(loss, rate, self.mfu(rate), lr)
+
+    def _evaluate_and_save(self, loss: float, result: TrainResult, bar: Progress) -> None:
+        """Validate every eval_every steps; save every save_every steps (validating first); both at the end."""
+        cfg, last = self.cfg, self.step == self.total_steps
+        saving = last or (cfg.save_every > 0 and self.step % cfg.save_every == 0)
+        if saving or (cfg.eval_every > 0 and self.step % cfg.eval_every == 0):
+            result.val_loss = self.evaluate()
+            ppl = math.exp(min(result.val_loss, 700))
+            self.metrics.log({"kind": "eval", "step": self.step, "val_loss": result.val_loss, "val_ppl": ppl})
+            bar.write(f"step {self.step}/{self.total_steps}: train loss {loss:.4f}, val loss {result.val_loss:.4f}, "
+                      f"val ppl {ppl:.2f}")
+        if saving:
+            result.checkpoint = self.save(result.val_loss)
+
+    def _after_step(self, ok: bool, loss: float, norm: float, bar: Progress) -> None:
+        if ok:
+            self.nonfinite_in_row = 0
+            return
+        self.nonfinite_in_row += 1
+        bar.write(f"warning: step {self.step}: non-finite loss {loss} / grad norm {norm}; step skipped "
+                  f"({self.nonfinite_in_row} in a row, abort at {self.cfg.max_nonfinite})")
+        if self.nonfinite_in_row >= self.cfg.max_nonfinite:
+            raise NonFiniteLossError(
+                f"loss or gradients were non-finite for {self.nonfinite_in_row} steps in a row (last at step "
+                f"{self.step}); the run diverged: lower train.lr or raise train.warmup, then --resume from the "
+                f"last checkpoint in {self.run_dir}")
+
+
+def train(cfg: TrainConfig, resume: bool = False, log: Callable[[str], None] = print) -> TrainResult:
+    """Set up devices (and the process group under torchrun), train, tear down."""
+    env = parallel.setup(cfg)
+    try:
+        return Trainer(cfg, env, resume=resume, log=log).run()
+    finally:
+        parallel.teardown()

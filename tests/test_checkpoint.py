@@ -1,0 +1,86 @@
+"""Checkpoints: round trip, atomic layout, pruning, refusal of non-finite weights, corruption detection."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from meshlm import checkpoint
+from meshlm.config import ModelConfig
+from meshlm.errors import CheckpointError
+from meshlm.model import MeshLM
+
+CFG = ModelConfig.from_preset("tiny")
+
+
+def write(run, step, val_loss=1.0, keep_last=3, is_best=False, model=None):
+    model = model or MeshLM(CFG)
+    state = {"step": step, "optimizer": {"state": {}, "param_groups": []}, "best_val": val_loss}
+    meta = {"model": CFG.to_dict(), "train": {}, "val_loss": val_loss}
+    return checkpoint.save_checkpoint(run, step, model.state_dict(), state, meta, keep_last=keep_last,
+                                      is_best=is_best)
+
+
+def test_round_trip_and_load_model(tmp_path):
+    model = MeshLM(CFG)
+    path = write(tmp_path, 5, model=model)
+    assert path.name == "step-000005" and (tmp_path / "latest").read_text().strip() == "step-000005"
+    ckpt = checkpoint.load_checkpoint(tmp_path)
+    assert ckpt.step == 5 and ckpt.state["step"] == 5
+    loaded = checkpoint.load_model(tmp_path)
+    for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+def test_prune_keeps_last_n_and_best(tmp_path):
+    write(tmp_path, 1, val_loss=0.5, is_best=True, keep_last=2)
+    for step in (2, 3, 4):
+        write(tmp_path, step, keep_last=2)
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-000004", "step-000003", "step-000001"]
+    assert (tmp_path / "best").read_text().strip() == "step-000001"
+
+
+def test_refuses_non_finite_weights(tmp_path):
+    model = MeshLM(CFG)
+    with torch.no_grad():
+        model.embed_in.weight[0, 0] = math.nan
+    with pytest.raises(CheckpointError, match="non-finite"):
+        write(tmp_path, 1, model=model)
+    assert not checkpoint.list_checkpoints(tmp_path)
+
+
+@pytest.mark.parametrize("victim, damage", [
+    ("model.safetensors", "truncate"), ("state.pt", "truncate"), ("model.safetensors", "flip"),
+    ("config.json", "truncate"), ("state.pt", "delete"),
+])
+def test_corruption_names_the_file_and_resume_falls_back(tmp_path, victim, damage):
+    write(tmp_path, 1)
+    bad = write(tmp_path, 2) / victim
+    if damage == "truncate":
+        bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])
+    elif damage == "flip":
+        data = bytearray(bad.read_bytes())
+        data[-10] ^= 0xFF
+        bad.write_bytes(bytes(data))
+    else:
+        bad.unlink()
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.load_checkpoint(bad.parent)
+    assert str(bad) in str(err.value) and "\n" not in str(err.value)
+    warnings = []
+    good = checkpoint.find_resumable(tmp_path, warn=warnings.append)
+    assert good.step == 1 and (tmp_path / "step-000001").is_dir()
+    assert len(warnings) == 1 and "step-000002" in warnings[0]
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="holds no checkpoint"):
+        checkpoint.load_model(tmp_path)
+
+
+def test_state_loads_without_executing_code(tmp_path):
+    """state.pt must hold only what torch.load(weights_only=True) accepts."""
+    path = write(tmp_path, 1)
+    torch.load(path / "state.pt", weights_only=True)

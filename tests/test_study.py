@@ -1,0 +1,71 @@
+"""`meshlm reproduce`: study files, the plan with estimates, and a tiny study end to end (resumable)."""
+from pathlib import Path
+
+import pytest
+import yaml
+
+from meshlm.cli import main
+from meshlm.errors import ConfigError
+from meshlm.study import load_study, plan_table, results_markdown
+
+STUDIES = Path(__file__).resolve().parents[1] / "configs" / "studies"
+TINY = ["model.preset=mesh-small", "model.d_model=32", "model.n_heads=4", "model.context_length=32",
+        "train.seq_len=32", "train.global_batch=2", "train.micro_batch=2", "train.steps=2",
+        "train.eval_every=0", "train.eval_batches=1", "train.save_every=0"]
+
+
+def write_study(tmp_path, **fields) -> Path:
+    study = {"name": "t", "out_dir": str(tmp_path / "runs"), "overrides": TINY, "seeds": [0],
+             "variants": {"base": {"overrides": ["model.spec=1+1R2+1", "model.scheme=base"]},
+                          "mesh": {"overrides": ["model.spec=1+1R2+1", "model.scheme=mesh"]}},
+             "eval": ["--tasks", "none", "--limit", "2", "--loops", "1,2"],
+             "probe": ["--samples", "2", "--tokens", "16"], **fields}
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(study))
+    return path
+
+
+@pytest.mark.parametrize("path", sorted(STUDIES.glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_studies_parse_and_estimate(path):
+    study = load_study(path)
+    assert study.runs
+    table = plan_table(study)
+    assert "GPU-hours in all" in table and all(run.name in table for run in study.runs)
+
+
+def test_runs_are_variants_times_seeds(tmp_path):
+    study = load_study(write_study(tmp_path, seeds=[0, 1], variants={
+        "a": {"overrides": ["model.scheme=base"]}, "b": {"overrides": ["model.scheme=mesh"], "seeds": [5]}}))
+    assert [r.name for r in study.runs] == ["a-s0", "a-s1", "b-s5"]
+    assert "train.seed=5" in study.runs[-1].overrides
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"variants": {}}, "at least one variant"),
+    ({"seeds": "zero"}, "`seeds` must be a non-empty list"),
+    ({"colour": 1}, "unknown key 'colour'"),
+    ({"variants": {"x": {"overrides": ["model.spec=4+8R0+4"]}}}, "8R0"),
+])
+def test_bad_studies_are_one_clear_error(tmp_path, fields, message):
+    with pytest.raises(ConfigError, match=message):
+        load_study(write_study(tmp_path, **fields))
+
+
+def test_missing_study_file_exits_2(tmp_path, capsys):
+    assert main(["reproduce", str(tmp_path / "nope.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_tiny_study_end_to_end_and_rerun_skips(tmp_path, capsys):
+    path = write_study(tmp_path)
+    assert main(["reproduce", str(path)]) == 0
+    out_dir = tmp_path / "runs" / "t"
+    for run in ["base-s0", "mesh-s0"]:
+        assert (out_dir / run / "eval.json").is_file() and (out_dir / run / "probe" / "probe.json").is_file()
+    results = (out_dir / "results.md").read_text()
+    assert "| base | `1+1R2+1` | base |" in results and "| mesh | `1+1R2+1` | mesh |" in results
+    assert (out_dir / "report.html").read_text().count("<table") >= 1
+    capsys.readouterr()
+    assert main(["reproduce", str(path)]) == 0  # everything finished: nothing is trained again
+    assert capsys.readouterr().out.count("done, skipped") == 2
+    assert results_markdown(load_study(path)) == results
