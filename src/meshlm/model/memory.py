@@ -78,10 +78,12 @@ class MeSH(Scheme):
         ctx.routing.append((write, read))
         ctx.values.append(value)
         ctx.coefficients = torch.cat([ctx.coefficients, write.unsqueeze(-1)], dim=-1)  # (B, T, slots, J)
-        mix = (read.unsqueeze(-2) @ ctx.coefficients).squeeze(-2).to(value.dtype)  # (B, T, J)
-        h = mix[..., 0:1] * ctx.values[0]
-        for j in range(1, len(ctx.values)):  # Σ_j mix_j·v_j; autograd keeps references, not copies
-            h = torch.addcmul(h, mix[..., j:j + 1], ctx.values[j])
+        mix = (read.unsqueeze(-2) @ ctx.coefficients).to(value.dtype)  # (B, T, 1, J)
+        if not torch.is_grad_enabled():  # inference: one matmul over the stacked values (2 kernels, not J)
+            return (mix @ torch.stack(ctx.values, dim=-2)).squeeze(-2)  # (B, T, 1, J) @ (B, T, J, d)
+        h = mix[..., 0, 0:1] * ctx.values[0]
+        for j in range(1, len(ctx.values)):  # Σ_j mix_j·v_j; autograd keeps references, not stacked copies
+            h = torch.addcmul(h, mix[..., 0, j:j + 1], ctx.values[j])
         return h
 
     def begin(self, ctx, p):
