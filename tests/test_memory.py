@@ -143,7 +143,7 @@ def test_buffer_view_equals_explicit_slot_arithmetic():
     for t, u in enumerate(us):
         queries_values.append((h, u))
         h = scheme.update(t, h, u, ctx)
-    for (query, value), (w, r) in zip(queries_values, ctx.routing):
+    for (_, value), (w, _) in zip(queries_values, ctx.routing):
         explicit = [m + w[..., b:b + 1] * value for b, m in enumerate(explicit)]
     torch.testing.assert_close(scheme.buffer(ctx), torch.stack(explicit, -2), rtol=0, atol=1e-5)
     r_last = ctx.routing[-1][1]

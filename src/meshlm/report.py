@@ -121,8 +121,8 @@ def table_one(runs: list[RunResults], shots: str) -> str:
     return f"<h3>{shots}-shot</h3>" + _table(header, columns, len(runs))
 
 
-def report_figures(runs: list[RunResults]) -> dict:
-    """The page's figures by name: "loops" (if any run has a sweep) and the overlaid probe figures."""
+def report_figures(runs: list[RunResults]) -> dict[str, bytes]:
+    """The page's figures as PNG bytes by name: "loops" (if any run has a sweep) and the overlaid probes."""
     from meshlm import plots
 
     figures = {}
@@ -130,7 +130,8 @@ def report_figures(runs: list[RunResults]) -> dict:
     if loops is not None:
         figures["loops"] = loops
     probed = [(r.label, r.probe) for r in runs if r.probe]
-    return {**figures, **(plots.probe_figures(probed) if probed else {})}
+    figures.update(plots.probe_figures(probed) if probed else {})
+    return {name: plots.png_bytes(fig) for name, fig in figures.items()}
 
 
 def loops_section(runs: list[RunResults], figures: dict) -> str:
@@ -176,14 +177,12 @@ def notes(runs: list[RunResults]) -> str:
     return "<ul class='note'>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>" if items else "<p>None.</p>"
 
 
-def _img(fig) -> str:
-    from meshlm.plots import png_bytes
-
-    return f"<img src='data:image/png;base64,{base64.b64encode(png_bytes(fig)).decode('ascii')}'>"
+def _img(png: bytes) -> str:
+    return f"<img src='data:image/png;base64,{base64.b64encode(png).decode('ascii')}'>"
 
 
 # -- the page -------------------------------------------------------------------------------------------------
-def render(runs: list[RunResults], title: str = "meshlm report", figures: dict | None = None) -> str:
+def render(runs: list[RunResults], title: str = "meshlm report", figures: dict[str, bytes] | None = None) -> str:
     figures = report_figures(runs) if figures is None else figures
     shots = sorted({k for r in runs for k in ((r.eval or {}).get("downstream") or {})}, key=int)
     tables = "".join(table_one(runs, s) for s in shots) or "<p>No downstream results yet.</p>"
@@ -203,12 +202,12 @@ def render(runs: list[RunResults], title: str = "meshlm report", figures: dict |
 def write_report(paths: list[str | Path], out: str | Path, title: str = "meshlm report",
                  figures_dir: str | Path | None = None) -> Path:
     """Write the HTML page; with `figures_dir`, also its figures as PNG files there."""
-    from meshlm import plots
-
     runs = [collect(p) for p in paths]
     figures = report_figures(runs)
     if figures_dir is not None:
-        plots.save(figures, figures_dir)
+        Path(figures_dir).mkdir(parents=True, exist_ok=True)
+        for name, png in figures.items():
+            (Path(figures_dir) / f"{name}.png").write_bytes(png)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(runs, title, figures), encoding="utf-8")

@@ -145,7 +145,8 @@ def plan_table(study: Study) -> str:
              f"{'GPU-hours':>9} {'wall h':>7}"]
     for r in rows:
         lines.append(f"{r['run']:<28} {r['non_embedding_params']:>15,} {r['unrolled_layers']:>6} {r['steps']:>7,} "
-                     f"{r['tokens']:>14,} {r['train_flops']:>12.3e} {r['gpu_hours']:>9.1f} {r['gpu_hours'] / study.gpus:>7.1f}")
+                     f"{r['tokens']:>14,} {r['train_flops']:>12.3e} {r['gpu_hours']:>9.1f} "
+                     f"{r['gpu_hours'] / study.gpus:>7.1f}")
     total = sum(r["gpu_hours"] for r in rows)
     lines.append(f"GPU-hours in all: {total:.1f} ({total / study.gpus:.1f} h on {study.gpus} GPU(s)) at "
                  f"{study.assumed_mfu:.0%} MFU of {study.peak_flops:.3g} FLOP/s per GPU (set peak_flops, gpus and "
@@ -234,7 +235,8 @@ def results_markdown(study: Study) -> str:
         lines += ["", "Buffer size (MeSH):", "", "| B | runs | val PPL |", "|---|---|---|"]
         for slots in sorted({r["slots"] for r in mesh}, key=lambda s: (s is not None, s or 0)):
             rs = [r for r in mesh if r["slots"] == slots]
-            lines.append(f"| {slots if slots else 'K+3 (default)'} | {len(rs)} | {mean_std([r['ppl'] for r in rs])} |")
+            label = slots if slots else "K+3 (default)"
+            lines.append(f"| {label} | {len(rs)} | {mean_std([r['ppl'] for r in rs])} |")
     lines += ["", f"Per-run numbers: `{study.dir}/*/eval.json`; probe figures: `{study.dir}/*/probe/`; "
               f"full report with overlaid probes: `{study.dir}/report.html`."]
     return "\n".join(lines) + "\n"

@@ -2,10 +2,10 @@
 checkpointing, torch.compile, DDP/FSDP2, and full state dicts for saving.
 
 Wrapping order (torchtitan's): checkpoint each layer → compile each layer → FSDP2 per layer + root, or DDP
-around the whole model. Checkpointing and compile act in place on each `NeoXLayer` (an instance-level
-forward / `Module.compile`), so parameter names never change. The trainer keeps the unwrapped `MeshLM`
-for state dicts; under FSDP2 that same object holds sharded DTensor parameters and `full_model_state`
-gathers them (a collective: every rank must call it).
+around the whole model. Checkpointing and compile act in place on each layer (any `meshlm.model.layers.Layer`:
+NeoX, Llama or OLMoE; an instance-level forward / `Module.compile`), so parameter names never change. The
+trainer keeps the unwrapped `MeshLM` for state dicts; under FSDP2 that same object holds sharded DTensor
+parameters and `full_model_state` gathers them (a collective: every rank must call it).
 
 A looped core runs each of its layers K times per forward; DDP accumulates the K contributions before its
 reducer fires, and FSDP2 re-gathers the layer at each use and reduces once per backward use (checked
@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.utils.checkpoint import checkpoint
 
 from meshlm.errors import ConfigError
-from meshlm.model.layers import NeoXLayer
+from meshlm.model.layers import Layer
 from meshlm.train.config import TrainConfig
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets every tensor, on CPU
@@ -84,8 +84,8 @@ def autocast(env: Env):
     return torch.autocast(env.device.type, dtype=env.autocast_dtype)
 
 
-def layers(model: nn.Module) -> list[NeoXLayer]:
-    return [m for m in model.modules() if isinstance(m, NeoXLayer)]
+def layers(model: nn.Module) -> list[Layer]:
+    return [m for m in model.modules() if isinstance(m, Layer)]
 
 
 def checkpoint_layers(model: nn.Module) -> None:
