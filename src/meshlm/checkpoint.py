@@ -21,7 +21,6 @@ Loading never executes code: weights via safetensors, the rest via torch.load(we
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -36,6 +35,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from meshlm.errors import CheckpointError
+from meshlm.hashing import sha256_file
 
 WEIGHTS, STATE, CONFIG = "model.safetensors", "state.pt", "config.json"
 FORMAT = "meshlm-checkpoint/1"
@@ -106,15 +106,7 @@ def prune(run_dir: Path, keep_last: int) -> None:
 
 
 def _describe(path: Path) -> dict[str, Any]:
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
 def _fsync(path: Path) -> None:
@@ -194,7 +186,7 @@ def verify(path: str | Path) -> dict[str, Any]:
         if size != expected["bytes"]:
             raise CheckpointError(f"{file} is truncated or corrupt: {size} bytes, expected {expected['bytes']}; "
                                   f"use an earlier checkpoint")
-        if _sha256(file) != expected["sha256"]:
+        if sha256_file(file) != expected["sha256"]:
             raise CheckpointError(f"{file} is corrupt: its SHA-256 does not match config.json; "
                                   f"use an earlier checkpoint")
     return meta

@@ -21,7 +21,6 @@ continued training. A tokenizer that came with the source is copied in as tokeni
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -45,6 +44,7 @@ from meshlm.families import (
     to_meshlm,
 )
 from meshlm.families import model_config as family_model_config
+from meshlm.hashing import sha256_file
 from meshlm.model import MeshLM
 
 FORMATS = ("meshlm", "hf", *FAMILIES)
@@ -203,7 +203,7 @@ def write_checkpoint(folder: str | Path, cfg: ModelConfig, state: dict[str, torc
         shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
         extra["tokenizer"] = "tokenizer.json"
     files = {checkpoint.WEIGHTS: {"bytes": (tmp / checkpoint.WEIGHTS).stat().st_size,
-                                  "sha256": _sha256(tmp / checkpoint.WEIGHTS)}}
+                                  "sha256": sha256_file(tmp / checkpoint.WEIGHTS)}}
     body = {"format": checkpoint.FORMAT, "model": cfg.to_dict(), "step": 0, "files": files, **extra}
     (tmp / checkpoint.CONFIG).write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
     if folder.exists():
@@ -219,14 +219,6 @@ def checkpoint_tokenizer(path: str | Path) -> str:
     if meta.get("tokenizer"):
         return str(path / meta["tokenizer"])
     return (meta.get("train") or {}).get("tokenizer", "default")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _fresh_dir(folder: str | Path, create: bool = True) -> Path:

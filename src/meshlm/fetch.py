@@ -7,7 +7,6 @@ is missing, raises a DataError telling the user to run `meshlm fetch`; nothing e
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from meshlm.cache import cache_dir as resolve_cache
 from meshlm.errors import DataError
+from meshlm.hashing import sha256_file
 
 
 @dataclass(frozen=True)
@@ -45,14 +45,6 @@ def cached_wheel(wheel: Wheel, cache_dir: str | os.PathLike | None = None) -> Pa
     """The wheel's path if it was fetched (its hash was checked when it was stored), else None."""
     path = wheel_path(wheel, cache_dir)
     return path if path.is_file() else None
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def fetch_wheel(wheel: Wheel, cache_dir: str | os.PathLike | None = None) -> Path:

@@ -23,6 +23,8 @@ router (MoE) append its logits to `router_logits` when given a list; the others 
 """
 from __future__ import annotations
 
+import abc
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -98,7 +100,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
 
 
-class Layer(nn.Module):
+class Layer(nn.Module, abc.ABC):
     """Base class of every layer kind: `forward(x, rope, mask, cache, slot, router_logits) -> x`, (B, T, d).
 
     Wrappers that act per layer (activation checkpointing, compile, FSDP units) find layers by this class.
@@ -106,8 +108,9 @@ class Layer(nn.Module):
     """
 
     @staticmethod
+    @abc.abstractmethod
     def norm(cfg: ModelConfig) -> nn.Module:
-        raise NotImplementedError
+        """The backbone's normalisation layer for width cfg.d_model."""
 
 
 # -- GPT-NeoX (Pythia) ----------------------------------------------------------------------------------------
