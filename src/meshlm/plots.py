@@ -184,6 +184,7 @@ def loops_figure(runs: list[tuple[str, list[dict]]]) -> Figure | None:
         trained = [r for r in rows if r["trained"]]
         ax.plot([r["loops"] for r in trained], [r["loss"] for r in trained], "o", markersize=11,
                 markerfacecolor="none", color=_color(i))
+    ax.set_xticks(sorted({r["loops"] for _, rows in runs for r in rows}))
     ax.set_xlabel("loop steps K' (circled: as trained)")
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title("Loss vs. loop count")
