@@ -31,6 +31,35 @@ def copy_layers(src: MeshLM, dst: MeshLM) -> None:
     assert not unexpected, unexpected
 
 
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory):
+    """A small prepared corpus (default tokenizer) for the training, evaluation and report tests."""
+    from trainkit import make_prepared
+
+    return make_prepared(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def llama_folder(tmp_path_factory):
+    """A small random LlamaForCausalLM (4 layers, GQA) saved the transformers way, with a tokenizer.json
+    (a copy of meshlm's default, so prepared data match); returns (folder, the transformers model)."""
+    import shutil
+
+    from transformers import LlamaForCausalLM
+
+    from meshlm.families import FAMILIES, hf_config
+    from meshlm.tokenizer import DEFAULT_PATH
+
+    cfg = ModelConfig(spec="4", d_model=64, n_heads=4, n_kv_heads=2, vocab_size=8192, context_length=64,
+                      mlp_hidden=96, backbone="llama", scheme="vanilla", scale_embeddings=False)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(hf_config(cfg, FAMILIES["llama"])).eval()
+    folder = tmp_path_factory.mktemp("llama") / "llama-tiny"
+    hf.save_pretrained(folder)
+    shutil.copyfile(DEFAULT_PATH, folder / "tokenizer.json")
+    return folder, hf
+
+
 @pytest.fixture(autouse=True)
 def _deterministic():
     torch.manual_seed(0)

@@ -35,10 +35,3 @@ def wheel_cache(root: Path) -> Path:
     return root
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread avoids oversubscription stalls (~20x)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

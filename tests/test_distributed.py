@@ -6,23 +6,13 @@ import sys
 
 import pytest
 import torch
-from trainkit import as_overrides, cli, make_prepared, one_thread, tiny_train, train_losses
+from trainkit import as_overrides, cli, tiny_train, train_losses
 
 from meshlm import checkpoint
 from meshlm.train import train
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 STEPS = 5
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    return make_prepared(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    yield from one_thread()
 
 
 @pytest.fixture(scope="module")

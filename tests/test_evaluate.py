@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 from conftest import build, tiny
-from evalkit import one_thread, tiny_checkpoint, wheel_cache  # noqa: F401 (autouse fixture)
-from trainkit import ROOT, make_prepared
+from evalkit import tiny_checkpoint, wheel_cache
+from trainkit import ROOT
 
 from meshlm.data import PreparedData
 from meshlm.errors import ConfigError, DataError
@@ -22,11 +22,6 @@ from meshlm.evaluation.perplexity import default_loop_counts, loss_vs_loops, mea
 from meshlm.tasks import SUITE, resolve_tasks, task_specs
 from meshlm.tasks.sources import eval_set_files, evals_root
 from meshlm.tokenizer import load_tokenizer
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    return make_prepared(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import build, tiny
-from evalkit import one_thread  # noqa: F401 (autouse fixture)
 
 from meshlm.probes import (
     cka,

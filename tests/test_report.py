@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from evalkit import one_thread, tiny_checkpoint  # noqa: F401 (autouse fixture)
+from evalkit import tiny_checkpoint
 from trainkit import make_prepared
 
 from meshlm import plots

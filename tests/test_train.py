@@ -11,22 +11,12 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainkit import ROOT, as_overrides, cli, cli_command, make_prepared, one_thread, tiny_train, train_losses
+from trainkit import ROOT, as_overrides, cli, cli_command, tiny_train, train_losses
 
 from meshlm import checkpoint
 from meshlm.cli import main
 from meshlm.model import MeshLM
 from meshlm.train import NonFiniteLossError, train
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory):
-    return make_prepared(tmp_path_factory)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    yield from one_thread()
 
 
 def test_training_lowers_the_loss(prepared, tmp_path):

@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 from meshlm.train.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,15 +15,6 @@ CORPUS_CHARS = 400_000  # ~100k tokens: enough windows for every test, prepared 
 
 
 _PREPARED: list[Path] = []
-
-
-def one_thread():
-    """Run tiny models on one thread: with two, a busy machine makes every small op wait for a descheduled
-    OpenMP worker (measured 12x slower under load), and one thread is as fast for d=64 anyway."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def make_prepared(tmp_path_factory) -> Path:

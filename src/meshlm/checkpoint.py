@@ -5,6 +5,7 @@
         model.safetensors   full (unsharded) weights, fp32, names as MeshLM.state_dict()
         state.pt            optimizer (keyed by parameter name), scheduler, RNG, step, best val loss;
                             plain tensors and containers only: loaded with torch.load(weights_only=True)
+        tokenizer.json      only when trained with a tokenizer that is not built in ("default", "pythia")
         config.json         {"model": ModelConfig, "train": TrainConfig, "step", "val_loss",
                              "files": {name: {"bytes", "sha256"}}}  — written last, it seals the others
       latest                "step-000600": the newest complete checkpoint (replaced atomically)
@@ -37,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from meshlm.errors import CheckpointError
 from meshlm.hashing import sha256_file
 
-WEIGHTS, STATE, CONFIG = "model.safetensors", "state.pt", "config.json"
+WEIGHTS, STATE, CONFIG, TOKENIZER = "model.safetensors", "state.pt", "config.json", "tokenizer.json"
 FORMAT = "meshlm-checkpoint/1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -60,8 +61,10 @@ def step_dir_name(step: int) -> str:
 
 # -- writing ----------------------------------------------------------------------------------------------
 def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Tensor], state: dict[str, Any],
-                    meta: dict[str, Any], keep_last: int = 3, is_best: bool = False) -> Path:
-    """Write <run>/step-NNNNNN atomically, update `latest` (and `best`), prune old checkpoints."""
+                    meta: dict[str, Any], keep_last: int = 3, is_best: bool = False,
+                    tokenizer: Path | None = None) -> Path:
+    """Write <run>/step-NNNNNN atomically, update `latest` (and `best`), prune old checkpoints.
+    `tokenizer`: a tokenizer.json to carry along (one that is not built in), so the checkpoint stands alone."""
     run_dir = Path(run_dir)
     bad = [name for name, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
@@ -74,9 +77,14 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
     tmp.mkdir()
     save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
     torch.save(state, tmp / STATE)
-    files = {name: _describe(tmp / name) for name in (WEIGHTS, STATE)}
+    names = [WEIGHTS, STATE]
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, tmp / TOKENIZER)
+        names.append(TOKENIZER)
+        meta = {**meta, "tokenizer": TOKENIZER}
+    files = {name: _describe(tmp / name) for name in names}
     _write_json(tmp / CONFIG, {"format": FORMAT, **meta, "step": step, "files": files})
-    for name in (WEIGHTS, STATE, CONFIG):
+    for name in (*names, CONFIG):
         _fsync(tmp / name)
     _fsync(tmp)
     if final.exists():  # re-saving a step (e.g. after falling back past a corrupt checkpoint)
@@ -218,6 +226,15 @@ def find_resumable(run_dir: str | Path, warn: Callable[[str], None] = print) -> 
         except CheckpointError as err:
             warn(f"warning: skipping checkpoint {path.name}: {err}")
     return None
+
+
+def tokenizer_of(path: str | Path) -> str:
+    """The tokenizer a checkpoint was made with: its own tokenizer.json, its training run's, or "default"."""
+    path = resolve(path)
+    meta = read_meta(path)
+    if meta.get("tokenizer"):
+        return str(path / meta["tokenizer"])
+    return (meta.get("train") or {}).get("tokenizer", "default")
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu"):

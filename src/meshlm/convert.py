@@ -212,15 +212,6 @@ def write_checkpoint(folder: str | Path, cfg: ModelConfig, state: dict[str, torc
     return folder
 
 
-def checkpoint_tokenizer(path: str | Path) -> str:
-    """The tokenizer a meshlm checkpoint was made with: its own tokenizer.json, its training run's, or default."""
-    path = checkpoint.resolve(path)
-    meta = checkpoint.read_meta(path)
-    if meta.get("tokenizer"):
-        return str(path / meta["tokenizer"])
-    return (meta.get("train") or {}).get("tokenizer", "default")
-
-
 def _fresh_dir(folder: str | Path, create: bool = True) -> Path:
     folder = Path(folder)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
@@ -240,7 +231,7 @@ def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: 
     kind = detect_format(src)
     if kind == "meshlm":
         model = checkpoint.load_model(src)
-        cfg, state, tok_file = model.config, model.state_dict(), checkpoint_tokenizer(src)
+        cfg, state, tok_file = model.config, model.state_dict(), checkpoint.tokenizer_of(src)
     elif kind == "hf":
         from meshlm.hf import load_hf
 

@@ -115,8 +115,8 @@ def generate(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int =
 
 def load_for_generation(path: str | Path, tokenizer: str | None = None, device: str = "cpu"):
     """(MeshLM, TextTokenizer) from a meshlm checkpoint (or run dir) or a Hugging Face folder from save_hf."""
-    from meshlm.checkpoint import load_model
-    from meshlm.convert import checkpoint_tokenizer, detect_format
+    from meshlm import checkpoint
+    from meshlm.convert import detect_format
     from meshlm.tokenizer import load_tokenizer
 
     path = Path(path)
@@ -124,4 +124,4 @@ def load_for_generation(path: str | Path, tokenizer: str | None = None, device: 
         from meshlm.hf import load_hf
 
         return load_hf(path).model.to(device).eval(), load_tokenizer(tokenizer or path)
-    return load_model(path, device), load_tokenizer(tokenizer or checkpoint_tokenizer(path))
+    return checkpoint.load_model(path, device), load_tokenizer(tokenizer or checkpoint.tokenizer_of(path))

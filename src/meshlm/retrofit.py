@@ -154,7 +154,7 @@ def _base_routers(model: MeshLM) -> None:
 def retrofit_folder(src: str | Path, out: str | Path, spec: str, **options: Any) -> Path:
     """Retrofit a GPT-NeoX / Llama / OLMoE folder or vanilla meshlm checkpoint and write a meshlm checkpoint."""
     from meshlm import checkpoint
-    from meshlm.convert import checkpoint_tokenizer, detect_format, read_family, write_checkpoint
+    from meshlm.convert import detect_format, read_family, write_checkpoint
     from meshlm.families import FAMILIES
 
     src = Path(src)
@@ -165,7 +165,7 @@ def retrofit_folder(src: str | Path, out: str | Path, spec: str, **options: Any)
     elif kind == "meshlm":
         source = checkpoint.load_model(src)
         source_cfg, source_state = source.config, source.state_dict()
-        tok = Path(checkpoint_tokenizer(src))
+        tok = Path(checkpoint.tokenizer_of(src))
     else:
         raise ConfigError(f"{src} is a meshlm Hugging Face folder; retrofit from a GPT-NeoX, Llama or OLMoE "
                           f"folder or a vanilla "

@@ -74,6 +74,13 @@ def resolve_tokenizer_path(name_or_path: str | os.PathLike, cache_dir: str | os.
     return path
 
 
+def tokenizer_file(name_or_path: str | os.PathLike) -> Path | None:
+    """The user's tokenizer.json behind `name_or_path`; None for the built-in "default" and "pythia"."""
+    if str(name_or_path) in ("default", "pythia"):
+        return None
+    return resolve_tokenizer_path(name_or_path)
+
+
 def load_tokenizer(name_or_path: str | os.PathLike = "default",
                    cache_dir: str | os.PathLike | None = None) -> TextTokenizer:
     """Load "default", "pythia" (after `meshlm fetch`) or a tokenizer.json path (or a folder holding one)."""

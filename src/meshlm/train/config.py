@@ -32,6 +32,7 @@ from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
 
 DISTRIBUTED = ("ddp", "fsdp")
+DEFAULT_PRESET = "mesh-small"  # what `meshlm train` trains with no arguments
 DTYPES = ("auto", "fp32", "bf16")
 
 
@@ -40,9 +41,11 @@ class TrainConfig:
     # -- what to train on ---------------------------------------------------------------------------------
     name: str = ""  # run name: checkpoints go to <out_dir>/<name>; "" -> "<preset>-<scheme>"
     out_dir: str = "runs"
-    model: dict[str, Any] = field(default_factory=lambda: {"preset": "mesh-small"})  # preset + overrides
+    model: dict[str, Any] = field(default_factory=lambda: {"preset": DEFAULT_PRESET})  # preset + overrides
     data: str = "default"  # a prepared-data dir (`meshlm prepare`), or "default" = the embedded corpus
     tokenizer: str = "default"  # "default", "pythia" or a tokenizer.json; must match the prepared data
+    init_from: str = ""  # start from this checkpoint's weights (a `meshlm retrofit`/`convert` output, a run or
+    # step dir): its model config (plus any model.* overrides) and tokenizer; fresh optimizer and schedule
     # -- batch and length ---------------------------------------------------------------------------------
     seq_len: int = 0  # tokens per sequence; 0 -> the model's context_length
     global_batch: int = 8  # sequences per optimizer step, summed over every rank (8: best at CPU scale)
@@ -82,9 +85,34 @@ class TrainConfig:
     def model_config(self) -> ModelConfig:
         overrides = dict(self.model)
         preset = overrides.pop("preset", None)
+        if self.init_from:
+            return self._init_model_config(preset, overrides)
         if preset is None:
             return ModelConfig.from_dict(overrides)
         return ModelConfig.from_preset(preset, **overrides)
+
+    def _init_model_config(self, preset: str | None, overrides: dict[str, Any]) -> ModelConfig:
+        """The init_from checkpoint's model config with `overrides` on top (e.g. model.aux_loss_weight);
+        a preset other than the default cannot apply: the architecture is the checkpoint's."""
+        from meshlm import checkpoint
+        from meshlm.errors import CheckpointError
+
+        if preset not in (None, DEFAULT_PRESET):
+            raise ConfigError(f"train.init_from takes the architecture from {self.init_from}; drop model.preset="
+                              f"{preset} (use `meshlm retrofit` to change a checkpoint's layout)")
+        try:
+            saved = checkpoint.read_meta(self.init_from)["model"]
+        except CheckpointError as err:
+            raise ConfigError(f"train.init_from: {err}") from None
+        return ModelConfig.from_dict({**saved, **overrides})
+
+    def tokenizer_source(self) -> str:
+        """What to load as the tokenizer: train.tokenizer, or by default the init_from checkpoint's own."""
+        if self.init_from and self.tokenizer == "default":
+            from meshlm import checkpoint
+
+            return checkpoint.tokenizer_of(self.init_from)
+        return self.tokenizer
 
     def run_name(self) -> str:
         if self.name:
@@ -212,7 +240,7 @@ def apply_override(flat: dict[str, Any], item: str) -> None:
     if parts[0] == "model":
         if len(parts) == 1:
             raise ConfigError(f"override {item!r} needs a field, e.g. model.d_model=128 or model.preset=tiny")
-        target = flat.setdefault("model", {"preset": "mesh-small"})
+        target = flat.setdefault("model", {"preset": DEFAULT_PRESET})
         for p in parts[1:-1]:
             target = target.setdefault(p, {})
         target[parts[-1]] = value
@@ -261,7 +289,7 @@ def _coerce(key: str, kind: str, value: Any) -> Any:
     if kind == "str":
         if isinstance(value, (dict, list)):
             raise bad
-        return str(value)
+        return "" if value is None else str(value)  # `name=` / `init_from:` (YAML null) mean "unset"
     if kind.startswith("list"):
         if not isinstance(value, (list, tuple)):
             raise bad

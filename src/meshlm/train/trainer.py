@@ -57,9 +57,9 @@ def resolve_data(cfg: TrainConfig, env: parallel.Env, tokenizer) -> Path:
     from meshlm.data import prepare_default
 
     if cfg.data == "default":
-        path = prepare_default(tokenizer=cfg.tokenizer, progress=env.is_main) if env.is_main else None
+        path = prepare_default(tokenizer=cfg.tokenizer_source(), progress=env.is_main) if env.is_main else None
         parallel.barrier(env)
-        return path or prepare_default(tokenizer=cfg.tokenizer)
+        return path or prepare_default(tokenizer=cfg.tokenizer_source())
     path = Path(cfg.data).expanduser()
     if not path.is_dir():
         raise DataError(f"data dir {path} does not exist; run `meshlm prepare` or set train.data=default")
@@ -70,7 +70,7 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, env: parallel.Env, resume: bool = False,
                  log: Callable[[str], None] = print):
         from meshlm.data import PreparedData
-        from meshlm.tokenizer import check_vocab, load_tokenizer
+        from meshlm.tokenizer import check_vocab, load_tokenizer, tokenizer_file
 
         self.cfg, self.env = cfg, env
         self.log = log if env.is_main else (lambda message: None)
@@ -83,7 +83,8 @@ class Trainer:
                               f"micro_batch={cfg.micro_batch}; change train.global_batch or train.micro_batch")
         self.accum = cfg.global_batch // (env.world * cfg.micro_batch)  # micro-batches per rank per step
 
-        tokenizer = load_tokenizer(cfg.tokenizer)
+        tokenizer = load_tokenizer(cfg.tokenizer_source())
+        self.tokenizer_file = tokenizer_file(cfg.tokenizer_source())  # copied into checkpoints, or None
         check_vocab(self.model_cfg.vocab_size, tokenizer)
         self.data_dir = data_dir = resolve_data(cfg, env, tokenizer)
         self.train_data, self.val_data = PreparedData(data_dir, "train"), PreparedData(data_dir, "val")
@@ -118,6 +119,8 @@ class Trainer:
             self.log(f"no checkpoint in {self.run_dir} yet: starting from step 0")
         if ckpt is not None:
             self._restore(ckpt)
+        elif self.cfg.init_from:
+            self._initialise_from(self.cfg.init_from)
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if ckpt is not None:
@@ -152,6 +155,20 @@ class Trainer:
         self.step, self.best_val = ckpt.step, state["best_val"]
         self.nonfinite_in_row = state["nonfinite_in_row"]
         self.log(f"resumed {self.run_dir} from {ckpt.path.name} (step {self.step}/{self.total_steps})")
+
+    def _initialise_from(self, path: str) -> None:
+        """Weights only, from a retrofit/convert output or another run: the optimizer and schedule start fresh."""
+        ckpt = checkpoint.load_checkpoint(path, with_state=False)
+        expected = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
+        found = {name: tuple(t.shape) for name, t in ckpt.weights.items()}
+        if found != expected:
+            missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+            reshaped = sorted(n for n in set(found) & set(expected) if found[n] != expected[n])
+            raise CheckpointError(f"train.init_from={path}: its weights do not fit the model (missing {missing[:3]}, "
+                                  f"unexpected {extra[:3]}, other shapes {reshaped[:3]}); drop the model.* overrides "
+                                  f"that change the architecture, or make the new layout with `meshlm retrofit`")
+        parallel.load_full_state(self.model, None, ckpt.weights, None)
+        self.log(f"initialised from {ckpt.path} (weights only; optimizer and schedule start at step 0)")
 
     # -- one optimizer step ---------------------------------------------------------------------------------
     def train_step(self, step: int) -> tuple[float, float, bool]:
@@ -222,7 +239,8 @@ class Trainer:
             meta = {"model": self.model_cfg.to_dict(), "train": self.cfg.to_dict(), "val_loss": val_loss,
                     "tokens": self.step * self.cfg.global_batch * self.seq_len}
             path = checkpoint.save_checkpoint(self.run_dir, self.step, weights, state, meta,
-                                              keep_last=self.cfg.keep_last, is_best=is_best)
+                                              keep_last=self.cfg.keep_last, is_best=is_best,
+                                              tokenizer=self.tokenizer_file)
         self.best_val = parallel.broadcast_object(self.best_val, self.env)
         parallel.barrier(self.env)
         return path
