@@ -2,6 +2,7 @@
 input into one clear line and a non-zero exit."""
 from __future__ import annotations
 
+import json
 import math
 import random
 import signal
@@ -149,3 +150,16 @@ def test_bf16_autocast_path_runs(prepared, tmp_path):
     assert all(math.isfinite(v) for v in result.losses.values()) and math.isfinite(result.val_loss)
     weights = load_file(str(result.run_dir / "step-000002" / "model.safetensors"))
     assert all(t.dtype == torch.float32 for t in weights.values())  # autocast: fp32 master weights
+
+
+def test_moe_runs_log_the_language_model_loss_and_the_router_losses(prepared, tmp_path):
+    model = {"preset": "tiny-olmoe", "vocab_size": 8192, "scheme": "mesh", "aux_loss_weight": 0.05}
+    result = train(tiny_train(prepared, tmp_path, model=model, steps=3, save_every=0))
+    rows = [r for r in map(json.loads, (result.run_dir / "metrics.jsonl").read_text().splitlines())
+            if r["kind"] == "train"]
+    assert len(rows) == 3
+    for r in rows:  # loss = lm + 0.05 aux + 0.001 z; aux >= top_k = 2 (its minimum, at balanced routing), z > 0
+        assert r["loss"] == pytest.approx(r["lm_loss"] + 0.05 * r["aux_loss"] + 0.001 * r["z_loss"], abs=1e-5)
+        assert 2 - 1e-4 < r["aux_loss"] < 2.5 and r["z_loss"] > 0 and r["lm_loss"] > 5
+    dense = train(tiny_train(prepared, tmp_path, name="dense", steps=1, save_every=0))
+    assert "aux_loss" not in (dense.run_dir / "metrics.jsonl").read_text()  # no MoE, no router columns

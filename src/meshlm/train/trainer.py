@@ -66,6 +66,9 @@ def resolve_data(cfg: TrainConfig, env: parallel.Env, tokenizer) -> Path:
     return path
 
 
+LOSS_PARTS = ("lm_loss", "aux_loss", "z_loss")  # with MoE layers, logged next to the loss they make up
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, env: parallel.Env, resume: bool = False,
                  log: Callable[[str], None] = print):
@@ -104,6 +107,7 @@ class Trainer:
         self.peak, self.peak_source = device_peak(env.device, env.autocast_dtype, cfg.peak_flops)
         self.metrics = Metrics(self.run_dir, enabled=env.is_main, tensorboard=cfg.tensorboard)
         self.step, self.best_val, self.nonfinite_in_row = 0, math.inf, 0
+        self.loss_parts: dict[str, float] = {}  # the last step's lm/aux/z losses (MoE backbones only)
         self._prepare_run_dir(resume)
 
     # -- run directory and resume -------------------------------------------------------------------------
@@ -179,14 +183,20 @@ class Trainer:
         batches = get_batch(self.train_data, step, cfg.global_batch, self.seq_len, cfg.seed,
                             env.rank, env.world, micro_batches=self.accum)
         total = torch.zeros((), device=env.device)
+        parts = {name: torch.zeros((), device=env.device) for name in LOSS_PARTS}
         for i, (x, y) in enumerate(batches):  # x, y: (micro_batch, seq_len)
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
             with parallel.no_sync(self.wrapped, sync=i == len(batches) - 1):
                 with parallel.autocast(env):
-                    loss = self.wrapped(x, y).loss
-                (loss / len(batches)).backward()  # mean over micro-batches = mean over the global batch
-            total += loss.detach()
+                    out = self.wrapped(x, y)
+                (out.loss / len(batches)).backward()  # mean over micro-batches = mean over the global batch
+            total += out.loss.detach()
+            for name in parts:
+                if getattr(out, name) is not None:
+                    parts[name] += getattr(out, name).detach().float()
         loss = parallel.all_mean(total / len(batches), env)
+        self.loss_parts = {name: parallel.all_mean(value / len(batches), env).item()
+                           for name, value in parts.items()} if self.model_cfg.backbone == "olmoe" else {}
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or math.inf)
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
             norm = norm.full_tensor()
@@ -293,7 +303,8 @@ class Trainer:
         if self.step % self.cfg.log_every == 0 or not ok:
             self.metrics.log({"kind": "train" if ok else "skip", "step": self.step, "loss": loss, "lr": lr,
                               "grad_norm": norm, "tokens": self.step * self.tokens_per_step,
-                              "tokens_per_s": rate, "mfu": self.mfu(rate), "elapsed_s": elapsed})
+                              "tokens_per_s": rate, "mfu": self.mfu(rate), "elapsed_s": elapsed,
+                              **self.loss_parts})
         bar.update(loss, rate, self.mfu(rate), lr)
 
     def _evaluate_and_save(self, loss: float, result: TrainResult, bar: Progress) -> None:
