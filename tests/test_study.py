@@ -6,7 +6,7 @@ import yaml
 
 from meshlm.cli import main
 from meshlm.errors import ConfigError
-from meshlm.study import load_study, plan_table, results_markdown
+from meshlm.study import Run, load_study, plan_table, probe_row, results_markdown
 
 STUDIES = Path(__file__).resolve().parents[1] / "configs" / "studies"
 TINY = ["model.preset=mesh-small", "model.d_model=32", "model.n_heads=4", "model.context_length=32",
@@ -64,8 +64,25 @@ def test_tiny_study_end_to_end_and_rerun_skips(tmp_path, capsys):
         assert (out_dir / run / "eval.json").is_file() and (out_dir / run / "probe" / "probe.json").is_file()
     results = (out_dir / "results.md").read_text()
     assert "| base | `1+1R2+1` | base |" in results and "| mesh | `1+1R2+1` | mesh |" in results
+    assert "| variant | K' = 1 | K' = 2 |" in results  # loss vs. loop count, from eval.json
+    probes = results[results.index("Probes of the loop states"):]
+    assert "| base | 1 |" in probes and "| mesh | 1 |" in probes and " → " in probes  # t = 1 → 2
     assert (out_dir / "report.html").read_text().count("<table") >= 1
     capsys.readouterr()
     assert main(["reproduce", str(path)]) == 0  # everything finished: nothing is trained again
     assert capsys.readouterr().out.count("done, skipped") == 2
     assert results_markdown(load_study(path)) == results
+
+
+def test_probe_summary_reads_loop_steps_from_probe_json(tmp_path):
+    import json
+
+    run = Run("mesh", 0, [], tmp_path / "mesh-s0")
+    (run.dir / "probe").mkdir(parents=True)
+    cka = [[1.0, 0.5, 0.4, 0.3, 0.2], [0.5, 1.0, 0.9, 0.6, 0.5], [0.4, 0.9, 1.0, 0.8, 0.7],
+           [0.3, 0.6, 0.8, 1.0, 0.95], [0.2, 0.5, 0.7, 0.95, 1.0]]
+    probe = {"stages": ["e", "h0", "h1", "h2", "coda"], "blocks": ["prelude", "loop 1", "loop 2", "coda"],
+             "update_core": {"mean": [1.7, 1.4, 1.0, 0.3]}, "cka_rbf": {"mean": cka},
+             "effective_rank": {"mean": [100.0, 60.0, 50.0, 45.0, 55.0]}}
+    (run.dir / "probe" / "probe.json").write_text(json.dumps(probe))
+    assert probe_row(run) == {"update": [1.4, 1.0], "cka": [0.9, 0.8], "rank": [50.0, 45.0]}

@@ -208,12 +208,74 @@ def run_row(run: Run) -> dict[str, Any] | None:
             "train_seconds": wall.get("train_seconds")}
 
 
-def mean_std(values: list[float]) -> str:
+def mean_std(values: list[float], digits: int = 3) -> str:
     if not values:
         return "–"
     if len(values) == 1:
-        return f"{values[0]:.3f}"
-    return f"{statistics.mean(values):.3f} ± {statistics.stdev(values):.3f}"
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def probe_row(run: Run) -> dict[str, list[float]] | None:
+    """The probe numbers the paper argues from, for a looped run: per loop step t = 1..K the relative update
+    of the core pass, the RBF CKA between consecutive loop states h^{t-1} -> h^t, and the effective rank of
+    h^t (each the mean over the probed samples)."""
+    path = run.dir / "probe" / "probe.json"
+    if not path.is_file():
+        return None
+    probe = json.loads(path.read_text())
+    loops = [i for i, name in enumerate(probe["blocks"]) if name.startswith("loop")]
+    states = [i for i, name in enumerate(probe["stages"]) if name.startswith("h")]  # h0 … hK
+    if len(states) < 3:  # vanilla (one "loop" of all layers) or K = 1: nothing to compare across steps
+        return None
+    cka, rank = probe["cka_rbf"]["mean"], probe["effective_rank"]["mean"]
+    return {"update": [probe["update_core"]["mean"][i] for i in loops],
+            "cka": [cka[a][b] for a, b in zip(states, states[1:])],
+            "rank": [rank[i] for i in states[1:]]}
+
+
+def loops_row(run: Run) -> dict[int, float]:
+    """Validation loss by evaluated loop count K' (eval.json's loss vs. depth), {} if not evaluated."""
+    path = run.dir / "eval.json"
+    rows = json.loads(path.read_text()).get("loops") or [] if path.is_file() else []
+    return {r["loops"]: r["loss"] for r in rows}
+
+
+def _per_step(rows: list[list[float]], digits: int = 2) -> str:
+    """Mean ± std over runs of each step's value, steps joined by ' → '."""
+    return " → ".join(mean_std([row[t] for row in rows], digits) for t in range(min(map(len, rows))))
+
+
+def probes_markdown(study: Study) -> list[str]:
+    by_variant: dict[str, list[dict]] = {}
+    for run in study.runs:
+        if (row := probe_row(run)) is not None:
+            by_variant.setdefault(run.variant, []).append(row)
+    if not by_variant:
+        return []
+    lines = ["", "Probes of the loop states (mean ± std over seeds of the per-run means; t = 1 … K):", "",
+             "| variant | runs | relative update of core pass t | CKA (RBF) h^(t-1) → h^t | effective rank of h^t |",
+             "|---|---|---|---|---|"]
+    for variant, rows in by_variant.items():
+        lines.append(f"| {variant} | {len(rows)} | {_per_step([r['update'] for r in rows])} | "
+                     f"{_per_step([r['cka'] for r in rows])} | {_per_step([r['rank'] for r in rows], 1)} |")
+    return lines
+
+
+def loops_markdown(study: Study) -> list[str]:
+    by_variant: dict[str, list[dict[int, float]]] = {}
+    for run in study.runs:
+        if row := loops_row(run):
+            by_variant.setdefault(run.variant, []).append(row)
+    counts = sorted({k for rows in by_variant.values() for row in rows for k in row})
+    if not counts:
+        return []
+    lines = ["", "Validation loss vs. loop count K' at evaluation (mean ± std over seeds):", "",
+             "| variant | " + " | ".join(f"K' = {k}" for k in counts) + " |", "|---|" + "---|" * len(counts)]
+    for variant, rows in by_variant.items():
+        cells = [mean_std([row[k] for row in rows if k in row]) for k in counts]
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def results_markdown(study: Study) -> str:
@@ -237,6 +299,7 @@ def results_markdown(study: Study) -> str:
             rs = [r for r in mesh if r["slots"] == slots]
             label = slots if slots else "K+3 (default)"
             lines.append(f"| {label} | {len(rs)} | {mean_std([r['ppl'] for r in rs])} |")
+    lines += loops_markdown(study) + probes_markdown(study)
     lines += ["", f"Per-run numbers: `{study.dir}/*/eval.json`; probe figures: `{study.dir}/*/probe/`; "
               f"full report with overlaid probes: `{study.dir}/report.html`."]
     return "\n".join(lines) + "\n"
