@@ -86,3 +86,16 @@ def test_probe_summary_reads_loop_steps_from_probe_json(tmp_path):
              "effective_rank": {"mean": [100.0, 60.0, 50.0, 45.0, 55.0]}}
     (run.dir / "probe" / "probe.json").write_text(json.dumps(probe))
     assert probe_row(run) == {"update": [1.4, 1.0], "cka": [0.9, 0.8], "rank": [50.0, 45.0]}
+
+
+def test_paired_differences_by_seed(tmp_path):
+    import json
+
+    from meshlm.study import paired_markdown
+
+    study = load_study(write_study(tmp_path, seeds=[0, 1]))
+    for run, loss in zip(study.runs, [5.0, 5.2, 4.9, 5.3]):  # base-s0, base-s1, mesh-s0, mesh-s1
+        run.dir.mkdir(parents=True)
+        (run.dir / "eval.json").write_text(json.dumps({"perplexity": {"loss": loss}}))
+    row = [line for line in paired_markdown(study) if line.startswith("| base − mesh")]
+    assert row == ["| base − mesh | 2 | 0.000 ± 0.141 | +0.100, -0.100 | 1/2 |"]

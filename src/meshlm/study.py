@@ -26,6 +26,7 @@ time per run.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import shlex
 import statistics
@@ -262,6 +263,27 @@ def probes_markdown(study: Study) -> list[str]:
     return lines
 
 
+def paired_markdown(study: Study) -> list[str]:
+    """Validation-loss differences between variants trained with the same seeds (same data order), per seed:
+    a difference that has one sign on every seed says more than overlapping mean ± std."""
+    loss: dict[str, dict[int, float]] = {}
+    for run in study.runs:
+        if (path := run.dir / "eval.json").is_file():
+            loss.setdefault(run.variant, {})[run.seed] = json.loads(path.read_text())["perplexity"]["loss"]
+    lines = []
+    for a, b in itertools.combinations([v for v in loss if len(loss[v]) >= 2], 2):
+        seeds = sorted(set(loss[a]) & set(loss[b]))
+        if len(seeds) < 2:
+            continue
+        diffs = [loss[a][s] - loss[b][s] for s in seeds]
+        lines.append(f"| {a} − {b} | {len(seeds)} | {mean_std(diffs)} | "
+                     f"{', '.join(f'{d:+.3f}' for d in diffs)} | {sum(d < 0 for d in diffs)}/{len(seeds)} |")
+    if not lines:
+        return []
+    return ["", "Paired by seed (same data order): validation loss of one variant minus another (nats/token):", "",
+            "| pair | seeds | mean ± std | per seed | first lower |", "|---|---|---|---|---|", *lines]
+
+
 def loops_markdown(study: Study) -> list[str]:
     by_variant: dict[str, list[dict[int, float]]] = {}
     for run in study.runs:
@@ -299,7 +321,7 @@ def results_markdown(study: Study) -> str:
             rs = [r for r in mesh if r["slots"] == slots]
             label = slots if slots else "K+3 (default)"
             lines.append(f"| {label} | {len(rs)} | {mean_std([r['ppl'] for r in rs])} |")
-    lines += loops_markdown(study) + probes_markdown(study)
+    lines += paired_markdown(study) + loops_markdown(study) + probes_markdown(study)
     lines += ["", f"Per-run numbers: `{study.dir}/*/eval.json`; probe figures: `{study.dir}/*/probe/`; "
               f"full report with overlaid probes: `{study.dir}/report.html`."]
     return "\n".join(lines) + "\n"
