@@ -103,7 +103,8 @@ class TrainConfig:
         try:
             saved = checkpoint.read_meta(self.init_from)["model"]
         except CheckpointError as err:
-            raise ConfigError(f"train.init_from: {err}") from None
+            raise ConfigError(f"train.init_from: {err} (a Hugging Face folder: turn it into a meshlm checkpoint "
+                              f"with `meshlm convert` or `meshlm retrofit` first)") from None
         return ModelConfig.from_dict({**saved, **overrides})
 
     def tokenizer_source(self) -> str:
