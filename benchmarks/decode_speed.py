@@ -20,6 +20,7 @@ import statistics
 import time
 
 import torch
+from benchkit import add_shape_arguments, add_timing_arguments, timing_setup
 
 
 def build(scheme: str, args) -> torch.nn.Module:
@@ -46,20 +47,14 @@ def decode_seconds(model, prompts, args, cache: bool) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--spec", default="2+4R2+2")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=8192)
+    add_shape_arguments(p)
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens per row")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time, or this process's CPU time")
+    add_timing_arguments(p, rounds=5)
     p.add_argument("--skip-uncached", action="store_true", help="only MeSH vs. base (uncached is slow at size)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    timing_setup(args)
 
     models = {"mesh": build("mesh", args), "base": build("base", args)}
     g = torch.Generator().manual_seed(0)

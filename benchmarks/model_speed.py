@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-import time
 
 import torch
+from benchkit import add_shape_arguments, add_timing_arguments, interleaved_medians, timing_setup
 
 
 def build(kind: str, args) -> torch.nn.Module:
@@ -105,42 +104,23 @@ def _peak_rss() -> int:
     return int(line.split()[1]) * 1024
 
 
-def time_models(models: dict, x, rounds: int, clock=time.perf_counter) -> dict[str, float]:
-    times = {k: [] for k in models}
-    for model in models.values():
-        train_step(model, x)  # warm-up
-    for _ in range(rounds):
-        for name, model in models.items():
-            start = clock()
-            train_step(model, x)
-            times[name].append(clock() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--spec", default="2+4R2+2")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=8192)
+    add_shape_arguments(p)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time, or this process's CPU time")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add_timing_arguments(p, rounds=10)
     p.add_argument("--json", action="store_true")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    clock = timing_setup(args)
     kinds = ["mesh", "base", "vanilla", "hf-neox"]
     models = {k: build(k, args) for k in kinds}
     x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    secs = time_models(models, x, args.rounds, clock)
+    secs = interleaved_medians({k: (lambda m=m: train_step(m, x)) for k, m in models.items()}, args.rounds, clock)
     saved = {k: saved_bytes(m, x) for k, m in models.items()}
     rss = {k: rss_growth(k, args) for k in kinds}
     result = {

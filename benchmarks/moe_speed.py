@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
+from benchkit import add_shape_arguments, add_timing_arguments, interleaved_medians, timing_setup
 
 
 def build(kind: str, args) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -52,32 +51,15 @@ def step(model, optimizer, x, with_optimizer: bool) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def time_models(models: dict, x, rounds: int, clock, with_optimizer: bool) -> dict[str, float]:
-    times = {k: [] for k in models}
-    for model, optimizer in models.values():
-        step(model, optimizer, x, with_optimizer)  # warm-up
-    for _ in range(rounds):
-        for name, (model, optimizer) in models.items():
-            start = clock()
-            step(model, optimizer, x, with_optimizer)
-            times[name].append(clock() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--spec", default="2+4R2+2")
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--heads", type=int, default=8)
+    add_shape_arguments(p)
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--expert-width", type=int, default=256, help="I; the dense model's MLP width is k·I")
-    p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time, or this process's CPU time")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add_timing_arguments(p, rounds=10)
     p.add_argument("--json", action="store_true")
     return p.parse_args()
 
@@ -86,13 +68,13 @@ def main() -> None:
     from meshlm.model.accounting import account
 
     args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    clock = timing_setup(args)
     models = {k: build(k, args) for k in ("moe-mesh", "moe-base", "dense-base")}
     x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    full = time_models(models, x, args.rounds, clock, with_optimizer=True)
-    fwd_bwd = time_models(models, x, args.rounds, clock, with_optimizer=False)
+    full = interleaved_medians({k: (lambda m=m, o=o: step(m, o, x, True)) for k, (m, o) in models.items()},
+                               args.rounds, clock)
+    fwd_bwd = interleaved_medians({k: (lambda m=m, o=o: step(m, o, x, False)) for k, (m, o) in models.items()},
+                                  args.rounds, clock)
     acc = {k: account(m) for k, (m, _) in models.items()}
     result = {
         "setup": vars(args) | {"threads": torch.get_num_threads()},

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
+from benchkit import add_timing_arguments, timing_setup
 
 
 def build_models(model_cfg):
@@ -67,13 +67,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("overrides", nargs="*", help="train config overrides, as for `meshlm train`")
     p.add_argument("--config", help="a train config YAML (default: the default job)")
-    p.add_argument("--rounds", type=int, default=6, help="timed steps per model (after one warm-up step)")
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time, or this process's CPU time")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add_timing_arguments(p, rounds=6, rounds_help="timed steps per model (after one warm-up step)")
     args = p.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    clock = timing_setup(args)
 
     cfg = load_config(args.config, args.overrides)
     model_cfg = cfg.model_config()

@@ -1,0 +1,47 @@
+"""What every benchmark shares: the model-shape and timing options, and interleaved median timing.
+
+Benchmarks run as scripts (`python benchmarks/x.py`), so this module is imported from the script's folder.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def add_shape_arguments(p: argparse.ArgumentParser) -> None:
+    """The compared models' shape: a layout spec, width, heads, vocabulary."""
+    p.add_argument("--spec", default="2+4R2+2")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=8192)
+
+
+def add_timing_arguments(p: argparse.ArgumentParser, rounds: int, rounds_help: str | None = None) -> None:
+    p.add_argument("--rounds", type=int, default=rounds, help=rounds_help)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time, or this process's CPU time")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+
+
+def timing_setup(args: argparse.Namespace) -> Callable[[], float]:
+    """Apply --threads; return the --clock (CPU time ignores the time other jobs hold the cores)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return time.process_time if args.clock == "cpu" else time.perf_counter
+
+
+def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, clock) -> dict[str, float]:
+    """Median seconds per call of each step: one warm-up each, then `rounds` rounds that run every step once,
+    so machine noise hits all of them alike."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for step in steps.values():
+        step()
+    for _ in range(rounds):
+        for name, step in steps.items():
+            start = clock()
+            step()
+            times[name].append(clock() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
