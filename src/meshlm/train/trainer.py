@@ -52,14 +52,15 @@ class TrainResult:
         return math.exp(self.val_loss) if math.isfinite(self.val_loss) else math.nan
 
 
-def resolve_data(cfg: TrainConfig, env: parallel.Env, tokenizer) -> Path:
-    """The prepared-data dir: the embedded corpus (prepared once, rank 0 first) or the user's folder."""
+def resolve_data(cfg: TrainConfig, env: parallel.Env, tokenizer: str) -> Path:
+    """The prepared-data dir: the embedded corpus (prepared once with `tokenizer`, rank 0 first) or the user's
+    folder."""
     from meshlm.data import prepare_default
 
     if cfg.data == "default":
-        path = prepare_default(tokenizer=cfg.tokenizer_source(), progress=env.is_main) if env.is_main else None
+        path = prepare_default(tokenizer=tokenizer, progress=env.is_main) if env.is_main else None
         parallel.barrier(env)
-        return path or prepare_default(tokenizer=cfg.tokenizer_source())
+        return path or prepare_default(tokenizer=tokenizer)
     path = Path(cfg.data).expanduser()
     if not path.is_dir():
         raise DataError(f"data dir {path} does not exist; run `meshlm prepare` or set train.data=default")
@@ -86,10 +87,11 @@ class Trainer:
                               f"micro_batch={cfg.micro_batch}; change train.global_batch or train.micro_batch")
         self.accum = cfg.global_batch // (env.world * cfg.micro_batch)  # micro-batches per rank per step
 
-        tokenizer = load_tokenizer(cfg.tokenizer_source())
-        self.tokenizer_file = tokenizer_file(cfg.tokenizer_source())  # copied into checkpoints, or None
+        source = cfg.tokenizer_source()  # "default", "pythia" or a tokenizer.json (init_from's own by default)
+        tokenizer = load_tokenizer(source)
+        self.tokenizer_file = tokenizer_file(source)  # copied into checkpoints, or None
         check_vocab(self.model_cfg.vocab_size, tokenizer)
-        self.data_dir = data_dir = resolve_data(cfg, env, tokenizer)
+        self.data_dir = data_dir = resolve_data(cfg, env, source)
         self.train_data, self.val_data = PreparedData(data_dir, "train"), PreparedData(data_dir, "val")
         prepared_with = self.train_data.manifest["tokenizer"]
         if prepared_with["hash"] != tokenizer.hash:
