@@ -57,7 +57,7 @@ def train_source(out: Path, steps: int) -> Path:
 
 
 def continue_training(model, data, steps: int, seq_len: int, lr: float) -> None:
-    from meshlm.data import get_batch
+    from meshlm.data.prepare import get_batch
 
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -85,9 +85,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from transformers import LlamaForCausalLM
 
-    from meshlm.convert import convert, read_family
-    from meshlm.data import PreparedData, prepare_default
-    from meshlm.retrofit import retrofit
+    from meshlm.data.prepare import PreparedData, prepare_default
+    from meshlm.interop.convert import convert, read_family
+    from meshlm.interop.retrofit import retrofit
 
     start = time.perf_counter()
     folder = convert(train_source(args.out, args.steps), args.out / "llama-hf", to="llama")

@@ -13,8 +13,8 @@ import argparse
 import hashlib
 from pathlib import Path
 
-from meshlm.corpus import split_documents
-from meshlm.tokenizer import DEFAULT_PATH, DEFAULT_VOCAB, train_bpe
+from meshlm.data.corpus import split_documents
+from meshlm.data.tokenizer import DEFAULT_PATH, DEFAULT_VOCAB, train_bpe
 
 
 def main() -> None:

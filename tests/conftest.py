@@ -47,8 +47,8 @@ def llama_folder(tmp_path_factory):
 
     from transformers import LlamaForCausalLM
 
-    from meshlm.families import FAMILIES, hf_config
-    from meshlm.tokenizer import DEFAULT_PATH
+    from meshlm.data.tokenizer import DEFAULT_PATH
+    from meshlm.interop.families import FAMILIES, hf_config
 
     cfg = ModelConfig(spec="4", d_model=64, n_heads=4, n_kv_heads=2, vocab_size=8192, context_length=64,
                       mlp_hidden=96, backbone="llama", scheme="vanilla", scale_embeddings=False)

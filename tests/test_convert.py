@@ -9,11 +9,11 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 from meshlm.checkpoint import load_model
 from meshlm.cli import main
 from meshlm.config import ModelConfig
-from meshlm.convert import convert, read_neox, write_checkpoint
 from meshlm.errors import CheckpointError, ConfigError
+from meshlm.interop.convert import convert, read_neox, write_checkpoint
+from meshlm.interop.families import FAMILIES, hf_config_kwargs
+from meshlm.interop.retrofit import plan, retrofit
 from meshlm.model import MeshLM
-from meshlm.neox import neox_config_kwargs
-from meshlm.retrofit import plan, retrofit
 
 NEOX = ModelConfig(spec="4", d_model=32, n_heads=4, vocab_size=211, context_length=64, scheme="vanilla",
                    scale_embeddings=False, rotary_pct=0.5, rotary_base=500.0)
@@ -24,7 +24,7 @@ def pythia(tmp_path_factory):
     """A small random GPTNeoXForCausalLM saved the transformers way, plus its reference logits."""
     folder = tmp_path_factory.mktemp("neox") / "pythia-tiny"
     torch.manual_seed(0)
-    hf = GPTNeoXForCausalLM(GPTNeoXConfig(**neox_config_kwargs(NEOX))).eval()
+    hf = GPTNeoXForCausalLM(GPTNeoXConfig(**hf_config_kwargs(NEOX, FAMILIES["neox"]))).eval()
     hf.save_pretrained(folder)
     x = torch.randint(0, NEOX.vocab_size, (2, 13))
     with torch.no_grad():

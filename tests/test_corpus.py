@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from meshlm.corpus import VAL_FRACTION, default_documents, split_documents
+from meshlm.data.corpus import VAL_FRACTION, default_documents, split_documents
+from meshlm.data.split import TRAIN, VAL, plan_split
 from meshlm.errors import DataError
-from meshlm.split import TRAIN, VAL, plan_split
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,12 +11,12 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from meshlm import data as data_mod
-from meshlm import sources
 from meshlm.cli import main
-from meshlm.data import PreparedData, batch_indices, get_batch, prepare, prepare_default
+from meshlm.data import prepare as data_mod
+from meshlm.data import readers as sources
+from meshlm.data.prepare import PreparedData, batch_indices, get_batch, prepare, prepare_default
+from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import ConfigError, DataError
-from meshlm.tokenizer import load_tokenizer
 
 DOCS = ["First document.\nIt has two lines.\n", "Second, shorter.", "Third — with “unicode”.\n",
         "Fourth document here.", "Fifth and last."]
@@ -296,7 +296,7 @@ def test_prepare_default_caches_by_tokenizer(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_prepare_default_on_the_embedded_corpus(tmp_path):
-    from meshlm.corpus import split_documents
+    from meshlm.data.corpus import split_documents
 
     out = prepare_default(tmp_path)
     manifest = json.loads((out / "manifest.json").read_text())

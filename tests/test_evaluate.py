@@ -14,14 +14,14 @@ from conftest import build, tiny
 from evalkit import tiny_checkpoint, wheel_cache
 from trainkit import ROOT
 
-from meshlm.data import PreparedData
+from meshlm.data.prepare import PreparedData
+from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import ConfigError, DataError
 from meshlm.evaluation.harness import MeshLMEval, continuation_logprob
 from meshlm.evaluation.loaded import open_checkpoint
 from meshlm.evaluation.perplexity import default_loop_counts, loss_vs_loops, mean_loss
-from meshlm.tasks import SUITE, resolve_tasks, task_specs
-from meshlm.tasks.sources import eval_set_files, evals_root
-from meshlm.tokenizer import load_tokenizer
+from meshlm.evaluation.tasks import SUITE, resolve_tasks, task_specs
+from meshlm.evaluation.tasks.sets import eval_set_files, evals_root
 
 
 @pytest.fixture(scope="module")

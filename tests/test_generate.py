@@ -4,10 +4,10 @@ import torch
 from conftest import build, tiny
 
 from meshlm.cli import main
-from meshlm.convert import write_checkpoint
 from meshlm.errors import ConfigError
 from meshlm.generate import Sampling, generate, next_token
 from meshlm.hf import save_hf
+from meshlm.interop.convert import write_checkpoint
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
 

@@ -10,10 +10,10 @@ import torch
 from conftest import build, tiny
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from meshlm.data.tokenizer import load_tokenizer
 from meshlm.hf import MeshForCausalLM, from_meshlm, save_hf
 from meshlm.hf.remote import modeling_source
 from meshlm.model import SCHEMES
-from meshlm.tokenizer import load_tokenizer
 
 VOCAB = 8192  # the shipped tokenizer's vocabulary
 

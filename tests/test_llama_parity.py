@@ -5,8 +5,8 @@ import torch
 from transformers import LlamaForCausalLM
 
 from meshlm.config import ModelConfig
-from meshlm.convert import convert, read_family
-from meshlm.families import FAMILIES, from_meshlm, hf_config, to_meshlm
+from meshlm.interop.convert import convert, read_family
+from meshlm.interop.families import FAMILIES, from_meshlm, hf_config, to_meshlm
 from meshlm.model import MeshLM
 
 LLAMA = FAMILIES["llama"]
@@ -98,7 +98,7 @@ def test_hf_folder_round_trip_is_exact(tmp_path, tied):
 
 def test_scaled_tied_model_exports_untied_with_equal_logits(tmp_path):
     """√d is folded into the input table; the output layer keeps the unscaled one, so the export unties."""
-    from meshlm.convert import write_checkpoint
+    from meshlm.interop.convert import write_checkpoint
 
     torch.manual_seed(0)
     model = MeshLM(llama_cfg(tie_embeddings=True, scale_embeddings=True)).eval()

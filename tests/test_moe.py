@@ -7,8 +7,8 @@ from torch.overrides import TorchFunctionMode
 from transformers import OlmoeForCausalLM
 
 from meshlm.config import ModelConfig
-from meshlm.convert import convert
-from meshlm.families import FAMILIES, from_meshlm, hf_config, split_experts, stack_experts, to_meshlm
+from meshlm.interop.convert import convert
+from meshlm.interop.families import FAMILIES, from_meshlm, hf_config, split_experts, stack_experts, to_meshlm
 from meshlm.model import MeshLM
 from meshlm.model.accounting import describe
 from meshlm.model.moe import SparseMoE

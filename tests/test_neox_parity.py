@@ -4,15 +4,15 @@ import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from meshlm.config import ModelConfig
+from meshlm.interop.families import FAMILIES, from_meshlm, hf_config_kwargs, to_meshlm
 from meshlm.model import MeshLM
-from meshlm.neox import meshlm_to_neox, neox_config_kwargs, neox_to_meshlm
 
 
 def neox_pair(cfg: ModelConfig):
     torch.manual_seed(0)
-    hf = GPTNeoXForCausalLM(GPTNeoXConfig(**neox_config_kwargs(cfg))).eval()
+    hf = GPTNeoXForCausalLM(GPTNeoXConfig(**hf_config_kwargs(cfg, FAMILIES["neox"]))).eval()
     ours = MeshLM(cfg).eval()
-    ours.load_state_dict(neox_to_meshlm(hf.state_dict(), cfg.layout), strict=True)
+    ours.load_state_dict(to_meshlm(hf.state_dict(), cfg.layout, FAMILIES["neox"]), strict=True)
     return hf, ours
 
 
@@ -55,7 +55,7 @@ def test_padding_mask_matches_gpt_neox():
 def test_state_dict_round_trip_is_exact():
     cfg = ModelConfig(spec="4", d_model=32, n_heads=4, vocab_size=50, scheme="vanilla")
     hf, ours = neox_pair(cfg)
-    back = meshlm_to_neox(ours.state_dict(), cfg.layout)
+    back = from_meshlm(ours.state_dict(), cfg.layout, FAMILIES["neox"])
     reference = hf.state_dict()
     assert set(back) == set(reference)
     assert all(torch.equal(back[k], reference[k]) for k in back)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import build, tiny
 
-from meshlm.probes import (
+from meshlm.analysis.probes import (
     cka,
     cka_matrix,
     effective_rank,

@@ -9,14 +9,14 @@ import torch
 from evalkit import tiny_checkpoint
 from trainkit import make_prepared
 
-from meshlm import plots
+from meshlm.analysis import plots
+from meshlm.analysis.probes import probe
+from meshlm.analysis.report import collect, notes, table_one
 from meshlm.cli import main
 from meshlm.errors import MeshlmError
 from meshlm.evaluation.loaded import open_checkpoint
 from meshlm.evaluation.run import EvalOptions, evaluate, write_json
-from meshlm.probes import probe
-from meshlm.report import collect, notes, table_one
-from meshlm.tasks import SUITE
+from meshlm.evaluation.tasks import SUITE
 
 
 def fake_suite(shots: int, offset: float) -> dict:

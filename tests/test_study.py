@@ -4,9 +4,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from meshlm.analysis.study import Run, load_study, plan_table, probe_row, results_markdown
 from meshlm.cli import main
 from meshlm.errors import ConfigError
-from meshlm.study import Run, load_study, plan_table, probe_row, results_markdown
 
 STUDIES = Path(__file__).resolve().parents[1] / "configs" / "studies"
 TINY = ["model.preset=mesh-small", "model.d_model=32", "model.n_heads=4", "model.context_length=32",
@@ -91,7 +91,7 @@ def test_probe_summary_reads_loop_steps_from_probe_json(tmp_path):
 def test_paired_differences_by_seed(tmp_path):
     import json
 
-    from meshlm.study import paired_markdown
+    from meshlm.analysis.study import paired_markdown
 
     study = load_study(write_study(tmp_path, seeds=[0, 1]))
     for run, loss in zip(study.runs, [5.0, 5.2, 4.9, 5.3]):  # base-s0, base-s1, mesh-s0, mesh-s1

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models
 
-from meshlm import fetch
 from meshlm.cli import main
+from meshlm.data import fetch
+from meshlm.data.tokenizer import DEFAULT_PATH, check_vocab, load_tokenizer, train_bpe
 from meshlm.errors import DataError
-from meshlm.tokenizer import DEFAULT_PATH, check_vocab, load_tokenizer, train_bpe
 
 SAMPLES = [
     "To be, or not to be: that is the question.",
@@ -54,7 +54,7 @@ def test_train_bpe_puts_specials_first():
 
 @pytest.mark.slow
 def test_shipped_tokenizer_is_reproducible(tmp_path):
-    from meshlm.corpus import split_documents
+    from meshlm.data.corpus import split_documents
 
     train_bpe(d["text"] for d in split_documents("train")).save(str(tmp_path / "t.json"))
     assert (tmp_path / "t.json").read_bytes() == DEFAULT_PATH.read_bytes()

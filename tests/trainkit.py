@@ -20,8 +20,8 @@ _PREPARED: list[Path] = []
 def make_prepared(tmp_path_factory) -> Path:
     """A prepared-data dir (default tokenizer) cut from the embedded corpus's first documents; made once
     per session (test modules wrap it in their own `prepared` fixture)."""
-    from meshlm.corpus import default_documents
-    from meshlm.data import prepare
+    from meshlm.data.corpus import default_documents
+    from meshlm.data.prepare import prepare
 
     if _PREPARED:
         return _PREPARED[0]

@@ -116,8 +116,8 @@ def generate(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int =
 def load_for_generation(path: str | Path, tokenizer: str | None = None, device: str = "cpu"):
     """(MeshLM, TextTokenizer) from a meshlm checkpoint (or run dir) or a Hugging Face folder from save_hf."""
     from meshlm import checkpoint
-    from meshlm.convert import detect_format
-    from meshlm.tokenizer import load_tokenizer
+    from meshlm.data.tokenizer import load_tokenizer
+    from meshlm.interop.convert import detect_format
 
     path = Path(path)
     if detect_format(path) == "hf":

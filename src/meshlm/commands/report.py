@@ -1,4 +1,4 @@
-"""`meshlm report RUN…`: one self-contained HTML page comparing runs (see meshlm.report).
+"""`meshlm report RUN…`: one self-contained HTML page comparing runs (see meshlm.analysis.report).
 
     meshlm eval runs/small-mesh && meshlm probe runs/small-mesh      # for each run, then:
     meshlm report runs/small-mesh runs/small-base --out report.html --figures docs/figures
@@ -16,7 +16,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm.report import write_report
+    from meshlm.analysis.report import write_report
 
     path = write_report(args.runs, args.out, args.title, args.figures)
     print(f"report: {path} ({path.stat().st_size / 1024:.0f} KiB)")

@@ -23,8 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshlm.analysis.study import execute, load_study, plan_table
     from meshlm.errors import ConfigError
-    from meshlm.study import execute, load_study, plan_table
 
     if args.quick == bool(args.study):
         raise ConfigError("pass a study file or --quick (not both); examples are in configs/studies/")

@@ -2,7 +2,7 @@
 (a GPT-NeoX/Pythia, Llama-family or OLMoE Hugging Face folder, or a vanilla meshlm checkpoint).
 
 Prelude and coda are the first and last source layers; the shared core replaces the middle blocks, taken
-as is (--core-init block --block N) or averaged (--core-init average). See meshlm.retrofit, docs/hf.md and
+as is (--core-init block --block N) or averaged (--core-init average). See meshlm.interop.retrofit, docs/hf.md and
 docs/backbones.md.
 The output is a meshlm checkpoint (step 0) ready for continued training.
 """
@@ -29,7 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from meshlm.errors import ConfigError
-    from meshlm.retrofit import retrofit_folder
+    from meshlm.interop.retrofit import retrofit_folder
 
     try:
         options = json.loads(args.scheme_options)

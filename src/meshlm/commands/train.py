@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _unigram(result, cfg) -> float:
-    from meshlm.data import PreparedData
+    from meshlm.data.prepare import PreparedData
     from meshlm.train.baseline import unigram_perplexity
 
     train_data, val_data = PreparedData(result.data_dir, "train"), PreparedData(result.data_dir, "val")

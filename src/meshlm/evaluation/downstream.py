@@ -1,6 +1,6 @@
 """Downstream accuracy through lm-evaluation-harness: the paper's suite, 0- and k-shot, and its average.
 
-`run_suite` builds the local task group (meshlm.tasks), runs `lm_eval.simple_evaluate` with the MeshLM
+`run_suite` builds the local task group (meshlm.evaluation.tasks), runs `lm_eval.simple_evaluate` with the MeshLM
 adapter (meshlm.evaluation.harness) and returns, per task, acc and acc_norm (where lm-eval defines it),
 the metric the paper reports, the item count and lm-eval's standard error, plus the average of the
 paper metrics over the tasks run. Nothing here reaches the network: the package switches the Hub off
@@ -24,7 +24,7 @@ def run_suite(lm, task_names: str | list[str] | None = "all", shots: int = 0, li
     """Evaluate `lm` (an lm_eval LM) on the suite at `shots` few-shot examples; `limit` items per task."""
     import lm_eval
 
-    from meshlm.tasks import resolve_tasks, task_manager, task_specs
+    from meshlm.evaluation.tasks import resolve_tasks, task_manager, task_specs
 
     tasks = resolve_tasks(task_names)
     start = time.perf_counter()
@@ -79,7 +79,7 @@ def _metric(values: dict, name: str) -> float | None:
 
 def summarise(raw: dict, tasks) -> dict[str, Any]:
     """lm-eval's result dict -> {"tasks": {name: {...}}, "average": mean of the paper metrics, "items": n}."""
-    from meshlm.tasks import MMLU_GROUP, SUITE_GROUP
+    from meshlm.evaluation.tasks import MMLU_GROUP, SUITE_GROUP
 
     out: dict[str, dict] = {}
     for task in tasks:

@@ -36,7 +36,7 @@ class Loaded:
 
     def data_dir(self, override: str | os.PathLike | None = None) -> Path:
         """The prepared data the model was trained on (its val split is held out), or `override`."""
-        from meshlm.data import prepare_default
+        from meshlm.data.prepare import prepare_default
 
         source = str(override or self.train.get("data") or "default")
         if source == "default":
@@ -47,7 +47,7 @@ class Loaded:
         return path
 
     def held_out(self, override: str | os.PathLike | None = None, split: str = "val"):
-        from meshlm.data import PreparedData
+        from meshlm.data.prepare import PreparedData
 
         data = PreparedData(self.data_dir(override), split)
         prepared_with = data.manifest["tokenizer"]["hash"]
@@ -65,7 +65,7 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 def open_checkpoint(path: str | os.PathLike, device: str = "auto") -> Loaded:
     """Load and verify a checkpoint (a run folder means its latest step)."""
-    from meshlm.tokenizer import check_vocab, load_tokenizer
+    from meshlm.data.tokenizer import check_vocab, load_tokenizer
 
     step_dir = checkpoint.resolve(path)
     meta = checkpoint.read_meta(step_dir)

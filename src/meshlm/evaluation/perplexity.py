@@ -1,7 +1,7 @@
 """Validation perplexity on prepared data, and loss as a function of the loop count.
 
 Perplexity = exp(mean next-token loss) over the non-overlapping windows of `seq_len` + 1 tokens of a
-prepared split (meshlm.data.PreparedData), every target token counted once; `max_sequences` takes that
+prepared split (meshlm.data.prepare.PreparedData), every target token counted once; `max_sequences` takes that
 many windows spread evenly over the split (all by default).
 
 Loss vs. depth runs the same windows with K' loop steps instead of the trained K (`MeshLM(loops=K')`, a
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshlm.data import PreparedData
+from meshlm.data.prepare import PreparedData
 
 
 def window_indices(n_windows: int, max_sequences: int | None) -> list[int]:

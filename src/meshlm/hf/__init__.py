@@ -18,11 +18,11 @@ from pathlib import Path
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from meshlm.config import ModelConfig
+from meshlm.data.tokenizer import TextTokenizer, load_tokenizer
 from meshlm.errors import CheckpointError
 from meshlm.hf.configuration import MeshConfig
 from meshlm.hf.modeling import MeshForCausalLM
 from meshlm.model import MeshLM
-from meshlm.tokenizer import TextTokenizer, load_tokenizer
 
 AutoConfig.register(MeshConfig.model_type, MeshConfig, exist_ok=True)
 AutoModelForCausalLM.register(MeshConfig, MeshForCausalLM, exist_ok=True)

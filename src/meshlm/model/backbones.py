@@ -6,7 +6,7 @@
     olmoe      meshlm.model.moe.OlmoeLayer      RMSNorm     top-k routed SwiGLU experts
 
 Adding a backbone is a layer class (a `Layer` subclass) registered here, its fields in meshlm.config and
-its checkpoint mapping in meshlm.families; the loop (meshlm.model.lm) and the schemes do not change.
+its checkpoint mapping in meshlm.interop.families; the loop (meshlm.model.lm) and the schemes do not change.
 """
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ class TrainResult:
 def resolve_data(cfg: TrainConfig, env: parallel.Env, tokenizer: str) -> Path:
     """The prepared-data dir: the embedded corpus (prepared once with `tokenizer`, rank 0 first) or the user's
     folder."""
-    from meshlm.data import prepare_default
+    from meshlm.data.prepare import prepare_default
 
     if cfg.data == "default":
         path = prepare_default(tokenizer=tokenizer, progress=env.is_main) if env.is_main else None
@@ -73,8 +73,8 @@ LOSS_PARTS = ("lm_loss", "aux_loss", "z_loss")  # with MoE layers, logged next t
 class Trainer:
     def __init__(self, cfg: TrainConfig, env: parallel.Env, resume: bool = False,
                  log: Callable[[str], None] = print):
-        from meshlm.data import PreparedData
-        from meshlm.tokenizer import check_vocab, load_tokenizer, tokenizer_file
+        from meshlm.data.prepare import PreparedData
+        from meshlm.data.tokenizer import check_vocab, load_tokenizer, tokenizer_file
 
         self.cfg, self.env = cfg, env
         self.log = log if env.is_main else (lambda message: None)
@@ -179,7 +179,7 @@ class Trainer:
     # -- one optimizer step ---------------------------------------------------------------------------------
     def train_step(self, step: int) -> tuple[float, float, bool]:
         """Forward/backward over this rank's micro-batches, then clip and step. Returns (loss, grad norm, ok)."""
-        from meshlm.data import get_batch
+        from meshlm.data.prepare import get_batch
 
         cfg, env = self.cfg, self.env
         batches = get_batch(self.train_data, step, cfg.global_batch, self.seq_len, cfg.seed,

@@ -10,7 +10,7 @@ meshlm HF folders.
     hf     -> meshlm  back to a meshlm checkpoint
 
 Formats are recognised from config.json: "format": "meshlm-checkpoint/1" (meshlm), "model_type": "meshlm"
-(meshlm HF folder), "gpt_neox", "llama" or "olmoe" (meshlm.families has the name mappings). Weights are read
+(meshlm HF folder), "gpt_neox", "llama" or "olmoe" (meshlm.interop.families has the name mappings). Weights are read
 from model.safetensors, a sharded model.safetensors.index.json or pytorch_model.bin (loaded with
 weights_only=True). Written GPT-NeoX files use Pythia's `embed_out.weight`, and config.json carries both
 transformers-5 `rope_parameters` and Pythia's legacy keys; written OLMoE files hold one matrix per expert.
@@ -33,7 +33,8 @@ import torch
 from meshlm import checkpoint
 from meshlm.config import ModelConfig
 from meshlm.errors import CheckpointError, ConfigError
-from meshlm.families import (
+from meshlm.hashing import sha256_file
+from meshlm.interop.families import (
     BY_MODEL_TYPE,
     FAMILIES,
     Family,
@@ -43,8 +44,7 @@ from meshlm.families import (
     split_experts,
     to_meshlm,
 )
-from meshlm.families import model_config as family_model_config
-from meshlm.hashing import sha256_file
+from meshlm.interop.families import model_config as family_model_config
 from meshlm.model import MeshLM
 
 FORMATS = ("meshlm", "hf", *FAMILIES)
@@ -52,7 +52,7 @@ FORMATS = ("meshlm", "hf", *FAMILIES)
 
 # -- recognising a folder ----------------------------------------------------------------------------------
 def detect_format(path: str | Path) -> str:
-    """"meshlm" (checkpoint or run dir), "hf" (a meshlm HF folder) or a family name (meshlm.families)."""
+    """"meshlm" (checkpoint or run dir), "hf" (a meshlm HF folder) or a family name (meshlm.interop.families)."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path} is not a directory; pass a checkpoint folder")
@@ -225,7 +225,7 @@ def _fresh_dir(folder: str | Path, create: bool = True) -> Path:
 def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: str | None = None) -> Path:
     """Convert between formats; `to` defaults to meshlm for family/hf sources and, for meshlm sources, to the
     family of the model's backbone."""
-    from meshlm.tokenizer import load_tokenizer
+    from meshlm.data.tokenizer import load_tokenizer
 
     src = Path(src)
     kind = detect_format(src)

@@ -4,7 +4,7 @@
 holds one JSON object per document, {"id", "source", "text"}: Shakespeare's works, Milton's works and the
 World English Bible (one document per book). It lets `meshlm train` run with no download at all.
 
-The validation split is by document (see meshlm.split). VAL_FRACTION = 0.05 of the 131 documents holds
+The validation split is by document (see meshlm.data.split). VAL_FRACTION = 0.05 of the 131 documents holds
 out 7 of them, about 3% of the text, from all three sources.
 """
 from __future__ import annotations
@@ -16,9 +16,9 @@ import lzma
 from collections.abc import Iterator
 from pathlib import Path
 
-from meshlm.split import SPLITS, SplitPlan, plan_split
+from meshlm.data.split import SPLITS, SplitPlan, plan_split
 
-CORPUS_PATH = Path(__file__).parent / "assets" / "corpus.jsonl.xz"
+CORPUS_PATH = Path(__file__).parents[1] / "assets" / "corpus.jsonl.xz"
 VAL_FRACTION = 0.05
 
 

@@ -243,12 +243,12 @@ class FileCorpus:
 
 
 class EmbeddedCorpus:
-    """The default corpus shipped in the package (meshlm.corpus); ids are the documents' own ids."""
+    """The default corpus shipped in the package (meshlm.data.corpus); ids are the documents' own ids."""
 
     description = "embedded default corpus (Shakespeare, Milton, World English Bible)"
 
     def documents(self, stats: ReadStats) -> Documents:
-        from meshlm.corpus import default_documents
+        from meshlm.data.corpus import default_documents
 
         for doc in default_documents():
             chunks = string_chunks(doc["text"], stats)

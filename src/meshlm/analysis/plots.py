@@ -1,6 +1,6 @@
 """Figures in the style of the paper's probes (§2), for one run or several overlaid.
 
-Every function takes `runs`: a list of (label, probe result) pairs as returned by meshlm.probes.probe
+Every function takes `runs`: a list of (label, probe result) pairs as returned by meshlm.analysis.probes.probe
 (or read back from probe.json), and returns a matplotlib Figure built without pyplot (Agg canvas, no
 global state, safe in threads and headless). `probe_figures` makes the whole set; `save` writes PNGs.
 

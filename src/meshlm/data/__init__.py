@@ -1,0 +1,1 @@
+"""Data: the embedded corpus, readers for user corpora, tokenizers, token shards, fetched assets."""
