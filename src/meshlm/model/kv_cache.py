@@ -59,6 +59,13 @@ class KVCache:
     def __len__(self) -> int:
         return len(self.keys)
 
+    def crop(self, length: int, slots: range | None = None) -> None:
+        """Forget every token after the first `length` in `slots` (default: all), as transformers'
+        `DynamicCache.crop`; speculative decoding rolls rejected draft tokens back with it."""
+        for i in range(len(self.keys)) if slots is None else slots:
+            if i < len(self.keys) and self.keys[i] is not None:
+                self.keys[i], self.values[i] = self.keys[i][..., :length, :], self.values[i][..., :length, :]
+
     def select(self, index: torch.Tensor) -> None:
         """Keep only the batch rows in `index` (e.g. drop finished sequences)."""
         self.keys = [None if k is None else k[index] for k in self.keys]

@@ -21,6 +21,10 @@ contributes one per pass); the load-balancing and z-losses computed from them ar
 and, in training mode, added to `loss` with `aux_loss_weight` / `z_loss_weight`. In eval mode `loss` is the
 plain next-token cross-entropy, so validation perplexity is comparable across backbones.
 
+A forward is three stages, `enter` (embed, prelude, h⁰) → `advance` (loop steps) → `readout` (coda, head),
+sharing one `LoopRun`; self-speculative decoding (meshlm.speculative) stops `advance` early to draft and
+resumes it later to verify.
+
 Incremental decoding: pass a `cache` (meshlm.model.kv_cache) and only the new tokens. Each unrolled layer
 gets its own cache slot; the scheme state (MeSH buffer, anchors) is per token and needs none. With a cache,
 `padding_mask` covers the cached tokens too (B, T_past + T), as in Hugging Face's `generate()`.
@@ -69,6 +73,21 @@ class LMOutput:
     z_loss: torch.Tensor | None = None  # MoE router z-loss, unweighted
 
 
+@dataclass
+class LoopRun:
+    """A forward pass in progress (`MeshLM.enter` → `advance` → `readout`): the state after `step` loop passes,
+    the scheme's per-token context, and what every remaining layer needs (rotary tables, mask, cache)."""
+
+    h: torch.Tensor  # (B, T, d) the loop state h^step
+    ctx: LoopContext  # per-token scheme values (anchors, MeSH's written values and coefficients)
+    rope: Rope
+    mask: torch.Tensor | None  # (B, 1, T, T_past + T) or None
+    cache: LayerCache | None
+    step: int = 0  # loop passes done
+    routed: list[torch.Tensor] = field(default_factory=list)  # MoE router logits of every layer call, in order
+    stages: Stages | None = None  # only with return_states=True
+
+
 class MeshLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -107,25 +126,44 @@ class MeshLM(nn.Module):
         cache: LayerCache | None = None,  # KV cache, updated in place; holds T_past tokens before the call
     ) -> LMOutput:
         schedule = self.schedule(loops)
-        e, rope, mask = self._prepare(input_ids, padding_mask, position_ids, cache)
-        pre_slot, step_slots, coda_slot, _ = slot_offsets(self.config.layout, schedule)
+        run = self.enter(input_ids, padding_mask, position_ids, cache, return_states)
+        self.advance(run, schedule)
+        logits = self.readout(run, schedule)
+        return self._losses(LMOutput(logits=logits, stages=run.stages), targets, ignore_index, run.routed,
+                            padding_mask)
 
+    # -- the three stages of a forward; speculative decoding (meshlm.speculative) runs them separately ----------
+    def enter(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None, cache: LayerCache | None = None,
+              return_states: bool = False) -> LoopRun:
+        """Embed and run the prelude: a run standing at loop step 0 with h = h⁰."""
+        e, rope, mask = self._prepare(input_ids, padding_mask, position_ids, cache)
         ctx, routed = LoopContext(e=e), []  # routed: MoE router logits of every layer call, in order
-        p = self.prelude(e, rope, mask, cache, pre_slot, routed)
+        p = self.prelude(e, rope, mask, cache, 0, routed)  # the prelude's cache slots come first
         h = self.scheme.begin(ctx, p)
         stages = Stages(embeddings=e, prelude=p, states=[h]) if return_states else None
-        for step, core_index in enumerate(schedule):
-            u = self.cores[core_index](h, rope, mask, cache, step_slots[step], routed)
-            h = self.scheme.update(step, h, u, ctx)
-            if stages is not None:
-                stages.core_outputs.append(u)
-                stages.states.append(h)
-        y = self.coda(h, rope, mask, cache, coda_slot, routed)
-        logits = F.linear(self.final_layer_norm(y), self.output_weight)  # (B, T, vocab)
+        return LoopRun(h=h, ctx=ctx, rope=rope, mask=mask, cache=cache, routed=routed, stages=stages)
 
-        if stages is not None:
-            stages.coda, stages.routing, stages.router_logits = y, ctx.routing, routed
-        return self._losses(LMOutput(logits=logits, stages=stages), targets, ignore_index, routed, padding_mask)
+    def advance(self, run: LoopRun, schedule: tuple[int, ...], stop: int | None = None) -> LoopRun:
+        """Run loop steps run.step … stop−1 (default: to the end of `schedule`), in place."""
+        _, step_slots, _, _ = slot_offsets(self.config.layout, schedule)
+        for step in range(run.step, len(schedule) if stop is None else stop):
+            u = self.cores[schedule[step]](run.h, run.rope, run.mask, run.cache, step_slots[step], run.routed)
+            run.h = self.scheme.update(step, run.h, u, run.ctx)
+            run.step = step + 1
+            if run.stages is not None:
+                run.stages.core_outputs.append(u)
+                run.stages.states.append(run.h)
+        return run
+
+    def readout(self, run: LoopRun, schedule: tuple[int, ...]) -> torch.Tensor:
+        """Coda and head on the current state: (B, T, vocab) logits. The coda uses `schedule`'s coda slots
+        whatever step the run stands at (a speculative draft exits early into the full model's coda slots)."""
+        coda_slot = slot_offsets(self.config.layout, schedule)[2]
+        y = self.coda(run.h, run.rope, run.mask, run.cache, coda_slot, run.routed)
+        if run.stages is not None:
+            run.stages.coda, run.stages.routing, run.stages.router_logits = y, run.ctx.routing, run.routed
+        return F.linear(self.final_layer_norm(y), self.output_weight)  # (B, T, vocab)
 
     def _losses(self, out: LMOutput, targets: torch.Tensor | None, ignore_index: int,
                 routed: list[torch.Tensor], padding_mask: torch.Tensor | None) -> LMOutput:
@@ -150,8 +188,16 @@ class MeshLM(nn.Module):
                  position_ids: torch.Tensor | None, cache: LayerCache | None
                  ) -> tuple[torch.Tensor, Rope, torch.Tensor | None]:
         """Embeddings e (B, T, d), rotary tables for the positions, and the attention mask (or None)."""
-        b, t = input_ids.shape
         past = 0 if cache is None else cache.get_seq_length()
+        e = self.embed_in(input_ids) * self.embed_scale  # (B, T, d)
+        return (e, *self.attention_inputs(input_ids.shape, past, padding_mask, position_ids, e.dtype))
+
+    def attention_inputs(self, shape: tuple[int, int], past: int, padding_mask: torch.Tensor | None,
+                         position_ids: torch.Tensor | None, dtype: torch.dtype
+                         ) -> tuple[Rope, torch.Tensor | None]:
+        """Rotary tables and attention mask for T = shape[1] new tokens after `past` cached ones."""
+        b, t = shape
+        device = self.embed_in.weight.device
         if past + t > self.config.context_length:
             raise ConfigError(f"sequence of {past + t} tokens exceeds the model's context_length="
                               f"{self.config.context_length}; truncate the input or use a longer-context config")
@@ -159,13 +205,12 @@ class MeshLM(nn.Module):
             raise ConfigError(f"padding_mask covers {padding_mask.shape[-1]} tokens but the cache holds {past} and "
                               f"the input {t}; pass a mask over all {past + t} tokens")
         if position_ids is None:
-            position_ids = default_positions(padding_mask, past, t, input_ids.device)
-        e = self.embed_in(input_ids) * self.embed_scale  # (B, T, d)
-        rope = self.rotary(position_ids, e.dtype)
+            position_ids = default_positions(padding_mask, past, t, device)
+        rope = self.rotary(position_ids, dtype)
         if padding_mask is None and past > 0 and t > 1:  # several new tokens after a past: causal w.r.t. it
-            padding_mask = torch.ones(b, past + t, dtype=torch.long, device=input_ids.device)
+            padding_mask = torch.ones(b, past + t, dtype=torch.long, device=device)
         mask = None if padding_mask is None else attention_mask_from_padding(padding_mask, past)
-        return e, rope, mask
+        return rope, mask
 
 
 def default_positions(padding_mask: torch.Tensor | None, past: int, t: int, device: torch.device) -> torch.Tensor:

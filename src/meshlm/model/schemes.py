@@ -15,7 +15,7 @@ and are declared in the class's `OPTIONS` with their defaults.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -43,13 +43,32 @@ def canonical(name: str) -> str:
 
 @dataclass
 class LoopContext:
-    """What one forward pass carries through the loop."""
+    """What one forward pass carries through the loop. Every field is per token — (B, T, ...) tensors, or
+    lists of them — never mixing tokens, so decoding needs no cache for it and `concat_contexts` can join
+    the contexts of consecutive runs (self-speculative decoding relies on both)."""
 
     e: torch.Tensor  # (B, T, d) scaled input embeddings
     h0: torch.Tensor | None = None  # (B, T, d) loop-entry state
     values: list[torch.Tensor] = field(default_factory=list)  # MeSH: e and every written state, (B, T, d)
     coefficients: torch.Tensor | None = None  # MeSH: slot b = Σ_j coefficients[..., b, j]·values[j]
     routing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # MeSH (write, read)
+
+
+def concat_contexts(contexts: list[LoopContext]) -> LoopContext:
+    """Join the contexts of consecutive token runs along T (dim 1): every field is per token, (B, T, ...),
+    or a list of such tensors or of tuples of them (one entry per write). Speculative decoding joins the
+    one-token draft runs this way and resumes the loop over all of them at once."""
+    def join(parts):
+        first = parts[0]
+        if first is None:
+            return None
+        if isinstance(first, torch.Tensor):
+            return torch.cat(parts, dim=1)
+        if isinstance(first, tuple):
+            return tuple(join(list(group)) for group in zip(*parts))
+        return [join(list(group)) for group in zip(*parts)]  # a list: one entry per write
+
+    return LoopContext(**{f.name: join([getattr(c, f.name) for c in contexts]) for f in fields(LoopContext)})
 
 
 class Scheme(nn.Module, abc.ABC):
