@@ -3,10 +3,31 @@ import pytest
 import torch
 from conftest import build, copy_layers, tiny
 
+from meshlm.config import SCHEME_OPTIONS, ModelConfig
+from meshlm.errors import ConfigError
 from meshlm.model import SCHEMES
-from meshlm.model.schemes import LoopContext, build_scheme
+from meshlm.model.schemes import LoopContext, build_scheme, register
 
 ALL = sorted(SCHEMES)
+
+
+def test_every_declared_scheme_has_a_class_and_every_class_a_declaration():
+    assert set(SCHEMES) == set(SCHEME_OPTIONS)
+    for name in SCHEMES:
+        defaults = SCHEME_OPTIONS[name].defaults
+        assert build_scheme(tiny(spec=spec_for(name), scheme=name)).options == defaults
+
+
+def test_registering_an_undeclared_scheme_says_where_to_declare_it():
+    with pytest.raises(ValueError, match="SCHEME_OPTIONS"):
+        register("not-declared")
+
+
+def test_config_checks_scheme_options_without_the_model():
+    with pytest.raises(ConfigError, match=r"scheme_options.slots=1 must be an integer >= 2 \(default K\+3 = 5\)"):
+        ModelConfig(spec="1+2R2+1", scheme="mesh", scheme_options={"slots": 1})
+    with pytest.raises(ConfigError, match=r"\['slots'\] are not options of scheme 'anchor-emb' \(valid: none\)"):
+        ModelConfig(scheme="anchor*", scheme_options={"slots": 4})
 
 
 def spec_for(scheme: str) -> str:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +108,7 @@ class ModelConfig:
     norm_topk_prob: bool = False  # olmoe: renormalise the top-k router probabilities to sum to 1 (OLMoE: no)
     aux_loss_weight: float = 0.01  # olmoe: load-balancing loss weight in the training loss (OLMoE: 0.01)
     z_loss_weight: float = 0.001  # olmoe: router z-loss weight in the training loss (OLMoE: 0.001)
-    scheme: str = "mesh"  # a name in meshlm.model.schemes.SCHEMES
+    scheme: str = "mesh"  # a name in SCHEME_OPTIONS (the classes: meshlm.model.schemes.SCHEMES)
     scheme_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"slots": 5} for mesh
     scale_embeddings: bool = True  # MeSH paper: embeddings × √d (Pythia: off)
     init_std: float = 0.02
@@ -194,8 +195,6 @@ class ModelConfig:
         need(self.router_init_std >= 0, f"router_init_std={self.router_init_std} must be >= 0")
         need(isinstance(self.scheme_options, dict), "scheme_options must be a mapping")
         if isinstance(self.scheme_options, dict):
-            from meshlm.model.schemes import scheme_problems  # the registry knows each scheme's options
-
             problems.extend(scheme_problems(self.scheme, self.scheme_options, layout))
         if problems:
             raise ConfigError("invalid model config: " + "; ".join(problems))
@@ -264,6 +263,71 @@ def _is_number(x: Any) -> bool:
 
 def _divisor_near(n: int, target: int) -> int:
     return min((k for k in range(1, n + 1) if n % k == 0), key=lambda k: abs(k - target))
+
+
+# -- schemes: the names `scheme` may take and the options each accepts -----------------------------------
+# The scheme classes are in meshlm.model.schemes (MeSH in meshlm.model.memory); each registers under a name
+# declared here, so a config checks its scheme without importing the model (which imports this module).
+@dataclass(frozen=True)
+class SchemeOptions:
+    """One scheme's `scheme_options`: their defaults, and a check of their values on a layout."""
+
+    defaults: dict[str, Any] = field(default_factory=dict)
+    check: Callable[[dict[str, Any], Layout | None], list[str]] | None = None  # layout None: the spec is invalid
+
+    def problems(self, name: str, options: dict[str, Any], layout: Layout | None) -> list[str]:
+        unknown = sorted(set(options) - set(self.defaults))
+        if unknown:
+            valid = sorted(self.defaults) or "none"
+            return [f"scheme_options {unknown} are not options of scheme {name!r} (valid: {valid})"]
+        return self.check(options, layout) if self.check else []
+
+
+def _shares_no_weights(options: dict[str, Any], layout: Layout | None) -> list[str]:
+    if layout and layout.shares_weights:
+        return ["scheme 'vanilla' shares no weights, but the spec repeats a core; use scheme 'base' (or another "
+                "scheme) for a looped core, or a spec without R"]
+    return []
+
+
+def _alpha_init_is_three_numbers(options: dict[str, Any], layout: Layout | None) -> list[str]:
+    a = options.get("alpha_init", _MIX["alpha_init"])
+    if isinstance(a, (list, tuple)) and len(a) == 3 and all(_is_number(x) for x in a):
+        return []
+    return [f"scheme_options.alpha_init={a!r} must be 3 numbers (core, anchor h⁰, embeddings e)"]
+
+
+def _slots_at_least_two(options: dict[str, Any], layout: Layout | None) -> list[str]:
+    b = options.get("slots")
+    if b is None or (_is_int(b) and b >= 2):
+        return []
+    default = f"K+3 = {layout.n_steps + 3}" if layout else "K+3"
+    return [f"scheme_options.slots={b!r} must be an integer >= 2 (default {default})"]
+
+
+_MIX = {"alpha_init": [1.0, 1.0, 0.0]}  # α for (core output, anchor h⁰, embeddings e)
+SCHEME_OPTIONS: dict[str, SchemeOptions] = {
+    "base": SchemeOptions(),
+    "vanilla": SchemeOptions(check=_shares_no_weights),
+    **{name: SchemeOptions() for name in ("residual", "anchor", "anchor-emb", "residual+anchor",
+                                          "residual+anchor+anchor-emb", "anchor+anchor-emb")},
+    "static-mix": SchemeOptions(_MIX, _alpha_init_is_three_numbers),
+    "dynamic-mix": SchemeOptions(_MIX, _alpha_init_is_three_numbers),
+    "mesh": SchemeOptions({"slots": None}, _slots_at_least_two),  # None -> K + 3 (the paper's rule)
+}
+SCHEME_ALIASES = {"anchor*": "anchor-emb", "residual+anchor+anchor*": "residual+anchor+anchor-emb",
+                  "anchor+anchor*": "anchor+anchor-emb"}  # the paper's names
+
+
+def canonical_scheme(name: str) -> str:
+    return SCHEME_ALIASES.get(name, name)
+
+
+def scheme_problems(name: str, options: dict[str, Any], layout: Layout | None) -> list[str]:
+    spec = SCHEME_OPTIONS.get(canonical_scheme(name))
+    if spec is None:
+        return [f"scheme={name!r} is unknown; choose one of: {', '.join(sorted(SCHEME_OPTIONS))} (or 'anchor*')"]
+    return spec.problems(canonical_scheme(name), options, layout)
 
 
 # -- presets -----------------------------------------------------------------------------------------

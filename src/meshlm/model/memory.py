@@ -55,22 +55,11 @@ class Router(nn.Linear):
 
 @register("mesh")
 class MeSH(Scheme):
-    OPTIONS = {"slots": None}  # None -> K + 3 (the paper's rule; 5 for K = 2)
-
     def __init__(self, cfg):
         super().__init__(cfg)
         n_steps = cfg.layout.n_steps
-        self.slots = self.options["slots"] or n_steps + 3
+        self.slots = self.options["slots"] or n_steps + 3  # option "slots"; None: K + 3 (the paper's rule)
         self.routers = nn.ModuleList(Router(cfg.d_model, self.slots) for _ in range(n_steps + 1))
-
-    @classmethod
-    def problems(cls, options, layout):
-        out = super().problems(options, layout)
-        b = options.get("slots")
-        if b is not None and not (isinstance(b, int) and not isinstance(b, bool) and b >= 2):
-            default = f"K+3 = {layout.n_steps + 3}" if layout else "K+3"
-            out.append(f"scheme_options.slots={b!r} must be an integer >= 2 (default {default})")
-        return out
 
     def _write_read(self, pair: int, query: torch.Tensor, value: torch.Tensor, ctx: LoopContext):
         """Route with `query`, add `value` into every slot, then read. Returns the read state (B, T, d)."""

@@ -9,8 +9,9 @@ Per-forward quantities (e, h⁰, the MeSH buffer, router weights) live in a `Loo
 module, so one model can run several forwards at once and incremental decoding needs no extra cache.
 
 A new scheme is one small class decorated with `@register("name")`; the test battery is parametrised over
-`SCHEMES`, so it is tested for free. Options (e.g. MeSH's slot count) come from `ModelConfig.scheme_options`
-and are declared in the class's `OPTIONS` with their defaults.
+`SCHEMES`, so it is tested for free. Its name and options (e.g. MeSH's slot count, with their defaults and
+checks) are declared in meshlm.config.SCHEME_OPTIONS, where a config validates them without importing the
+model; `self.options` holds the defaults overridden by `ModelConfig.scheme_options`.
 """
 from __future__ import annotations
 
@@ -21,24 +22,22 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from meshlm.config import Layout, ModelConfig
+from meshlm.config import SCHEME_OPTIONS, ModelConfig, canonical_scheme
 
 SCHEMES: dict[str, type[Scheme]] = {}
-ALIASES = {"anchor*": "anchor-emb", "residual+anchor+anchor*": "residual+anchor+anchor-emb",
-           "anchor+anchor*": "anchor+anchor-emb"}
 
 
 def register(name: str):
+    """Class decorator: the scheme called `name` (declared, with its options, in meshlm.config.SCHEME_OPTIONS)."""
+    if name not in SCHEME_OPTIONS:
+        raise ValueError(f"scheme {name!r} has no entry in meshlm.config.SCHEME_OPTIONS; declare its options there")
+
     def wrap(cls: type[Scheme]) -> type[Scheme]:
         cls.name = name
         SCHEMES[name] = cls
         return cls
 
     return wrap
-
-
-def canonical(name: str) -> str:
-    return ALIASES.get(name, name)
 
 
 @dataclass
@@ -73,20 +72,10 @@ def concat_contexts(contexts: list[LoopContext]) -> LoopContext:
 
 class Scheme(nn.Module, abc.ABC):
     name: ClassVar[str] = ""
-    OPTIONS: ClassVar[dict[str, Any]] = {}  # option name -> default
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.options = {**self.OPTIONS, **cfg.scheme_options}
-
-    @classmethod
-    def problems(cls, options: dict[str, Any], layout: Layout | None) -> list[str]:
-        """Human-readable problems with these options on this layout (None: the spec is invalid)."""
-        unknown = sorted(set(options) - set(cls.OPTIONS))
-        if unknown:
-            valid = sorted(cls.OPTIONS) or "none"
-            return [f"scheme_options {unknown} are not options of scheme {cls.name!r} (valid: {valid})"]
-        return []
+        self.options: dict[str, Any] = {**SCHEME_OPTIONS[self.name].defaults, **cfg.scheme_options}
 
     def begin(self, ctx: LoopContext, p: torch.Tensor) -> torch.Tensor:
         ctx.h0 = p
@@ -123,12 +112,6 @@ class Base(Additive):
 @register("vanilla")
 class Vanilla(Base):
     """No weight sharing: every layer distinct. Same computation as base; the layout may not repeat cores."""
-
-    @classmethod
-    def problems(cls, options, layout):
-        extra = ["scheme 'vanilla' shares no weights, but the spec repeats a core; use scheme 'base' (or "
-                 "another scheme) for a looped core, or a spec without R"] if layout and layout.shares_weights else []
-        return super().problems(options, layout) + extra
 
 
 @register("residual")
@@ -187,15 +170,7 @@ class DynamicAlpha(MixCoefficients):
 
 
 class Mix(Scheme):
-    OPTIONS = {"alpha_init": [1.0, 1.0, 0.0]}
-
-    @classmethod
-    def problems(cls, options, layout):
-        out = super().problems(options, layout)
-        a = options.get("alpha_init", cls.OPTIONS["alpha_init"])
-        if not (isinstance(a, (list, tuple)) and len(a) == 3 and all(isinstance(x, (int, float)) for x in a)):
-            out.append(f"scheme_options.alpha_init={a!r} must be 3 numbers (core, anchor h⁰, embeddings e)")
-        return out
+    """Option alpha_init: the initial α (init.py)."""
 
     def update(self, t, h, u, ctx):
         a = self.alpha(h).to(u.dtype)
@@ -222,16 +197,6 @@ class DynamicMix(Mix):
         return super().flops_per_token(d_model, n_steps) + n_steps * 3 * (2 * d_model + 1)
 
 
-def scheme_problems(name: str, options: dict[str, Any], layout: Layout | None) -> list[str]:
-    from meshlm.model import memory  # noqa: F401  (registers "mesh")
-
-    cls = SCHEMES.get(canonical(name))
-    if cls is None:
-        return [f"scheme={name!r} is unknown; choose one of: {', '.join(sorted(SCHEMES))} (or 'anchor*')"]
-    return cls.problems(options, layout)
-
-
 def build_scheme(cfg: ModelConfig) -> Scheme:
-    from meshlm.model import memory  # noqa: F401  (registers "mesh")
-
-    return SCHEMES[canonical(cfg.scheme)](cfg)
+    """The scheme module of a validated config (meshlm.model imports meshlm.model.memory, which adds "mesh")."""
+    return SCHEMES[canonical_scheme(cfg.scheme)](cfg)
