@@ -34,9 +34,10 @@ def build(kind: str, args) -> torch.nn.Module:
     if kind == "hf-neox":
         from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-        from meshlm.interop.families import FAMILIES, hf_config_kwargs
+        from meshlm.backbones import BACKBONES
+        from meshlm.interop.families import hf_config_kwargs
 
-        return GPTNeoXForCausalLM(GPTNeoXConfig(**hf_config_kwargs(_vanilla_cfg(args), FAMILIES["neox"])))
+        return GPTNeoXForCausalLM(GPTNeoXConfig(**hf_config_kwargs(_vanilla_cfg(args), BACKBONES["neox"])))
     if kind == "vanilla":
         return MeshLM(_vanilla_cfg(args))
     return MeshLM(ModelConfig(spec=args.spec, d_model=args.d_model, n_heads=args.heads, vocab_size=args.vocab,

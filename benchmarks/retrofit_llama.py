@@ -57,7 +57,7 @@ def train_source(out: Path, steps: int) -> Path:
 
 
 def continue_training(model, data, steps: int, seq_len: int, lr: float) -> None:
-    from meshlm.data.prepare import get_batch
+    from meshlm.train.batches import get_batch
 
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)

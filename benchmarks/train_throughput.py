@@ -30,12 +30,13 @@ from benchkit import add_timing_arguments, timing_setup
 def build_models(model_cfg):
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    from meshlm.interop.families import FAMILIES, hf_config_kwargs
+    from meshlm.backbones import BACKBONES
+    from meshlm.interop.families import hf_config_kwargs
     from meshlm.model import MeshLM
 
     plain_cfg = model_cfg.replace(spec=str(model_cfg.layout.unrolled_depth), scheme="vanilla", scheme_options={})
     torch.manual_seed(0)
-    hf_config = GPTNeoXConfig(**hf_config_kwargs(plain_cfg, FAMILIES["neox"]))
+    hf_config = GPTNeoXConfig(**hf_config_kwargs(plain_cfg, BACKBONES["neox"]))
     hf_config._attn_implementation = "sdpa"
     return {"meshlm": MeshLM(model_cfg), "meshlm-plain": MeshLM(plain_cfg),
             "hf-neox": GPTNeoXForCausalLM(hf_config)}
@@ -59,8 +60,9 @@ def make_step(name, model, batches, clock):
 
 
 def main() -> None:
-    from meshlm.data.prepare import PreparedData, get_batch, prepare_default
+    from meshlm.data.prepare import PreparedData, prepare_default
     from meshlm.model.accounting import describe
+    from meshlm.train.batches import get_batch
     from meshlm.train.config import load_config
     from meshlm.train.monitor import measure_matmul_peak
 

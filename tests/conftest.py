@@ -47,13 +47,14 @@ def llama_folder(tmp_path_factory):
 
     from transformers import LlamaForCausalLM
 
+    from meshlm.backbones import BACKBONES
     from meshlm.data.tokenizer import DEFAULT_PATH
-    from meshlm.interop.families import FAMILIES, hf_config
+    from meshlm.interop.families import hf_config
 
     cfg = ModelConfig(spec="4", d_model=64, n_heads=4, n_kv_heads=2, vocab_size=8192, context_length=64,
                       mlp_hidden=96, backbone="llama", scheme="vanilla", scale_embeddings=False)
     torch.manual_seed(0)
-    hf = LlamaForCausalLM(hf_config(cfg, FAMILIES["llama"])).eval()
+    hf = LlamaForCausalLM(hf_config(cfg, BACKBONES["llama"])).eval()
     folder = tmp_path_factory.mktemp("llama") / "llama-tiny"
     hf.save_pretrained(folder)
     shutil.copyfile(DEFAULT_PATH, folder / "tokenizer.json")

@@ -10,10 +10,10 @@ from conftest import build, tiny
 from test_kv_cache import decode_both_ways
 from test_memory import randomise_routers, transcribed_mesh_logits
 
-from meshlm.config import BACKBONES, PRESETS, ModelConfig
+from meshlm.backbones import BACKBONES
+from meshlm.config import PRESETS, ModelConfig
 from meshlm.errors import ConfigError
 from meshlm.model import SCHEMES, MeshLM
-from meshlm.model.backbones import LAYERS
 from meshlm.model.layers import Layer
 
 OTHER = {"llama": dict(backbone="llama", n_kv_heads=2),
@@ -130,13 +130,25 @@ def test_tied_embeddings_share_one_table():
     assert model.embed_in.weight.grad.abs().sum() > 0
 
 
-def test_every_layer_kind_is_a_layer_and_every_backbone_has_one():
-    assert set(LAYERS) == set(BACKBONES)
-    for backbone in BACKBONES:
-        model = MeshLM(ModelConfig.from_preset("tiny", backbone=backbone))
+def test_every_backbone_has_its_own_layer_class_and_norm():
+    assert len({b.layer for b in BACKBONES.values()}) == len(BACKBONES)
+    for name, backbone in BACKBONES.items():
+        assert issubclass(backbone.layer, Layer)
+        model = MeshLM(ModelConfig.from_preset("tiny", backbone=name))
         layers = [m for m in model.modules() if isinstance(m, Layer)]
         assert len(layers) == model.config.layout.unique_depth
-        assert all(type(m) is LAYERS[backbone] for m in layers)
+        assert all(type(m) is backbone.layer for m in layers)
+        assert type(model.final_layer_norm) is type(layers[0].input_layernorm)
+
+
+def test_the_registry_drives_what_names_backbones():
+    from meshlm.cli import build_parser
+    from meshlm.hf.modeling import MeshForCausalLM
+
+    assert MeshForCausalLM._no_split_modules == [b.layer.__name__ for b in BACKBONES.values()]
+    to = next(a for a in build_parser()._subparsers._group_actions[0].choices["convert"]._actions if a.dest == "to")
+    assert to.choices == ("meshlm", "hf", *BACKBONES)
+    assert [name for name, b in BACKBONES.items() if b.moe] == ["olmoe"]
 
 
 # -- the Hugging Face wrapper -------------------------------------------------------------------------------
@@ -189,7 +201,7 @@ def test_backbone_problems_are_named_in_one_message():
 
 
 def test_backbone_defaults():
-    neox, llama, olmoe = (ModelConfig(d_model=256, n_heads=8, backbone=b) for b in BACKBONES)
+    neox, llama, olmoe = (ModelConfig(d_model=256, n_heads=8, backbone=b) for b in ("neox", "llama", "olmoe"))
     assert (neox.rotary_dims, llama.rotary_dims, olmoe.rotary_dims) == (8, 32, 32)
     assert (neox.mlp_width, llama.mlp_width, olmoe.mlp_width) == (1024, 704, 128)
     assert (neox.uses_qk_norm, llama.uses_qk_norm, olmoe.uses_qk_norm) == (False, False, True)

@@ -6,12 +6,13 @@ import torch
 from conftest import build, tiny
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
+from meshlm.backbones import BACKBONES
 from meshlm.checkpoint import load_model
 from meshlm.cli import main
 from meshlm.config import ModelConfig
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.interop.convert import convert, read_neox, write_checkpoint
-from meshlm.interop.families import FAMILIES, hf_config_kwargs
+from meshlm.interop.families import hf_config_kwargs
 from meshlm.interop.retrofit import plan, retrofit
 from meshlm.model import MeshLM
 
@@ -24,7 +25,7 @@ def pythia(tmp_path_factory):
     """A small random GPTNeoXForCausalLM saved the transformers way, plus its reference logits."""
     folder = tmp_path_factory.mktemp("neox") / "pythia-tiny"
     torch.manual_seed(0)
-    hf = GPTNeoXForCausalLM(GPTNeoXConfig(**hf_config_kwargs(NEOX, FAMILIES["neox"]))).eval()
+    hf = GPTNeoXForCausalLM(GPTNeoXConfig(**hf_config_kwargs(NEOX, BACKBONES["neox"]))).eval()
     hf.save_pretrained(folder)
     x = torch.randint(0, NEOX.vocab_size, (2, 13))
     with torch.no_grad():

@@ -14,9 +14,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from meshlm.cli import main
 from meshlm.data import prepare as data_mod
 from meshlm.data import readers as sources
-from meshlm.data.prepare import PreparedData, batch_indices, get_batch, prepare, prepare_default
+from meshlm.data.prepare import PreparedData, batch_indices, prepare, prepare_default
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import ConfigError, DataError
+from meshlm.train.batches import get_batch
 
 DOCS = ["First document.\nIt has two lines.\n", "Second, shorter.", "Third — with “unicode”.\n",
         "Fourth document here.", "Fifth and last."]

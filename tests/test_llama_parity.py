@@ -4,12 +4,13 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
+from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.interop.convert import convert, read_family
-from meshlm.interop.families import FAMILIES, from_meshlm, hf_config, to_meshlm
+from meshlm.interop.families import from_meshlm, hf_config, to_meshlm
 from meshlm.model import MeshLM
 
-LLAMA = FAMILIES["llama"]
+LLAMA = BACKBONES["llama"]
 
 
 def llama_cfg(**overrides) -> ModelConfig:

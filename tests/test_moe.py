@@ -6,14 +6,15 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from transformers import OlmoeForCausalLM
 
+from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.interop.convert import convert
-from meshlm.interop.families import FAMILIES, from_meshlm, hf_config, split_experts, stack_experts, to_meshlm
+from meshlm.interop.families import from_meshlm, hf_config, split_experts, stack_experts, to_meshlm
 from meshlm.model import MeshLM
 from meshlm.model.accounting import describe
 from meshlm.model.moe import SparseMoE
 
-OLMOE = FAMILIES["olmoe"]
+OLMOE = BACKBONES["olmoe"]
 
 
 def olmoe_cfg(**overrides) -> ModelConfig:

@@ -3,16 +3,17 @@ import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
+from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
-from meshlm.interop.families import FAMILIES, from_meshlm, hf_config_kwargs, to_meshlm
+from meshlm.interop.families import from_meshlm, hf_config_kwargs, to_meshlm
 from meshlm.model import MeshLM
 
 
 def neox_pair(cfg: ModelConfig):
     torch.manual_seed(0)
-    hf = GPTNeoXForCausalLM(GPTNeoXConfig(**hf_config_kwargs(cfg, FAMILIES["neox"]))).eval()
+    hf = GPTNeoXForCausalLM(GPTNeoXConfig(**hf_config_kwargs(cfg, BACKBONES["neox"]))).eval()
     ours = MeshLM(cfg).eval()
-    ours.load_state_dict(to_meshlm(hf.state_dict(), cfg.layout, FAMILIES["neox"]), strict=True)
+    ours.load_state_dict(to_meshlm(hf.state_dict(), cfg.layout, BACKBONES["neox"]), strict=True)
     return hf, ours
 
 
@@ -55,7 +56,7 @@ def test_padding_mask_matches_gpt_neox():
 def test_state_dict_round_trip_is_exact():
     cfg = ModelConfig(spec="4", d_model=32, n_heads=4, vocab_size=50, scheme="vanilla")
     hf, ours = neox_pair(cfg)
-    back = from_meshlm(ours.state_dict(), cfg.layout, FAMILIES["neox"])
+    back = from_meshlm(ours.state_dict(), cfg.layout, BACKBONES["neox"])
     reference = hf.state_dict()
     assert set(back) == set(reference)
     assert all(torch.equal(back[k], reference[k]) for k in back)

@@ -35,8 +35,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from meshlm.config import ModelConfig
 from meshlm.errors import CheckpointError
 from meshlm.hashing import sha256_file
+from meshlm.model import MeshLM
 
 WEIGHTS, STATE, CONFIG, TOKENIZER = "model.safetensors", "state.pt", "config.json", "tokenizer.json"
 FORMAT = "meshlm-checkpoint/1"
@@ -237,11 +239,8 @@ def tokenizer_of(path: str | Path) -> str:
     return (meta.get("train") or {}).get("tokenizer", "default")
 
 
-def load_model(path: str | Path, device: str | torch.device = "cpu"):
+def load_model(path: str | Path, device: str | torch.device = "cpu") -> MeshLM:
     """A MeshLM with the checkpoint's weights (run dir -> latest). For evaluation, generation, export."""
-    from meshlm.config import ModelConfig
-    from meshlm.model import MeshLM
-
     ckpt = load_checkpoint(path, with_state=False)
     cfg = ModelConfig.from_dict(ckpt.meta["model"])
     model = MeshLM(cfg)

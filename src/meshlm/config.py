@@ -13,7 +13,8 @@ core pass, so `n_steps` = ΣK. Unrolled (compute) depth = P + ΣC·K + D; unique
 The layer kind is `backbone` (docs/backbones.md): "neox" (Pythia: LayerNorm, parallel residual, GELU MLP,
 biases, partial rotary), "llama" (RMSNorm, sequential residual, SwiGLU, no biases, full rotary, grouped-query
 attention) or "olmoe" (Llama-style attention with QK-norm and a top-k routed mixture of SwiGLU experts).
-Fields left at None take the backbone's default (`rotary_fraction`, `kv_heads`, `mlp_width`, `uses_qk_norm`).
+Fields left at None take the backbone's default (`rotary_fraction`, `kv_heads`, `mlp_width`, `uses_qk_norm`);
+each backbone's defaults and checks are its own, in the registry meshlm.backbones.
 
 Every invalid field is reported at once, in one `ConfigError` message that says what would be valid.
 """
@@ -26,10 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from meshlm.backbones import BACKBONES
 from meshlm.errors import ConfigError
 
 _CORE = re.compile(r"^(\d+)(?:[rR](\d+))?$")
-BACKBONES = ("neox", "llama", "olmoe")  # layer kinds; meshlm.model.backbones maps each to its layer class
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class ModelConfig:
     n_heads: int = 8
     vocab_size: int = 8192
     context_length: int = 512
-    backbone: str = "neox"  # one of BACKBONES
+    backbone: str = "neox"  # a name in meshlm.backbones.BACKBONES
     rotary_pct: float | None = None  # None -> 0.25 for neox (Pythia), 1.0 (every head dim) for llama/olmoe
     rotary_base: float = 10000.0
     layer_norm_eps: float = 1e-5  # eps of every norm: LayerNorm (neox) or RMSNorm (llama, olmoe)
@@ -131,7 +132,7 @@ class ModelConfig:
     def rotary_fraction(self) -> float:
         if self.rotary_pct is not None:
             return self.rotary_pct
-        return 0.25 if self.backbone == "neox" else 1.0
+        return BACKBONES[self.backbone].rotary_fraction
 
     @property
     def rotary_dims(self) -> int:
@@ -143,20 +144,13 @@ class ModelConfig:
 
     @property
     def mlp_width(self) -> int:
-        """Hidden width of the MLP (of each expert for olmoe). Defaults by backbone:
-        neox mlp_ratio·d (Pythia); llama ⅔·mlp_ratio·d rounded up to a multiple of 64 (SwiGLU has three
-        matrices, so this keeps the MLP's parameters near neox's); olmoe mlp_ratio·d / 8 (= d/2, OLMoE-1B-7B)."""
-        if self.mlp_hidden is not None:
-            return self.mlp_hidden
-        if self.backbone == "llama":
-            return -(-2 * self.mlp_ratio * self.d_model // (3 * 64)) * 64  # ceil(⅔·ratio·d / 64)·64
-        if self.backbone == "olmoe":
-            return max(1, self.mlp_ratio * self.d_model // 8)
-        return self.mlp_ratio * self.d_model
+        """Hidden width of the MLP (of each expert for MoE): mlp_hidden, else the backbone's rule from mlp_ratio
+        (neox mlp_ratio·d as Pythia; llama ⌈⅔·mlp_ratio·d / 64⌉·64; olmoe mlp_ratio·d / 8 = d/2)."""
+        return self.mlp_hidden if self.mlp_hidden is not None else BACKBONES[self.backbone].mlp_width(self)
 
     @property
     def uses_qk_norm(self) -> bool:
-        return self.backbone == "olmoe" if self.qk_norm is None else bool(self.qk_norm)
+        return BACKBONES[self.backbone].qk_norm if self.qk_norm is None else bool(self.qk_norm)
 
     # -- validation ----------------------------------------------------------------------------------
     def validate(self) -> None:
@@ -178,7 +172,7 @@ class ModelConfig:
             need(self.d_model % self.n_heads == 0,
                  f"n_heads={self.n_heads} must divide d_model={self.d_model} (e.g. n_heads="
                  f"{_divisor_near(self.d_model, self.n_heads)})")
-            if self.d_model % self.n_heads == 0 and _is_number(self.rotary_fraction):
+            if self.d_model % self.n_heads == 0 and self._known_backbone() and _is_number(self.rotary_fraction):
                 need(self.rotary_dims % 2 == 0,
                      f"rotary_pct={self.rotary_fraction} gives {self.rotary_dims} rotary dims per head; "
                      "it must be even (head_dim × rotary_pct)")
@@ -200,33 +194,25 @@ class ModelConfig:
             raise ConfigError("invalid model config: " + "; ".join(problems))
 
     def _backbone_problems(self) -> list[str]:
-        """Problems with the backbone and the fields only some backbones use."""
-        if self.backbone not in BACKBONES:
+        """Problems with the backbone and the fields only some backbones use (the backbone checks those)."""
+        if not self._known_backbone():
             return [f"backbone={self.backbone!r} is unknown; choose one of: {', '.join(BACKBONES)}"]
         out, kv = [], self.n_kv_heads
         if self.mlp_hidden is not None and not (_is_int(self.mlp_hidden) and self.mlp_hidden > 0):
             out.append(f"mlp_hidden={self.mlp_hidden!r} must be a positive integer (or null for the default)")
         if kv is not None and not (_is_int(kv) and kv > 0 and _is_int(self.n_heads) and self.n_heads % kv == 0):
             out.append(f"n_kv_heads={kv!r} must be a positive divisor of n_heads={self.n_heads} (or null)")
-        elif self.backbone == "neox" and kv not in (None, self.n_heads):
-            out.append(f"n_kv_heads={kv}: the neox backbone has no grouped-query attention; use backbone "
-                       f"'llama' or 'olmoe', or n_kv_heads=null")
         for name in ("qk_norm", "tie_embeddings", "norm_topk_prob"):
             value = getattr(self, name)
             if not (isinstance(value, bool) or (value is None and name == "qk_norm")):
                 out.append(f"{name}={value!r} must be true or false")
-        if self.backbone == "neox" and self.qk_norm:
-            out.append("qk_norm=true: the neox backbone has no QK-norm; use backbone 'llama' or 'olmoe'")
         for name in ("aux_loss_weight", "z_loss_weight"):
             if not (_is_number(getattr(self, name)) and getattr(self, name) >= 0):
                 out.append(f"{name}={getattr(self, name)!r} must be a number >= 0")
-        if self.backbone == "olmoe":
-            e, k = self.n_experts, self.top_k
-            if not (_is_int(e) and e >= 1):
-                out.append(f"n_experts={e!r} must be an integer >= 1 (OLMoE-1B-7B: 64)")
-            elif not (_is_int(k) and 1 <= k <= e):
-                out.append(f"top_k={k!r} must be an integer in [1, n_experts={e}] (OLMoE-1B-7B: 8 of 64)")
-        return out
+        return out + BACKBONES[self.backbone].problems(self)
+
+    def _known_backbone(self) -> bool:
+        return isinstance(self.backbone, str) and self.backbone in BACKBONES
 
     # -- serialisation -------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -17,7 +17,10 @@ from pathlib import Path
 
 import torch
 
+from meshlm import checkpoint
+from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import ConfigError
+from meshlm.interop.convert import detect_format
 from meshlm.model import MeshLM
 from meshlm.model.kv_cache import KVCache
 
@@ -115,10 +118,6 @@ def generate(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int =
 
 def load_for_generation(path: str | Path, tokenizer: str | None = None, device: str = "cpu"):
     """(MeshLM, TextTokenizer) from a meshlm checkpoint (or run dir) or a Hugging Face folder from save_hf."""
-    from meshlm import checkpoint
-    from meshlm.data.tokenizer import load_tokenizer
-    from meshlm.interop.convert import detect_format
-
     path = Path(path)
     if detect_format(path) == "hf":
         from meshlm.hf import load_hf

@@ -19,7 +19,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshlm import checkpoint
+from meshlm.analysis import plots
+from meshlm.config import ModelConfig
 from meshlm.errors import MeshlmError
+from meshlm.model.accounting import describe
 
 TASK_TITLES = {"lambada_openai": "LAMBADA", "piqa": "PIQA", "hellaswag": "HellaSwag", "winogrande": "WinoGrande",
                "arc_easy": "ARC-E", "arc_challenge": "ARC-C", "sciq": "SciQ", "mmlu": "MMLU"}
@@ -68,8 +72,6 @@ def collect(path: str | Path) -> RunResults:
     evaluation, probed = _read_json(run_dir / "eval.json"), _read_json(run_dir / "probe" / "probe.json")
     model = (evaluation or probed or {}).get("model")
     if model is None:
-        from meshlm import checkpoint
-
         try:
             model = checkpoint.read_meta(run_dir)["model"]
         except MeshlmError:
@@ -79,9 +81,6 @@ def collect(path: str | Path) -> RunResults:
 
 
 def non_embedding_params(model: dict) -> int:
-    from meshlm.config import ModelConfig
-    from meshlm.model.accounting import describe
-
     return describe(ModelConfig.from_dict(model)).non_embedding_params
 
 
@@ -123,8 +122,6 @@ def table_one(runs: list[RunResults], shots: str) -> str:
 
 def report_figures(runs: list[RunResults]) -> dict[str, bytes]:
     """The page's figures as PNG bytes by name: "loops" (if any run has a sweep) and the overlaid probes."""
-    from meshlm.analysis import plots
-
     figures = {}
     loops = plots.loops_figure([(r.label, (r.eval or {}).get("loops") or []) for r in runs])
     if loops is not None:

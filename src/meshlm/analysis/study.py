@@ -40,6 +40,8 @@ from typing import Any
 import yaml
 
 from meshlm.errors import ConfigError
+from meshlm.model.accounting import describe
+from meshlm.train.config import load_config
 
 STUDY_KEYS = {"name", "out_dir", "config", "overrides", "seeds", "variants", "eval", "probe", "launcher",
               "assumed_mfu", "peak_flops", "gpus"}
@@ -118,15 +120,11 @@ def load_study(path: str | Path, extra_overrides: list[str] = ()) -> Study:
 
 
 def train_config(study: Study, run: Run):
-    from meshlm.train.config import load_config
-
     return load_config(study.config, run.overrides)
 
 
 def estimate(study: Study, run: Run) -> dict[str, Any]:
     """Tokens, training FLOPs and accelerator-hours of one run (at the study's assumed MFU)."""
-    from meshlm.model.accounting import describe
-
     cfg = train_config(study, run)
     model_cfg = cfg.model_config()
     seq_len = cfg.sequence_length(model_cfg)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 
+from meshlm.backbones import BACKBONES
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="GPT-NeoX, Llama or OLMoE folder, meshlm checkpoint/run dir, or meshlm "
                                   "Hugging Face folder")
     p.add_argument("out", help="output folder (must not exist or be empty)")
-    p.add_argument("--to", choices=("meshlm", "hf", "neox", "llama", "olmoe"), default=None,
+    p.add_argument("--to", choices=("meshlm", "hf", *BACKBONES), default=None,
                    help="target format (default: meshlm from a family or hf folder; from meshlm, the family of "
                         "the model's backbone)")
     p.add_argument("--tokenizer", default=None,

@@ -1,4 +1,4 @@
-"""Tokenised training data: `prepare` writes token shards, `PreparedData` and `get_batch` read them back.
+"""Tokenised training data: `prepare` writes token shards, `PreparedData` reads them back, `batch_indices` orders them.
 
 Preparing (meshlm prepare) streams: documents are read in chunks (meshlm.data.readers), encoded a batch of
 ~`batch_chars` characters at a time and appended to shard files (meshlm.data.shards), so memory stays bounded
@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from meshlm.data.cache_dir import cache_dir as resolve_cache
+from meshlm.data.corpus import VAL_FRACTION, corpus_fingerprint
 from meshlm.data.readers import EmbeddedCorpus, FileCorpus, ReadStats
 from meshlm.data.shards import (
     FORMAT,
@@ -138,9 +140,6 @@ def prepare_default(cache_dir: str | os.PathLike | None = None, tokenizer: str =
     Safe when several processes (ranks) call it at once: each prepares into a private temporary folder
     and renames it into place; the first rename wins and the others discard their copy.
     """
-    from meshlm.data.cache_dir import cache_dir as resolve_cache
-    from meshlm.data.corpus import VAL_FRACTION, corpus_fingerprint
-
     tok = load_tokenizer(tokenizer, cache_dir)
     parent = resolve_cache(cache_dir) / "prepared"
     target = parent / f"default-{corpus_fingerprint()}-{tok.hash}"
@@ -236,23 +235,3 @@ def batch_indices(step: int, global_batch: int, seed: int, n_sequences: int) -> 
         mask = epochs == epoch
         out[mask] = epoch_permutation(seed, int(epoch), n_sequences)[positions[mask] % n_sequences]
     return out.tolist()
-
-
-def get_batch(data: PreparedData, step: int, global_batch: int, seq_len: int, seed: int,
-              rank: int = 0, world: int = 1, micro_batches: int = 1) -> list:
-    """This rank's part of step `step`'s global batch, as `micro_batches` (x, y) LongTensor pairs.
-
-    Rank r takes the r-th contiguous slice of global_batch / world windows (so the ranks' slices, in rank
-    order, are the single-process batch) and cuts it into micro-batches of global_batch / (world *
-    micro_batches) windows; x = window[:-1] and y = window[1:], each (micro_batch, seq_len).
-    """
-    import torch  # deferred: preparing data must not pay for importing torch
-
-    if world < 1 or micro_batches < 1 or not 0 <= rank < world or global_batch % (world * micro_batches):
-        raise ConfigError(f"global batch {global_batch} must split evenly over {world} ranks x {micro_batches} "
-                          f"micro-batches (rank {rank}); change global_batch or micro_batches")
-    indices = batch_indices(step, global_batch, seed, data.num_sequences(seq_len))
-    per_rank = global_batch // world
-    mine = indices[rank * per_rank:(rank + 1) * per_rank]
-    windows = torch.from_numpy(np.stack([data.sequence(i, seq_len) for i in mine]))  # (per_rank, seq_len + 1)
-    return [(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()) for chunk in windows.chunk(micro_batches)]

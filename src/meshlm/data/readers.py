@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshlm.data.corpus import default_documents
 from meshlm.errors import DataError
 
 CHUNK_CHARS = 1 << 20  # characters per chunk handed to the tokenizer
@@ -248,8 +249,6 @@ class EmbeddedCorpus:
     description = "embedded default corpus (Shakespeare, Milton, World English Bible)"
 
     def documents(self, stats: ReadStats) -> Documents:
-        from meshlm.data.corpus import default_documents
-
         for doc in default_documents():
             chunks = string_chunks(doc["text"], stats)
             if chunks is not None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from meshlm.data.fetch import pythia_tokenizer_path
 from meshlm.errors import DataError
 
 DEFAULT_PATH = Path(__file__).parents[1] / "assets" / "tokenizer-8192.json"
@@ -62,8 +63,6 @@ def resolve_tokenizer_path(name_or_path: str | os.PathLike, cache_dir: str | os.
     if str(name_or_path) == "default":
         return DEFAULT_PATH
     if str(name_or_path) == "pythia":
-        from meshlm.data.fetch import pythia_tokenizer_path
-
         return pythia_tokenizer_path(cache_dir)
     path = Path(name_or_path).expanduser()
     if path.is_dir():

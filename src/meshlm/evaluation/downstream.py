@@ -15,6 +15,8 @@ import os
 import time
 from typing import Any
 
+from meshlm.evaluation.tasks import MMLU_GROUP, SUITE_GROUP, resolve_tasks, task_manager, task_specs
+
 BOOTSTRAP_ITERS = 1000  # only LAMBADA's perplexity is bootstrapped; accuracies have a closed-form stderr
 
 
@@ -23,8 +25,6 @@ def run_suite(lm, task_names: str | list[str] | None = "all", shots: int = 0, li
               seed: int = 1234, verbose: bool = False) -> dict[str, Any]:
     """Evaluate `lm` (an lm_eval LM) on the suite at `shots` few-shot examples; `limit` items per task."""
     import lm_eval
-
-    from meshlm.evaluation.tasks import resolve_tasks, task_manager, task_specs
 
     tasks = resolve_tasks(task_names)
     start = time.perf_counter()
@@ -79,8 +79,6 @@ def _metric(values: dict, name: str) -> float | None:
 
 def summarise(raw: dict, tasks) -> dict[str, Any]:
     """lm-eval's result dict -> {"tasks": {name: {...}}, "average": mean of the paper metrics, "items": n}."""
-    from meshlm.evaluation.tasks import MMLU_GROUP, SUITE_GROUP
-
     out: dict[str, dict] = {}
     for task in tasks:
         values = raw["results"][f"{SUITE_GROUP}::{MMLU_GROUP}" if task.name == "mmlu" else task.harness]

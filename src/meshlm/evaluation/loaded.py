@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 from meshlm import checkpoint
+from meshlm.data.prepare import PreparedData, prepare_default
+from meshlm.data.tokenizer import check_vocab, load_tokenizer
 from meshlm.errors import DataError
 
 
@@ -36,8 +38,6 @@ class Loaded:
 
     def data_dir(self, override: str | os.PathLike | None = None) -> Path:
         """The prepared data the model was trained on (its val split is held out), or `override`."""
-        from meshlm.data.prepare import prepare_default
-
         source = str(override or self.train.get("data") or "default")
         if source == "default":
             return prepare_default(tokenizer=self.train.get("tokenizer", "default"))
@@ -47,8 +47,6 @@ class Loaded:
         return path
 
     def held_out(self, override: str | os.PathLike | None = None, split: str = "val"):
-        from meshlm.data.prepare import PreparedData
-
         data = PreparedData(self.data_dir(override), split)
         prepared_with = data.manifest["tokenizer"]["hash"]
         if prepared_with != self.tokenizer.hash:
@@ -65,8 +63,6 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 def open_checkpoint(path: str | os.PathLike, device: str = "auto") -> Loaded:
     """Load and verify a checkpoint (a run folder means its latest step)."""
-    from meshlm.data.tokenizer import check_vocab, load_tokenizer
-
     step_dir = checkpoint.resolve(path)
     meta = checkpoint.read_meta(step_dir)
     model = checkpoint.load_model(step_dir, device=resolve_device(device))

@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshlm.evaluation.downstream import run_suite
 from meshlm.evaluation.loaded import Loaded
+from meshlm.evaluation.perplexity import default_loop_counts, loss_vs_loops, mean_loss
+from meshlm.model.accounting import account
 
 
 @dataclass
@@ -35,9 +38,6 @@ class EvalOptions:
 
 
 def evaluate(loaded: Loaded, options: EvalOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
-    from meshlm.evaluation.perplexity import default_loop_counts, loss_vs_loops, mean_loss
-    from meshlm.model.accounting import account
-
     start = time.perf_counter()
     model = loaded.model
     result: dict[str, Any] = {"checkpoint": str(loaded.path), "step": loaded.meta.get("step"),
@@ -61,8 +61,7 @@ def evaluate(loaded: Loaded, options: EvalOptions, log: Callable[[str], None] = 
 
 
 def downstream(loaded: Loaded, options: EvalOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
-    from meshlm.evaluation.downstream import run_suite
-    from meshlm.evaluation.harness import MeshLMEval
+    from meshlm.evaluation.harness import MeshLMEval  # imports lm-eval: only when downstream tasks run
 
     lm = MeshLMEval(loaded.model, loaded.tokenizer, batch_tokens=options.batch_tokens)
     out = {}

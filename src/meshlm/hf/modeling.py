@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.hf.configuration import MeshConfig
 from meshlm.hf.remote import write_remote_code
@@ -39,7 +40,7 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = MeshConfig
     base_model_prefix = "model"
     main_input_name = "input_ids"
-    _no_split_modules = ["NeoXLayer", "LlamaLayer", "OlmoeLayer"]  # every meshlm.model.layers.Layer kind
+    _no_split_modules = [backbone.layer.__name__ for backbone in BACKBONES.values()]  # every layer class
     _supports_sdpa = True  # attention always runs through F.scaled_dot_product_attention
 
     def __init__(self, config: MeshConfig):

@@ -29,15 +29,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
 from meshlm import checkpoint
+from meshlm.backbones import BACKBONES, Backbone
 from meshlm.config import ModelConfig
+from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.hashing import sha256_file
 from meshlm.interop.families import (
     BY_MODEL_TYPE,
-    FAMILIES,
-    Family,
     export_problems,
     from_meshlm,
     hf_config,
@@ -47,7 +49,7 @@ from meshlm.interop.families import (
 from meshlm.interop.families import model_config as family_model_config
 from meshlm.model import MeshLM
 
-FORMATS = ("meshlm", "hf", *FAMILIES)
+FORMATS = ("meshlm", "hf", *BACKBONES)  # a backbone name: a folder of its Hugging Face family
 
 
 # -- recognising a folder ----------------------------------------------------------------------------------
@@ -72,7 +74,7 @@ def detect_format(path: str | Path) -> str:
     return BY_MODEL_TYPE[raw["model_type"]].name
 
 
-_KNOWN = ", ".join(f.title for f in FAMILIES.values()) + ", meshlm or meshlm-HF"
+_KNOWN = ", ".join(b.title for b in BACKBONES.values()) + ", meshlm or meshlm-HF"
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -90,10 +92,10 @@ def read_family(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor
     """(vanilla ModelConfig, meshlm-named fp32 state dict) of a GPT-NeoX, Llama or OLMoE folder, checked."""
     folder = Path(folder)
     kind = detect_format(folder)
-    if kind not in FAMILIES:
+    if kind not in BACKBONES:
         raise CheckpointError(f"{folder} is a {kind} checkpoint, not a Hugging Face {_KNOWN.split(', meshlm')[0]} "
                               f"folder (config.json model_type must be one of {sorted(BY_MODEL_TYPE)})")
-    family = FAMILIES[kind]
+    family = BACKBONES[kind]
     cfg = family_model_config(_read_json(folder / "config.json"), family, folder / "config.json")
     try:
         state = {k: v.float() for k, v in to_meshlm(_read_weights(folder), cfg.layout, family).items()}
@@ -124,9 +126,6 @@ def _check_complete(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: Pa
 
 
 def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(_read_json(index).get("weight_map", {}).values()))
@@ -151,30 +150,27 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def write_family(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: str | Path, family: Family,
+def write_family(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: str | Path, family: Backbone,
                  tokenizer=None) -> Path:
     """Write a vanilla meshlm model as a GPT-NeoX, Llama or OLMoE folder (config.json + model.safetensors)."""
-    from safetensors.torch import save_file
-
     problems = export_problems(cfg, family)
     if problems or any(k.startswith("scheme.") for k in state):
         raise ConfigError("; ".join(problems) or f"only a vanilla model converts to {family.title}")
     state = dict(state)
-    # with √d folded in, the two tables differ; meshlm reads GPT-NeoX folders untied only
-    tied = cfg.tie_embeddings and not cfg.scale_embeddings and family.name != "neox"
+    # with √d folded in, the two tables differ (and some families are read untied only)
+    tied = cfg.tie_embeddings and not cfg.scale_embeddings and family.exports_tied
     if cfg.tie_embeddings and not tied:
         state["embed_out.weight"] = state["embed_in.weight"].clone()  # safetensors refuses shared tensors
     if cfg.scale_embeddings:  # e = embed_in(x)·√d  ==  (embed_in·√d)(x): fold the scale into the table
         state["embed_in.weight"] = state["embed_in.weight"] * math.sqrt(cfg.d_model)
     weights = split_experts(from_meshlm(state, cfg.layout, family))
-    if family.name == "neox":
-        weights["embed_out.weight"] = weights.pop("lm_head.weight")  # Pythia's file name for the output layer
+    weights = {family.file_names.get(k, k): v for k, v in weights.items()}  # e.g. Pythia's embed_out.weight
     folder = _fresh_dir(folder)
     hf_config(cfg, family, tied, architectures=[family.architecture], bos_token_id=0, eos_token_id=0,
               pad_token_id=1).save_pretrained(folder)
-    if family.name == "neox":  # add Pythia's legacy rotary keys for older transformers
+    if family.legacy_config(cfg):  # e.g. Pythia's rotary keys, for older transformers
         raw = _read_json(folder / "config.json")
-        raw.update(rotary_pct=cfg.rotary_fraction, rotary_emb_base=cfg.rotary_base)
+        raw.update(family.legacy_config(cfg))
         (folder / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
     save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"),
               metadata={"format": "pt"})
@@ -189,8 +185,6 @@ def write_family(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: str |
 def write_checkpoint(folder: str | Path, cfg: ModelConfig, state: dict[str, torch.Tensor],
                      meta: dict[str, Any] | None = None, tokenizer_file: Path | None = None) -> Path:
     """A step-0 meshlm checkpoint dir (model.safetensors + config.json), written to a temp dir then renamed."""
-    from safetensors.torch import save_file
-
     folder = Path(folder)
     _fresh_dir(folder, create=False)
     tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
@@ -225,8 +219,6 @@ def _fresh_dir(folder: str | Path, create: bool = True) -> Path:
 def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: str | None = None) -> Path:
     """Convert between formats; `to` defaults to meshlm for family/hf sources and, for meshlm sources, to the
     family of the model's backbone."""
-    from meshlm.data.tokenizer import load_tokenizer
-
     src = Path(src)
     kind = detect_format(src)
     if kind == "meshlm":
@@ -249,7 +241,7 @@ def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: 
     tok = load_tokenizer(tokenizer or tok_file or "default")
     if to == "hf":
         return _write_hf(cfg, state, out, tok)
-    return write_family(cfg, state, out, FAMILIES[to], tok)
+    return write_family(cfg, state, out, BACKBONES[to], tok)
 
 
 def _tokenizer_file(folder: Path) -> str | None:

@@ -1,5 +1,8 @@
 """Mapping between meshlm and the Hugging Face model families its backbones reproduce: names and configs.
 
+Each backbone in meshlm.backbones is its own family: it holds the names, the config translation and the
+checks; this module applies them to state dicts and configs.
+
     family (= backbone)  transformers class   layers             embeddings / final norm / output layer
     neox                 GPTNeoXForCausalLM   gpt_neox.layers.i  gpt_neox.embed_in / gpt_neox.final_layer_norm /
                                                                  embed_out (lm_head in transformers 5 modules)
@@ -19,39 +22,15 @@ Two exceptions, both exact:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from meshlm.backbones import BACKBONES, Backbone
 from meshlm.config import Layout, ModelConfig
 from meshlm.errors import ConfigError
 
-
-@dataclass(frozen=True)
-class Family:
-    name: str  # the meshlm backbone it maps to
-    title: str  # for messages
-    model_type: str  # config.json "model_type"
-    architecture: str  # the transformers class
-    layer_prefix: str
-    top_level: tuple[tuple[str, str], ...]  # (family name, meshlm name); the first of duplicates is written
-
-
-FAMILIES = {
-    "neox": Family("neox", "GPT-NeoX (Pythia)", "gpt_neox", "GPTNeoXForCausalLM", "gpt_neox.layers.", (
-        ("gpt_neox.embed_in.weight", "embed_in.weight"),
-        ("gpt_neox.final_layer_norm.weight", "final_layer_norm.weight"),
-        ("gpt_neox.final_layer_norm.bias", "final_layer_norm.bias"),
-        ("lm_head.weight", "embed_out.weight"),
-        ("embed_out.weight", "embed_out.weight"))),
-    **{name: Family(name, title, name, arch, "model.layers.", (
-        ("model.embed_tokens.weight", "embed_in.weight"),
-        ("model.norm.weight", "final_layer_norm.weight"),
-        ("lm_head.weight", "embed_out.weight")))
-       for name, title, arch in [("llama", "Llama", "LlamaForCausalLM"), ("olmoe", "OLMoE", "OlmoeForCausalLM")]},
-}
-BY_MODEL_TYPE = {f.model_type: f for f in FAMILIES.values()}
+BY_MODEL_TYPE = {b.model_type: b for b in BACKBONES.values()}
 IGNORED = ("attention.bias", "attention.masked_bias", "rotary_emb.inv_freq")  # buffers in old files
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -65,7 +44,7 @@ def unique_layer_names(layout: Layout) -> list[str]:
     return names + [f"coda.{i}" for i in range(layout.coda)]
 
 
-def to_meshlm(state: dict[str, torch.Tensor], layout: Layout, family: Family) -> dict[str, torch.Tensor]:
+def to_meshlm(state: dict[str, torch.Tensor], layout: Layout, family: Backbone) -> dict[str, torch.Tensor]:
     """A family's state dict (module or file names) -> meshlm state dict (layer weights only, no scheme)."""
     layers, top = unique_layer_names(layout), dict(family.top_level)
     out = {}
@@ -82,7 +61,7 @@ def to_meshlm(state: dict[str, torch.Tensor], layout: Layout, family: Family) ->
     return out
 
 
-def from_meshlm(state: dict[str, torch.Tensor], layout: Layout, family: Family) -> dict[str, torch.Tensor]:
+def from_meshlm(state: dict[str, torch.Tensor], layout: Layout, family: Backbone) -> dict[str, torch.Tensor]:
     """meshlm state dict -> the family's state dict (transformers 5 module names, stacked experts)."""
     prefixes = {name + ".": f"{family.layer_prefix}{i}." for i, name in enumerate(unique_layer_names(layout))}
     inverse = {}
@@ -143,79 +122,39 @@ def _rope(raw: dict[str, Any]) -> tuple[str, float]:
     return kind, float(rope.get("rope_theta", raw.get("rope_theta", raw.get("rotary_emb_base", 10000.0))))
 
 
-def model_config(raw: dict[str, Any], family: Family, where: object) -> ModelConfig:
+def model_config(raw: dict[str, Any], family: Backbone, where: object) -> ModelConfig:
     """The vanilla meshlm config of a family's config.json; one ConfigError listing everything unsupported."""
     rope_type, theta = _rope(raw)
-    d, heads, inter = raw.get("hidden_size"), raw.get("num_attention_heads"), raw.get("intermediate_size")
-    act = raw.get("hidden_act", "gelu" if family.name == "neox" else "silu")
-    neox = family.name == "neox"
-    checks = [
-        (act != ("gelu" if neox else "silu"), f"hidden_act={act!r} (meshlm uses {'gelu' if neox else 'silu'})"),
-        (rope_type != "default", f"rope_type={rope_type!r} (only 'default')"),
-        (neox and not raw.get("use_parallel_residual", True), "use_parallel_residual=false"),
-        (neox and raw.get("tie_word_embeddings", False), "tied input/output embeddings"),
-        (neox and not raw.get("attention_bias", True), "attention without bias"),
-        (neox and not (isinstance(d, int) and isinstance(inter, int) and d and inter % d == 0),
-         f"intermediate_size={inter} is not a multiple of hidden_size={d}"),
-        (not neox and raw.get("attention_bias", False), "attention with bias"),
-        (not neox and raw.get("mlp_bias", False), "MLP with bias"),
-        (not neox and raw.get("clip_qkv") is not None, f"clip_qkv={raw.get('clip_qkv')}"),
-        (not neox and raw.get("head_dim") not in (None, d // heads if d and heads else None),
-         f"head_dim={raw.get('head_dim')} (meshlm uses hidden_size / num_attention_heads)"),
-    ]
-    problems = [message for bad, message in checks if bad]
+    act = raw.get("hidden_act", family.hidden_act)
+    problems = [f"hidden_act={act!r} (meshlm uses {family.hidden_act!r})"] if act != family.hidden_act else []
+    problems += [f"rope_type={rope_type!r} (only 'default')"] if rope_type != "default" else []
+    problems += family.hf_problems(raw)
     if problems:
         raise ConfigError(f"{where}: this {family.title} variant is not supported by meshlm: " + "; ".join(problems))
-    common = dict(spec=str(raw["num_hidden_layers"]), d_model=d, n_heads=heads, vocab_size=raw["vocab_size"],
-                  context_length=raw.get("max_position_embeddings", 2048), rotary_base=theta, scheme="vanilla",
-                  scale_embeddings=False, backbone=family.name)
-    if neox:
-        rope = raw.get("rope_parameters") or {}
-        return ModelConfig(**common, rotary_pct=float(raw.get("rotary_pct", rope.get("partial_rotary_factor", 0.25))),
-                           layer_norm_eps=float(raw.get("layer_norm_eps", 1e-5)), mlp_ratio=inter // d)
-    extra = {} if family.name == "llama" else dict(
-        n_experts=raw["num_experts"], top_k=raw["num_experts_per_tok"], qk_norm=True,
-        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
-        aux_loss_weight=float(raw.get("router_aux_loss_coef", 0.01)))
-    return ModelConfig(**common, **extra, n_kv_heads=raw.get("num_key_value_heads") or heads, mlp_hidden=inter,
-                       layer_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-                       tie_embeddings=bool(raw.get("tie_word_embeddings", False)))
+    return ModelConfig(spec=str(raw["num_hidden_layers"]), d_model=raw.get("hidden_size"),
+                       n_heads=raw.get("num_attention_heads"), vocab_size=raw["vocab_size"],
+                       context_length=raw.get("max_position_embeddings", 2048), rotary_base=theta, scheme="vanilla",
+                       scale_embeddings=False, backbone=family.name, **family.config_from_hf(raw))
 
 
-def export_problems(cfg: ModelConfig, family: Family) -> list[str]:
+def export_problems(cfg: ModelConfig, family: Backbone) -> list[str]:
     """Why a meshlm config has no exact counterpart in the family (empty: it converts)."""
     out = []
     if cfg.scheme not in ("vanilla", "base") or cfg.layout.shares_weights:
         out.append(f"only a vanilla model converts to {family.title}; scheme {cfg.scheme!r} with spec "
                    f"{cfg.spec!r} has no {family.title} equivalent (export it with --to hf instead)")
-    if cfg.backbone != family.name:
-        out.append(f"a {cfg.backbone!r}-backbone model converts to {FAMILIES[cfg.backbone].title}, not {family.title}")
-    elif family.name != "neox" and cfg.rotary_fraction != 1.0:
-        out.append(f"{family.title} rotates every head dim; this model has rotary_pct={cfg.rotary_fraction}")
-    elif family.name != "neox" and cfg.uses_qk_norm != (family.name == "olmoe"):
-        out.append(f"{family.title} {'needs' if family.name == 'olmoe' else 'has no'} QK-norm "
-                   f"(this model: qk_norm={cfg.uses_qk_norm})")
-    return out
+    return out + family.export_problems(cfg)
 
 
-def hf_config_kwargs(cfg: ModelConfig, family: Family, tied: bool = False) -> dict[str, Any]:
+def hf_config_kwargs(cfg: ModelConfig, family: Backbone, tied: bool = False) -> dict[str, Any]:
     """Keyword arguments for the family's transformers config describing the same network as a vanilla cfg."""
-    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.layout.unique_depth,
-                  num_attention_heads=cfg.n_heads, intermediate_size=cfg.mlp_width,
-                  max_position_embeddings=cfg.context_length, tie_word_embeddings=tied, attention_dropout=0.0)
-    if family.name == "neox":
-        return dict(common, hidden_act="gelu", rotary_pct=cfg.rotary_fraction, rotary_emb_base=cfg.rotary_base,
-                    layer_norm_eps=cfg.layer_norm_eps, use_parallel_residual=True, attention_bias=True,
-                    hidden_dropout=0.0)
-    llama = dict(common, hidden_act="silu", num_key_value_heads=cfg.kv_heads, rms_norm_eps=cfg.layer_norm_eps,
-                 rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base}, attention_bias=False)
-    if family.name == "llama":
-        return dict(llama, head_dim=cfg.head_dim, mlp_bias=False)
-    return dict(llama, num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, norm_topk_prob=cfg.norm_topk_prob,
-                router_aux_loss_coef=cfg.aux_loss_weight, clip_qkv=None, output_router_logits=False)
+    return dict(vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, num_hidden_layers=cfg.layout.unique_depth,
+                num_attention_heads=cfg.n_heads, intermediate_size=cfg.mlp_width, hidden_act=family.hidden_act,
+                max_position_embeddings=cfg.context_length, tie_word_embeddings=tied, attention_dropout=0.0,
+                **family.hf_config_kwargs(cfg))
 
 
-def hf_config(cfg: ModelConfig, family: Family, tied: bool = False, **extra: Any):
+def hf_config(cfg: ModelConfig, family: Backbone, tied: bool = False, **extra: Any):
     """The transformers config object (GPTNeoXConfig, LlamaConfig or OlmoeConfig)."""
     import transformers
 

@@ -37,8 +37,11 @@ from typing import Any
 
 import torch
 
+from meshlm import checkpoint
+from meshlm.backbones import BACKBONES
 from meshlm.config import Layout, ModelConfig, parse_spec
 from meshlm.errors import ConfigError
+from meshlm.interop.convert import detect_format, read_family, write_checkpoint
 from meshlm.interop.families import unique_layer_names
 from meshlm.model import MeshLM
 from meshlm.model.memory import Router
@@ -153,13 +156,9 @@ def _base_routers(model: MeshLM) -> None:
 
 def retrofit_folder(src: str | Path, out: str | Path, spec: str, **options: Any) -> Path:
     """Retrofit a GPT-NeoX / Llama / OLMoE folder or vanilla meshlm checkpoint and write a meshlm checkpoint."""
-    from meshlm import checkpoint
-    from meshlm.interop.convert import detect_format, read_family, write_checkpoint
-    from meshlm.interop.families import FAMILIES
-
     src = Path(src)
     kind = detect_format(src)
-    if kind in FAMILIES:
+    if kind in BACKBONES:
         source_cfg, source_state = read_family(src)
         tok = src / "tokenizer.json"
     elif kind == "meshlm":

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.model.layers import Layer
 from meshlm.model.lm import MeshLM
@@ -53,7 +54,7 @@ def count(params) -> int:
 
 def active_share(cfg: ModelConfig) -> float:
     """Fraction of each expert tensor one token uses: k/E for MoE, 1 for dense layers."""
-    return cfg.top_k / cfg.n_experts if cfg.backbone == "olmoe" else 1.0
+    return cfg.top_k / cfg.n_experts if BACKBONES[cfg.backbone].moe else 1.0
 
 
 def matmul_weights(layer: Layer, share: float) -> float:
@@ -77,7 +78,7 @@ def account(model: MeshLM, context_length: int | None = None) -> Accounting:
     layer_matmul = round(matmul_weights(layer, share))  # neox: qkv 3d² + dense d² + MLP 2·ratio·d²
     scheme_flops = model.scheme.flops_per_token(d, layout.n_steps)
     forward = layout.unrolled_depth * (2 * layer_matmul + 4 * d * t) + 2 * d * cfg.vocab_size + scheme_flops
-    moe = cfg.backbone == "olmoe"
+    moe = BACKBONES[cfg.backbone].moe
     return Accounting(
         total_params=total,
         embedding_params=embedding,

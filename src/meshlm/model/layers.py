@@ -3,8 +3,8 @@
 Shared: rotary position embeddings (the "rotate half" convention of GPT-NeoX and Llama, on the first
 `rotary_dims` of each head), RMSNorm, the attention kernel `attend` (SDPA with the looped KV cache and
 grouped-query heads), the `Layer` base class every layer kind derives from, and the padding mask.
-The Llama and OLMoE layers live in meshlm.model.llama and meshlm.model.moe; meshlm.model.backbones maps
-`ModelConfig.backbone` to a layer class.
+The Llama and OLMoE layers live in meshlm.model.llama and meshlm.model.moe. Each layer class attaches
+itself to its backbone in the registry (meshlm.backbones) with `@layer_of`.
 
 The GPT-NeoX layer is the *parallel* residual of Pythia:
 
@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.backbones import layer_of
 from meshlm.config import ModelConfig
 from meshlm.model.kv_cache import LayerCache
 
@@ -141,6 +142,7 @@ class NeoXMLP(nn.Module):
         return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x)))  # exact (erf) GELU, as Pythia
 
 
+@layer_of("neox")
 class NeoXLayer(Layer):
     """Pre-LN GPT-NeoX layer with parallel residual: x + Attn(LN1 x) + MLP(LN2 x)."""
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.backbones import layer_of
 from meshlm.config import ModelConfig
 from meshlm.model.kv_cache import LayerCache
 from meshlm.model.layers import Layer, RMSNorm, Rope, apply_rotary, attend
@@ -63,6 +64,7 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+@layer_of("llama")
 class LlamaLayer(Layer):
     """Pre-norm, sequential residual: x + Attn(N1 x), then + FeedForward(N2 ·)."""
 

@@ -10,7 +10,7 @@
 
 Every scheme (vanilla, base, residual, anchors, mixes, MeSH) runs through this same loop; only
 `scheme.begin` and `scheme.update` differ (meshlm.model.schemes, meshlm.model.memory). Vanilla is a spec
-whose cores each run once. Every backbone (GPT-NeoX, Llama, OLMoE MoE: meshlm.model.backbones) runs through
+whose cores each run once. Every backbone (GPT-NeoX, Llama, OLMoE MoE: meshlm.backbones) runs through
 it too; only the layers and the final norm differ. The model knows nothing of training, data, files or devices.
 
 Tied embeddings (`tie_embeddings`): there is no `embed_out`; the output layer is `embed_in.weight` (the
@@ -40,14 +40,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
-from meshlm.model.backbones import Stack, final_norm
 from meshlm.model.init import init_weights
 from meshlm.model.kv_cache import LayerCache, slot_offsets
 from meshlm.model.layers import Rope, RotaryEmbedding, at_least_fp32, attention_mask_from_padding
 from meshlm.model.moe import router_losses
 from meshlm.model.schemes import LoopContext, build_scheme
+from meshlm.model.stack import Stack
 
 
 @dataclass
@@ -98,7 +99,7 @@ class MeshLM(nn.Module):
         self.cores = nn.ModuleList(Stack(cfg, n) for n in layout.cores)
         self.coda = Stack(cfg, layout.coda)
         self.scheme = build_scheme(cfg)
-        self.final_layer_norm = final_norm(cfg)
+        self.final_layer_norm = BACKBONES[cfg.backbone].norm(cfg)  # LayerNorm or RMSNorm, as its layers
         # untied as Pythia and OLMoE; tied: the output layer is embed_in.weight
         self.embed_out = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rotary_dims, cfg.rotary_base)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.backbones import layer_of
 from meshlm.config import ModelConfig
 from meshlm.model.layers import at_least_fp32
 from meshlm.model.llama import LlamaLayer
@@ -100,6 +101,7 @@ class SparseMoE(nn.Module):
         return self.experts(flat, weights, experts).view_as(x)
 
 
+@layer_of("olmoe")
 class OlmoeLayer(LlamaLayer):
     """Llama layer (QK-norm on by default for this backbone) whose MLP is a sparse mixture of experts."""
 

@@ -28,8 +28,9 @@ from typing import Any
 
 import yaml
 
+from meshlm import checkpoint
 from meshlm.config import ModelConfig
-from meshlm.errors import ConfigError
+from meshlm.errors import CheckpointError, ConfigError
 
 DISTRIBUTED = ("ddp", "fsdp")
 DEFAULT_PRESET = "mesh-small"  # what `meshlm train` trains with no arguments
@@ -94,9 +95,6 @@ class TrainConfig:
     def _init_model_config(self, preset: str | None, overrides: dict[str, Any]) -> ModelConfig:
         """The init_from checkpoint's model config with `overrides` on top (e.g. model.aux_loss_weight);
         a preset other than the default cannot apply: the architecture is the checkpoint's."""
-        from meshlm import checkpoint
-        from meshlm.errors import CheckpointError
-
         if preset not in (None, DEFAULT_PRESET):
             raise ConfigError(f"train.init_from takes the architecture from {self.init_from}; drop model.preset="
                               f"{preset} (use `meshlm retrofit` to change a checkpoint's layout)")
@@ -110,8 +108,6 @@ class TrainConfig:
     def tokenizer_source(self) -> str:
         """What to load as the tokenizer: train.tokenizer, or by default the init_from checkpoint's own."""
         if self.init_from and self.tokenizer == "default":
-            from meshlm import checkpoint
-
             return checkpoint.tokenizer_of(self.init_from)
         return self.tokenizer
 

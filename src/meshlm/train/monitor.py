@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 # Dense (no sparsity) bf16 tensor-core peaks, FLOP/s, by a substring of torch.cuda.get_device_name().
 GPU_BF16_PEAKS = {
@@ -112,8 +113,6 @@ class Progress:
     def __init__(self, enabled: bool, verbose: bool, total: int, initial: int, desc: str):
         self.bar, self.verbose = None, verbose
         if enabled:
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
 
     def update(self, loss: float, tokens_per_s: float, mfu: float, lr: float) -> None:

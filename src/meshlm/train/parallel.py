@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from meshlm.errors import ConfigError
@@ -109,14 +111,10 @@ def wrap(model: nn.Module, cfg: TrainConfig, env: Env) -> nn.Module:
     if not env.distributed:
         return model
     if cfg.distributed == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
         for layer in layers(model):
             fully_shard(layer)
         fully_shard(model)  # root: embeddings, scheme, final norm, head
         return model
-    from torch.nn.parallel import DistributedDataParallel
-
     ids = [env.local_rank] if env.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids)
 

@@ -21,10 +21,14 @@ import numpy as np
 import torch
 
 from meshlm import checkpoint
+from meshlm.backbones import BACKBONES
+from meshlm.data.prepare import PreparedData, prepare_default
+from meshlm.data.tokenizer import check_vocab, load_tokenizer, tokenizer_file
 from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError
 from meshlm.model import MeshLM
 from meshlm.model.accounting import describe
 from meshlm.train import parallel
+from meshlm.train.batches import get_batch
 from meshlm.train.config import TrainConfig
 from meshlm.train.monitor import Metrics, Progress, device_peak
 from meshlm.train.optim import build_optimizer, build_scheduler, retarget
@@ -55,8 +59,6 @@ class TrainResult:
 def resolve_data(cfg: TrainConfig, env: parallel.Env, tokenizer: str) -> Path:
     """The prepared-data dir: the embedded corpus (prepared once with `tokenizer`, rank 0 first) or the user's
     folder."""
-    from meshlm.data.prepare import prepare_default
-
     if cfg.data == "default":
         path = prepare_default(tokenizer=tokenizer, progress=env.is_main) if env.is_main else None
         parallel.barrier(env)
@@ -73,9 +75,6 @@ LOSS_PARTS = ("lm_loss", "aux_loss", "z_loss")  # with MoE layers, logged next t
 class Trainer:
     def __init__(self, cfg: TrainConfig, env: parallel.Env, resume: bool = False,
                  log: Callable[[str], None] = print):
-        from meshlm.data.prepare import PreparedData
-        from meshlm.data.tokenizer import check_vocab, load_tokenizer, tokenizer_file
-
         self.cfg, self.env = cfg, env
         self.log = log if env.is_main else (lambda message: None)
         self.model_cfg = cfg.model_config()
@@ -179,8 +178,6 @@ class Trainer:
     # -- one optimizer step ---------------------------------------------------------------------------------
     def train_step(self, step: int) -> tuple[float, float, bool]:
         """Forward/backward over this rank's micro-batches, then clip and step. Returns (loss, grad norm, ok)."""
-        from meshlm.data.prepare import get_batch
-
         cfg, env = self.cfg, self.env
         batches = get_batch(self.train_data, step, cfg.global_batch, self.seq_len, cfg.seed,
                             env.rank, env.world, micro_batches=self.accum)
@@ -198,7 +195,7 @@ class Trainer:
                     parts[name] += getattr(out, name).detach().float()
         loss = parallel.all_mean(total / len(batches), env)
         self.loss_parts = {name: parallel.all_mean(value / len(batches), env).item()
-                           for name, value in parts.items()} if self.model_cfg.backbone == "olmoe" else {}
+                           for name, value in parts.items()} if BACKBONES[self.model_cfg.backbone].moe else {}
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or math.inf)
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
             norm = norm.full_tensor()

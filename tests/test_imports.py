@@ -1,0 +1,118 @@
+"""The package's import structure: no cycle among meshlm modules, dependencies visible at the top of each module,
+and a model that imports nothing of training, data or files."""
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import meshlm
+
+PACKAGE = Path(meshlm.__file__).resolve().parent
+# The only imports that may stay inside functions outside meshlm/commands (whose modules the CLI loads lazily
+# to keep `meshlm --help` fast): heavy dependencies that most commands never touch. meshlm.hf and
+# meshlm.evaluation.harness are the transformers and lm-eval integrations: importing them imports those.
+LAZY_ALLOWED = ("transformers", "lm_eval", "matplotlib", "datasets", "pyarrow", "torch.utils.tensorboard",
+                "meshlm.hf", "meshlm.evaluation.harness")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def _type_checking_only(tree: ast.AST) -> set[int]:
+    """ids of import nodes under `if TYPE_CHECKING:` (never executed, so no dependency)."""
+    ids = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
+            ids |= {id(n) for n in ast.walk(node)}
+    return ids
+
+
+def imports(name: str) -> list[tuple[ast.AST, list[str], bool]]:
+    """(node, imported modules, inside a function) for every executed import in module `name`."""
+    tree = ast.parse(MODULES[name].read_text())
+    skip, out = _type_checking_only(tree), []
+    in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                   for n in ast.walk(f)}
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            # `from pkg import sub` imports the module pkg.sub where there is one, else names from pkg
+            targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+                       for a in node.names]
+        else:
+            continue
+        out.append((node, targets, id(node) in in_function))
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    """module -> the meshlm modules it imports (at any level)."""
+    return {name: {t for _, targets, _ in imports(name) for t in targets if t in MODULES and t != name}
+            for name in MODULES}
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(edges):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_meshlm_modules_import_each_other_without_a_cycle():
+    edges = graph()
+    assert sum(map(len, edges.values())) > 100  # the graph is really built
+    assert "meshlm.config" in edges["meshlm.model.lm"] and "meshlm.backbones" in edges["meshlm.config"]
+    cycle = find_cycle(edges)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def lazy_allowed(module: str) -> bool:
+    return any(module == heavy or module.startswith(heavy + ".") for heavy in LAZY_ALLOWED)
+
+
+def test_imports_are_at_module_top_level_outside_commands():
+    late = [f"{name}:{node.lineno} imports {', '.join(targets)}"
+            for name in MODULES if not name.startswith("meshlm.commands.")
+            for node, targets, in_function in imports(name)
+            if in_function and not all(map(lazy_allowed, targets))]
+    assert late == []
+
+
+def test_the_model_imports_nothing_of_training_data_or_files():
+    code = "import sys, json, meshlm.model; print(json.dumps(sorted(sys.modules)))"
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                       check=True).stdout)
+    ours = [m for m in loaded if m.startswith("meshlm")]
+    allowed = {"meshlm", "meshlm.errors", "meshlm.backbones", "meshlm.config"}
+    assert "meshlm.model.lm" in ours
+    assert [m for m in ours if m not in allowed and not m.startswith("meshlm.model")] == []
+    assert not any(m.split(".")[0] in ("transformers", "datasets", "safetensors", "tokenizers") for m in loaded)
