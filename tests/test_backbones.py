@@ -141,6 +141,21 @@ def test_every_backbone_has_its_own_layer_class_and_norm():
         assert type(model.final_layer_norm) is type(layers[0].input_layernorm)
 
 
+def test_no_module_outside_the_registry_branches_on_a_backbone_name():
+    import ast
+    from pathlib import Path
+
+    import meshlm
+
+    package = Path(meshlm.__file__).parent
+    branches = [f"{path.relative_to(package)}:{node.lineno}" for path in package.rglob("*.py")
+                if path.name != "backbones.py" or path.parent != package
+                for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Compare)
+                for side in [node.left, *node.comparators]
+                if isinstance(side, ast.Constant) and side.value in BACKBONES]
+    assert branches == []
+
+
 def test_the_registry_drives_what_names_backbones():
     from meshlm.cli import build_parser
     from meshlm.hf.modeling import MeshForCausalLM

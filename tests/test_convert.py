@@ -11,7 +11,7 @@ from meshlm.checkpoint import load_model
 from meshlm.cli import main
 from meshlm.config import ModelConfig
 from meshlm.errors import CheckpointError, ConfigError
-from meshlm.interop.convert import convert, read_neox, write_checkpoint
+from meshlm.interop.convert import convert, read_family, write_checkpoint
 from meshlm.interop.families import hf_config_kwargs
 from meshlm.interop.retrofit import plan, retrofit
 from meshlm.model import MeshLM
@@ -86,13 +86,13 @@ def test_retrofit_plan_blocks():
 
 def test_retrofit_with_one_pass_reproduces_the_source(pythia):
     folder, _, x, expected = pythia
-    cfg, state = read_neox(folder)
+    cfg, state = read_family(folder)
     model, _ = retrofit(cfg, state, "1+2R1+1", scheme="base", core_init="block")
     assert (logits_of(model, x) - expected).abs().max() <= 1e-5
 
 
 def test_retrofit_core_inits(pythia):
-    cfg, state = read_neox(pythia[0])
+    cfg, state = read_family(pythia[0])
     key = "attention.query_key_value.weight"
     block, _ = retrofit(cfg, state, "1+1R2+1", scheme="base", core_init="block", block_index=-1)
     assert torch.equal(block.state_dict()[f"cores.0.0.{key}"], state[f"cores.0.2.{key}"])
@@ -103,7 +103,7 @@ def test_retrofit_core_inits(pythia):
 
 
 def test_retrofit_mesh_router_start_base_routes_each_step_to_its_own_slot(pythia):
-    cfg, state = read_neox(pythia[0])
+    cfg, state = read_family(pythia[0])
     model, _ = retrofit(cfg, state, "1+1R2+1", scheme="mesh", router_start="base")
     with torch.no_grad():
         routing = model(pythia[2], return_states=True).stages.routing
@@ -143,7 +143,7 @@ def test_bad_inputs_are_clear_errors(pythia, tmp_path):
     (truncated / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match="truncated or corrupt"):
         convert(truncated, tmp_path / "o4")
-    cfg, state = read_neox(folder)
+    cfg, state = read_family(folder)
     with pytest.raises(ConfigError, match="does not fit the 4-layer source"):
         retrofit(cfg, state, "2+2R2+2")
     mesh = build(tiny())
@@ -170,9 +170,9 @@ def test_unsupported_gpt_neox_variant_is_named(pythia, tmp_path):
     raw.update(hidden_act="gelu_fast", use_parallel_residual=False)
     (folder / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="hidden_act='gelu_fast'.*use_parallel_residual=false"):
-        read_neox(folder)
+        read_family(folder)
 
 
 def test_meshlm_state_names_survive(pythia):
-    cfg, state = read_neox(pythia[0])
+    cfg, state = read_family(pythia[0])
     MeshLM(cfg).load_state_dict(state, strict=True)

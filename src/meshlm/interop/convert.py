@@ -107,13 +107,6 @@ def read_family(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor
     return cfg, state
 
 
-def read_neox(folder: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """read_family for a GPT-NeoX folder only."""
-    if detect_format(folder) != "neox":
-        raise CheckpointError(f"{folder} is not a GPT-NeoX checkpoint (config.json model_type must be 'gpt_neox')")
-    return read_family(folder)
-
-
 def _check_complete(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: Path) -> None:
     with torch.device("meta"):
         expected = MeshLM(cfg).state_dict()
