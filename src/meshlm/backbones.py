@@ -113,8 +113,11 @@ def _those_with(flag: str) -> str:
 class NeoXBackbone(Backbone):
     """GPT-NeoX (Pythia): LayerNorm, parallel residual, GELU MLP, biases, rotary on 25% of each head."""
 
-    name, title, rotary_fraction, grouped_query, qk_norm_possible = "neox", "GPT-NeoX (Pythia)", 0.25, False, False
-    model_type, architecture, hidden_act, layer_prefix = "gpt_neox", "GPTNeoXForCausalLM", "gelu", "gpt_neox.layers."
+    name, title = "neox", "GPT-NeoX (Pythia)"
+    rotary_fraction = 0.25  # Pythia's rotary_pct
+    grouped_query = qk_norm_possible = False
+    model_type, architecture = "gpt_neox", "GPTNeoXForCausalLM"
+    hidden_act, layer_prefix = "gelu", "gpt_neox.layers."
     top_level = (("gpt_neox.embed_in.weight", "embed_in.weight"),
                  ("gpt_neox.final_layer_norm.weight", "final_layer_norm.weight"),
                  ("gpt_neox.final_layer_norm.bias", "final_layer_norm.bias"),
@@ -150,7 +153,8 @@ class NeoXBackbone(Backbone):
 class LlamaBackbone(Backbone):
     """Llama: RMSNorm, sequential residual, SwiGLU, no biases, rotary on every head dim, grouped-query attention."""
 
-    name, title, model_type, architecture = "llama", "Llama", "llama", "LlamaForCausalLM"
+    name, title = "llama", "Llama"
+    model_type, architecture = "llama", "LlamaForCausalLM"
     hidden_act, layer_prefix = "silu", "model.layers."
     top_level = (("model.embed_tokens.weight", "embed_in.weight"),
                  ("model.norm.weight", "final_layer_norm.weight"),
@@ -193,7 +197,9 @@ class LlamaBackbone(Backbone):
 class OlmoeBackbone(LlamaBackbone):
     """OLMoE: Llama attention with QK-norm, and a top-k routed mixture of SwiGLU experts."""
 
-    name, title, model_type, architecture, moe, qk_norm = "olmoe", "OLMoE", "olmoe", "OlmoeForCausalLM", True, True
+    name, title = "olmoe", "OLMoE"
+    model_type, architecture = "olmoe", "OlmoeForCausalLM"
+    moe = qk_norm = True
 
     def mlp_width(self, cfg):
         return max(1, cfg.mlp_ratio * cfg.d_model // 8)  # = d/2 at ratio 4, OLMoE-1B-7B's expert width
