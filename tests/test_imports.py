@@ -1,5 +1,5 @@
 """The package's import structure: no cycle among meshlm modules, dependencies visible at the top of each module,
-and a model that imports nothing of training, data or files."""
+a model that imports nothing of training, data or files, and a config that validates without torch."""
 import ast
 import json
 import subprocess
@@ -116,3 +116,12 @@ def test_the_model_imports_nothing_of_training_data_or_files():
     assert "meshlm.model.lm" in ours
     assert [m for m in ours if m not in allowed and not m.startswith("meshlm.model")] == []
     assert not any(m.split(".")[0] in ("transformers", "datasets", "safetensors", "tokenizers") for m in loaded)
+
+
+def test_the_config_and_both_registries_need_no_torch():
+    code = ("import sys, json, meshlm.config; "
+            "meshlm.config.ModelConfig(backbone='olmoe', scheme='mesh', scheme_options={'slots': 6}); "
+            "print(json.dumps(sorted(sys.modules)))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert "torch" not in loaded and not any(m.startswith("meshlm.model") for m in loaded)
