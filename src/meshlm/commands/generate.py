@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from meshlm.runtime.options import add_dtype_argument
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="meshlm checkpoint/run dir, or a Hugging Face folder saved by meshlm")
@@ -21,16 +23,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loops", type=int, default=None, help="run the core this many times (single-core specs)")
     p.add_argument("--tokenizer", default=None, help="override the checkpoint's tokenizer")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    add_dtype_argument(p)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (slow)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past <|endoftext|>")
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm.generate import Sampling, generate, load_for_generation, stream
+    from meshlm.generate import Sampling, load_for_generation
+    from meshlm.runtime import precision
 
     s = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, stop_at_eos=not args.ignore_eos)
     model, tok = load_for_generation(args.checkpoint, args.tokenizer, args.device)
+    device, chosen = precision.for_model(args.dtype, model)
+    print(f"generating in {chosen.describe()}", file=sys.stderr, flush=True)  # stdout holds only the text
+    with precision.autocast(device, chosen):
+        return _generate(args, model, tok, s)
+
+
+def _generate(args: argparse.Namespace, model, tok, s) -> int:
+    from meshlm.generate import generate, stream
+
     prompts = [tok.encode(text) for text in args.prompts]
     common = dict(eos_id=tok.eos_id, pad_id=tok.pad_id, cache=not args.no_cache, loops=args.loops)
     if len(prompts) > 1:

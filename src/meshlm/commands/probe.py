@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 from meshlm.errors import ConfigError
+from meshlm.runtime.options import add_dtype_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,6 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", default="val", help="split of the prepared data (default val)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    add_dtype_argument(p)
     p.add_argument("--out", help="output folder (default: <run>/probe)")
     p.add_argument("--save-states", action="store_true",
                    help="also write every sample's stage matrices to states.safetensors (N, stages, T, d)")
@@ -45,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from meshlm.analysis.probes import probe
     from meshlm.evaluation.loaded import open_checkpoint
     from meshlm.evaluation.run import write_json
+    from meshlm.runtime import precision
 
     if args.samples < 1 or args.batch_size < 1 or (args.tokens is not None and args.tokens < 2):
         raise ConfigError("--samples and --batch-size must be >= 1 and --tokens >= 2")
@@ -57,9 +60,12 @@ def run(args: argparse.Namespace) -> int:
     if len(samples) < args.samples:
         print(f"note: the {args.split} split holds only {len(samples)} windows of {tokens} tokens; probing those")
     states = [] if args.save_states else None
-    result = probe(loaded.model, samples, args.batch_size, states)
+    device, chosen = precision.for_model(args.dtype, loaded.model)
+    print(f"probing {loaded.path} in {chosen.describe()}", flush=True)
+    with precision.autocast(device, chosen):
+        result = probe(loaded.model, samples, args.batch_size, states)
     result = {"checkpoint": str(loaded.path), "step": loaded.meta.get("step"), "label": loaded.run_dir.name,
-              "model": loaded.model.config.to_dict(), **result}
+              "model": loaded.model.config.to_dict(), "dtype": chosen.name, **result}
     out = Path(args.out) if args.out else loaded.run_dir / "probe"
     write_json(result, out / "probe.json")
     paths = plots.save(plots.probe_figures([(result["label"], result)]), out)

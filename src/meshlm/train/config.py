@@ -35,6 +35,7 @@ from meshlm.errors import CheckpointError, ConfigError
 DISTRIBUTED = ("ddp", "fsdp")
 DEFAULT_PRESET = "mesh-small"  # what `meshlm train` trains with no arguments
 DTYPES = ("auto", "fp32", "bf16")
+COMPILE = ("auto", "true", "false")
 
 
 @dataclass
@@ -74,12 +75,15 @@ class TrainConfig:
     max_nonfinite: int = 5  # abort after this many non-finite steps in a row
     # -- how to run ---------------------------------------------------------------------------------------
     device: str = "auto"  # "auto" (cuda if available, else cpu), "cpu", "cuda"
-    dtype: str = "auto"  # "auto": fp32 on CPU, bf16 autocast on CUDA; or "fp32" / "bf16"
-    compile: bool = False  # torch.compile each layer (slow first step: ~45 s per graph on CPU)
+    dtype: str = "auto"  # "auto": bf16 autocast where the CPU/GPU has native bf16, else fp32 (meshlm.runtime.precision)
+    compile: str = "auto"  # torch.compile each layer: "true", "false", or "auto": only where it pays
+    # (meshlm.runtime.compile: on GPUs for long runs, never on CPU)
     activation_checkpointing: bool = False  # recompute each layer's activations in backward
     distributed: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard per layer)
 
     def __post_init__(self) -> None:
+        if isinstance(self.compile, bool) or str(self.compile).lower() in ("true", "false"):  # YAML booleans
+            self.compile = str(self.compile).lower()
         self.validate()
 
     # -- derived ------------------------------------------------------------------------------------------
@@ -152,6 +156,7 @@ class TrainConfig:
         need(self.peak_flops >= 0, f"peak_flops={self.peak_flops} must be >= 0 (0 = measure)")
         need(self.device in ("auto", "cpu", "cuda"), f"device={self.device!r} must be auto, cpu or cuda")
         need(self.dtype in DTYPES, f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
+        need(self.compile in COMPILE, f"compile={self.compile!r} must be one of {', '.join(COMPILE)}")
         need(self.distributed in DISTRIBUTED, f"distributed={self.distributed!r} must be ddp or fsdp")
         need(self.global_batch % self.micro_batch == 0 if self.micro_batch >= 1 else True,
              f"global_batch={self.global_batch} must be a multiple of micro_batch={self.micro_batch}")

@@ -34,6 +34,8 @@ from torch.utils.checkpoint import checkpoint
 
 from meshlm.errors import ConfigError
 from meshlm.model.layers import Layer
+from meshlm.runtime import compile as compile_policy
+from meshlm.runtime import precision
 from meshlm.train.config import TrainConfig
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets every tensor, on CPU
@@ -45,7 +47,12 @@ class Env:
     world: int
     local_rank: int
     device: torch.device
-    autocast_dtype: torch.dtype | None  # None = plain fp32
+    precision: precision.Precision  # bf16 autocast or plain fp32, and why
+    compile: compile_policy.Compile  # torch.compile each layer or not, and why
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:  # None = plain fp32
+        return self.precision.dtype
 
     @property
     def is_main(self) -> bool:
@@ -70,8 +77,9 @@ def setup(cfg: TrainConfig) -> Env:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if want_cuda else "gloo", timeout=datetime.timedelta(minutes=30))
-    dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if want_cuda else "fp32")
-    return Env(rank, world, local_rank, device, torch.bfloat16 if dtype == "bf16" else None)
+    chosen = precision.choose(cfg.dtype, device)
+    compiling = compile_policy.choose(cfg.compile, device, cfg.total_steps())
+    return Env(rank, world, local_rank, device, chosen, compiling)
 
 
 def teardown() -> None:
@@ -81,9 +89,7 @@ def teardown() -> None:
 
 def autocast(env: Env):
     """bf16 autocast (weights and optimizer stay fp32), or nothing for fp32."""
-    if env.autocast_dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(env.device.type, dtype=env.autocast_dtype)
+    return precision.autocast(env.device, env.precision)
 
 
 def layers(model: nn.Module) -> list[Layer]:
@@ -101,13 +107,19 @@ def checkpoint_layers(model: nn.Module) -> None:
         layer.forward = forward
 
 
+def compile_layers(model: nn.Module) -> None:
+    """torch.compile every layer in place (`Module.compile`): names and weights unchanged, and a shared core
+    layer compiles once for all its K uses."""
+    for layer in layers(model):
+        layer.compile()
+
+
 def wrap(model: nn.Module, cfg: TrainConfig, env: Env) -> nn.Module:
     """Returns the module to call for training; `model` itself stays the handle for state dicts."""
     if cfg.activation_checkpointing:
         checkpoint_layers(model)
-    if cfg.compile:
-        for layer in layers(model):
-            layer.compile()  # in place: a shared core layer compiles once for all its K uses
+    if env.compile.enabled:
+        compile_layers(model)
     if not env.distributed:
         return model
     if cfg.distributed == "fsdp":

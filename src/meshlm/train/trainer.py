@@ -27,10 +27,12 @@ from meshlm.data.tokenizer import check_vocab, load_tokenizer, tokenizer_file
 from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError
 from meshlm.model import MeshLM
 from meshlm.model.accounting import describe
+from meshlm.runtime import allocator
+from meshlm.runtime.peaks import device_peak
 from meshlm.train import parallel
 from meshlm.train.batches import get_batch
 from meshlm.train.config import TrainConfig
-from meshlm.train.monitor import Metrics, Progress, device_peak
+from meshlm.train.monitor import Metrics, Progress
 from meshlm.train.optim import build_optimizer, build_scheduler, retarget
 
 
@@ -291,11 +293,18 @@ class Trainer:
         return tokens_per_s * self.flops_per_token / (self.peak * self.env.world)
 
     def _announce(self) -> None:
+        """The run's first line and first metrics record: what runs, in which precision, compiled or not, and
+        the peak MFU divides by (each with the reason it was chosen)."""
         m, cfg, env = self.model_cfg, self.cfg, self.env
-        precision = "bf16 autocast" if env.autocast_dtype else "fp32"
         self.log(f"training {self.run_dir.name}: {m.spec} {m.scheme} d={m.d_model}, {self.total_steps} steps x "
-                 f"{cfg.global_batch} x {self.seq_len} tokens, world {env.world}, {env.device.type} {precision}; "
+                 f"{cfg.global_batch} x {self.seq_len} tokens, world {env.world}, {env.device.type} "
+                 f"{env.precision.describe()}, {env.compile.describe()}; "
                  f"MFU peak {self.peak / 1e9:,.0f} GFLOP/s per device ({self.peak_source})")
+        self.metrics.log({"kind": "run", "step": self.step, "device": env.device.type, "world": env.world,
+                          "threads": torch.get_num_threads(), "dtype": env.precision.name,
+                          "dtype_reason": env.precision.reason, "compile": env.compile.enabled,
+                          "compile_reason": env.compile.reason, "peak_flops": self.peak,
+                          "peak_source": self.peak_source, "malloc": allocator.tune()})
 
     def _record(self, ok: bool, loss: float, norm: float, lr: float, rate: float, elapsed: float,
                 bar: Progress) -> None:
@@ -334,7 +343,9 @@ class Trainer:
 
 
 def train(cfg: TrainConfig, resume: bool = False, log: Callable[[str], None] = print) -> TrainResult:
-    """Set up devices (and the process group under torchrun), train, tear down."""
+    """Tune malloc (if `meshlm train` has not yet), set up devices (and the process group under torchrun),
+    train, tear down."""
+    allocator.tune()
     env = parallel.setup(cfg)
     try:
         return Trainer(cfg, env, resume=resume, log=log).run()

@@ -1,0 +1,74 @@
+"""A small per-machine cache of measured facts (matmul peaks, the bf16 probe): <cache>/machine.json, where
+<cache> is $MESHLM_CACHE or ~/.cache/meshlm. Each entry is keyed by what it depends on (CPU or GPU model,
+torch version, threads) and records its value, the date it was measured and how.
+
+Delete the file (or one entry) to measure again, e.g. after a run on a busy machine measured a low peak.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import tempfile
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from meshlm.data.cache_dir import cache_dir
+
+FILE = "machine.json"
+
+
+@lru_cache(maxsize=1)
+def cpu_info() -> dict[str, Any]:
+    """{"model": CPU model name, "flags": set of /proc/cpuinfo flags} (empty flags off Linux)."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key == "model name" and value.strip():
+                    model = value.strip()
+                elif key in ("flags", "Features"):  # x86, arm64
+                    flags = set(value.split())
+                if key == "" and flags:  # the first processor's block is enough
+                    break
+    except OSError:
+        pass
+    return {"model": model, "flags": frozenset(flags)}
+
+
+def path() -> Path:
+    return cache_dir() / FILE
+
+
+def read() -> dict[str, dict[str, Any]]:
+    try:
+        data = json.loads(path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def lookup(key: str, measure: Callable[[], Any], method: str) -> dict[str, Any]:
+    """The cached entry for `key`, or measure it now (`measure()` -> JSON value) and cache it with today's
+    date and `method`. A cache that cannot be written (read-only home) only costs a re-measurement."""
+    entry = read().get(key)
+    if isinstance(entry, dict) and "value" in entry:
+        return entry
+    entry = {"value": measure(), "date": datetime.date.today().isoformat(), "method": method}
+    data = read()
+    data[key] = entry
+    try:
+        target = path()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".machine.", dir=target.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, target)  # atomic: ranks measuring at once each leave a whole file
+    except OSError:
+        pass
+    return entry

@@ -1,0 +1,98 @@
+"""Which precision a command computes in. `auto` picks bf16 autocast (weights and optimizer stay fp32) where
+the hardware multiplies bf16 natively, and plain fp32 everywhere else:
+
+  CUDA  bf16 when torch.cuda.is_bf16_supported() (Ampere and later), else fp32.
+  CPU   bf16 only with native bf16 matrix instructions: /proc/cpuinfo lists amx_bf16 or avx512_bf16 (x86)
+        or bf16 (arm64), AND a short timed probe confirms it: a 512³ bf16 matmul must run at least
+        BF16_MIN_SPEEDUP× as fast as fp32. Without the flags PyTorch emulates bf16 (about 70× slower than
+        fp32 on an AVX2-only AMD EPYC), so no probe is run. The probe's result is cached per machine
+        (meshlm.runtime.machine) with its date and figures; a flag without the speed (a hypervisor hiding
+        the units, a build without the kernels) falls back to fp32.
+
+`fp32` and `bf16` are always honoured as given.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+from meshlm.runtime import machine
+from meshlm.runtime.options import DTYPE_CHOICES as CHOICES
+
+BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
+BF16_MIN_SPEEDUP = 1.3  # bf16 GEMM over fp32 GEMM throughput below which autocast's casts eat the gain
+PROBE_N = 512
+
+
+@dataclass(frozen=True)
+class Precision:
+    dtype: torch.dtype | None  # the autocast dtype; None = plain fp32
+    reason: str  # why, in words (printed on a run's first line)
+
+    @property
+    def name(self) -> str:
+        return "bf16" if self.dtype == torch.bfloat16 else "fp32"
+
+    def describe(self) -> str:
+        return f"{'bf16 autocast' if self.dtype else 'fp32'} ({self.reason})"
+
+
+def choose(requested: str, device: torch.device) -> Precision:
+    """The precision for `requested` (auto / fp32 / bf16) on `device`."""
+    if requested not in CHOICES:
+        raise ValueError(f"precision {requested!r} must be one of {', '.join(CHOICES)}")
+    if requested != "auto":
+        return Precision(torch.bfloat16 if requested == "bf16" else None, "as requested")
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return Precision(torch.bfloat16, "auto: the GPU has bf16 tensor cores")
+        return Precision(None, "auto: this GPU has no native bf16")
+    flags = [f for f in BF16_CPU_FLAGS if f in machine.cpu_info()["flags"]]
+    if not flags:
+        return Precision(None, "auto: this CPU has no native bf16 (no amx_bf16/avx512_bf16), bf16 would be emulated")
+    probe = cpu_bf16_probe()
+    speedup = probe["bf16_gflops"] / max(probe["fp32_gflops"], 1e-9)
+    measured = f"bf16 matmul {speedup:.1f}x fp32, probe of {probe['date']}"
+    if speedup >= BF16_MIN_SPEEDUP:
+        return Precision(torch.bfloat16, f"auto: native bf16 ({', '.join(flags)}; {measured})")
+    return Precision(None, f"auto: {', '.join(flags)} listed but {measured} < {BF16_MIN_SPEEDUP}x")
+
+
+def cpu_bf16_probe() -> dict:
+    """{"bf16_gflops", "fp32_gflops", "date"}: best of a few PROBE_N³ matmuls each, cached per machine."""
+    info, threads = machine.cpu_info(), torch.get_num_threads()
+    key = f"bf16-probe|{info['model']}|torch {torch.__version__}|threads {threads}"
+    method = f"best of 5 {PROBE_N}^3 matmuls per dtype, {threads} threads"
+    entry = machine.lookup(key, _probe, method)
+    return {**entry["value"], "date": entry["date"]}
+
+
+def _probe() -> dict:
+    return {"bf16_gflops": _gemm_gflops(torch.bfloat16), "fp32_gflops": _gemm_gflops(torch.float32)}
+
+
+def _gemm_gflops(dtype: torch.dtype, reps: int = 5) -> float:
+    a, b = torch.randn(PROBE_N, PROBE_N, dtype=dtype), torch.randn(PROBE_N, PROBE_N, dtype=dtype)
+    a @ b  # warm-up: oneDNN picks and caches its kernel
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * PROBE_N**3 / best / 1e9
+
+
+def autocast(device: torch.device, precision: Precision):
+    """bf16 autocast on `device`, or nothing for fp32."""
+    if precision.dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=precision.dtype)
+
+
+def for_model(requested: str, model: torch.nn.Module) -> tuple[torch.device, Precision]:
+    """(the model's device, the precision `requested` resolves to there)."""
+    device = next(model.parameters()).device
+    return device, choose(requested, device)
