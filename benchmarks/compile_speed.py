@@ -38,8 +38,9 @@ def first_step_seconds(step, clock) -> float:
 
 
 def main() -> None:
-    from meshlm.data.prepare import PreparedData, get_batch, prepare_default
+    from meshlm.data.prepare import PreparedData, prepare_default
     from meshlm.model import MeshLM
+    from meshlm.train.batches import get_batch
     from meshlm.train.config import load_config
     from meshlm.train.parallel import compile_layers
 

@@ -9,7 +9,7 @@ all-reduce). Prints and writes (to --out/gpu_check.json) tokens/s, MFU and the l
 Needs torch, numpy, tokenizers, safetensors, pyyaml and tqdm (not transformers, lm-eval or datasets, and not
 an installed meshlm: `PYTHONPATH=src` is enough); no network. The first `--warmup` steps (compile happens
 there) are timed separately; tokens/s and MFU come from the `--steps` steps after them. MFU divides by the
-bf16 peak of this GPU measured by a large matmul (meshlm.train.monitor.measure_matmul_peak), and also by
+bf16 peak of this GPU measured by a large matmul (meshlm.runtime.peaks.measure_matmul_peak), and also by
 the datasheet peak when the chip is known.
 """
 from __future__ import annotations
@@ -30,9 +30,9 @@ SRC = Path(__file__).resolve().parent.parent / "src"
 if str(SRC) not in sys.path:  # runs from a checkout without an installed meshlm
     sys.path.insert(0, str(SRC))
 
+from meshlm.runtime.peaks import GPU_BF16_PEAKS, measure_matmul_peak  # noqa: E402
 from meshlm.train import parallel  # noqa: E402
 from meshlm.train.config import TrainConfig  # noqa: E402
-from meshlm.train.monitor import GPU_BF16_PEAKS, measure_matmul_peak  # noqa: E402
 from meshlm.train.trainer import Trainer  # noqa: E402
 
 PRESET = "pythia-160m-2+4R2+2"  # d 768, 12 heads, 2 prelude + 4-layer core × 2 + 2 coda, MeSH

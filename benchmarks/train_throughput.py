@@ -62,9 +62,9 @@ def make_step(name, model, batches, clock):
 def main() -> None:
     from meshlm.data.prepare import PreparedData, prepare_default
     from meshlm.model.accounting import describe
+    from meshlm.runtime.peaks import measure_matmul_peak
     from meshlm.train.batches import get_batch
     from meshlm.train.config import load_config
-    from meshlm.train.monitor import measure_matmul_peak
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("overrides", nargs="*", help="train config overrides, as for `meshlm train`")
