@@ -51,7 +51,8 @@ def test_unknown_scheme_lists_the_valid_ones():
 
 
 def test_unknown_scheme_option_is_rejected():
-    with pytest.raises(ConfigError, match=r"\['buffer'\] are not options of scheme 'mesh' \(valid: \['slots'\]\)"):
+    message = r"\['buffer'\] are not options of scheme 'mesh' \(valid: \['routing', 'slots'\]\)"
+    with pytest.raises(ConfigError, match=message):
         ModelConfig(scheme="mesh", scheme_options={"buffer": 4})
     with pytest.raises(ConfigError, match="not options of scheme 'anchor'"):
         ModelConfig(scheme="anchor", scheme_options={"slots": 4})

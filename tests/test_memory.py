@@ -59,7 +59,7 @@ def test_mesh_equals_the_transcribed_equations(spec, slots):
         torch.testing.assert_close(model(x).logits, transcribed_mesh_logits(model, x), rtol=0, atol=1e-5)
 
 
-def test_slot_count_defaults_to_k_plus_3_and_router_count_to_k_plus_1():
+def test_slot_count_defaults_to_k_plus_3_and_router_count_to_cap_plus_1():
     for spec, k in [("1+1R2+1", 2), ("1+1R3+1", 3), ("1+1+1+1+1", 3)]:
         model = build(tiny(spec=spec))
         assert model.scheme.slots == k + 3
@@ -148,3 +148,47 @@ def test_buffer_view_equals_explicit_slot_arithmetic():
     torch.testing.assert_close(scheme.buffer(ctx), torch.stack(explicit, -2), rtol=0, atol=1e-5)
     r_last = ctx.routing[-1][1]
     torch.testing.assert_close(h, sum(r_last[..., b:b + 1] * m for b, m in enumerate(explicit)), rtol=0, atol=1e-5)
+
+
+# -- elastic depth: router pairs up to the cap, uniform-routing ablation ---------------------------------------
+def test_router_pairs_follow_max_loops_and_fewer_loops_read_through_pair_k():
+    model = build(tiny(spec="1+1R2+1", max_loops=6))
+    assert len(model.scheme.routers) == 7 and model.scheme.slots == 5  # cap + 1 pairs; slots stay K + 3
+    randomise_routers(model)
+    x = torch.randint(0, 97, (1, 6))
+    for loops in (1, 3, 6, 9):
+        out = model(x, loops=loops, return_states=True)
+        assert len(out.stages.routing) == loops + 1
+        for step, ((w, r), h) in enumerate(zip(out.stages.routing[1:], out.stages.states[:-1])):
+            pair = model.scheme.routers[min(step + 1, 6)]  # step t uses pair t+1; beyond the cap the last
+            torch.testing.assert_close((w, r), pair(h))
+
+
+def test_max_loops_at_k_is_todays_model_bit_for_bit():
+    a, b = build(tiny(spec="1+1R2+1")), build(tiny(spec="1+1R2+1", max_loops=2))
+    assert a.state_dict().keys() == b.state_dict().keys()
+    x = torch.randint(0, 97, (2, 7))
+    assert torch.equal(a(x).logits, b(x).logits)
+
+
+def test_uniform_routing_has_no_router_parameters_and_routes_evenly():
+    model = build(tiny(spec="1+1R2+1", scheme_options={"routing": "uniform"}, max_loops=4))
+    assert sum(p.numel() for p in model.scheme.parameters()) == 0
+    out = model(torch.randint(0, 97, (2, 5)), loops=4, return_states=True)
+    for w, r in out.stages.routing:
+        assert torch.equal(w, torch.full_like(w, 1 / model.scheme.slots)) and torch.equal(r, w)
+    # uniform write and read: every slot gets v/B, so a read is (e + Σ written values) / B
+    st = out.stages
+    expected = (st.embeddings + st.prelude + sum(st.core_outputs)) / model.scheme.slots
+    torch.testing.assert_close(st.states[-1], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_routing_and_max_loops_are_one_line_errors():
+    from meshlm.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="routing='frozen' must be one of: learned, uniform"):
+        tiny(scheme_options={"routing": "frozen"})
+    with pytest.raises(ConfigError, match="max_loops=1 must be an integer >= the spec's 2"):
+        tiny(spec="1+1R2+1", max_loops=1)
+    with pytest.raises(ConfigError, match="max_loops=4 needs a single-core spec"):
+        tiny(spec="1+1+1+1", max_loops=4)

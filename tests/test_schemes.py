@@ -216,3 +216,14 @@ def test_model_module_never_touches_files_or_logging():
         text = path.read_text()
         for forbidden in ["import logging", "open(", "torch.distributed", "print("]:
             assert forbidden not in text, f"{path.name} uses {forbidden}"
+
+
+@pytest.mark.parametrize("scheme", [s for s in ALL if s != "vanilla"])
+def test_every_scheme_runs_at_one_to_four_times_its_depth(scheme):
+    """Elastic depth: K' = 1 … 4K loops (max_loops = 4K gives MeSH a router pair per step)."""
+    model = build(tiny(spec="1+1R2+1", scheme=scheme, max_loops=8))
+    x = x_batch(model.config, t=6)
+    for loops in range(1, 9):
+        out = model(x, targets=x, loops=loops, return_states=True)
+        assert len(out.stages.states) == loops + 1 and torch.isfinite(out.loss)
+    out.loss.backward()

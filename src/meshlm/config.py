@@ -111,6 +111,8 @@ class ModelConfig:
     z_loss_weight: float = 0.001  # olmoe: router z-loss weight in the training loss (OLMoE: 0.001)
     scheme: str = "mesh"  # a name in SCHEME_OPTIONS (the classes: meshlm.model.schemes.SCHEMES)
     scheme_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"slots": 5} for mesh
+    max_loops: int | None = None  # deepest loop count with its own per-step parameters (MeSH: one router pair
+    # per step up to it, the last pair beyond); None -> the spec's K. Set by train.loops sampling to its cap
     scale_embeddings: bool = True  # MeSH paper: embeddings × √d (Pythia: off)
     init_std: float = 0.02
     scale_output_init: bool = True  # output projections × 1/√(2·unrolled depth) (MeSH paper)
@@ -123,6 +125,11 @@ class ModelConfig:
     @property
     def layout(self) -> Layout:
         return parse_spec(self.spec)
+
+    @property
+    def loop_cap(self) -> int:
+        """max_loops, or the spec's K: how many loop steps have their own scheme parameters."""
+        return self.max_loops if self.max_loops is not None else parse_spec(self.spec).n_steps
 
     @property
     def head_dim(self) -> int:
@@ -185,6 +192,7 @@ class ModelConfig:
         need(self.layer_norm_eps > 0, f"layer_norm_eps={self.layer_norm_eps} must be > 0")
         need(_is_int(self.mlp_ratio) and self.mlp_ratio > 0, f"mlp_ratio={self.mlp_ratio!r} must be >= 1")
         problems.extend(self._backbone_problems())
+        problems.extend(self._max_loops_problems(layout))
         need(self.init_std > 0, f"init_std={self.init_std} must be > 0")
         need(self.router_init_std >= 0, f"router_init_std={self.router_init_std} must be >= 0")
         need(isinstance(self.scheme_options, dict), "scheme_options must be a mapping")
@@ -192,6 +200,17 @@ class ModelConfig:
             problems.extend(scheme_problems(self.scheme, self.scheme_options, layout))
         if problems:
             raise ConfigError("invalid model config: " + "; ".join(problems))
+
+    def _max_loops_problems(self, layout: Layout | None) -> list[str]:
+        m = self.max_loops
+        if m is None or layout is None:
+            return []
+        if not (_is_int(m) and m >= layout.n_steps):
+            return [f"max_loops={m!r} must be an integer >= the spec's {layout.n_steps} loop steps (or null)"]
+        if m > layout.n_steps and len(layout.cores) != 1:
+            return [f"max_loops={m} needs a single-core spec (one core run K times, e.g. \"2+2R2+2\"), "
+                    f"not {self.spec!r}"]
+        return []
 
     def _backbone_problems(self) -> list[str]:
         """Problems with the backbone and the fields only some backbones use (the backbone checks those)."""
@@ -283,12 +302,18 @@ def _alpha_init_is_three_numbers(options: dict[str, Any], layout: Layout | None)
     return [f"scheme_options.alpha_init={a!r} must be 3 numbers (core, anchor h⁰, embeddings e)"]
 
 
-def _slots_at_least_two(options: dict[str, Any], layout: Layout | None) -> list[str]:
-    b = options.get("slots")
-    if b is None or (_is_int(b) and b >= 2):
-        return []
-    default = f"K+3 = {layout.n_steps + 3}" if layout else "K+3"
-    return [f"scheme_options.slots={b!r} must be an integer >= 2 (default {default})"]
+MESH_ROUTING = ("learned", "uniform")  # uniform: the frozen-router ablation (no router parameters)
+
+
+def _mesh_options(options: dict[str, Any], layout: Layout | None) -> list[str]:
+    out, b = [], options.get("slots")
+    if not (b is None or (_is_int(b) and b >= 2)):
+        default = f"K+3 = {layout.n_steps + 3}" if layout else "K+3"
+        out.append(f"scheme_options.slots={b!r} must be an integer >= 2 (default {default})")
+    routing = options.get("routing", "learned")
+    if routing not in MESH_ROUTING:
+        out.append(f"scheme_options.routing={routing!r} must be one of: {', '.join(MESH_ROUTING)}")
+    return out
 
 
 _MIX = {"alpha_init": [1.0, 1.0, 0.0]}  # α for (core output, anchor h⁰, embeddings e)
@@ -299,7 +324,7 @@ SCHEME_OPTIONS: dict[str, SchemeOptions] = {
                                           "residual+anchor+anchor-emb", "anchor+anchor-emb")},
     "static-mix": SchemeOptions(_MIX, _alpha_init_is_three_numbers),
     "dynamic-mix": SchemeOptions(_MIX, _alpha_init_is_three_numbers),
-    "mesh": SchemeOptions({"slots": None}, _slots_at_least_two),  # None -> K + 3 (the paper's rule)
+    "mesh": SchemeOptions({"slots": None, "routing": "learned"}, _mesh_options),  # slots None -> K + 3
 }
 SCHEME_ALIASES = {"anchor*": "anchor-emb", "residual+anchor+anchor*": "residual+anchor+anchor-emb",
                   "anchor+anchor*": "anchor+anchor-emb"}  # the paper's names

@@ -10,6 +10,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec", help='layer layout, e.g. "4+8R2+4", "4+8+8+4" or "24"')
     p.add_argument("--scheme", help="state scheme, e.g. mesh, base, anchor, anchor*, residual, static-mix")
     p.add_argument("--slots", type=int, help="MeSH buffer size B (default K+3)")
+    p.add_argument("--max-loops", type=int, help="deepest loop count with its own MeSH router pair (default K)")
+    p.add_argument("--routing", help="MeSH routing: learned (default) or uniform (the frozen-router ablation)")
     p.add_argument("--context", type=int, help="context length for attention FLOPs (default: the config's)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--list", action="store_true", help="list the presets and schemes, then exit")
@@ -25,8 +27,11 @@ def run(args: argparse.Namespace) -> int:
         print("schemes:", ", ".join(SCHEMES), "(anchor* = anchor-emb)")
         return 0
     overrides = {k: v for k, v in (("spec", args.spec), ("scheme", args.scheme)) if v is not None}
-    if args.slots is not None:
-        overrides["scheme_options"] = {"slots": args.slots}
+    options = {k: v for k, v in (("slots", args.slots), ("routing", args.routing)) if v is not None}
+    if options:
+        overrides["scheme_options"] = options
+    if args.max_loops is not None:
+        overrides["max_loops"] = args.max_loops
     cfg = ModelConfig.from_preset(args.preset, **overrides)
     acc = describe(cfg, args.context)
     if args.json:
@@ -38,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
         ("vocab", f"{cfg.vocab_size:,}"),
         *([("experts / per token", f"{acc.experts} / {acc.experts_per_token}")] if acc.experts else []),
         ("layers unique / unrolled", f"{acc.unique_layers} / {acc.unrolled_layers}"),
-        ("loop steps", acc.loop_steps), ("MeSH slots B", acc.slots if acc.slots else "-"),
+        ("loop steps / cap (max_loops)", f"{acc.loop_steps} / {acc.loop_cap}"),
+        ("MeSH slots B", acc.slots if acc.slots else "-"),
+        ("MeSH router pairs", acc.router_pairs if acc.router_pairs is not None else "-"),
         ("params total", f"{acc.total_params:,}"), ("params embedding", f"{acc.embedding_params:,}"),
         ("params non-embedding", f"{acc.non_embedding_params:,}"), ("params scheme", f"{acc.scheme_params:,}"),
         *([("params active (per token)", f"{acc.active_params:,}"),

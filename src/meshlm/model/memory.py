@@ -20,7 +20,14 @@ the J ≤ K + 2 values, with the small (B, T, slots, J) coefficients doing the r
 buffer arithmetic above, but never materialises the (B, T, slots, d) buffer: less memory and time, and
 autograd keeps only the values, which the layers keep anyway. `buffer(ctx)` rebuilds the slots for probes.
 
-Beyond the trained steps (evaluating with more loops than trained) the last router pair is reused.
+Depth is elastic (docs/design.md, "MeSH at any depth"). The model has one router pair per step up to
+`ModelConfig.loop_cap` (max_loops, default K): pairs 0 … cap. Run with K' loops, step t uses pair
+min(t + 1, cap): fewer loops use the first K' + 1 pairs and the coda reads what pair K' read (the same read
+that feeds step K' + 1 when more loops run, so a per-token early exit reads exactly the state it would
+have carried on with); beyond the cap the last pair is reused. The slot count stays K + 3 for the spec's K.
+
+`scheme_options.routing = "uniform"` is the frozen-router ablation: no router parameters, every write and
+read weight is 1/B, so the scheme keeps MeSH's buffer arithmetic without learned, step-specific routing.
 """
 from __future__ import annotations
 
@@ -53,14 +60,28 @@ class Router(nn.Linear):
         return weights[..., 0, :], weights[..., 1, :]
 
 
+class UniformRouter(nn.Module):
+    """The frozen-uniform ablation: write and read weights 1/B for every token, no parameters."""
+
+    def __init__(self, slots: int):
+        super().__init__()
+        self.slots = slots
+
+    def forward(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (*query.shape[:-1], self.slots)
+        uniform = torch.full(shape, 1.0 / self.slots, dtype=at_least_fp32(query).dtype, device=query.device)
+        return uniform, uniform
+
+
 @register("mesh")
 class MeSH(Scheme):
     def __init__(self, cfg):
         super().__init__(cfg)
-        n_steps = cfg.layout.n_steps
-        self.slots = self.options["slots"] or n_steps + 3  # option "slots"; None: K + 3 (the paper's rule)
-        self.routers = nn.ModuleList(Router(cfg.d_model, self.slots) for _ in range(n_steps + 1))
-
+        self.slots = self.options["slots"] or cfg.layout.n_steps + 3  # option "slots"; None: K + 3 (the paper's rule)
+        if self.options["routing"] == "uniform":
+            self.routers = nn.ModuleList([UniformRouter(self.slots)])  # one stateless router serves every step
+        else:  # one pair per step up to the cap (pair 0 is the transitional one): cap + 1 pairs
+            self.routers = nn.ModuleList(Router(cfg.d_model, self.slots) for _ in range(cfg.loop_cap + 1))
     def _write_read(self, pair: int, query: torch.Tensor, value: torch.Tensor, ctx: LoopContext):
         """Route with `query`, add `value` into every slot, then read. Returns the read state (B, T, d)."""
         write, read = self.routers[min(pair, len(self.routers) - 1)](query)  # (B, T, slots) each
@@ -96,5 +117,6 @@ class MeSH(Scheme):
     def flops_per_token(self, d_model, n_steps):
         # Counted as the paper does (≈0.7551 GFLOPs for 1.4B, 4096 tokens): per router pair two
         # Linear(d, B) (2d+1 FLOPs per output) plus one FLOP per buffer element written and read.
-        pairs = n_steps + 1
-        return pairs * self.slots * (2 * (2 * d_model + 1) + 2 * d_model)
+        # A forward of n_steps uses n_steps + 1 pairs whatever the cap; uniform routing has no router matmuls.
+        router = 0 if self.options["routing"] == "uniform" else 2 * (2 * d_model + 1)
+        return (n_steps + 1) * self.slots * (router + 2 * d_model)
