@@ -145,3 +145,16 @@ def test_lm_eval_runs_every_task_offline_and_matches_our_loglikelihoods(tmp_path
         for (context, continuation), response in zip(item["arguments"], item["resps"]):
             ours = continuation_logprob(loaded.model, *lm.encode_pair(context, continuation))
             assert ours == pytest.approx(response[0][0], abs=1e-4), item["task"]
+
+
+def test_exit_frontier_reports_loss_loops_and_compute(prepared):
+    from meshlm.evaluation.perplexity import exit_frontier
+
+    model = build(tiny(vocab_size=8192, max_loops=4))
+    data = PreparedData(prepared, "val")
+    rows = exit_frontier(model, data, 16, ["state:0", "state:inf", "kl:0"], loops=4, max_sequences=3)
+    full = mean_loss(model, data, 16, max_sequences=3, loops=4)
+    one = mean_loss(model, data, 16, max_sequences=3, loops=1)
+    assert rows[0]["loss"] == full["loss"] and rows[0]["avg_loops"] == 4 and rows[0]["flops_ratio"] == 1
+    assert rows[1]["loss"] == one["loss"] and rows[1]["avg_loops"] == 1 and rows[1]["flops_ratio"] < 1
+    assert rows[2]["avg_probes"] == 5 and rows[2]["flops_ratio"] > 1  # kl pays a coda + head per step

@@ -98,3 +98,11 @@ def test_cli_generate_errors_exit_2(checkpoints, tmp_path, args, message, capsys
     assert main(["generate", *args]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("meshlm generate: error:") and message in lines[0], lines
+
+
+def test_cli_generate_with_depth_and_exit(checkpoints, capsys):
+    assert main(["generate", str(checkpoints / "ckpt"), "To be", "-t", "0", "-n", "5", "--loops", "3",
+                 "--exit", "state:0.1"]) == 0
+    assert capsys.readouterr().out.startswith("To be")
+    assert main(["generate", str(checkpoints / "ckpt"), "To be", "--exit", "halt:1"]) == 2
+    assert "exit criterion 'halt' is unknown; use one of: state, kl" in capsys.readouterr().err

@@ -182,3 +182,21 @@ def test_missing_or_truncated_weights_are_clear_errors(tmp_path):
     weights.unlink()
     with pytest.raises(CheckpointError, match="model.safetensors is missing"):
         load_hf(tmp_path)
+
+
+def test_exported_model_takes_depth_and_exit_settings():
+    """config.loops / config.exit (or per-call loops=, exit=) reach the model, also through generate()."""
+    from meshlm.generate import Sampling, generate
+
+    model = build(tiny(spec="1+2R2+1", max_loops=4))
+    hf = from_meshlm(model)
+    ids, mask = left_padded_batch(97)
+    with torch.no_grad():
+        assert torch.equal(hf(ids, attention_mask=mask, loops=4, exit="state:inf").logits,
+                           model(ids, padding_mask=mask, loops=1).logits)
+    hf.config.loops, hf.config.exit = 4, "state:0.3"
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    ours = generate(model, prompts, Sampling(max_new_tokens=6, temperature=0, stop_at_eos=False), pad_id=1,
+                    loops=4, exit="state:0.3")
+    assert out[:, ids.shape[1]:].tolist() == ours

@@ -7,7 +7,8 @@ Prompts of different lengths are left-padded into one batch; the padding mask co
 positions count real tokens only, so every row decodes exactly as it would alone. The prompt is prefilled
 once, then each step feeds one token per row (meshlm.model.kv_cache: one entry per unrolled layer; the MeSH
 buffer is per token and needs no cache). `cache=False` recomputes the whole sequence every step, as a
-reference and for the speed benchmark. Temperature 0 is greedy decoding.
+reference and for the speed benchmark. Temperature 0 is greedy decoding. `loops` runs the core that many
+times; `exit` (e.g. "state:0.05", meshlm.model.exit) lets each token stop looping once it has converged.
 """
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str =
 
 @torch.no_grad()
 def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0, pad_id: int = 1,
-           cache: bool = True, loops: int | None = None) -> Iterator[torch.Tensor]:
+           cache: bool = True, loops: int | None = None, exit: str | None = None) -> Iterator[torch.Tensor]:
     """Yield the (B,) next tokens step by step. Rows that reached EOS keep yielding `pad_id`."""
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)
@@ -92,7 +93,7 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
     step_input = ids
     for _ in range(s.max_new_tokens):
-        logits = model(step_input, padding_mask=mask, cache=kv, loops=loops).logits[:, -1]  # (B, V)
+        logits = model(step_input, padding_mask=mask, cache=kv, loops=loops, exit=exit).logits[:, -1]  # (B, V)
         token = next_token(logits, s, generator).masked_fill(done, pad_id)  # (B,)
         yield token
         done |= (token == eos_id) & s.stop_at_eos
@@ -104,11 +105,11 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
 
 
 def generate(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0, pad_id: int = 1,
-             cache: bool = True, loops: int | None = None) -> list[list[int]]:
+             cache: bool = True, loops: int | None = None, exit: str | None = None) -> list[list[int]]:
     """The new tokens of every row, up to and including EOS (when stop_at_eos)."""
     out: list[list[int]] = [[] for _ in prompts]
     finished = [False] * len(prompts)
-    for token in stream(model, prompts, s, eos_id, pad_id, cache, loops):
+    for token in stream(model, prompts, s, eos_id, pad_id, cache, loops, exit):
         for row, t in enumerate(token.tolist()):
             if not finished[row]:
                 out[row].append(t)

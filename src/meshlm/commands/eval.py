@@ -4,6 +4,7 @@ through lm-evaluation-harness (0- and 5-shot by default); writes <run>/eval.json
     meshlm eval runs/small-mesh                          # everything (minutes to hours on a CPU)
     meshlm eval runs/small-mesh --limit 50               # a quick look: 50 items per task, 50 windows
     meshlm eval runs/small-mesh --tasks piqa,arc_easy --shots 0 --loops 1,2,3,4,6,8
+    meshlm eval runs/small-mesh --tasks none --loops 1,2,4,8,16 --exit state:0.05,kl:1e-4 --exit-loops 8
 """
 from __future__ import annotations
 
@@ -27,6 +28,16 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def exit_list(text: str) -> list[str]:
+    """"state:0.05,kl:1e-4" -> the rules, each checked (a bad one is a one-line error)."""
+    from meshlm.model.exit import ExitRule
+
+    try:
+        return [str(ExitRule.parse(rule)) for rule in text.split(",") if rule.strip()]
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", metavar="CKPT", help="a run folder (its latest checkpoint) or a step-NNNNNN folder")
     p.add_argument("--data", help="prepared-data folder for perplexity (default: what the model was trained on)")
@@ -36,6 +47,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shots", type=int_list, default=[0, 5], help="few-shot settings, e.g. 0,5 (default)")
     p.add_argument("--loops", type=int_list, default=None,
                    help="loop counts for loss vs. depth, e.g. 1,2,3,4, or none (default: 1 … 2K for looped models)")
+    p.add_argument("--exit", default="", type=exit_list,
+                   help="per-token adaptive exit rules to evaluate, e.g. state:0.05,kl:1e-4 (loss and average "
+                        "loops per token for each)")
+    p.add_argument("--exit-loops", type=int, default=None,
+                   help="the most loop steps a token may run under --exit (default: the trained K)")
     p.add_argument("--limit", type=int, default=None,
                    help="at most N items per task (each MMLU subject counts as a task) and N validation windows")
     p.add_argument("--batch-size", type=int, default=8, help="validation windows per forward (default 8)")
@@ -59,10 +75,13 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--batch-size and --batch-tokens must be >= 1")
     if any(k < 1 for k in args.loops or []):
         raise ConfigError(f"--loops {args.loops}: loop counts must be >= 1")
+    if args.exit_loops is not None and args.exit_loops < 1:
+        raise ConfigError(f"--exit-loops {args.exit_loops} must be >= 1")
     tasks = None if args.tasks.strip().lower() == "none" else args.tasks
     loaded = open_checkpoint(args.checkpoint, args.device)
     out = Path(args.out) if args.out else loaded.run_dir / "eval.json"
-    options = EvalOptions(data=args.data, loops=args.loops, tasks=tasks, shots=args.shots, limit=args.limit,
+    options = EvalOptions(data=args.data, loops=args.loops, exits=args.exit, exit_loops=args.exit_loops,
+                          tasks=tasks, shots=args.shots, limit=args.limit,
                           batch_size=args.batch_size, batch_tokens=args.batch_tokens, verbose=args.verbose,
                           samples_dir=out.parent / "eval-samples" if args.log_samples else None)
     device, chosen = precision.for_model(args.dtype, loaded.model)

@@ -21,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (1 = off; default 0.95)")
     p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
     p.add_argument("--loops", type=int, default=None, help="run the core this many times (single-core specs)")
+    p.add_argument("--exit", default=None,
+                   help="per-token adaptive exit, e.g. state:0.05 or kl:1e-4 (a token stops looping once converged)")
     p.add_argument("--tokenizer", default=None, help="override the checkpoint's tokenizer")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     add_dtype_argument(p)
@@ -30,10 +32,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from meshlm.generate import Sampling, load_for_generation
+    from meshlm.model.exit import ExitRule
     from meshlm.runtime import precision
 
     s = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, stop_at_eos=not args.ignore_eos)
+    args.exit = None if args.exit is None else str(ExitRule.parse(args.exit))  # a bad rule fails before loading
     model, tok = load_for_generation(args.checkpoint, args.tokenizer, args.device)
     device, chosen = precision.for_model(args.dtype, model)
     print(f"generating in {chosen.describe()}", file=sys.stderr, flush=True)  # stdout holds only the text
@@ -45,7 +49,7 @@ def _generate(args: argparse.Namespace, model, tok, s) -> int:
     from meshlm.generate import generate, stream
 
     prompts = [tok.encode(text) for text in args.prompts]
-    common = dict(eos_id=tok.eos_id, pad_id=tok.pad_id, cache=not args.no_cache, loops=args.loops)
+    common = dict(eos_id=tok.eos_id, pad_id=tok.pad_id, cache=not args.no_cache, loops=args.loops, exit=args.exit)
     if len(prompts) > 1:
         for text, new in zip(args.prompts, generate(model, prompts, s, **common)):
             print(text + tok.decode(t for t in new if t != tok.eos_id))

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from meshlm.data.prepare import PreparedData
+from meshlm.model.accounting import depth_flops_per_token
 
 
 def window_indices(n_windows: int, max_sequences: int | None) -> list[int]:
@@ -29,19 +30,26 @@ def window_indices(n_windows: int, max_sequences: int | None) -> list[int]:
 
 @torch.no_grad()
 def mean_loss(model, data: PreparedData, seq_len: int, batch_size: int = 8, max_sequences: int | None = None,
-              loops: int | None = None) -> dict[str, Any]:
-    """Token-weighted mean next-token loss over the chosen windows: {"loss", "ppl", "tokens", "sequences"}."""
+              loops: int | None = None, exit: str | None = None) -> dict[str, Any]:
+    """Token-weighted mean next-token loss over the chosen windows: {"loss", "ppl", "tokens", "sequences"};
+    with `exit` (e.g. "state:0.05", meshlm.model.exit) also the average loop steps and coda probes per token."""
     device = next(model.parameters()).device
     indices = window_indices(data.num_sequences(seq_len), max_sequences)
-    total, count = 0.0, 0
+    total, count, loops_run, probes = 0.0, 0, 0, 0
     for start in range(0, len(indices), batch_size):
         windows = [data.sequence(i, seq_len) for i in indices[start:start + batch_size]]
         batch = torch.from_numpy(np.stack(windows)).to(device)  # (b, seq_len + 1)
-        loss = model(batch[:, :-1], targets=batch[:, 1:], loops=loops).loss
-        total += loss.double().item() * batch[:, 1:].numel()
+        out = model(batch[:, :-1], targets=batch[:, 1:], loops=loops, exit=exit)
+        total += out.loss.double().item() * batch[:, 1:].numel()
         count += batch[:, 1:].numel()
+        if exit is not None:
+            loops_run += int(out.exit_loops.sum())
+            probes += int(out.exit_probes.sum())
     loss = total / count
-    return {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": count, "sequences": len(indices)}
+    result = {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": count, "sequences": len(indices)}
+    if exit is not None:
+        result.update(avg_loops=loops_run / count, avg_probes=probes / count)
+    return result
 
 
 def default_loop_counts(model) -> list[int]:
@@ -50,6 +58,21 @@ def default_loop_counts(model) -> list[int]:
     if len(layout.cores) != 1 or not layout.shares_weights:
         return []
     return list(range(1, 2 * layout.n_steps + 1))
+
+
+def exit_frontier(model, data: PreparedData, seq_len: int, rules: list[str], loops: int | None = None,
+                  **kwargs) -> list[dict]:
+    """[{"exit", "max_loops", "loss", "ppl", "avg_loops", "avg_probes", "flops_ratio"}] per exit rule, at most
+    `loops` steps (default K). flops_ratio: forward FLOPs per token against fixed depth `loops` (kl counts its
+    coda + head probes)."""
+    k = loops or model.config.layout.n_steps
+    fixed = depth_flops_per_token(model, k, 1.0, seq_len)
+    rows = []
+    for rule in rules:
+        row = {"exit": str(rule), "max_loops": k, **mean_loss(model, data, seq_len, loops=k, exit=rule, **kwargs)}
+        cost = depth_flops_per_token(model, row["avg_loops"], row["avg_probes"] or 1.0, seq_len)
+        rows.append({**row, "flops_ratio": cost / fixed})
+    return rows
 
 
 def loss_vs_loops(model, data: PreparedData, seq_len: int, loop_counts: list[int], **kwargs) -> list[dict]:

@@ -5,6 +5,7 @@ The result (also written as eval.json in the run folder) is plain JSON:
     {"checkpoint", "step", "model": ModelConfig, "accounting": {...},
      "perplexity": {"loss", "ppl", "tokens", "sequences", "data", "seq_len"},
      "loops": [{"loops", "trained", "loss", "ppl", ...}],
+     "exit": [{"exit", "max_loops", "loss", "ppl", "avg_loops", "avg_probes", "flops_ratio", ...}],
      "downstream": {"0": {"tasks": {name: {"acc", "acc_norm", "metric", "score", "stderr", "items"}},
                           "average", "items", "seconds", "limit"}, "5": {...}},
      "seconds"}
@@ -20,7 +21,7 @@ from typing import Any
 
 from meshlm.evaluation.downstream import run_suite
 from meshlm.evaluation.loaded import Loaded
-from meshlm.evaluation.perplexity import default_loop_counts, loss_vs_loops, mean_loss
+from meshlm.evaluation.perplexity import default_loop_counts, exit_frontier, loss_vs_loops, mean_loss
 from meshlm.model.accounting import account
 
 
@@ -28,6 +29,8 @@ from meshlm.model.accounting import account
 class EvalOptions:
     data: str | None = None  # prepared-data folder; None = the checkpoint's training data
     loops: list[int] | None = None  # None = 1 … 2K for weight-shared models; [] = skip
+    exits: list[str] = field(default_factory=list)  # adaptive-exit rules, e.g. ["state:0.05", "kl:1e-4"]
+    exit_loops: int | None = None  # the most loop steps under exit (default: the trained K)
     tasks: str | list[str] | None = "all"  # None / [] = skip downstream
     shots: list[int] = field(default_factory=lambda: [0, 5])
     limit: int | None = None  # items per task, and validation windows
@@ -53,6 +56,10 @@ def evaluate(loaded: Loaded, options: EvalOptions, log: Callable[[str], None] = 
     for row in result["loops"]:
         log(f"  loops={row['loops']}{' (trained)' if row['trained'] else ''}: loss {row['loss']:.4f}, "
             f"ppl {row['ppl']:.3f}")
+    result["exit"] = exit_frontier(model, data, loaded.seq_len, options.exits, options.exit_loops, **common)
+    for row in result["exit"]:
+        log(f"  exit {row['exit']} (at most {row['max_loops']} loops): loss {row['loss']:.4f}, avg loops/token "
+            f"{row['avg_loops']:.3f}, coda probes/token {row['avg_probes']:.3f}, FLOPs x{row['flops_ratio']:.3f}")
     result["downstream"] = {}
     if options.tasks:
         result["downstream"] = downstream(loaded, options, log)

@@ -5,7 +5,8 @@ Self-contained on purpose: `save_pretrained` copies this file verbatim next to t
 The whole meshlm `ModelConfig` travels as one plain dict (`meshlm`); the standard Hugging Face fields are
 derived from it by `meshlm.hf.config_from_model_config`. `num_hidden_layers` is the *unrolled* depth
 (prelude + every pass of every core layer + coda): transformers sizes its KV caches from it, and a looped
-model needs one cache entry per unrolled layer. The classic `__init__(**kwargs)` form works with every
+model needs one cache entry per unrolled layer. `loops` and `exit` are inference settings (depth and
+per-token adaptive exit); forward also takes them per call. The classic `__init__(**kwargs)` form works with every
 transformers 4.x/5.x config base class.
 """
 from __future__ import annotations
@@ -26,8 +27,12 @@ class MeshConfig(PretrainedConfig):
         num_attention_heads: int = 8,
         num_hidden_layers: int = 1,  # unrolled depth: one KV cache entry per unrolled layer
         max_position_embeddings: int = 512,
+        loops: int | None = None,  # loop steps at inference (None: the trained K); single-core specs
+        exit: str | None = None,  # per-token adaptive exit at inference, e.g. "state:0.05" (None: off)
         **kwargs: Any,
     ):
+        self.loops = loops
+        self.exit = exit
         self.meshlm = dict(meshlm or {})
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size

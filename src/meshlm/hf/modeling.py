@@ -11,6 +11,9 @@ What is non-standard, and why:
 - The cache is used only through `update(key, value, layer_idx)` and `get_seq_length()`, the stable public
   `Cache` API; slot numbers are unrolled layers (config.num_hidden_layers = unrolled depth, so the
   `DynamicCache` that `generate()` builds has the right size). Nothing else of transformers' internals is used.
+- Depth and exit (`loops`, `exit`) may need more cache slots than `num_hidden_layers` (the trained unrolled
+  depth): on the first call such a forward swaps generate()'s empty cache for a `DynamicCache()` that grows
+  on use, and returns it, so generate() carries that one on.
 - transformers 5.x renamed the cache argument and output field `past_key_values` -> `cache`; forward accepts
   both names and fills whichever field the installed `CausalLMOutputWithPast` declares.
 - Weight init happens once, in `MeshLM.__init__` (meshlm.model.init); `_init_weights` only recomputes the
@@ -69,6 +72,8 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
         logits_to_keep: int = 0,  # 0 = all positions, n = the last n
         past_key_values: object | None = None,  # older name of `cache`
         return_dict: bool | None = None,
+        loops: int | None = None,  # loop steps (default: config.loops, else the trained K)
+        exit: str | None = None,  # adaptive exit rule, e.g. "state:0.05" (default: config.exit, else off)
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
         if kwargs.get("inputs_embeds") is not None:
@@ -81,8 +86,12 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
         targets = None
         if labels is not None:
             targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+        loops = loops if loops is not None else getattr(self.config, "loops", None)
+        exit = exit if exit is not None else getattr(self.config, "exit", None)
+        if (loops or exit) and isinstance(cache, DynamicCache) and cache.get_seq_length() == 0:
+            cache = DynamicCache()  # grows a slot per use: more loops and kl exit probes need more than the config's
         out = self.model(input_ids, targets=targets, padding_mask=attention_mask, position_ids=position_ids,
-                         cache=cache)
+                         cache=cache, loops=loops, exit=exit)
         logits = out.logits[:, -logits_to_keep:] if logits_to_keep else out.logits
         result = CausalLMOutputWithPast(loss=out.loss, logits=logits, **{CACHE_FIELD: cache})
         return result if return_dict is not False else result.to_tuple()

@@ -10,6 +10,8 @@ drift from the model. Conventions:
   weights a token meets in every *unrolled* layer (for MoE: the expert router and k of E experts),
   + 4·d·T per unrolled layer for attention scores and mixing at context T, + 2·d·V for the unembedding,
   + what the scheme adds (MeSH: counted as in the paper). Training FLOPs per token = 3 × forward.
+- depth: FLOPs are for the spec's K loop steps (the mean when train.loops samples); parameters include every
+  per-step parameter up to `max_loops` (MeSH: `router_pairs` = cap + 1, 0 with uniform routing).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.model.layers import Layer
 from meshlm.model.lm import MeshLM
+from meshlm.model.memory import Router
 from meshlm.model.moe import Experts
 
 
@@ -36,6 +39,8 @@ class Accounting:
     unrolled_layers: int
     loop_steps: int
     slots: int | None  # MeSH buffer size B
+    loop_cap: int  # max_loops: the deepest loop count with its own per-step parameters (default K)
+    router_pairs: int | None  # MeSH: one (write, read) pair per step up to the cap, + the transitional one
     forward_flops_per_token: int
     scheme_flops_per_token: int
     train_flops_per_token: int
@@ -90,6 +95,8 @@ def account(model: MeshLM, context_length: int | None = None) -> Accounting:
         unrolled_layers=layout.unrolled_depth,
         loop_steps=layout.n_steps,
         slots=getattr(model.scheme, "slots", None),
+        loop_cap=cfg.loop_cap,
+        router_pairs=sum(1 for m in model.scheme.modules() if isinstance(m, Router)) if cfg.scheme == "mesh" else None,
         forward_flops_per_token=forward,
         scheme_flops_per_token=scheme_flops,
         train_flops_per_token=3 * forward,
@@ -105,3 +112,17 @@ def describe(cfg: ModelConfig, context_length: int | None = None) -> Accounting:
     with torch.device("meta"):
         model = MeshLM(cfg)
     return account(model, context_length)
+
+
+def depth_flops_per_token(model: MeshLM, loops: float, codas: float = 1.0, context_length: int | None = None) -> float:
+    """Forward FLOPs per token at `loops` core passes and `codas` coda + head passes (both may be averages):
+    what adaptive exit costs (kl exit probes the coda and head once per step, plus once on h⁰)."""
+    cfg = model.config
+    layout, d = cfg.layout, cfg.d_model
+    t = context_length or cfg.context_length
+    layer = next(m for m in model.modules() if isinstance(m, Layer))
+    per_layer = 2 * round(matmul_weights(layer, active_share(cfg))) + 4 * d * t
+    core = sum(layout.cores) * per_layer  # one pass of the (single) core
+    coda_and_head = layout.coda * per_layer + 2 * d * cfg.vocab_size
+    return (layout.prelude * per_layer + loops * core + codas * coda_and_head
+            + model.scheme.flops_per_token(d, max(1, round(loops))))

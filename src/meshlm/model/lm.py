@@ -25,6 +25,14 @@ A forward is three stages, `enter` (embed, prelude, h⁰) → `advance` (loop st
 sharing one `LoopRun`; self-speculative decoding (meshlm.speculative) stops `advance` early to draft and
 resumes it later to verify.
 
+Truncated backprop through depth (`backprop_loops=k`, Huginn's recipe): the first K − k loop steps run
+without autograd, so their activations are never kept; the state they produce enters step K − k as a
+constant, while e, p and h⁰ (injected into later steps by the scheme) keep their gradients. Peak memory
+then follows k, not K (benchmarks/elastic.py).
+
+Per-token adaptive exit (`exit="state:0.05"`, meshlm.model.exit): the same loop runs only the still-active
+tokens' core passes and stops when none is left; exited tokens' keys/values are copied forward.
+
 Incremental decoding: pass a `cache` (meshlm.model.kv_cache) and only the new tokens. Each unrolled layer
 gets its own cache slot; the scheme state (MeSH buffer, anchors) is per token and needs none. With a cache,
 `padding_mask` covers the cached tokens too (B, T_past + T), as in Hugging Face's `generate()`.
@@ -43,6 +51,7 @@ from torch import nn
 from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
+from meshlm.model.exit import ExitRule, ExitTracker
 from meshlm.model.init import init_weights
 from meshlm.model.kv_cache import LayerCache, slot_offsets
 from meshlm.model.layers import Rope, RotaryEmbedding, at_least_fp32, attention_mask_from_padding
@@ -69,9 +78,12 @@ class LMOutput:
     logits: torch.Tensor  # (B, T, vocab)
     loss: torch.Tensor | None = None  # the objective: lm_loss (+ weighted MoE losses in training mode)
     stages: Stages | None = None  # only with return_states=True
+    track: ExitTracker | None = None  # only with exit: who is still looping (meshlm.model.exit)
     lm_loss: torch.Tensor | None = None  # mean next-token cross-entropy over targets != ignore_index
     aux_loss: torch.Tensor | None = None  # MoE load-balancing loss, unweighted (None without MoE layers)
     z_loss: torch.Tensor | None = None  # MoE router z-loss, unweighted
+    exit_loops: torch.Tensor | None = None  # with exit: (B, T) loop steps each token ran
+    exit_probes: torch.Tensor | None = None  # with exit: (B, T) coda + head probes each token ran (kl)
 
 
 @dataclass
@@ -87,6 +99,7 @@ class LoopRun:
     step: int = 0  # loop passes done
     routed: list[torch.Tensor] = field(default_factory=list)  # MoE router logits of every layer call, in order
     stages: Stages | None = None  # only with return_states=True
+    track: ExitTracker | None = None  # only with exit: who is still looping (meshlm.model.exit)
 
 
 class MeshLM(nn.Module):
@@ -125,13 +138,18 @@ class MeshLM(nn.Module):
         loops: int | None = None,
         ignore_index: int = -100,
         cache: LayerCache | None = None,  # KV cache, updated in place; holds T_past tokens before the call
+        backprop_loops: int | None = None,  # truncated backprop: only the last k loop steps keep autograd state
+        exit: ExitRule | str | None = None,  # per-token adaptive exit, e.g. "state:0.05" (meshlm.model.exit)
     ) -> LMOutput:
         schedule = self.schedule(loops)
+        past = 0 if cache is None else cache.get_seq_length()  # tokens cached before this call
         run = self.enter(input_ids, padding_mask, position_ids, cache, return_states)
-        self.advance(run, schedule)
-        logits = self.readout(run, schedule)
-        return self._losses(LMOutput(logits=logits, stages=run.stages), targets, ignore_index, run.routed,
-                            padding_mask)
+        run.track = self._tracker(exit, run, padding_mask, past, backprop_loops)
+        self.advance(run, schedule, backprop_loops=backprop_loops)
+        out = LMOutput(logits=self.readout(run, schedule), stages=run.stages)
+        if run.track is not None:
+            out.exit_loops, out.exit_probes = run.track.loops, run.track.probes
+        return self._losses(out, targets, ignore_index, run.routed, padding_mask)
 
     # -- the three stages of a forward; speculative decoding (meshlm.speculative) runs them separately ----------
     def enter(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None,
@@ -145,26 +163,73 @@ class MeshLM(nn.Module):
         stages = Stages(embeddings=e, prelude=p, states=[h]) if return_states else None
         return LoopRun(h=h, ctx=ctx, rope=rope, mask=mask, cache=cache, routed=routed, stages=stages)
 
-    def advance(self, run: LoopRun, schedule: tuple[int, ...], stop: int | None = None) -> LoopRun:
-        """Run loop steps run.step … stop−1 (default: to the end of `schedule`), in place."""
-        _, step_slots, _, _ = slot_offsets(self.config.layout, schedule)
+    def advance(self, run: LoopRun, schedule: tuple[int, ...], stop: int | None = None,
+                backprop_loops: int | None = None) -> LoopRun:
+        """The one loop of every scheme, in place: h^{t+1} = scheme.update(t, h^t, core(h^t)) for t = run.step …
+        stop−1 (default: to the end of `schedule`). Under exit only the still-active tokens' core passes run,
+        and the loop ends when none is left."""
+        _, step_slots, coda_slot, _ = slot_offsets(self.config.layout, schedule)
+        first_grad_step = len(schedule) - backprop_loops if backprop_loops else 0  # earlier steps: no autograd
+        track = run.track
+        if track is not None and run.step == 0:
+            self._probe(track, run.h, coda_slot, 0)  # kl: the distribution of h⁰, what step 1 is compared with
         for step in range(run.step, len(schedule) if stop is None else stop):
-            u = self.cores[schedule[step]](run.h, run.rope, run.mask, run.cache, step_slots[step], run.routed)
-            run.h = self.scheme.update(step, run.h, u, run.ctx)
+            with torch.set_grad_enabled(torch.is_grad_enabled() and step >= first_grad_step):
+                x, r, m, kv = (run.h, run.rope, run.mask, run.cache) if track is None else \
+                    track.step_inputs(run.h, step_slots[step])
+                u = self.cores[schedule[step]](x, r, m, kv, step_slots[step], run.routed if track is None else [])
+                h = self.scheme.update(step, run.h, u if track is None else track.merge(u, run.h), run.ctx)
             run.step = step + 1
             if run.stages is not None:
                 run.stages.core_outputs.append(u)
-                run.stages.states.append(run.h)
+                run.stages.states.append(h)
+            if track is None:
+                run.h = h
+                continue
+            run.h = track.advance(run.h, h, self._probe(track, h, coda_slot, step + 1))
+            if track.finished:  # every token exited: later steps' cache slots get their keys/values copied
+                probes = [self._probe_slot(coda_slot, j) for j in range(step + 2, len(schedule) + 1)]
+                track.skip(step_slots[step + 1:], probes if track.rule.criterion == "kl" else [])
+                run.step = len(schedule)
+                break
         return run
 
     def readout(self, run: LoopRun, schedule: tuple[int, ...]) -> torch.Tensor:
         """Coda and head on the current state: (B, T, vocab) logits. The coda uses `schedule`'s coda slots
         whatever step the run stands at (a speculative draft exits early into the full model's coda slots)."""
+        if run.track is not None and run.track.logits is not None:  # kl exit: each token's probe where it exited
+            return run.track.logits
         coda_slot = slot_offsets(self.config.layout, schedule)[2]
         y = self.coda(run.h, run.rope, run.mask, run.cache, coda_slot, run.routed)
         if run.stages is not None:
             run.stages.coda, run.stages.routing, run.stages.router_logits = y, run.ctx.routing, run.routed
-        return F.linear(self.final_layer_norm(y), self.output_weight)  # (B, T, vocab)
+        return self.head(y)  # (B, T, vocab)
+
+    def head(self, y: torch.Tensor) -> torch.Tensor:
+        """Final norm and output layer: (…, d) -> (…, vocab)."""
+        return F.linear(self.final_layer_norm(y), self.output_weight)
+
+    # -- per-token adaptive exit (meshlm.model.exit) -----------------------------------------------------------
+    def _tracker(self, exit: ExitRule | str | None, run: LoopRun, padding_mask: torch.Tensor | None, past: int,
+                 backprop_loops: int | None) -> ExitTracker | None:
+        if exit is None:
+            return None
+        if run.stages is not None or backprop_loops:
+            raise ConfigError("exit is an inference setting: it cannot be combined with return_states or "
+                              "backprop_loops; drop one of them")
+        return ExitTracker(ExitRule.parse(exit), run.h, run.rope, run.mask, padding_mask, run.cache, past)
+
+    def _probe_slot(self, coda_slot: int, j: int) -> int:
+        """kl exit: the coda probe of state h^j has its own cache slots (the first ones are the coda's own)."""
+        return coda_slot + j * self.config.layout.coda
+
+    def _probe(self, track: ExitTracker, h: torch.Tensor, coda_slot: int, j: int) -> torch.Tensor | None:
+        """kl exit: coda + head on the computed tokens' state h^j; returns their KL to the previous probe."""
+        if track.rule.criterion != "kl":
+            return None
+        slot = self._probe_slot(coda_slot, j)
+        x, r, m, kv = track.inputs(h, "probe", slot)
+        return track.probe(self.head(self.coda(x, r, m, kv, slot, [])))
 
     def _losses(self, out: LMOutput, targets: torch.Tensor | None, ignore_index: int,
                 routed: list[torch.Tensor], padding_mask: torch.Tensor | None) -> LMOutput:

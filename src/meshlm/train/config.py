@@ -31,6 +31,7 @@ import yaml
 from meshlm import checkpoint
 from meshlm.config import ModelConfig
 from meshlm.errors import CheckpointError, ConfigError
+from meshlm.train.depth import LoopDistribution, parse_loops
 
 DISTRIBUTED = ("ddp", "fsdp")
 DEFAULT_PRESET = "mesh-small"  # what `meshlm train` trains with no arguments
@@ -54,6 +55,9 @@ class TrainConfig:
     micro_batch: int = 8  # sequences per forward on one rank; accumulation = global / (world × micro)
     steps: int = 300  # optimizer steps; 0 -> derived from `tokens` (300 × 8 × 256: ~7 min on 2 CPU cores)
     tokens: int = 0  # training tokens (used only when steps = 0)
+    # -- depth (meshlm.train.depth) --------------------------------------------------------------------------
+    loops: str = "fixed"  # loop steps per training step: fixed, fixed:N, uniform:LO-HI, poisson-lognormal:mean=M,cap=C
+    backprop_loops: int = 0  # truncated backprop: only the last k loop passes keep autograd state; 0 = all
     # -- optimizer and schedule (spec §5) -------------------------------------------------------------------
     lr: float = 4e-3  # peak learning rate (the default small model; the paper configs set theirs)
     min_lr_ratio: float = 0.1  # cosine decays to this fraction of the peak
@@ -88,13 +92,29 @@ class TrainConfig:
 
     # -- derived ------------------------------------------------------------------------------------------
     def model_config(self) -> ModelConfig:
+        """The model: preset + overrides (or init_from's), with max_loops = the train.loops cap when sampling."""
         overrides = dict(self.model)
         preset = overrides.pop("preset", None)
         if self.init_from:
-            return self._init_model_config(preset, overrides)
-        if preset is None:
-            return ModelConfig.from_dict(overrides)
-        return ModelConfig.from_preset(preset, **overrides)
+            cfg = self._init_model_config(preset, overrides)
+        elif preset is None:
+            cfg = ModelConfig.from_dict(overrides)
+        else:
+            cfg = ModelConfig.from_preset(preset, **overrides)
+        return self._with_loop_cap(cfg, explicit="max_loops" in overrides)
+
+    def loop_distribution(self) -> LoopDistribution:
+        return parse_loops(self.loops)
+
+    def _with_loop_cap(self, cfg: ModelConfig, explicit: bool) -> ModelConfig:
+        dist = self.loop_distribution()
+        k = cfg.layout.n_steps
+        if dist.cap(k) != k and len(cfg.layout.cores) != 1:
+            raise ConfigError(f"train.loops={self.loops!r} needs a single-core spec (one core run K times, e.g. "
+                              f"\"2+2R2+2\"), not {cfg.spec!r}; use train.loops=fixed")
+        if explicit or cfg.max_loops is not None or dist.cap(k) <= k:
+            return cfg
+        return cfg.replace(max_loops=dist.cap(k))
 
     def _init_model_config(self, preset: str | None, overrides: dict[str, Any]) -> ModelConfig:
         """The init_from checkpoint's model config with `overrides` on top (e.g. model.aux_loss_weight);
@@ -145,6 +165,7 @@ class TrainConfig:
         for name in ("seq_len", "steps", "tokens", "eval_every", "save_every", "seed"):
             need(getattr(self, name) >= 0, f"{name}={getattr(self, name)} must be >= 0")
         need(self.steps > 0 or self.tokens > 0, "set steps or tokens (both are 0)")
+        problems.extend(self._depth_problems())
         need(self.lr > 0, f"lr={self.lr} must be > 0")
         need(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         need(0 <= self.warmup < 1, f"warmup={self.warmup} is a fraction of the steps; it must be in [0, 1)")
@@ -172,6 +193,25 @@ class TrainConfig:
                             f"{model_cfg.context_length}; lower train.seq_len or raise model.context_length")
         if problems:
             raise ConfigError("invalid training config: " + "; ".join(problems))
+
+    def _depth_problems(self) -> list[str]:
+        """train.loops parses, and backprop_loops is in [0, the distribution's cap]."""
+        try:
+            dist = self.loop_distribution()
+        except ConfigError as err:
+            return [str(err)]
+        k = self.backprop_loops
+        if not (isinstance(k, int) and k >= 0):
+            return [f"backprop_loops={k!r} must be an integer >= 0 (0 = backprop through every loop)"]
+        if k and isinstance(self.model, dict):
+            try:
+                cap = dist.cap(self.model_config().layout.n_steps)
+            except ConfigError:
+                return []  # the model's own problem is reported below
+            if k > cap:
+                return [f"backprop_loops={k} is above the largest loop count {cap} that train.loops={self.loops!r} "
+                        f"runs; use 0 (all) or 1 … {cap}"]
+        return []
 
     # -- serialisation ------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

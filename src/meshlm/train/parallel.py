@@ -128,7 +128,10 @@ def wrap(model: nn.Module, cfg: TrainConfig, env: Env) -> nn.Module:
         fully_shard(model)  # root: embeddings, scheme, final norm, head
         return model
     ids = [env.local_rank] if env.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids)
+    # a sampled or truncated depth leaves some per-step parameters (MeSH routers past the drawn count or in
+    # the no-grad steps) without a gradient; every rank draws the same count, so all skip the same ones
+    elastic = cfg.loop_distribution().sampled or cfg.backprop_loops > 0
+    return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=elastic)
 
 
 def no_sync(wrapped: nn.Module, sync: bool):
@@ -152,11 +155,14 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict, optim: dict | None):
-    """Load full (unsharded) state into a possibly sharded model; every rank passes the full dicts."""
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, weights, options=options)
+    """Load full (unsharded) state into a possibly sharded model; every rank passes the full dicts.
+
+    The model's weights must match exactly. The optimizer state may lack parameters that never had a gradient
+    (AdamW creates state at a parameter's first gradient: e.g. MeSH routers of loop counts not drawn yet),
+    which is exactly the state the uninterrupted run holds."""
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
     if optimizer is not None and optim is not None:
-        set_optimizer_state_dict(model, optimizer, optim, options=options)
+        set_optimizer_state_dict(model, optimizer, optim, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def all_mean(value: torch.Tensor, env: Env) -> torch.Tensor:

@@ -104,6 +104,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)  # same initial weights on every rank and every resume
         self.model = MeshLM(self.model_cfg).to(env.device)  # the unwrapped handle: state dicts, saving
         self.wrapped = parallel.wrap(self.model, cfg, env)  # what forward() goes through
+        self.loop_dist = cfg.loop_distribution()  # loop count per step, from (seed, step): same on every rank
+        self.step_loops = self.model_cfg.layout.n_steps  # the last step's loop count (logged when sampled)
         self.optimizer = build_optimizer(self.model, cfg, env.device)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.flops_per_token = describe(self.model_cfg, self.seq_len).train_flops_per_token
@@ -185,11 +187,15 @@ class Trainer:
                             env.rank, env.world, micro_batches=self.accum)
         total = torch.zeros((), device=env.device)
         parts = {name: torch.zeros((), device=env.device) for name in LOSS_PARTS}
+        depth = {}  # fixed depth: the model's own K, exactly today's call
+        if self.loop_dist.sampled or self.loop_dist.low or cfg.backprop_loops:
+            depth = dict(loops=self.loop_dist.draw(cfg.seed, step), backprop_loops=cfg.backprop_loops or None)
+        self.step_loops = depth.get("loops") or self.model_cfg.layout.n_steps
         for i, (x, y) in enumerate(batches):  # x, y: (micro_batch, seq_len)
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
             with parallel.no_sync(self.wrapped, sync=i == len(batches) - 1):
                 with parallel.autocast(env):
-                    out = self.wrapped(x, y)
+                    out = self.wrapped(x, y, **depth)
                 (out.loss / len(batches)).backward()  # mean over micro-batches = mean over the global batch
             total += out.loss.detach()
             for name in parts:
@@ -312,7 +318,7 @@ class Trainer:
             self.metrics.log({"kind": "train" if ok else "skip", "step": self.step, "loss": loss, "lr": lr,
                               "grad_norm": norm, "tokens": self.step * self.tokens_per_step,
                               "tokens_per_s": rate, "mfu": self.mfu(rate), "elapsed_s": elapsed,
-                              **self.loss_parts})
+                              **self.loss_parts, **({"loops": self.step_loops} if self.loop_dist.sampled else {})})
         bar.update(loss, rate, self.mfu(rate), lr)
 
     def _evaluate_and_save(self, loss: float, result: TrainResult, bar: Progress) -> None:

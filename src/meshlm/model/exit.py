@@ -1,0 +1,236 @@
+"""Per-token adaptive exit: a token stops looping once it has converged, and then stops costing compute.
+
+Two training-free criteria, checked after every loop step j = 1 … K (a token always runs at least one step):
+
+    state:τ   ‖h^j − h^{j−1}‖ / ‖h^{j−1}‖ < τ                        cheap: two norms per token
+    kl:τ      KL(p_j ‖ p_{j−1}) < τ, p_j = softmax(head(coda(h^j)))   one coda + head "probe" per step,
+                                                                     plus one on h⁰ (j = 0)
+
+τ = 0 never exits (both criteria are >= 0 and the test is strict), so the logits are exactly the full-depth
+ones; τ = ∞ exits every token after one step: the one-loop logits. With `state` the coda runs once, on each
+token's exit state; with `kl` a token's logits are its probe at the step it exits (its coda cache slots are
+per probe, so later tokens' probes see the same keys in cached and uncached runs).
+
+What an exited token leaves behind for the others. Later tokens (and, in a full sequence, other tokens at
+deeper steps) attend to it at every loop step. Its keys/values at a step it skipped are those of the last
+step it computed, copied forward. This is free (nothing is recomputed), causal, and identical in a full
+sequence and in cached decoding, so cached == uncached with exit on (tests/test_exit.py). Recomputing the
+layers on its frozen state would cost the compute the exit saves; zeros would make it invisible to deeper
+layers. Copying forward keeps its most refined representation visible.
+
+How compute is skipped. Each step runs the core on the *active* tokens only:
+- all tokens active: the ordinary computation (bit-identical to the model without exit);
+- few active (fraction < GATHER_BELOW): gather them, per batch row padded to the row with the most (padding
+  repeats a row's own token, so scattering back is idempotent), with their rotary tables and mask rows; the
+  attention reads every token's current keys/values from `ExitKV`;
+- otherwise mask: compute every token and keep only the active ones' results (cheaper than gathering when
+  most tokens are still active, benchmarks/elastic.py).
+In cached decoding at batch 1 a token that exits ends the loop: steps j+1 … K are not run, their cache slots
+get its copied-forward keys/values. The scheme's own update is per token and cheap; it runs on all tokens.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from meshlm.errors import ConfigError
+from meshlm.model.kv_cache import LayerCache
+from meshlm.model.layers import Rope, attention_mask_from_padding
+
+CRITERIA = ("state", "kl")
+GATHER_BELOW = 0.5  # gather the active tokens when they are fewer than this fraction of the batch's tokens
+
+
+@dataclass(frozen=True)
+class ExitRule:
+    criterion: str  # one of CRITERIA
+    threshold: float  # τ >= 0 (inf allowed)
+
+    def __post_init__(self) -> None:
+        if self.criterion not in CRITERIA:
+            raise ConfigError(f"exit criterion {self.criterion!r} is unknown; use one of: {', '.join(CRITERIA)} "
+                              f"(e.g. state:0.05 or kl:1e-4)")
+        if not (isinstance(self.threshold, (int, float)) and self.threshold >= 0):
+            raise ConfigError(f"exit threshold {self.threshold!r} must be a number >= 0 (0 = never exit, inf = "
+                              f"after one loop), e.g. state:0.05 or kl:1e-4")
+
+    @classmethod
+    def parse(cls, text: str | ExitRule) -> ExitRule:
+        """"state:0.05", "kl:1e-4" -> ExitRule."""
+        if isinstance(text, ExitRule):
+            return text
+        criterion, sep, value = str(text).strip().partition(":")
+        try:
+            threshold = float(value)
+        except ValueError:
+            threshold = None
+        if not sep or threshold is None or math.isnan(threshold):
+            raise ConfigError(f"exit rule {text!r} is not CRITERION:THRESHOLD with CRITERION one of "
+                              f"{', '.join(CRITERIA)} and a number >= 0, e.g. state:0.05 or kl:1e-4")
+        return cls(criterion.lower(), threshold)
+
+    def __str__(self) -> str:
+        return f"{self.criterion}:{self.threshold:g}"
+
+
+class ExitKV:
+    """The cache the layers see during loop steps under exit: it keeps every layer's *current* keys/values for
+    all new tokens (active ones just computed, exited ones from their last computed step) and appends them to
+    the real cache's slot for that step, so deeper steps and later tokens attend to the same thing.
+
+    `stage(group, first_slot, sel)` points it at one stage (a core pass or a coda probe); `sel` is None when
+    every token is computed, else (rows (R,), cols (R, m)) of the gathered tokens."""
+
+    def __init__(self, inner: LayerCache | None, active: torch.Tensor):
+        self.inner, self.active = inner, active  # active: (B, T) bool, shared with the tracker
+        self.latest: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.group, self.first, self.sel = "core", 0, None
+
+    def stage(self, group: str, first_slot: int, sel) -> ExitKV:
+        self.group, self.first, self.sel = group, first_slot, sel
+        return self
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """key, value: (B or R, H, T or m, hd) of the computed tokens -> every key/value they attend to."""
+        name = (self.group, layer_idx - self.first)
+        old = self.latest.get(name)
+        if old is None or (self.sel is None and bool(self.active.all())):
+            new = key, value  # every token computed and kept: exactly the model without exit
+        elif self.sel is None:  # masked: keep the computed ones of active tokens only
+            keep = self.active[:, None, :, None]
+            new = torch.where(keep, key, old[0]), torch.where(keep, value, old[1])
+        else:  # gathered: scatter the computed tokens into copies of the current keys/values
+            rows, cols = self.sel
+            new = tuple(_scatter_tokens(o, rows, cols, x) for o, x in zip(old, (key, value)))
+        self.latest[name] = new
+        full = self.inner.update(*new, layer_idx) if self.inner is not None else new  # (B, H, P + T, hd)
+        return full if self.sel is None else (full[0][self.sel[0]], full[1][self.sel[0]])
+
+    def get_seq_length(self) -> int:
+        return 0 if self.inner is None else self.inner.get_seq_length()
+
+    def copy_forward(self, group: str, first_slot: int) -> None:
+        """Append the current keys/values of `group` to the real cache's slots from first_slot (a skipped stage)."""
+        if self.inner is None:
+            return
+        for (g, i), (k, v) in sorted(self.latest.items(), key=lambda item: item[0][1]):
+            if g == group:
+                self.inner.update(k, v, first_slot + i)
+
+
+def _expand(active: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """(B, T) -> broadcastable against like (B, T, …)."""
+    return active.view(*active.shape, *([1] * (like.dim() - 2)))
+
+
+def _scatter_tokens(base: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A copy of base (B, H, T, hd) with tokens (rows, cols) replaced by x (R, H, m, hd)."""
+    out = base.clone()
+    out[rows[:, None], :, cols] = x.transpose(1, 2)  # advanced indices first: (R, m, H, hd)
+    return out
+
+
+class ExitTracker:
+    """Which tokens are still looping, how many steps each ran, and the gathered views of each step."""
+
+    def __init__(self, rule: ExitRule, h0: torch.Tensor, rope: Rope, mask: torch.Tensor | None,
+                 padding_mask: torch.Tensor | None, cache: LayerCache | None, past: int):
+        b, t, _ = h0.shape
+        self.rule = rule
+        self.active = torch.ones(b, t, dtype=torch.bool, device=h0.device)
+        self.loops = torch.zeros(b, t, dtype=torch.long, device=h0.device)  # steps run per token
+        self.probes = torch.zeros(b, t, dtype=torch.long, device=h0.device)  # coda + head evaluations
+        self.kv = ExitKV(cache, self.active)
+        self.rope, self.mask, self.padding_mask, self.past = rope, mask, padding_mask, past
+        self.logits: torch.Tensor | None = None  # kl: (B, T, V) each token's latest probe
+        self.sel = None
+
+    # -- one step's view ------------------------------------------------------------------------------------------
+    def select(self) -> None:
+        """Choose how this step computes: all tokens (sel None) or the gathered active ones."""
+        self.sel = None
+        b, t = self.active.shape
+        counts = self.active.sum(1)  # (B,)
+        rows = counts.nonzero().squeeze(1)
+        m = int(counts.max())
+        if bool(self.active.all()) or len(rows) * m >= GATHER_BELOW * b * t:
+            return
+        # per row: the active columns first (stable), padded with the row's first active column
+        order = torch.sort((~self.active[rows]).to(torch.int8), dim=1, stable=True).indices[:, :m]  # (R, m)
+        fill = order[:, :1].expand(-1, m)
+        valid = torch.arange(m, device=order.device)[None] < counts[rows][:, None]
+        self.sel = rows, torch.where(valid, order, fill)
+
+    def step_inputs(self, h: torch.Tensor, first_slot: int):
+        """Choose this step's computed tokens, then (x, rope, mask, kv) for its core pass."""
+        self.select()
+        return self.inputs(h, "core", first_slot)
+
+    def skip(self, core_slots: list[int], probe_slots: list[int]) -> None:
+        """Every token exited: fill the skipped steps' cache slots with their copied-forward keys/values."""
+        for slot in core_slots:
+            self.kv.copy_forward("core", slot)
+        for slot in probe_slots:
+            self.kv.copy_forward("probe", slot)
+
+    def view(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, d) -> the computed tokens: itself, or (R, m, d) gathered."""
+        return x if self.sel is None else x[self.sel[0][:, None], self.sel[1]]
+
+    def inputs(self, h: torch.Tensor, group: str, first_slot: int):
+        """(x, rope, mask, kv) for a stage (core pass or coda probe) over this step's computed tokens."""
+        kv = self.kv.stage(group, first_slot, self.sel)
+        if self.sel is None:
+            return h, self.rope, self.mask, kv
+        rows, cols = self.sel
+        rope = tuple(r.expand(self.active.shape[0], -1, -1)[rows[:, None], cols] for r in self.rope)  # (R, m, r)
+        return self.view(h), rope, self._full_mask()[rows[:, None], 0, cols].unsqueeze(1), kv
+
+    def _full_mask(self) -> torch.Tensor:
+        """(B, 1, T, P + T) "may attend" mask of every new token (built once, then gathered from)."""
+        if self.mask is None or self.mask.shape[-2] != self.active.shape[1]:
+            b, t = self.active.shape
+            pad = self.padding_mask
+            if pad is None:
+                pad = torch.ones(b, self.past + t, dtype=torch.long, device=self.active.device)
+            self.mask = attention_mask_from_padding(pad, self.past)
+        return self.mask
+
+    def merge(self, computed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Computed tokens' outputs placed into a (B, T, …) tensor; exited tokens keep `like`'s values."""
+        if self.sel is None:
+            return computed if bool(self.active.all()) else torch.where(_expand(self.active, like), computed, like)
+        out = like.clone()
+        out[self.sel[0][:, None], self.sel[1]] = computed
+        return out
+
+    # -- after a step ---------------------------------------------------------------------------------------------
+    def probe(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Record the computed tokens' probe logits (R, m, V); return KL(new ‖ previous) per computed token."""
+        full = self.merge(logits, self.logits) if self.logits is not None else logits
+        kl = None
+        if self.logits is not None:
+            new, old = (F.log_softmax(self.view(x).float(), -1) for x in (full, self.logits))
+            kl = (new.exp() * (new - old)).sum(-1).clamp_min(0)  # (R, m) or (B, T); >= 0 despite rounding
+        self.logits = full
+        self.probes += self.active
+        return kl
+
+    def advance(self, h_old: torch.Tensor, h_new: torch.Tensor, kl: torch.Tensor | None) -> torch.Tensor:
+        """Count the step, decide who exits, and return the state with exited tokens frozen."""
+        self.loops += self.active
+        if self.rule.criterion == "state":
+            delta = (h_new - h_old).float().norm(dim=-1) / h_old.float().norm(dim=-1).clamp_min(1e-12)  # (B, T)
+            converged = delta < self.rule.threshold
+        else:
+            converged = self.merge(kl < self.rule.threshold, torch.zeros_like(self.active))
+        h = torch.where(self.active[..., None], h_new, h_old)
+        self.active &= ~converged  # in place: ExitKV shares this tensor
+        return h
+
+    @property
+    def finished(self) -> bool:
+        return not bool(self.active.any())
