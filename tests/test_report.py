@@ -34,7 +34,8 @@ def runs(tmp_path_factory):
     out = []
     for i, scheme in enumerate(("mesh", "base")):
         loaded = open_checkpoint(tiny_checkpoint(root, scheme, prepared, seed=i))
-        result = evaluate(loaded, EvalOptions(tasks=None, limit=2), log=lambda message: None)
+        options = EvalOptions(tasks=None, limit=2, exits=["state:0", "state:inf", "kl:0.01"])
+        result = evaluate(loaded, options, log=lambda message: None)
         result["downstream"] = {"0": fake_suite(0, 0.01 * i), "5": fake_suite(5, 0.02 * i)}
         write_json(result, loaded.run_dir / "eval.json")
         samples = torch.randint(0, 8192, (3, 16))
@@ -49,17 +50,19 @@ def test_report_renders_every_section_for_two_runs(runs, tmp_path):
     assert main(["report", *map(str, runs), "--out", str(out), "--title", "two tiny runs",
                  "--figures", str(tmp_path / "figures")]) == 0
     page = out.read_text()
-    for section in ("id='table'", "id='loops'", "id='probes'", "id='notes'", "<h3>0-shot</h3>", "<h3>5-shot</h3>"):
+    for section in ("id='table'", "id='loops'", "id='exit'", "id='probes'", "id='notes'", "<h3>0-shot</h3>",
+                    "<h3>5-shot</h3>"):
         assert section in page
     for name in ("tiny-mesh", "tiny-base", "1+2R2+1", "PIQA", "MMLU", "acc_norm", "val PPL", "non-emb. params"):
         assert name in page
-    assert page.count("<tr>") == 2 * 3 + 3  # two Table-1s and the loops table: header + two runs each
+    # two Table-1s and the loops table: header + two runs each; the exit table: header + 2 runs x 3 rules
+    assert page.count("<tr>") == 2 * 3 + 3 + 7 and "state:inf" in page and "avg loops/token" in page
     images = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page)
-    assert len(images) == 1 + 6  # loss vs loops + updates, cka, cka_steps, spectrum, rank, router
+    assert len(images) == 2 + 6  # loss vs loops, exit frontier + updates, cka, cka_steps, spectrum, rank, router
     assert not re.search(r"(src|href)=['\"](http|file|/)", page)  # self-contained
     assert "--limit 10" in page  # the fake suites were "limited": the note says so
     saved = sorted(p.name for p in (tmp_path / "figures").iterdir())
-    assert saved == sorted(f"{n}.png" for n in ("loops", "updates", "cka", "cka_steps", "spectrum", "rank", "router"))
+    assert saved == sorted(f"{n}.png" for n in ("loops", "exit", "updates", "cka", "cka_steps", "spectrum", "rank", "router"))
 
 
 def test_report_collects_from_a_checkpoint_path_and_explains_missing_results(runs, tmp_path):

@@ -11,6 +11,7 @@ global state, safe in threads and headless). `probe_figures` makes the whole set
     rank         entropy effective rank per stage
     router       MeSH only: slot usage (write), slots read per step, write/read entropy per router pair
     loops        validation loss against the loop count (from eval results; `loops_figure`)
+    exit         validation loss against average loops per token under adaptive exit (`exit_figure`)
 """
 from __future__ import annotations
 
@@ -191,6 +192,44 @@ def loops_figure(runs: list[tuple[str, list[dict]]]) -> Figure | None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return fig
+
+
+def exit_figure(runs: list[tuple[str, list[dict], list[dict]]]) -> Figure | None:
+    """Quality vs. compute under per-token adaptive exit: validation loss against average loop steps per token.
+
+    `runs` = (variant, [eval["exit"] of each seed], [eval["loops"] of each seed]); points are means over seeds.
+    Dashed: fixed depth K' = 1 … the exit's most loops (the frontier exit has to beat); solid: `state` rules,
+    dotted: `kl` rules (which also pay a coda + head per step: see the flops_ratio in eval.json)."""
+    runs = [(name, exits, sweeps) for name, exits, sweeps in runs if any(exits)]
+    if not runs:
+        return None
+    fig = _figure(5.6, 3.6)
+    ax = fig.add_subplot()
+    for i, (name, exits, sweeps) in enumerate(runs):
+        top = max(row["max_loops"] for rows in exits for row in rows)
+        fixed = _mean_by(sweeps, "loops", "loops", "loss", lambda row: row["loops"] <= top)
+        ax.plot(*fixed, "--", color=_color(i), linewidth=1, alpha=0.8)
+        for criterion, style in (("state", "-o"), ("kl", ":^")):
+            xs, ys = _mean_by(exits, "exit", "avg_loops", "loss", lambda row, c=criterion: row["exit"].startswith(c))
+            if xs:
+                ax.plot(xs, ys, style, color=_color(i), markersize=4, label=f"{name} ({criterion})")
+    ax.set_xlabel("average loop steps per token (dashed: fixed depth)")
+    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_title("Adaptive exit: quality vs. average loops")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def _mean_by(groups: list[list[dict]], key: str, x: str, y: str, keep) -> tuple[list[float], list[float]]:
+    """Rows of every seed grouped by `key`, averaged: (mean x, mean y) sorted by x."""
+    by: dict = {}
+    for rows in groups:
+        for row in rows:
+            if keep(row):
+                by.setdefault(row[key], []).append((row[x], row[y]))
+    points = sorted((float(np.mean([a for a, _ in v])), float(np.mean([b for _, b in v]))) for v in by.values())
+    return [a for a, _ in points], [b for _, b in points]
 
 
 FIGURES = {"updates": updates, "cka": cka, "cka_steps": cka_steps, "spectrum": spectrum, "rank": rank,

@@ -126,6 +126,11 @@ def report_figures(runs: list[RunResults]) -> dict[str, bytes]:
     loops = plots.loops_figure([(r.label, (r.eval or {}).get("loops") or []) for r in runs])
     if loops is not None:
         figures["loops"] = loops
+    variants = list(dict.fromkeys(r.variant for r in runs))
+    exits = plots.exit_figure([(v, [(r.eval or {}).get("exit") or [] for r in runs if r.variant == v],
+                                [(r.eval or {}).get("loops") or [] for r in runs if r.variant == v]) for v in variants])
+    if exits is not None:
+        figures["exit"] = exits
     probed = [(r.label, r.probe) for r in runs if r.probe]
     figures.update(plots.probe_figures(probed) if probed else {})
     return {name: plots.png_bytes(fig) for name, fig in figures.items()}
@@ -142,6 +147,19 @@ def loops_section(runs: list[RunResults], figures: dict) -> str:
         columns.append(_cells([next((row["loss"] for row in rows if row["loops"] == k), None) for _, rows in series],
                               True, "{:.4f}"))
     return _img(figures["loops"]) + _table(["run", "variant", *(f"K'={k}" for k in counts)], columns, len(runs))
+
+
+def exit_section(runs: list[RunResults], figures: dict) -> str:
+    rows = [(r, row) for r in runs for row in (r.eval or {}).get("exit") or []]
+    if "exit" not in figures:
+        return "<p>No run was evaluated with adaptive exit (<code>meshlm eval RUN --exit state:0.1,kl:1e-3</code>).</p>"
+    columns = [[f"<td class='l'>{html.escape(r.name)}</td>" for r, _ in rows],
+               [f"<td class='l'>{html.escape(row['exit'])}</td>" for _, row in rows],
+               _cells([row["loss"] for _, row in rows], True, "{:.4f}"),
+               _cells([row["avg_loops"] for _, row in rows], True, "{:.2f}"),
+               _cells([row["flops_ratio"] for _, row in rows], True, "{:.3f}")]
+    header = ["run", "exit rule", "val loss", "avg loops/token", "FLOPs vs. fixed"]
+    return _img(figures["exit"]) + _table(header, columns, len(rows))
 
 
 def probe_section(runs: list[RunResults], figures: dict) -> str:
@@ -190,6 +208,7 @@ def render(runs: list[RunResults], title: str = "meshlm report", figures: dict[s
             f"<ul>{run_list}</ul>"
             f"<h2 id='table'>Table 1: perplexity and downstream accuracy (%)</h2>{tables}"
             f"<h2 id='loops'>Loss vs. loop count</h2>{loops_section(runs, figures)}"
+            f"<h2 id='exit'>Adaptive exit</h2>{exit_section(runs, figures)}"
             f"<h2 id='probes'>Probes</h2>{probe_section(runs, figures)}"
             f"<h2 id='notes'>Notes</h2>{notes(runs)}")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"

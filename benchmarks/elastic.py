@@ -1,0 +1,224 @@
+"""Elastic depth, side by side in one run; every figure is a ratio of interleaved medians.
+
+    .venv/bin/python benchmarks/elastic.py decode CKPT --exit state:0.2 --threads 1 --clock cpu
+    .venv/bin/python benchmarks/elastic.py gather CKPT --exit state:0.1,state:0.2,state:0.3 --threads 1 --clock cpu
+    .venv/bin/python benchmarks/elastic.py memory                  # truncated backprop: peak memory vs. fixed K = k
+    .venv/bin/python benchmarks/elastic.py throughput --baseline-src /path/to/older/src   # fixed-K training speed
+
+decode      cached greedy decoding at batch 1: fixed depth vs. per-token adaptive exit (target: tokens/s ≥ 1.3×);
+            also the average loop steps per generated token.
+gather      full-sequence forward under exit: gathering the active tokens vs. masking (computing every token),
+            at the active fractions the given rules produce (how meshlm.model.exit.GATHER_BELOW was chosen).
+memory      one training step (forward + backward) per fresh process: peak RSS growth and autograd's saved
+            activations for a fixed K = k run, for sampled counts n > k with backprop_loops = k, and for n with
+            full backprop (target: truncated within 10% of fixed K = k).
+throughput  training steps (forward + backward + AdamW) of a fixed-K model in two source trees, alternating
+            processes (target: this tree ≤ 2% slower than the baseline tree).
+
+On a shared machine use --threads 1 --clock cpu (CPU time ignores the time other jobs hold the cores).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from benchkit import add_timing_arguments, interleaved_medians, timing_setup
+
+HERE = Path(__file__).resolve().parent
+
+
+def load(path: str):
+    from meshlm import checkpoint
+
+    return checkpoint.load_model(path, "cpu").eval()
+
+
+# -- decode ----------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def greedy(model, prompt: torch.Tensor, new_tokens: int, loops: int | None, exit: str | None) -> list[int]:
+    """Batch-1 cached greedy decoding; returns the loop steps each generated token ran."""
+    from meshlm.model.kv_cache import KVCache
+
+    kv, step_input, steps = KVCache(), prompt, []
+    for _ in range(new_tokens):
+        out = model(step_input, cache=kv, loops=loops, exit=exit)
+        step_input = out.logits[:, -1].argmax(-1, keepdim=True)
+        steps.append(loops or model.config.layout.n_steps if exit is None else int(out.exit_loops[0, -1]))
+    return steps
+
+
+def decode(args) -> None:
+    clock = timing_setup(args)
+    model = load(args.checkpoint)
+    k = args.loops or model.config.layout.n_steps
+    prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    runs = {"fixed": None, **{rule: rule for rule in args.exit.split(",")}}
+    steps = {name: greedy(model, prompt, args.new_tokens, k, rule) for name, rule in runs.items()}
+    medians = interleaved_medians({name: (lambda r=rule: greedy(model, prompt, args.new_tokens, k, r))
+                                   for name, rule in runs.items()}, args.rounds, clock)
+    print(f"cached greedy decoding, batch 1, {args.prompt}-token prompt + {args.new_tokens} tokens, at most {k} "
+          f"loops ({args.clock} clock, medians of {args.rounds} interleaved rounds)")
+    print(f"{'run':<16} {'tokens/s':>9} {'vs fixed':>9} {'avg loops/token':>16}")
+    for name, seconds in medians.items():
+        print(f"{name:<16} {args.new_tokens / seconds:>9.1f} {medians['fixed'] / seconds:>8.2f}x "
+              f"{statistics.mean(steps[name]):>16.2f}")
+
+
+# -- gather vs. mask -------------------------------------------------------------------------------------------
+def gather(args) -> None:
+    from meshlm.model import exit as exit_module
+
+    clock = timing_setup(args)
+    model = load(args.checkpoint)
+    x = torch.randint(0, model.config.vocab_size, (args.batch, args.seq),
+                      generator=torch.Generator().manual_seed(0))
+    print(f"full-sequence forward under exit, batch {args.batch} x {args.seq} tokens ({args.clock} clock)")
+    print(f"{'rule':<14} {'avg loops':>9} {'gather/mask time':>17}")
+    for rule in args.exit.split(","):
+        def run(below: float, r=rule):
+            exit_module.GATHER_BELOW = below
+            with torch.no_grad():
+                return model(x, exit=r)
+        loops = run(0.0).exit_loops.float().mean().item()
+        medians = interleaved_medians({"mask": lambda: run(0.0), "gather": lambda: run(1.01)}, args.rounds, clock)
+        print(f"{rule:<14} {loops:>9.2f} {medians['gather'] / medians['mask']:>16.2f}x")
+
+
+# -- peak memory -----------------------------------------------------------------------------------------------
+def memory_child(spec: str) -> None:
+    """One forward + backward in this fresh process; prints JSON with peak RSS growth and saved activations."""
+    from meshlm.config import ModelConfig
+    from meshlm.model import MeshLM
+
+    cfg = json.loads(spec)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = MeshLM(ModelConfig(spec=cfg["spec"], d_model=cfg["d"], n_heads=cfg["d"] // 64, vocab_size=8192,
+                               context_length=cfg["seq"], max_loops=cfg["cap"])).train()
+    x = torch.randint(0, 8192, (cfg["batch"], cfg["seq"]))
+    saved = [0]
+
+    def pack(t: torch.Tensor):
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x, targets=x, loops=cfg["loops"], backprop_loops=cfg["backprop"])
+    out.loss.backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"rss_growth_mib": (peak - before) / 1024, "saved_mib": saved[0] / 2 ** 20}))
+
+
+def memory(args) -> None:
+    k = args.k
+    base = dict(spec=args.spec, d=args.d_model, seq=args.seq, batch=args.batch, cap=max(args.counts + [k]))
+    configs = {f"fixed K={k}": dict(base, loops=k, backprop=None),
+               **{f"n={n}, backprop {k}": dict(base, loops=n, backprop=k) for n in args.counts},
+               **{f"n={n}, full backprop": dict(base, loops=n, backprop=None) for n in args.counts[-1:]}}
+    results: dict[str, list[dict]] = {name: [] for name in configs}
+    for _ in range(args.rounds):  # interleaved: one fresh process per config per round
+        for name, cfg in configs.items():
+            out = subprocess.run([sys.executable, __file__, "memory-child", json.dumps(cfg)], capture_output=True,
+                                 text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            results[name].append(json.loads(out.stdout))
+    ref = {key: statistics.median(r[key] for r in results[f"fixed K={k}"]) for key in ("rss_growth_mib", "saved_mib")}
+    print(f"one training step of {args.spec} d={args.d_model}, batch {args.batch} x {args.seq}, medians of "
+          f"{args.rounds} fresh processes per config")
+    print(f"{'run':<24} {'peak RSS growth MiB':>20} {'vs fixed':>9} {'saved activations MiB':>22} {'vs fixed':>9}")
+    for name, rows in results.items():
+        rss, act = (statistics.median(r[key] for r in rows) for key in ("rss_growth_mib", "saved_mib"))
+        print(f"{name:<24} {rss:>20.1f} {rss / ref['rss_growth_mib']:>8.3f}x {act:>22.1f} "
+              f"{act / ref['saved_mib']:>8.3f}x")
+
+
+# -- training throughput across two source trees -----------------------------------------------------------------
+def throughput_child(spec: str) -> None:
+    """Time `steps` training steps of the default fixed-K path; prints tokens per CPU-second."""
+    import time
+
+    from meshlm.config import ModelConfig
+    from meshlm.model import MeshLM
+
+    cfg = json.loads(spec)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = MeshLM(ModelConfig(spec=cfg["spec"], d_model=cfg["d"], n_heads=cfg["d"] // 32, vocab_size=8192,
+                               context_length=cfg["seq"])).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 8192, (cfg["batch"], cfg["seq"]))
+    times = []
+    for i in range(cfg["steps"] + 1):
+        start = time.process_time()
+        model(x, targets=x).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i:  # the first step warms up
+            times.append(time.process_time() - start)
+    print(json.dumps({"tokens_per_s": x.numel() / statistics.median(times)}))
+
+
+def throughput(args) -> None:
+    cfg = dict(spec=args.spec, d=args.d_model, seq=args.seq, batch=args.batch, steps=args.steps)
+    trees = {"baseline": args.baseline_src, "this tree": str(HERE.parent / "src")}
+    rates: dict[str, list[float]] = {name: [] for name in trees}
+    for _ in range(args.rounds):
+        for name, src in trees.items():
+            env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+            out = subprocess.run([sys.executable, __file__, "throughput-child", json.dumps(cfg)], capture_output=True,
+                                 text=True, check=True, env=env)
+            rates[name].append(json.loads(out.stdout)["tokens_per_s"])
+    base, this = (statistics.median(rates[n]) for n in trees)
+    print(f"fixed-K training steps of {args.spec} d={args.d_model}, batch {args.batch} x {args.seq}, CPU time, "
+          f"{args.rounds} alternating process pairs x {args.steps} steps")
+    print(f"baseline ({args.baseline_src}): {base:,.0f} tokens/s; this tree: {this:,.0f} tokens/s; "
+          f"ratio {this / base:.3f} (per-round ratios {[round(b / a, 3) for a, b in zip(*rates.values())]})")
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] in ("memory-child", "throughput-child"):
+        return (memory_child if sys.argv[1] == "memory-child" else throughput_child)(sys.argv[2])
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in ("decode", "gather"):
+        q = sub.add_parser(name)
+        q.add_argument("checkpoint", help="a trained checkpoint (run dir or step dir)")
+        q.add_argument("--exit", default="state:0.2", help="comma-separated exit rules")
+        add_timing_arguments(q, rounds=5)
+        if name == "decode":
+            q.add_argument("--loops", type=int, default=None, help="most loop steps (default: the trained K)")
+            q.add_argument("--prompt", type=int, default=32)
+            q.add_argument("--new-tokens", type=int, default=64)
+        else:
+            q.add_argument("--batch", type=int, default=8)
+            q.add_argument("--seq", type=int, default=128)
+    q = sub.add_parser("memory")
+    q.add_argument("--spec", default="2+2R4+2")
+    q.add_argument("--d-model", type=int, default=256)
+    q.add_argument("--seq", type=int, default=256)
+    q.add_argument("--batch", type=int, default=8)
+    q.add_argument("--k", type=int, default=4, help="backprop_loops, and the fixed run's K")
+    q.add_argument("--counts", type=lambda s: [int(v) for v in s.split(",")], default=[8, 16],
+                   help="sampled counts n > k to compare")
+    q.add_argument("--rounds", type=int, default=3)
+    q = sub.add_parser("throughput")
+    q.add_argument("--baseline-src", required=True, help="the src/ folder of the tree to compare against")
+    q.add_argument("--spec", default="2+2R2+2")
+    q.add_argument("--d-model", type=int, default=128)
+    q.add_argument("--seq", type=int, default=128)
+    q.add_argument("--batch", type=int, default=16)
+    q.add_argument("--steps", type=int, default=10)
+    q.add_argument("--rounds", type=int, default=6)
+    args = p.parse_args()
+    {"decode": decode, "gather": gather, "memory": memory, "throughput": throughput}[args.command](args)
+
+
+if __name__ == "__main__":
+    main()
