@@ -62,7 +62,8 @@ def test_report_renders_every_section_for_two_runs(runs, tmp_path):
     assert not re.search(r"(src|href)=['\"](http|file|/)", page)  # self-contained
     assert "--limit 10" in page  # the fake suites were "limited": the note says so
     saved = sorted(p.name for p in (tmp_path / "figures").iterdir())
-    assert saved == sorted(f"{n}.png" for n in ("loops", "exit", "updates", "cka", "cka_steps", "spectrum", "rank", "router"))
+    names = ("loops", "exit", "updates", "cka", "cka_steps", "spectrum", "rank", "router")
+    assert saved == sorted(f"{n}.png" for n in names)
 
 
 def test_report_collects_from_a_checkpoint_path_and_explains_missing_results(runs, tmp_path):

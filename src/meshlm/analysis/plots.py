@@ -207,7 +207,7 @@ def exit_figure(runs: list[tuple[str, list[dict], list[dict]]]) -> Figure | None
     ax = fig.add_subplot()
     for i, (name, exits, sweeps) in enumerate(runs):
         top = max(row["max_loops"] for rows in exits for row in rows)
-        fixed = _mean_by(sweeps, "loops", "loops", "loss", lambda row: row["loops"] <= top)
+        fixed = _mean_by(sweeps, "loops", "loops", "loss", lambda row, top=top: row["loops"] <= top)
         ax.plot(*fixed, "--", color=_color(i), linewidth=1, alpha=0.8)
         for criterion, style in (("state", "-o"), ("kl", ":^")):
             xs, ys = _mean_by(exits, "exit", "avg_loops", "loss", lambda row, c=criterion: row["exit"].startswith(c))
