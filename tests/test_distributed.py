@@ -46,3 +46,20 @@ def test_fsdp_run_resumes_under_fsdp(prepared, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed" in done.stderr and "step-000003" in done.stderr
     assert sorted(train_losses(cfg.run_dir())) == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_sampled_depth_keeps_ranks_in_lockstep(prepared, tmp_path, mode):
+    """Every rank draws the same loop count per step (MeSH routers of undrawn steps get no gradient on any
+    rank), so two processes still train exactly like one."""
+    depth = dict(steps=STEPS, save_every=0, loops="uniform:1-4", backprop_loops=2)
+    ref = train(tiny_train(prepared, tmp_path / "one", **depth))
+    cfg = tiny_train(prepared, tmp_path / "two", distributed=mode, **depth)
+    done = cli("train", *as_overrides(cfg), launcher=TORCHRUN)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = train_losses(cfg.run_dir())
+    for step, loss in ref.losses.items():
+        assert abs(got[step] - loss) <= 1e-5, (step, got[step], loss)
+    weights = checkpoint.load_model(ref.run_dir).state_dict()
+    for name, tensor in checkpoint.load_model(cfg.run_dir()).state_dict().items():
+        torch.testing.assert_close(tensor, weights[name], atol=1e-4, rtol=0, msg=name)
