@@ -1,11 +1,22 @@
 """Self-speculative decoding: the staged forward, cache rollback, exact greedy output, the sampling rule."""
+import itertools
+
 import pytest
 import torch
 from conftest import build, tiny
 
+from meshlm import speculative
+from meshlm.cli import main
+from meshlm.errors import ConfigError
+from meshlm.generate import Sampling, draw, generate, probabilities
 from meshlm.model import SCHEMES
 from meshlm.model.kv_cache import KVCache
 from meshlm.model.schemes import concat_contexts
+from meshlm.speculative import Speculation, SpeculationStats
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]  # batch 3, left-padded to 7
+LOOPED = sorted(set(SCHEMES) - {"vanilla"})
+SETTINGS = ["1:3", "2:2", "3:5", "1:1", "2", "auto"]  # K_d:γ, K_d with γ chosen, both chosen
 
 
 @pytest.mark.parametrize("scheme", sorted(set(SCHEMES) - {"vanilla"}))
@@ -35,3 +46,140 @@ def test_crop_forgets_the_tail_of_chosen_slots():
     assert [k.shape[-2] for k in cache.keys] == [5, 3, 3]
     cache.crop(2)
     assert [v.shape[-2] for v in cache.values] == [2, 2, 2]
+
+
+
+def greedy_both_ways(model, prompts, n, speculate):
+    s = Sampling(max_new_tokens=n, temperature=0, stop_at_eos=False)
+    stats = SpeculationStats()
+    return generate(model, prompts, s), generate(model, prompts, s, speculate=speculate, stats=stats), stats
+
+
+@pytest.mark.parametrize("scheme", LOOPED)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_greedy_speculation_is_token_for_token_plain_cached_greedy(scheme, batch):
+    """Every scheme, batch 1 and batch 3 left-padded, 64 new tokens; the K_d:γ setting varies by scheme."""
+    model = build(tiny(scheme=scheme, spec="1+2R4+1", context_length=96))
+    speculate = SETTINGS[LOOPED.index(scheme) % len(SETTINGS)]
+    plain, spec, stats = greedy_both_ways(model, PROMPTS[:batch] if batch == 1 else PROMPTS, 64, speculate)
+    assert spec == plain, (speculate, stats.summary())
+    assert all(len(row) == 64 for row in spec)
+    assert stats.tokens == 64 * batch and stats.rounds > 0
+
+
+@pytest.mark.parametrize("scheme", ["mesh", "base"])
+def test_auto_is_exact_and_reports_its_choice(scheme):
+    model = build(tiny(scheme=scheme, spec="1+2R4+1", context_length=96))
+    plain, spec, stats = greedy_both_ways(model, PROMPTS, 64, "auto")
+    assert spec == plain
+    assert stats.setting and stats.acceptance_by_depth and stats.plain_steps >= 1  # timed before probing
+
+
+def test_rejections_rollback_and_compaction_keep_greedy_exact(monkeypatch):
+    """A draft that often disagrees (base, K_d = 1), rows accepting different counts, and a context so tight
+    that rollback holes must be squeezed out (compact) for the rounds to fit."""
+    compactions = []
+    original = speculative.Decoder.compact
+    monkeypatch.setattr(speculative.Decoder, "compact", lambda self: compactions.append(1) or original(self))
+    model = build(tiny(scheme="base", spec="1+2R4+1", context_length=7 + 64))
+    plain, spec, stats = greedy_both_ways(model, PROMPTS, 64, "1:4")
+    assert spec == plain
+    assert 0.1 < stats.acceptance < 0.9, stats.summary()  # both paths taken, often
+    assert compactions
+
+
+def test_stops_at_eos_like_plain_decoding():
+    model = build(tiny(scheme="anchor", spec="1+2R4+1", context_length=96))
+    s = Sampling(max_new_tokens=40, temperature=0)
+    eos = generate(model, PROMPTS, Sampling(max_new_tokens=40, temperature=0, stop_at_eos=False))[1][5]
+    assert generate(model, PROMPTS, s, eos_id=eos, speculate="2:3") == generate(model, PROMPTS, s, eos_id=eos)
+
+
+# -- sampling: the output distribution is exactly the full model's -------------------------------------------
+V, L, N = 6, 3, 4000  # vocabulary, continuation length, samples (one batch of N identical prompts)
+PROMPT = [2, 3]
+
+
+@pytest.fixture(scope="module")
+def peaked_model():
+    """A tiny base model whose K_d = 1 draft disagrees with the full depth often (weights ×3)."""
+    model = build(tiny(scheme="base", spec="1+1R3+1", vocab_size=V, d_model=16, n_heads=2), seed=3)
+    with torch.no_grad():
+        for weight in model.parameters():
+            weight.mul_(3.0)
+    return model
+
+
+def exact_distribution(model, s):
+    """Probability of each of the V^L continuations under the full model with the filters applied."""
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=L)))  # (V^L, L)
+    ids = torch.cat([torch.tensor(PROMPT).expand(len(seqs), -1), seqs], 1)
+    with torch.no_grad():
+        p = probabilities(model(ids).logits[:, len(PROMPT) - 1:-1], s)  # (V^L, L, V)
+    return p.gather(-1, seqs[..., None]).squeeze(-1).prod(-1).double()
+
+
+def chi_square(samples, p):
+    """Pearson's statistic of the samples' continuation counts against p (cells expected < 5 pooled), and the
+    critical value at significance 1e-4 (Wilson–Hilferty)."""
+    index = torch.tensor([sum(t * V ** (L - 1 - i) for i, t in enumerate(row)) for row in samples])
+    counts = torch.bincount(index, minlength=V ** L).double()
+    expected = p * len(samples)
+    big = expected >= 5
+    stat = ((counts[big] - expected[big]) ** 2 / expected[big]).sum()
+    stat += (counts[~big].sum() - expected[~big].sum()) ** 2 / expected[~big].sum().clamp(min=1e-9)
+    df = int(big.sum())
+    return float(stat), df * (1 - 2 / (9 * df) + 3.719 * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def resample_from_p(self, p, q, d):
+    """A deliberately wrong rule: on rejection draw from p instead of the residual max(0, p − q)."""
+    accepted, _ = ORIGINAL_ACCEPT(self, p, q, d)
+    b, _, v = q.shape
+    return accepted, draw(p.gather(1, accepted[:, None, None].expand(b, 1, v)).squeeze(1), self.s, self.generator)
+
+
+ORIGINAL_ACCEPT = speculative.Decoder._accept
+
+
+@pytest.mark.parametrize("filters", [dict(temperature=1.0), dict(temperature=0.8, top_k=4, top_p=0.9)])
+def test_speculative_sampling_has_the_full_models_distribution(peaked_model, filters, monkeypatch):
+    s = Sampling(max_new_tokens=L, seed=1, stop_at_eos=False, **filters)
+    p = exact_distribution(peaked_model, s)
+    stat, critical = chi_square(generate(peaked_model, [PROMPT] * N, s), p)
+    assert stat < critical, ("plain", stat, critical)
+    stats = SpeculationStats()
+    stat, critical = chi_square(generate(peaked_model, [PROMPT] * N, s, speculate="1:2", stats=stats), p)
+    assert stat < critical, ("speculative", stat, critical)
+    assert 0.2 < stats.acceptance < 0.95, stats.summary()  # rejections are frequent: the residual matters
+    monkeypatch.setattr(speculative.Decoder, "_accept", resample_from_p)
+    stat, critical = chi_square(generate(peaked_model, [PROMPT] * N, s, speculate="1:2"), p)
+    assert stat > critical, ("the wrong rule passed", stat, critical)
+
+
+# -- settings, errors, the command line ----------------------------------------------------------------------
+def test_bad_settings_are_one_line_errors():
+    looped = build(tiny(spec="1+1R3+1"))
+    for text, message in [("3", "K_d=3 must be in 1 … 2"), ("0", "K_d=0 must be in 1"), ("1:0", "γ=0"),
+                          ("x", "not auto, K_d or K_d:γ")]:
+        with pytest.raises(ConfigError, match=message):
+            generate(looped, PROMPTS, Sampling(max_new_tokens=4), speculate=text)
+    flat = build(tiny(scheme="vanilla", spec="1+1+1+1"))
+    with pytest.raises(ConfigError, match="repeats none"):
+        generate(flat, PROMPTS, Sampling(max_new_tokens=4), speculate="auto")
+    assert Speculation.parse("2:5") == Speculation(2, 5) and Speculation.parse("auto") == Speculation()
+
+
+def test_cli_prints_acceptance_and_speed_on_stderr(tmp_path, capsys):
+    from meshlm.interop.convert import write_checkpoint
+
+    model = build(tiny(spec="1+1R3+1", vocab_size=8192, context_length=48))
+    write_checkpoint(tmp_path / "ckpt", model.config, model.state_dict())
+    args = ["generate", str(tmp_path / "ckpt"), "Once upon a time", "-n", "12", "-t", "0"]
+    assert main(args) == 0
+    plain = capsys.readouterr()
+    assert main(args + ["--speculate", "1:3"]) == 0
+    spec = capsys.readouterr()
+    assert spec.out == plain.out  # the text alone on stdout, the same text
+    assert "acceptance" in spec.err and "tokens/s" in spec.err
+    assert main(args + ["--speculate", "5"]) != 0

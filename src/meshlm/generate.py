@@ -46,21 +46,35 @@ class Sampling:
             raise ConfigError("invalid sampling settings: " + "; ".join(problems))
 
 
-def next_token(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(B, V) logits of the last position -> (B,) token ids."""
+def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """(..., V) logits -> the distribution `next_token` samples from: temperature, then top-k, then top-p
+    (nucleus) filtering, in fp32. Greedy (temperature 0) is the one-hot of the argmax."""
     if s.temperature == 0:
-        return logits.argmax(-1)
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits.float() / s.temperature
     if s.top_k:
-        kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[..., -1:]  # (..., 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if s.top_p < 1:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         drop_sorted = cumulative - sorted_logits.softmax(-1) >= s.top_p  # mass before this token already >= p
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    probs = logits.softmax(-1)
+    return logits.softmax(-1)
+
+
+def draw(probs: torch.Tensor, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(B, V) probabilities -> (B,) token ids: the argmax when greedy, else one multinomial draw per row."""
+    if s.temperature == 0:
+        return probs.argmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def next_token(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+    """(B, V) logits of the last position -> (B,) token ids."""
+    if s.temperature == 0:
+        return logits.argmax(-1)
+    return draw(probabilities(logits, s), s, generator)
 
 
 def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str = "cpu"
@@ -79,8 +93,21 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str =
 
 @torch.no_grad()
 def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0, pad_id: int = 1,
-           cache: bool = True, loops: int | None = None, exit: str | None = None) -> Iterator[torch.Tensor]:
-    """Yield the (B,) next tokens step by step. Rows that reached EOS keep yielding `pad_id`."""
+           cache: bool = True, loops: int | None = None, exit: str | None = None, speculate=None,
+           stats=None) -> Iterator[torch.Tensor]:
+    """Yield the (B,) next tokens step by step. Rows that reached EOS keep yielding `pad_id`.
+
+    `speculate` ("auto", "K_d", "K_d:γ" or a meshlm.speculative.Speculation) decodes by lossless
+    self-speculation (meshlm.speculative): the same tokens when greedy, the same distribution when sampling;
+    `stats` (a SpeculationStats) then receives the acceptance rate, tokens/s and the chosen setting."""
+    if speculate is not None:
+        from meshlm import speculative
+
+        if not cache or exit is not None:
+            raise ConfigError("speculative decoding needs the KV cache and the full depth; drop --no-cache "
+                              "(cache=False) and --exit")
+        yield from speculative.stream(model, prompts, s, speculate, eos_id, pad_id, loops, stats)
+        return
     device = next(model.parameters()).device
     ids, mask = left_pad(prompts, pad_id, device)
     total = ids.shape[1] + s.max_new_tokens
@@ -105,11 +132,13 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
 
 
 def generate(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0, pad_id: int = 1,
-             cache: bool = True, loops: int | None = None, exit: str | None = None) -> list[list[int]]:
-    """The new tokens of every row, up to and including EOS (when stop_at_eos)."""
+             cache: bool = True, loops: int | None = None, exit: str | None = None, speculate=None,
+             stats=None) -> list[list[int]]:
+    """The new tokens of every row, up to and including EOS (when stop_at_eos). `speculate`, `stats`: see
+    `stream`."""
     out: list[list[int]] = [[] for _ in prompts]
     finished = [False] * len(prompts)
-    for token in stream(model, prompts, s, eos_id, pad_id, cache, loops, exit):
+    for token in stream(model, prompts, s, eos_id, pad_id, cache, loops, exit, speculate, stats):
         for row, t in enumerate(token.tolist()):
             if not finished[row]:
                 out[row].append(t)

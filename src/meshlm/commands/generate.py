@@ -2,7 +2,8 @@
 
 CKPT is a checkpoint dir, a run dir (its latest checkpoint) or a folder written by `meshlm convert --to hf`.
 Decoding uses the looped KV cache (one entry per unrolled layer). With several prompts they run as one
-left-padded batch and are printed when done; a single prompt streams token by token.
+left-padded batch and are printed when done; a single prompt streams token by token. `--speculate` decodes
+by lossless self-speculation (meshlm.speculative) and prints its acceptance rate and tokens/s on stderr.
 """
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dtype_argument(p)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (slow)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past <|endoftext|>")
+    p.add_argument("--speculate", default=None, metavar="auto|K_d[:γ]",
+                   help="lossless self-speculative decoding: draft with K_d loop passes, γ tokens per round "
+                        "(auto: chosen from measured acceptance and cost, plain decoding when it would not pay); "
+                        "prints acceptance and tokens/s on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,13 +52,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace, model, tok, s) -> int:
     from meshlm.generate import generate, stream
+    from meshlm.speculative import SpeculationStats
 
     prompts = [tok.encode(text) for text in args.prompts]
-    common = dict(eos_id=tok.eos_id, pad_id=tok.pad_id, cache=not args.no_cache, loops=args.loops, exit=args.exit)
+    stats = SpeculationStats() if args.speculate is not None else None
+    common = dict(eos_id=tok.eos_id, pad_id=tok.pad_id, cache=not args.no_cache, loops=args.loops, exit=args.exit,
+                  speculate=args.speculate, stats=stats)
     if len(prompts) > 1:
         for text, new in zip(args.prompts, generate(model, prompts, s, **common)):
             print(text + tok.decode(t for t in new if t != tok.eos_id))
             print("-" * 40)
+        _report(stats)
         return 0
     sys.stdout.write(args.prompts[0])
     new, shown = [], ""
@@ -67,4 +76,12 @@ def _generate(args: argparse.Namespace, model, tok, s) -> int:
             sys.stdout.flush()
             shown = text
     sys.stdout.write(tok.decode(new)[len(shown):] + "\n")
+    _report(stats)
     return 0
+
+
+def _report(stats) -> None:
+    """Speculation's acceptance rate and speed, on stderr so stdout stays the generated text alone."""
+    if stats is not None:
+        sys.stdout.flush()
+        print(stats.summary(), file=sys.stderr)

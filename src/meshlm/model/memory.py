@@ -88,7 +88,12 @@ class MeSH(Scheme):
         ctx.routing.append((write, read))
         ctx.values.append(value)
         ctx.coefficients = torch.cat([ctx.coefficients, write.unsqueeze(-1)], dim=-1)  # (B, T, slots, J)
-        mix = (read.unsqueeze(-2) @ ctx.coefficients).to(value.dtype)  # (B, T, 1, J)
+        return self._read(read, ctx)
+
+    @staticmethod
+    def _read(read: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
+        """Σ_b read_b·m_b for read weights (B, T, slots): a per-token mix of the written values, (B, T, d)."""
+        mix = (read.unsqueeze(-2) @ ctx.coefficients).to(ctx.values[-1].dtype)  # (B, T, 1, J), as the last write
         if not torch.is_grad_enabled():  # inference: one matmul over the stacked values (2 kernels, not J)
             return (mix @ torch.stack(ctx.values, dim=-2)).squeeze(-2)  # (B, T, 1, J) @ (B, T, J, d)
         h = mix[..., 0, 0:1] * ctx.values[0]
@@ -107,6 +112,13 @@ class MeSH(Scheme):
 
     def update(self, t, h, u, ctx):
         return self._write_read(t + 1, h, u, ctx)
+
+    def early_exit(self, h, ctx, n_steps):
+        """A draft stopping before step n_steps reads the buffer with the read router of the final pair, the
+        one the coda was trained behind, queried by the current state (the step's own read router prepares
+        the next core pass, not the coda). Draft-only: the loop's state and buffer are unchanged."""
+        _, read = self.routers[min(n_steps, len(self.routers) - 1)](h)
+        return self._read(read, ctx)
 
     @staticmethod
     def buffer(ctx: LoopContext) -> torch.Tensor:

@@ -85,6 +85,11 @@ class Scheme(nn.Module, abc.ABC):
     def update(self, t: int, h: torch.Tensor, u: torch.Tensor, ctx: LoopContext) -> torch.Tensor:
         """h^{t+1} from h^t (B, T, d) and the core output u = f_core(h^t) (B, T, d)."""
 
+    def early_exit(self, h: torch.Tensor, ctx: LoopContext, n_steps: int) -> torch.Tensor:
+        """What the coda reads when the loop stops at state h, before the n_steps the model runs (a
+        speculative draft). Only the draft uses it; the loop's own state is untouched. Default: h itself."""
+        return h
+
     def flops_per_token(self, d_model: int, n_steps: int) -> int:
         """Forward FLOPs the scheme adds per token (beyond the layers)."""
         return 0

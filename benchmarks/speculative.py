@@ -1,0 +1,123 @@
+"""Self-speculative decoding vs. plain cached decoding, side by side in one run; prints ratios and acceptance.
+
+    .venv/bin/python benchmarks/speculative.py runs/mesh-1+2R8+1 --threads 1 --clock cpu
+    .venv/bin/python benchmarks/speculative.py runs/mesh-small-mesh --draft-loops 1 --temperature 0.8
+
+Variants, each run once per round in turn (interleaved, so machine noise hits all alike), medians shown:
+plain cached decoding, `--speculate K_d` for every K_d in --draft-loops (γ chosen from the measured
+acceptance and cost), and `--speculate auto` (K_d and γ chosen, or plain decoding when it would not pay).
+Prompts are the openings of held-out documents of the embedded corpus (validation split), so acceptance is
+measured on real text; EOS is ignored, so every run makes exactly --new-tokens tokens per row (the time
+includes the prompt's prefill and, for auto, the probing rounds). Greedy by default; --temperature > 0
+samples (same seed per variant; speculation is exact in distribution, not in tokens, then).
+
+The cost arithmetic: c_d = cost of one draft token (prelude + K_d loops + coda + head) over one plain token,
+v = cost of verifying γ+1 tokens (loops K_d+1 … K + coda + head) over one plain token, α the per-token
+acceptance. A round costs γ·c_d + (shared part of the last token) + v and yields (1 − α^{γ+1})/(1 − α)
+tokens; the printed bound is that ratio at the measured α and at α = 1.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from benchkit import add_timing_arguments, timing_setup
+
+
+def corpus_prompts(tok, count: int, length: int) -> list[list[int]]:
+    from meshlm.data.corpus import split_documents
+
+    prompts = []
+    for doc in split_documents("val"):
+        ids = tok.encode(doc["text"][5000:20000])
+        prompts.append(ids[:length])
+        if len(prompts) == count:
+            return prompts
+    return prompts
+
+
+def decode(model, prompts, args, speculate, clock):
+    from meshlm.generate import Sampling, generate
+    from meshlm.speculative import SpeculationStats
+
+    s = Sampling(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p, seed=0,
+                 stop_at_eos=False)
+    stats = SpeculationStats() if speculate else None
+    start = clock()
+    out = generate(model, prompts, s, speculate=speculate, stats=stats)
+    elapsed = clock() - start
+    assert all(len(row) == args.new_tokens for row in out)
+    return elapsed, out, stats
+
+
+def cost_arithmetic(model, prompts, args, k_ds) -> None:
+    """Per-stage costs measured in one auto run, and the speed-up they bound at the measured acceptance."""
+    from meshlm import speculative
+    from meshlm.generate import Sampling
+
+    s = Sampling(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p, seed=0,
+                 stop_at_eos=False)
+    planners = []
+    for k_d in k_ds:  # one run per K_d so each gets its own acceptance
+        stats = speculative.SpeculationStats()
+        list(speculative.stream(model, prompts, s, f"{k_d}", stats=stats))
+        planners.append(stats.planner)
+    print("cost arithmetic (per-stage costs measured while decoding; ratios to one plain token):")
+    print("  K_d   c_d   α      best γ  v(γ)  predicted   bound at α=1 (γ=8)")
+    for k_d, planner in zip(k_ds, planners):
+        costs = planner.costs
+        plain = costs.plain_token()
+        c_d = (costs.front(k_d) + costs.stage("readout", 1)) / plain
+        alpha = planner.alpha(k_d)
+        gain, gamma = planner.best(k_d, alpha)
+        verify = (costs.round(k_d, gamma) - gamma * c_d * plain - costs.front(k_d)) / plain
+        bound = speculative.expected_tokens(1.0, 8) * plain / costs.round(k_d, 8)
+        print(f"  {k_d:<4} {c_d:5.2f}  {alpha:5.1%}  {gamma:<7} {verify:5.2f}  {gain:6.2f}x    {bound:6.2f}x")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="a trained looped model: meshlm checkpoint/run dir or HF folder")
+    p.add_argument("--draft-loops", default="", help="K_d values to run, comma-separated (default: 1 … K−1)")
+    p.add_argument("--prompt", type=int, default=32, help="prompt tokens per row")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    add_timing_arguments(p, rounds=3)
+    args = p.parse_args()
+    clock = timing_setup(args)
+
+    from meshlm.generate import load_for_generation
+
+    model, tok = load_for_generation(args.checkpoint)
+    k = model.config.layout.n_steps
+    k_ds = [int(x) for x in args.draft_loops.split(",")] if args.draft_loops else list(range(1, k))
+    prompts = corpus_prompts(tok, args.batch, args.prompt)
+    variants = {"plain": None, **{f"K_d={k_d}": f"{k_d}" for k_d in k_ds}, "auto": "auto"}
+    decode(model, prompts, argparse.Namespace(**{**vars(args), "new_tokens": 4}), None, clock)  # warm-up
+    times = {name: [] for name in variants}
+    last = {}
+    for _ in range(args.rounds):
+        for name, speculate in variants.items():
+            seconds, out, stats = decode(model, prompts, args, speculate, clock)
+            times[name].append(seconds)
+            last[name] = (out, stats)
+
+    tokens = args.batch * args.new_tokens
+    plain_rate = tokens / statistics.median(times["plain"])
+    print(f"{args.checkpoint}: spec {model.config.spec} (K={k}), d_model {model.config.d_model}, batch {args.batch}, "
+          f"prompt {args.prompt}, {args.new_tokens} new tokens, temperature {args.temperature}, "
+          f"{torch.get_num_threads()} threads, {args.clock} clock, {args.rounds} rounds (medians)")
+    for name in variants:
+        rate = tokens / statistics.median(times[name])
+        out, stats = last[name]
+        same = "" if args.temperature else ("  same tokens" if out == last["plain"][0] else "  DIFFERENT TOKENS")
+        extra = "" if stats is None else f"  acceptance {stats.acceptance:6.1%}  setting {stats.setting}"
+        print(f"  {name:<8} {rate:8.1f} tokens/s  {rate / plain_rate:5.2f}x{extra}{same}")
+    cost_arithmetic(model, prompts, args, k_ds)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,450 @@
+"""Lossless self-speculative decoding: the first K_d loop passes draft, the full K passes verify.
+
+A looped model's shallow loops are a free draft model: prelude → K_d loops → coda → head proposes tokens,
+and for a drafted token the prelude and the first K_d loops compute exactly what the full model computes
+(same weights, same inputs, the same cached keys/values at those depths). One round, with y₀ the pending
+token (sampled by the full model, not yet fed) and C tokens in every cache slot:
+
+    draft    for i = 0 … γ, x = y₀, d₁ … d_γ:
+               enter(x_i) → advance to step K_d      prelude + loops 1…K_d: K/V and per-token state kept
+               (i < γ) early_exit → readout          draft-only: the coda reads scheme.early_exit(h^{K_d})
+                       → q_{i+1} → d_{i+1}           (MeSH: the final read router); its coda K/V are
+                                                     cropped back to C after the draft
+    verify   join the γ+1 runs (h^{K_d} and the scheme context, concat_contexts) → advance K_d … K
+             → readout: p₁ … p_{γ+1}, in ONE forward over γ+1 tokens
+    accept   longest prefix: greedy d_i = argmax p_i; sampling u_i·q_i(d_i) < p_i(d_i) (Leviathan et al.,
+             Chen et al.); then one token from p at the first rejection (the residual max(0, p − q),
+             renormalised) or from p_{γ+1} when all γ pass — so every round emits 1 … γ+1 exact tokens
+    rollback every slot back to C + max_r(kept_r); a row's rejected positions become padding (mask 0),
+             which every later query ignores and default positions skip (left padding included)
+
+The filters (temperature, top-k, top-p) are applied to both p and q (meshlm.generate.probabilities), so the
+output distribution is exactly the full model's filtered one; greedy is the same rule with one-hot p and q.
+Holes left by rows that accepted fewer tokens than others are squeezed out (`compact`) when the cache would
+outgrow the context. docs/design.md ("Self-speculative decoding") says why this is exact for every scheme.
+
+`Planner` picks K_d and γ from measured costs (each stage timed while it does real work: plain steps, draft
+steps, verifications) and measured acceptance (short probe rounds, whose tokens are real output), by the
+expected tokens per round (1 − α^{γ+1})/(1 − α) against the round's cost; when no setting is predicted to
+pay it falls back to plain decoding.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from meshlm.errors import ConfigError
+from meshlm.generate import Sampling, draw, left_pad, probabilities
+from meshlm.model import MeshLM
+from meshlm.model.kv_cache import KVCache, slot_offsets
+from meshlm.model.lm import LoopRun
+from meshlm.model.schemes import concat_contexts
+
+GAMMA_MAX = 8  # longest draft the planner considers
+PROBE_ROUNDS = 2  # rounds that measure one K_d's acceptance
+PROBE_GAMMA = 3  # their draft length
+MIN_GAIN = 1.1  # auto speculates only where the cost model predicts this speed-up (it is approximate)
+
+
+# -- what to do ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Speculation:
+    """`auto` (both None), `K_d` (γ chosen) or `K_d:γ`. Parse from text with `Speculation.parse`."""
+
+    draft_loops: int | None = None  # K_d: loop passes of the draft
+    draft_tokens: int | None = None  # γ: tokens drafted per round
+    final_read: bool = True  # the draft's coda reads through scheme.early_exit (MeSH: the final read router)
+
+    @classmethod
+    def parse(cls, text: str | Speculation) -> Speculation:
+        if isinstance(text, Speculation):
+            return text
+        if str(text).strip().lower() == "auto":
+            return cls()
+        parts = str(text).split(":")
+        if len(parts) > 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+            raise ConfigError(f"speculate={text!r} is not auto, K_d or K_d:γ; e.g. --speculate auto, 2 or 2:4")
+        values = [int(p) for p in parts]
+        if len(values) == 2 and values[1] < 1:
+            raise ConfigError(f"speculate={text!r}: γ={values[1]} drafted tokens per round must be >= 1")
+        return cls(values[0], values[1] if len(values) == 2 else None)
+
+    def check(self, model: MeshLM, schedule: tuple[int, ...]) -> None:
+        """One-line errors: no repeated core, K_d outside 1 … K−1, γ < 1."""
+        layout, k = model.config.layout, len(schedule)
+        if not layout.shares_weights and k == len(layout.cores):
+            raise ConfigError(f"speculation drafts with the first loop passes of a repeated core, but spec "
+                              f"{model.config.spec!r} repeats none; use a looped spec such as '2+2R4+2'")
+        if self.draft_loops is not None and not 1 <= self.draft_loops < k:
+            raise ConfigError(f"speculate K_d={self.draft_loops} must be in 1 … {k - 1}: the draft runs fewer "
+                              f"loop passes than the model's K={k}")
+        if self.draft_tokens is not None and self.draft_tokens < 1:
+            raise ConfigError(f"speculate γ={self.draft_tokens} drafted tokens per round must be >= 1")
+
+
+@dataclass
+class SpeculationStats:
+    """Filled in while decoding; `summary()` is the line `meshlm generate --speculate` prints."""
+
+    drafted: int = 0  # drafted tokens verified (rows still generating)
+    accepted: int = 0  # of which accepted
+    rounds: int = 0
+    plain_steps: int = 0
+    tokens: int = 0  # new tokens produced, all rows
+    seconds: float = 0.0
+    setting: str = ""  # what the planner settled on: "K_d=2 γ=4", or "plain"
+    acceptance_by_depth: dict[int, float] = field(default_factory=dict)  # K_d -> measured α
+    predicted_speedup: float | None = None
+    planner: Planner | None = field(default=None, repr=False)  # its measured costs and acceptance
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def summary(self) -> str:
+        alphas = ", ".join(f"K_d={k}: {a:.0%}" for k, a in sorted(self.acceptance_by_depth.items()))
+        return (f"speculate: {self.setting or 'plain'}; acceptance {self.acceptance:.1%} ({self.accepted}/"
+                f"{self.drafted} drafted, {self.rounds} rounds, {self.plain_steps} plain steps); "
+                f"{self.tokens / max(self.seconds, 1e-9):.1f} tokens/s" + (f"; per-depth α {alphas}" if alphas else ""))
+
+
+# -- measured costs and the plan ----------------------------------------------------------------------------
+class Costs:
+    """Seconds of each stage, by tokens in the call: `enter`, loop step k, `readout`, and per-round overhead.
+
+    Stages are timed while doing real work. Costs at n tokens are interpolated linearly between the fewest
+    and the most tokens measured; a step never measured at n borrows the mean of its core's measured steps."""
+
+    def __init__(self, schedule: tuple[int, ...]):
+        self.schedule = schedule
+        self.seen: dict[tuple[object, int], list[float]] = {}
+
+    def add(self, stage: object, n: int, seconds: float) -> None:
+        self.seen.setdefault((stage, n), []).append(seconds)
+
+    def _at(self, stage: object, n: int) -> float | None:
+        ns = sorted(m for (s, m) in self.seen if s == stage)
+        if not ns:
+            return None
+        med = {m: sorted(self.seen[(stage, m)])[len(self.seen[(stage, m)]) // 2] for m in ns}
+        lo, hi = ns[0], ns[-1]
+        if n <= lo or lo == hi:
+            return med[lo]
+        return med[lo] + (med[hi] - med[lo]) * (n - lo) / (hi - lo)  # beyond hi: extrapolated
+
+    def stage(self, stage: object, n: int) -> float:
+        value = self._at(stage, n)
+        if value is None and isinstance(stage, tuple):  # ("step", k): borrow the core's other steps
+            core = self.schedule[stage[1]]
+            same = [v for k, c in enumerate(self.schedule) if c == core
+                    for v in [self._at(("step", k), n)] if v is not None]
+            value = sum(same) / len(same) if same else None
+        return 0.0 if value is None else value
+
+    def front(self, k_d: int, n: int = 1) -> float:
+        return self.stage("enter", n) + sum(self.stage(("step", k), n) for k in range(k_d))
+
+    def plain_token(self) -> float:
+        return self.front(len(self.schedule)) + self.stage("readout", 1) + self.stage("plain-overhead", 1)
+
+    def round(self, k_d: int, gamma: int) -> float:
+        n = gamma + 1
+        draft = gamma * (self.front(k_d) + self.stage("readout", 1)) + self.front(k_d)
+        verify = sum(self.stage(("step", k), n) for k in range(k_d, len(self.schedule))) + self.stage("readout", n)
+        return draft + verify + self.stage("round-overhead", n)
+
+    @property
+    def measured(self) -> bool:
+        return self._at("enter", 1) is not None
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Tokens one round emits when each drafted token is accepted with probability α: Σ_{i≤γ} α^i."""
+    return float(sum(alpha ** i for i in range(gamma + 1)))
+
+
+class Planner:
+    """Chooses each round's (K_d, γ), or None for a plain step, from measured costs and acceptance."""
+
+    def __init__(self, spec: Speculation, schedule: tuple[int, ...], stats: SpeculationStats):
+        self.spec, self.k, self.stats = spec, len(schedule), stats
+        self.costs = Costs(schedule)
+        self.counts: dict[int, list[int]] = {}  # K_d -> [accepted, rejections, rounds]
+        explicit = spec.draft_loops is not None
+        self.candidates = [spec.draft_loops] if explicit else list(range(1, self.k))
+        self.fixed = (spec.draft_loops, spec.draft_tokens) if explicit and spec.draft_tokens else None
+        self.choice: tuple[int, int] | None = None
+        self.done_probing = self.fixed is not None
+        stats.setting = f"K_d={spec.draft_loops} γ={spec.draft_tokens}" if self.fixed else ""
+
+    def alpha(self, k_d: int) -> float:
+        """Per-token acceptance: the geometric model's estimate with one pseudo-count each way (few rounds)."""
+        accepted, rejections, _ = self.counts.get(k_d, (0, 0, 0))
+        return (accepted + 1) / (accepted + rejections + 2)
+
+    def observe(self, k_d: int, accepted: torch.Tensor, gamma: int) -> None:
+        """Per-row accepted counts of one round; a row that stopped before γ saw one rejection."""
+        counts = self.counts.setdefault(k_d, [0, 0, 0])
+        counts[0] += int(accepted.sum())
+        counts[1] += int((accepted < gamma).sum())
+        counts[2] += 1
+        self.stats.acceptance_by_depth[k_d] = self.alpha(k_d)
+
+    def best(self, k_d: int, alpha: float) -> tuple[float, int]:
+        """(predicted speed-up, γ) of the best draft length for K_d at acceptance α."""
+        plain = self.costs.plain_token()
+        gammas = [self.spec.draft_tokens] if self.spec.draft_tokens else range(1, GAMMA_MAX + 1)
+        return max((expected_tokens(alpha, g) * plain / max(self.costs.round(k_d, g), 1e-12), g) for g in gammas)
+
+    def next(self) -> tuple[int, int] | None:
+        if self.fixed:
+            return self.fixed
+        if not self.costs.measured:
+            return None  # a timed plain step first
+        if not self.done_probing:
+            for k_d in self.candidates:
+                if self.counts.get(k_d, (0, 0, 0))[2] >= PROBE_ROUNDS or self._hopeless(k_d):
+                    continue
+                return k_d, self.spec.draft_tokens or PROBE_GAMMA
+            self.done_probing = True
+        return self._settle()
+
+    def _hopeless(self, k_d: int) -> bool:
+        """Even perfect acceptance would not pay, or not beat a setting already measured."""
+        if self.spec.draft_loops is not None:
+            return False
+        bound = self.best(k_d, 1.0)[0]
+        found = [self.best(k, self.alpha(k))[0] for k in self.counts]
+        return bound < MIN_GAIN or (found and bound <= max(found))
+
+    def _settle(self) -> tuple[int, int] | None:
+        """Re-decided every round, from the acceptance measured so far (probes and the rounds since)."""
+        scored = [(*self.best(k_d, self.alpha(k_d)), k_d) for k_d in self.candidates if k_d in self.counts]
+        if not scored:
+            self.choice = None
+        else:
+            gain, gamma, k_d = max(scored)
+            self.stats.predicted_speedup = gain
+            forced = self.spec.draft_loops is not None
+            self.choice = (k_d, gamma) if forced or gain >= MIN_GAIN else None
+        self.stats.setting = "plain" if self.choice is None else f"K_d={self.choice[0]} γ={self.choice[1]}"
+        return self.choice
+
+
+# -- the decoder --------------------------------------------------------------------------------------------
+class Clock:
+    """Stage timer. On CPU this process's CPU time: on a shared machine other jobs' load barely moves it, and
+    only ratios of stage costs matter. On CUDA wall time, synchronising so a stage's kernels count in it."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return time.perf_counter()
+        return time.process_time()
+
+
+class Decoder:
+    """Batched decoding state: the cache, the padding mask over it, the pending token of every row. Every
+    stage is timed into `costs` while it does real work (so measuring costs no extra forward)."""
+
+    def __init__(self, model: MeshLM, schedule: tuple[int, ...], s: Sampling, generator, costs: Costs,
+                 final_read: bool = True):
+        self.model, self.schedule, self.s, self.generator, self.costs = model, schedule, s, generator, costs
+        self.final_read = final_read
+        _, _, coda_start, slots = slot_offsets(model.config.layout, schedule)
+        self.coda_slots = range(coda_start, slots)
+        self.kv = KVCache()
+        self.clock = Clock(next(model.parameters()).device)
+        self.stage_seconds = 0.0  # stage time since the current plain step or round began
+
+    @property
+    def cached(self) -> int:
+        return self.mask.shape[1]
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Run the prompt; returns the first new token of every row (it becomes the pending token)."""
+        self.mask = mask
+        logits = self.model(ids, padding_mask=mask, cache=self.kv, loops=len(self.schedule)).logits[:, -1]
+        self.pending = draw(probabilities(logits, self.s), self.s, self.generator)
+        return self.pending
+
+    def _timed(self, stage: object, n: int, fn, *args):
+        t = self.clock()
+        out = fn(*args)
+        seconds = self.clock() - t
+        self.costs.add(stage, n, seconds)
+        self.stage_seconds += seconds
+        return out
+
+    def _forward(self, tokens: torch.Tensor, mask: torch.Tensor, stop: int, readout: bool
+                 ) -> tuple[LoopRun, torch.Tensor | None]:
+        """enter → advance to step `stop` (→ readout: (B, T, V) logits). Stopping early (a draft), the coda
+        reads scheme.early_exit of the state; the run keeps the loop's own state for verification."""
+        n = tokens.shape[1]
+        run = self._timed("enter", n, self.model.enter, tokens, mask, None, self.kv)
+        for k in range(run.step, stop):
+            self._timed(("step", k), n, self.model.advance, run, self.schedule, k + 1)
+        if not readout:
+            return run, None
+        exit_run = run
+        if stop < len(self.schedule) and self.final_read:
+            exit_run = replace(run, h=self.model.scheme.early_exit(run.h, run.ctx, len(self.schedule)))
+        return run, self._timed("readout", n, self.model.readout, exit_run, self.schedule)
+
+    def _new_columns(self, keep: torch.Tensor, width: int) -> torch.Tensor:
+        """(B, width) padding-mask columns: 1 for each row's first keep[r] positions, 0 (padding) after."""
+        return (torch.arange(width, device=keep.device)[None] < keep[:, None]).to(self.mask.dtype)
+
+    def plain_step(self, keep_limit: torch.Tensor) -> torch.Tensor:
+        """Feed the pending token through the full model; returns (B, 1): the new pending token."""
+        start, self.stage_seconds = self.clock(), 0.0
+        mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], 1)
+        _, logits = self._forward(self.pending[:, None], mask, len(self.schedule), readout=True)
+        self.pending = draw(probabilities(logits[:, -1], self.s), self.s, self.generator)
+        self.mask = torch.cat([self.mask, self._new_columns(keep_limit.clamp(max=1), 1)], 1)
+        self.costs.add("plain-overhead", 1, max(self.clock() - start - self.stage_seconds, 0.0))
+        return self.pending[:, None]
+
+    def round(self, k_d: int, gamma: int, keep_limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft-verify round. Returns (B, γ+1) tokens and (B,) counts: row r emitted tokens[r, :count[r]]
+        (its accepted drafts, then the full model's next token). keep_limit (B,): at most this many fed
+        positions stay real in the cache per row (0 for finished rows); the others become padding."""
+        start, self.stage_seconds = self.clock(), 0.0
+        past, ones = self.cached, self.mask.new_ones(self.mask.shape[0], gamma + 1)
+        runs, drafts, q = [], [], []
+        token = self.pending
+        for i in range(gamma + 1):  # the last token needs only its shared part (no draft readout)
+            run, logits = self._forward(token[:, None], torch.cat([self.mask, ones[:, :i + 1]], 1), k_d, i < gamma)
+            runs.append(run)
+            if i < gamma:
+                q.append(probabilities(logits[:, -1], self.s))  # (B, V)
+                token = draw(q[-1], self.s, self.generator)
+                drafts.append(token)
+        self.kv.crop(past, self.coda_slots)  # the draft's coda keys/values are draft-only
+        p = probabilities(self._verify(runs, torch.cat([self.mask, ones], 1), past, k_d), self.s)  # (B, γ+1, V)
+        d = torch.stack(drafts, 1)  # (B, γ)
+        accepted, final = self._accept(p, torch.stack(q, 1), d)
+        tokens = torch.cat([d, final[:, None]], 1).scatter_(1, accepted[:, None], final[:, None])  # (B, γ+1)
+        keep = torch.minimum(accepted + 1, keep_limit)  # fed positions of y₀, d₁ … d_n worth keeping
+        width = max(int(keep.max()), 1)
+        self.kv.crop(past + width)  # every slot: prelude, loops, coda
+        self.mask = torch.cat([self.mask, self._new_columns(keep, width)], 1)
+        self.pending = final
+        self.costs.add("round-overhead", gamma + 1, max(self.clock() - start - self.stage_seconds, 0.0))
+        return tokens, accepted + 1
+
+    def _verify(self, runs: list[LoopRun], mask: torch.Tensor, past: int, k_d: int) -> torch.Tensor:
+        """Resume the γ+1 draft runs at step K_d as one run: loops K_d … K, coda, head. (B, γ+1, V) logits."""
+        n = len(runs)
+        rope, attn = self.model.attention_inputs((mask.shape[0], n), past, mask, None, runs[0].h.dtype)
+        run = LoopRun(h=torch.cat([r.h for r in runs], 1), ctx=concat_contexts([r.ctx for r in runs]),
+                      rope=rope, mask=attn, cache=self.kv, step=k_d)
+        for k in range(k_d, len(self.schedule)):
+            self._timed(("step", k), n, self.model.advance, run, self.schedule, k + 1)
+        return self._timed("readout", n, self.model.readout, run, self.schedule)
+
+    def _accept(self, p: torch.Tensor, q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative rejection sampling per row. p (B, γ+1, V) full, q (B, γ, V) draft, d (B, γ) drafts.
+        Returns (B,) accepted counts and (B,) the next token: from the residual max(0, p − q) at the first
+        rejection, or from p_{γ+1} when every draft passed. Greedy (one-hot p, q) needs no randomness."""
+        b, gamma, v = q.shape
+        p_d = p[:, :gamma].gather(-1, d[..., None]).squeeze(-1)  # (B, γ) p_i(d_i)
+        q_d = q.gather(-1, d[..., None]).squeeze(-1)  # (B, γ) q_i(d_i) > 0: d_i was drawn from q_i
+        greedy = self.s.temperature == 0
+        u = torch.zeros_like(q_d) if greedy else torch.rand(q_d.shape, generator=self.generator, device=q.device)
+        passed = u * q_d < p_d  # accept with probability min(1, p/q); greedy: exactly when d_i = argmax p_i
+        accepted = passed.long().cumprod(-1).sum(-1)  # (B,) length of the accepted prefix
+        q_padded = torch.cat([q, q.new_zeros(b, 1, v)], 1)  # after the last draft, "residual" = p itself
+        index = accepted[:, None, None].expand(b, 1, v)
+        p_at = p.gather(1, index).squeeze(1)  # (B, V)
+        residual = (p_at - q_padded.gather(1, index).squeeze(1)).clamp(min=0)
+        empty = residual.sum(-1, keepdim=True) <= 0  # p = q there: a rejection had probability 0
+        residual = torch.where(empty, p_at, residual)
+        return accepted, draw(residual / residual.sum(-1, keepdim=True), self.s, self.generator)
+
+    def compact(self) -> None:
+        """Move every row's padding (left padding and rollback holes) to the left, in order, then drop the
+        columns that are padding in every row. Attention ignores padding and positions count real tokens,
+        so nothing a later token computes changes."""
+        real = self.mask.bool()
+        order = torch.sort(real.long(), dim=1, stable=True).indices  # (B, T): padding first, then real tokens
+        drop = int((~real).sum(1).min())
+        order = order[:, drop:]
+        for slot, (k, v) in enumerate(zip(self.kv.keys, self.kv.values)):
+            index = order[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
+            self.kv.keys[slot], self.kv.values[slot] = k.gather(2, index), v.gather(2, index)
+        self.mask = self.mask.gather(1, order)
+
+
+@torch.no_grad()
+def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, speculate: str | Speculation = "auto",
+           eos_id: int = 0, pad_id: int = 1, loops: int | None = None,
+           stats: SpeculationStats | None = None) -> Iterator[torch.Tensor]:
+    """Yield the (B,) next tokens step by step, exactly as meshlm.generate.stream would (greedy: the same
+    tokens; sampling: the same distribution), computed by speculative rounds. Rows that reached EOS yield
+    `pad_id`. `stats` (optional) receives acceptance, tokens/s and the chosen setting."""
+    schedule = model.schedule(loops)
+    spec = Speculation.parse(speculate)
+    spec.check(model, schedule)
+    stats = stats if stats is not None else SpeculationStats()
+    start = time.perf_counter()
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, pad_id, device)
+    context = model.config.context_length
+    if ids.shape[1] + s.max_new_tokens > context:
+        raise ConfigError(f"the prompt ({ids.shape[1]} tokens) plus max_new_tokens={s.max_new_tokens} exceeds "
+                          f"context_length={context}; lower max_new_tokens to at most {context - ids.shape[1]} "
+                          f"or shorten the prompt")
+    generator = None if s.seed is None else torch.Generator(device).manual_seed(s.seed)
+    planner = stats.planner = Planner(spec, schedule, stats)
+    decoder = Decoder(model, schedule, s, generator, planner.costs, spec.final_read)
+    rows = ids.shape[0]
+    queues = [deque([t]) for t in decoder.prefill(ids, mask).tolist()]
+    made = [1] * rows  # tokens generated per row, queued or yielded
+    done = [False] * rows  # yielded EOS (when stop_at_eos)
+    for _ in range(s.max_new_tokens):
+        while not all(done[r] or queues[r] for r in range(rows)):  # some row still lacks its next token
+            _decode_more(decoder, planner, stats, made, done, s, context)
+            for r, (row, count) in enumerate(zip(*decoder.emitted)):
+                queues[r].extend(row[:count])
+                made[r] += count
+        step = [pad_id if done[r] else queues[r].popleft() for r in range(rows)]
+        stats.tokens += sum(not d for d in done)
+        done = [d or (s.stop_at_eos and t == eos_id) for d, t in zip(done, step)]
+        stats.seconds = time.perf_counter() - start
+        yield torch.tensor(step, device=device)
+        if all(done):
+            return
+
+
+def _decode_more(decoder: Decoder, planner: Planner, stats: SpeculationStats, made: list[int], done: list[bool],
+                 s: Sampling, context: int) -> None:
+    """One plain step or one speculative round, as the planner says; leaves (tokens, counts) in
+    decoder.emitted. Rows still generating keep at most the positions they will need in the cache."""
+    active = torch.tensor([not d and m < s.max_new_tokens for d, m in zip(done, made)])
+    keep = torch.tensor([s.max_new_tokens - m for m in made]).clamp(min=0) * active
+    need = int(keep.max())  # tokens still to generate for the furthest-behind row
+    choice = planner.next()
+    gamma = 0 if choice is None else min(choice[1], need - 1)
+    if decoder.cached + gamma + 1 > context:  # rollback holes took the room: squeeze them out
+        decoder.compact()
+        gamma = max(min(gamma, context - decoder.cached - 1), 0)
+    device = decoder.mask.device
+    if gamma < 1:
+        decoder.emitted = (decoder.plain_step(keep.to(device)).tolist(), [1] * len(made))
+        stats.plain_steps += 1
+        return
+    tokens, counts = decoder.round(choice[0], gamma, keep.to(device))
+    accepted = (counts - 1).cpu()[active]
+    planner.observe(choice[0], accepted, gamma)
+    stats.rounds += 1
+    stats.drafted += gamma * int(active.sum())
+    stats.accepted += int(accepted.sum())
+    decoder.emitted = (tokens.tolist(), counts.tolist())
