@@ -183,3 +183,29 @@ def test_cli_prints_acceptance_and_speed_on_stderr(tmp_path, capsys):
     assert spec.out == plain.out  # the text alone on stdout, the same text
     assert "acceptance" in spec.err and "tokens/s" in spec.err
     assert main(args + ["--speculate", "5"]) != 0
+
+
+def test_hugging_face_generate_speculates_through_the_early_exit_knobs(tmp_path):
+    """The exported model: generate(assistant_early_exit=K_d, num_assistant_tokens=γ) and speculate="auto"
+    give transformers' own greedy output, left padding included, also when loaded as remote code."""
+    from transformers import AutoModelForCausalLM
+
+    from meshlm.hf import from_meshlm, save_hf
+
+    model = build(tiny(spec="1+2R4+1", scheme="base", context_length=96))
+    hf = from_meshlm(model)
+    ids = torch.tensor([[1, 1, 5, 6, 7], [8, 9, 10, 11, 12]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None,
+                  pad_token_id=1)
+    reference = hf.generate(**common)
+    stats = SpeculationStats()
+    assert torch.equal(hf.generate(**common, assistant_early_exit=1, num_assistant_tokens=3,
+                                   speculation_stats=stats), reference)
+    assert stats.rounds and stats.setting == "K_d=1 γ=3"
+    assert torch.equal(hf.generate(**common, speculate="auto"), reference)
+    with pytest.raises(ValueError, match="num_beams"):
+        hf.generate(**common, speculate="auto", num_beams=2)
+    save_hf(model, tmp_path / "hf", tokenizer=None)
+    remote = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    assert torch.equal(remote.generate(**common, speculate="1:2"), reference)

@@ -13,82 +13,20 @@ times; `exit` (e.g. "state:0.05", meshlm.model.exit) lets each token stop loopin
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from meshlm import checkpoint
+from meshlm import checkpoint, speculative
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import ConfigError
 from meshlm.interop.convert import detect_format
 from meshlm.model import MeshLM
 from meshlm.model.kv_cache import KVCache
+from meshlm.sampling import Sampling, draw, left_pad, next_token, probabilities
 
-
-@dataclass
-class Sampling:
-    max_new_tokens: int = 64
-    temperature: float = 1.0  # 0 = greedy (argmax)
-    top_k: int = 0  # keep the k most likely tokens; 0 = all
-    top_p: float = 1.0  # keep the smallest set whose probability reaches p (nucleus); 1 = all
-    seed: int | None = None  # for reproducible sampling
-    stop_at_eos: bool = True
-
-    def __post_init__(self) -> None:
-        problems = [msg for ok, msg in [
-            (self.max_new_tokens >= 1, f"max_new_tokens={self.max_new_tokens} must be >= 1"),
-            (self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 = greedy)"),
-            (self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 = no limit)"),
-            (0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]"),
-        ] if not ok]
-        if problems:
-            raise ConfigError("invalid sampling settings: " + "; ".join(problems))
-
-
-def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """(..., V) logits -> the distribution `next_token` samples from: temperature, then top-k, then top-p
-    (nucleus) filtering, in fp32. Greedy (temperature 0) is the one-hot of the argmax."""
-    if s.temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits.float() / s.temperature
-    if s.top_k:
-        kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[..., -1:]  # (..., 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if s.top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative - sorted_logits.softmax(-1) >= s.top_p  # mass before this token already >= p
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    return logits.softmax(-1)
-
-
-def draw(probs: torch.Tensor, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(B, V) probabilities -> (B,) token ids: the argmax when greedy, else one multinomial draw per row."""
-    if s.temperature == 0:
-        return probs.argmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def next_token(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(B, V) logits of the last position -> (B,) token ids."""
-    if s.temperature == 0:
-        return logits.argmax(-1)
-    return draw(probabilities(logits, s), s, generator)
-
-
-def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str = "cpu"
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token lists -> (B, T) ids with real tokens on the right, and the (B, T) padding mask."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ConfigError("every prompt needs at least one token; pass a non-empty prompt")
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(p)
-        mask[row, width - len(p):] = 1
-    return ids.to(device), mask.to(device)
+__all__ = ["Sampling", "draw", "generate", "left_pad", "load_for_generation", "next_token", "probabilities",
+           "stream"]
 
 
 @torch.no_grad()
@@ -101,8 +39,6 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
     self-speculation (meshlm.speculative): the same tokens when greedy, the same distribution when sampling;
     `stats` (a SpeculationStats) then receives the acceptance rate, tokens/s and the chosen setting."""
     if speculate is not None:
-        from meshlm import speculative
-
         if not cache or exit is not None:
             raise ConfigError("speculative decoding needs the KV cache and the full depth; drop --no-cache "
                               "(cache=False) and --exit")

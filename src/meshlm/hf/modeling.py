@@ -34,6 +34,14 @@ from meshlm.hf.configuration import MeshConfig
 from meshlm.hf.remote import write_remote_code
 from meshlm.model.layers import RotaryEmbedding
 from meshlm.model.lm import MeshLM
+from meshlm.sampling import Sampling
+from meshlm.speculative import SpeculationStats
+from meshlm.speculative import stream as speculative_stream
+
+# generate() arguments the speculative path understands; any other one is refused with its name
+SPECULATIVE_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",
+                      "eos_token_id", "pad_token_id", "assistant_early_exit", "num_assistant_tokens", "speculate",
+                      "speculation_stats"}
 
 # the output field that carries the cache: "cache" in recent transformers, "past_key_values" before
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -95,6 +103,45 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
         logits = out.logits[:, -logits_to_keep:] if logits_to_keep else out.logits
         result = CausalLMOutputWithPast(loss=out.loss, logits=logits, **{CACHE_FIELD: cache})
         return result if return_dict is not False else result.to_tuple()
+
+    def generate(self, inputs: torch.Tensor | None = None, **kwargs):
+        """transformers' generate(), plus lossless self-speculative decoding (meshlm.speculative).
+
+        Speculation is asked for with `speculate="auto" | "K_d" | "K_d:γ"`, or with transformers' early-exit
+        assistant knobs: `assistant_early_exit=K_d` (loop passes here, not layers) and `num_assistant_tokens=γ`.
+        transformers' own early-exit assistant cannot share the looped cache slots, so it would recompute the
+        shallow loops; this path reuses them. It takes input_ids, attention_mask (left padding), max_new_tokens,
+        do_sample, temperature, top_k, top_p, eos/pad ids (the generation config supplies what is not passed);
+        any other argument is refused. `speculation_stats` (a SpeculationStats) receives acceptance and speed.
+        Returns (B, T + new) ids, finished rows padded with pad_token_id, as generate() does."""
+        cfg = self.generation_config
+        speculate = kwargs.get("speculate")
+        early = kwargs.get("assistant_early_exit", getattr(cfg, "assistant_early_exit", None))
+        if speculate is None and early is not None:
+            gamma = kwargs.get("num_assistant_tokens")
+            speculate = f"{early}:{gamma}" if gamma else f"{early}"
+        if speculate is None:
+            return super().generate(inputs, **{k: v for k, v in kwargs.items() if k != "speculation_stats"})
+        unknown = sorted(set(kwargs) - SPECULATIVE_KWARGS)
+        if unknown:
+            raise ValueError(f"speculative generate() does not take {unknown}; drop them, or drop speculate / "
+                             f"assistant_early_exit for transformers' generate()")
+        ids = inputs if inputs is not None else kwargs["input_ids"]
+        mask = kwargs.get("attention_mask")
+        prompts = [row[m.bool()].tolist() for row, m in zip(ids, torch.ones_like(ids) if mask is None else mask)]
+        def get(name):
+            return kwargs[name] if kwargs.get(name) is not None else getattr(cfg, name, None)
+
+        eos, pad = get("eos_token_id"), get("pad_token_id")
+        eos = eos[0] if isinstance(eos, (list, tuple)) else eos
+        sampled = bool(get("do_sample"))
+        s = Sampling(max_new_tokens=get("max_new_tokens") or 20, temperature=(get("temperature") or 1.0) * sampled,
+                     top_k=(get("top_k") or 0) * sampled, top_p=(get("top_p") or 1.0) if sampled else 1.0,
+                     stop_at_eos=eos is not None)
+        stats = kwargs.get("speculation_stats") or SpeculationStats()
+        new = list(speculative_stream(self.model, prompts, s, speculate, -1 if eos is None else eos,
+                                      eos if pad is None else pad, stats=stats))
+        return torch.cat([ids, torch.stack(new, 1).to(ids.device)], 1)
 
     def save_pretrained(self, save_directory, *args, **kwargs) -> None:
         """Save weights (safetensors) and config, plus the self-contained code that `auto_map` names."""
