@@ -76,6 +76,25 @@ def cost_arithmetic(model, prompts, args, k_ds) -> None:
         print(f"  {k_d:<4} {c_d:5.2f}  {alpha:5.1%}  {gamma:<7} {verify:5.2f}  {gain:6.2f}x    {bound:6.2f}x")
 
 
+def agreement(model, tok, k_ds) -> None:
+    """Teacher-forced greedy agreement of the K_d-pass exit with the full depth on held-out text (4 × 200
+    tokens), with the coda reading the loop state itself or scheme.early_exit (MeSH: the final read router)."""
+    from dataclasses import replace
+
+    ids = torch.tensor(corpus_prompts(tok, 4, 200))
+    schedule = model.schedule()
+    with torch.no_grad():
+        full = model(ids).logits.argmax(-1)
+        print("teacher-forced greedy agreement with the full depth (4 x 200 held-out tokens):")
+        for k_d in k_ds:
+            run = model.advance(model.enter(ids), schedule, stop=k_d)
+            own = model.readout(run, schedule).argmax(-1)
+            early = replace(run, h=model.scheme.early_exit(run.h, run.ctx, len(schedule)))
+            final = model.readout(early, schedule).argmax(-1)
+            print(f"  K_d={k_d}: loop state {(own == full).float().mean():6.1%}   "
+                  f"early_exit {(final == full).float().mean():6.1%}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a trained looped model: meshlm checkpoint/run dir or HF folder")
@@ -117,6 +136,7 @@ def main() -> None:
         extra = "" if stats is None else f"  acceptance {stats.acceptance:6.1%}  setting {stats.setting}"
         print(f"  {name:<8} {rate:8.1f} tokens/s  {rate / plain_rate:5.2f}x{extra}{same}")
     cost_arithmetic(model, prompts, args, k_ds)
+    agreement(model, tok, list(range(1, k)))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from meshlm.model import MeshLM
 from meshlm.model.kv_cache import KVCache, slot_offsets
 from meshlm.model.lm import LoopRun
 from meshlm.model.schemes import concat_contexts
-from meshlm.sampling import Sampling, draw, left_pad, probabilities
+from meshlm.sampling import Sampling, draw, left_pad, next_token, probabilities
 
 GAMMA_MAX = 8  # longest draft the planner considers
 PROBE_GAMMA = 3  # draft length of the rounds that measure a K_d's acceptance
@@ -125,7 +125,9 @@ class Costs:
         self.seen: dict[tuple[object, int], list[float]] = {}
 
     def add(self, stage: object, n: int, seconds: float) -> None:
-        self.seen.setdefault((stage, n), []).append(seconds)
+        samples = self.seen.setdefault((stage, n), [])
+        samples.append(seconds)
+        del samples[:-15]  # the recent ones: medians stay cheap and follow the machine's load
 
     def _at(self, stage: object, n: int) -> float | None:
         ns = sorted(m for (s, m) in self.seen if s == stage)
@@ -182,6 +184,7 @@ class Planner:
         self.fixed = (spec.draft_loops, spec.draft_tokens) if explicit and spec.draft_tokens else None
         self.choice: tuple[int, int] | None = None
         self.done_probing = self.fixed is not None
+        self.plain_for_good = False  # auto found nothing that pays: plain decoding, untimed, from then on
         stats.setting = f"K_d={spec.draft_loops} γ={spec.draft_tokens}" if self.fixed else ""
 
     def alpha(self, k_d: int) -> float:
@@ -206,8 +209,8 @@ class Planner:
     def next(self) -> tuple[int, int] | None:
         if self.fixed:
             return self.fixed
-        if not self.costs.measured:
-            return None  # a timed plain step first
+        if self.plain_for_good or not self.costs.measured:
+            return None  # plain decoding (at first, one timed plain step measures the stages)
         if not self.done_probing and self.probes_left > 0:
             k_d = self._next_probe()
             if k_d is not None:
@@ -244,6 +247,7 @@ class Planner:
             self.stats.predicted_speedup = gain
             forced = self.spec.draft_loops is not None
             self.choice = (k_d, gamma) if forced or gain >= MIN_GAIN else None
+        self.plain_for_good = self.choice is None
         self.stats.setting = "plain" if self.choice is None else f"K_d={self.choice[0]} γ={self.choice[1]}"
         return self.choice
 
@@ -315,14 +319,20 @@ class Decoder:
         """(B, width) padding-mask columns: 1 for each row's first keep[r] positions, 0 (padding) after."""
         return (torch.arange(width, device=keep.device)[None] < keep[:, None]).to(self.mask.dtype)
 
-    def plain_step(self, keep_limit: torch.Tensor) -> torch.Tensor:
-        """Feed the pending token through the full model; returns (B, 1): the new pending token."""
+    def plain_step(self, keep_limit: torch.Tensor, timed: bool = True) -> torch.Tensor:
+        """Feed the pending token through the full model; returns (B, 1): the new pending token. Untimed, it
+        is exactly meshlm.generate's step (one forward, next_token)."""
         start, self.stage_seconds = self.clock(), 0.0
         mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], 1)
-        _, logits = self._forward(self.pending[:, None], mask, len(self.schedule), readout=True)
-        self.pending = draw(probabilities(logits[:, -1], self.s), self.s, self.generator)
+        if timed:
+            logits = self._forward(self.pending[:, None], mask, len(self.schedule), readout=True)[1]
+        else:
+            logits = self.model(self.pending[:, None], padding_mask=mask, cache=self.kv,
+                                loops=len(self.schedule)).logits
+        self.pending = next_token(logits[:, -1], self.s, self.generator)
         self.mask = torch.cat([self.mask, self._new_columns(keep_limit.clamp(max=1), 1)], 1)
-        self.costs.add("plain-overhead", 1, max(self.clock() - start - self.stage_seconds, 0.0))
+        if timed:
+            self.costs.add("plain-overhead", 1, max(self.clock() - start - self.stage_seconds, 0.0))
         return self.pending[:, None]
 
     def round(self, k_d: int, gamma: int, keep_limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -451,7 +461,8 @@ def _decode_more(decoder: Decoder, planner: Planner, stats: SpeculationStats, ma
         gamma = max(min(gamma, context - decoder.cached - 1), 0)
     device = decoder.mask.device
     if gamma < 1:
-        decoder.emitted = (decoder.plain_step(keep.to(device)).tolist(), [1] * len(made))
+        decoder.emitted = (decoder.plain_step(keep.to(device), timed=not planner.plain_for_good).tolist(),
+                           [1] * len(made))
         stats.plain_steps += 1
         return
     tokens, counts = decoder.round(choice[0], gamma, keep.to(device))
