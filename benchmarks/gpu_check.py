@@ -7,10 +7,12 @@ all-reduce). Prints and writes (to --out/gpu_check.json) tokens/s, MFU and the l
     PYTHONPATH=src python3 benchmarks/gpu_check.py --device cpu --smoke --out /tmp/x   # tiny CPU smoke run
 
 Needs torch, numpy, tokenizers, safetensors, pyyaml and tqdm (not transformers, lm-eval or datasets, and not
-an installed meshlm: `PYTHONPATH=src` is enough); no network. The first `--warmup` steps (compile happens
-there) are timed separately; tokens/s and MFU come from the `--steps` steps after them. MFU divides by the
-bf16 peak of this GPU measured by a large matmul (meshlm.runtime.peaks.measure_matmul_peak), and also by
-the datasheet peak when the chip is known.
+an installed meshlm: `PYTHONPATH=src` is enough); no network. The model is built eager and first runs
+`--eager-steps` steps; then every layer is compiled in place (meshlm.train.parallel.compile_layers). The
+next `--warmup` steps (compile happens there) are timed apart; tokens/s and MFU come from the `--steps` steps
+after them, and the eager steps give compile's speed-up, overhead and break-even step count on this GPU.
+MFU divides by the bf16 peak of this GPU measured by a large matmul (meshlm.runtime.peaks.measure_matmul_peak),
+and also by the datasheet peak when the chip is known.
 """
 from __future__ import annotations
 
@@ -41,7 +43,9 @@ PRESET = "pythia-160m-2+4R2+2"  # d 768, 12 heads, 2 prelude + 4-layer core × 2
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=60, help="timed optimizer steps (after the warm-up)")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (torch.compile happens here)")
+    p.add_argument("--warmup", type=int, default=3, help="steps timed apart first (torch.compile happens here)")
+    p.add_argument("--eager-steps", type=int, default=20,
+                   help="steps timed eagerly before compiling, for compile's speed-up and break-even")
     p.add_argument("--out", required=True, help="folder for gpu_check.json")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--seq-len", type=int, default=2048)
@@ -72,7 +76,7 @@ def train_config(args: argparse.Namespace, out_dir: str) -> TrainConfig:
     return TrainConfig(name="gpu-check", out_dir=out_dir, model=smoke, data=args.data, seq_len=seq_len,
                        global_batch=global_batch, micro_batch=micro_batch, steps=args.warmup + args.steps,
                        lr=6e-4, warmup=0.1, eval_every=0, save_every=0, eval_batches=2, progress=False,
-                       tensorboard=False, device=args.device, dtype="auto", compile=not args.no_compile)
+                       tensorboard=False, device=args.device, dtype="auto", compile="false")
 
 
 def check_flash(trainer: Trainer) -> bool:
@@ -96,6 +100,17 @@ def flash_kernels_in_step(trainer: Trainer, step: int) -> list[str]:
     return sorted({e.key for e in prof.key_averages() if "flash" in e.key.lower()})
 
 
+def compile_gain(eager_s: float | None, warmup_s: list[float], step_s: float, tokens: int) -> dict:
+    """Eager vs. compiled step time of this run, the compile overhead and the break-even step count."""
+    if eager_s is None:
+        return {}
+    overhead = sum(warmup_s) - len(warmup_s) * step_s  # the warm-up steps' time beyond compiled steps
+    saved = eager_s - step_s
+    return {"eager_tokens_per_s": round(tokens / eager_s, 1), "compile_speedup": round(eager_s / step_s, 3),
+            "compile_overhead_s": round(overhead, 1),
+            "compile_break_even_steps": round(overhead / saved) if saved > 0 else None}
+
+
 def run(args: argparse.Namespace) -> dict:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device is visible; run with --device cpu --smoke to test the script")
@@ -110,7 +125,7 @@ def run(args: argparse.Namespace) -> dict:
 def _run(args: argparse.Namespace, backend: str, out_dir: str) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
-    cfg = train_config(args, out_dir)
+    cfg = train_config(args, out_dir)  # built eager: the layers are compiled below, after eager steps
     env = parallel.setup(cfg)  # world 1 from the environment: the trainer itself adds no DDP
     cuda = env.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -122,21 +137,28 @@ def _run(args: argparse.Namespace, backend: str, out_dir: str) -> dict:
     probe = torch.ones((), device=env.device)
     dist.all_reduce(probe)  # the collective itself, once, outside DDP too
 
-    warmup_s, step, losses = [], 0, []
-    for _ in range(args.warmup):
+    step, losses = 0, []
+
+    def timed(n: int) -> float:
+        """Run n optimizer steps; their wall time (synchronised)."""
+        nonlocal step
         sync()
         start = time.perf_counter()
-        losses.append(trainer.train_step(step)[0])
+        for _ in range(n):
+            losses.append(trainer.train_step(step)[0])
+            step += 1
         sync()
-        warmup_s.append(time.perf_counter() - start)
-        step += 1
-    sync()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        losses.append(trainer.train_step(step)[0])
-        step += 1
-    sync()
-    timed_s = time.perf_counter() - start
+        return time.perf_counter() - start
+
+    eager_s = None
+    if not args.no_compile:
+        if args.eager_steps:  # this run's eager step time first: what compile gains, and its break-even
+            timed(1)  # warm-up (cuBLAS handles, the caching allocator)
+            eager_s = timed(args.eager_steps) / args.eager_steps
+        print("compiling every layer (torch.compile) for the timed steps", flush=True)
+        parallel.compile_layers(trainer.model)  # in place: DDP and the trainer call the compiled layers now
+    warmup_s = [timed(1) for _ in range(args.warmup)]  # compile happens here
+    timed_s = timed(args.steps)
     flash_kernels = flash_kernels_in_step(trainer, step) if cuda else []
     val_loss = trainer.evaluate()
 
@@ -151,12 +173,13 @@ def _run(args: argparse.Namespace, backend: str, out_dir: str) -> dict:
         "device": name, "torch": torch.__version__, "backend": backend, "ddp": True,
         "model": {"preset": cfg.model["preset"], "spec": m.spec, "scheme": m.scheme, "d_model": m.d_model,
                   "n_heads": m.n_heads, "vocab_size": m.vocab_size},
-        "precision": "bf16 autocast" if env.autocast_dtype else "fp32", "compile": cfg.compile,
+        "precision": "bf16 autocast" if env.autocast_dtype else "fp32", "compile": not args.no_compile,
         "sdpa_flash_eager_check": flash, "flash_kernels_in_compiled_step": flash_kernels,
         "seq_len": trainer.seq_len, "global_batch": cfg.global_batch, "micro_batch": cfg.micro_batch,
         "tokens_per_step": trainer.tokens_per_step, "train_flops_per_token": trainer.flops_per_token,
         "setup_s": round(setup_s, 2), "warmup_step_s": [round(s, 3) for s in warmup_s],
         "timed_steps": args.steps, "timed_s": round(timed_s, 3), "tokens_per_s": round(tokens_per_s, 1),
+        **compile_gain(eager_s, warmup_s, timed_s / args.steps, trainer.tokens_per_step),
         "achieved_tflops": round(achieved / 1e12, 2),
         "peak_tflops_measured": round(measured_peak / 1e12, 2),
         "peak_method": f"best {str(peak_dtype).removeprefix('torch.')} {8192 if cuda else 512}^3 matmul",

@@ -3,9 +3,15 @@
     .venv/bin/python benchmarks/model_speed.py                 # defaults: d=256, spec 2+4R2+2, 4×256 tokens
     .venv/bin/python benchmarks/model_speed.py --d-model 512 --spec 4+8R2+4 --batch 2 --seq 512
 
-Comparisons (targets from the model-core issue):
-  1. MeSH vs. base at the same spec: time ≤ 1.03×, peak memory ≤ 1.05×.
-  2. meshlm vanilla vs. transformers' GPTNeoXForCausalLM at the same config: time ≤ 1.0×.
+Comparisons (targets from the model-core issue, and issue 12's in brackets):
+  1. MeSH vs. base at the same spec: time ≤ 1.03× [≤ 1.02×], peak memory ≤ 1.05×.
+  2. meshlm vanilla vs. transformers' GPTNeoXForCausalLM at the same config and precision (fp32 eager, one
+     process): time ≤ 1.0× [speed ≥ 1.05×].
+  3. `--policy`: meshlm vanilla as meshlm runs it (malloc tuned, `dtype=auto`: bf16 autocast on CPUs with
+     native bf16, else fp32) vs. GPTNeoXForCausalLM as a user runs it (fp32, eager, malloc defaults) [speed
+     ≥ 1.5×]. Malloc settings belong to a process, so each side runs in its own child processes, alternating
+     (`--policy-rounds` children each, `--rounds` timed steps per child); the ratio is the median over
+     rounds.
 
 Timing interleaves the models round by round (so machine noise hits all alike) and reports medians.
 `--clock cpu --threads 1` measures this process's CPU time: on a shared machine it ignores the time other
@@ -18,7 +24,10 @@ Memory is measured two ways:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import statistics
 import subprocess
 import sys
 
@@ -112,7 +121,56 @@ def parse_args():
     p.add_argument("--seq", type=int, default=256)
     add_timing_arguments(p, rounds=10)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--policy", action="store_true", help="also compare under each side's own run policy (3.)")
+    p.add_argument("--policy-rounds", type=int, default=3, help="child processes per side for --policy")
+    p.add_argument("--policy-child", choices=("meshlm", "hf-neox"), help=argparse.SUPPRESS)
     return p.parse_args()
+
+
+def _policy_child(kind: str) -> None:
+    """Time `--rounds` steps of meshlm vanilla under meshlm's run policy, or of transformers as is."""
+    args = parse_args()
+    clock = timing_setup(args)
+    x = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    if kind == "meshlm":
+        from meshlm.runtime import precision
+
+        model, chosen = build("vanilla", args), precision.choose("auto", torch.device("cpu"))
+        context = lambda: precision.autocast(torch.device("cpu"), chosen)  # noqa: E731
+    else:
+        model, chosen, context = build("hf-neox", args), None, contextlib.nullcontext
+
+    def step():
+        with context():
+            out = model(x, targets=x) if kind == "meshlm" else model(x, labels=x)
+        out.loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    secs = interleaved_medians({kind: step}, args.rounds, clock)[kind]
+    print(json.dumps({"seconds": secs, "dtype": chosen.describe() if chosen else "fp32 eager"}))
+
+
+def policy_comparison(args) -> dict:
+    """Median over alternating child processes of (transformers step time / meshlm step time)."""
+    argv = [a for a in sys.argv[1:] if a not in ("--policy", "--json")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "MESHLM_MALLOC"}
+    runs = {"meshlm": [], "hf-neox": []}
+    for round_ in range(args.policy_rounds):
+        for kind in (("meshlm", "hf-neox") if round_ % 2 == 0 else ("hf-neox", "meshlm")):
+            code = (f"import sys; sys.argv=['x']+{argv + ['--policy-child', kind]!r}; "
+                    f"sys.path.insert(0, {sys.path[0]!r}); import model_speed as m; m._policy_start({kind!r})")
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+            runs[kind].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    speedups = [h["seconds"] / m["seconds"] for m, h in zip(runs["meshlm"], runs["hf-neox"])]
+    return {"meshlm": runs["meshlm"], "hf-neox": runs["hf-neox"], "speedup": statistics.median(speedups)}
+
+
+def _policy_start(kind: str) -> None:
+    if kind == "meshlm":  # as `meshlm train` starts: malloc tuned before anything allocates much
+        from meshlm.runtime import allocator
+
+        allocator.tune()
+    _policy_child(kind)
 
 
 def main() -> None:
@@ -133,8 +191,13 @@ def main() -> None:
             "mesh/base rss growth": rss["mesh"] / rss["base"],
             "meshlm vanilla/transformers GPT-NeoX time": secs["vanilla"] / secs["hf-neox"],
             "meshlm vanilla/transformers GPT-NeoX saved memory": saved["vanilla"] / saved["hf-neox"],
+            "meshlm vanilla speed / transformers GPT-NeoX speed, same precision": secs["hf-neox"] / secs["vanilla"],
         },
     }
+    if args.policy:
+        policy = policy_comparison(args)
+        result["policy"] = policy
+        result["ratios"]["meshlm vanilla (its policy) speed / transformers (fp32 eager) speed"] = policy["speedup"]
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -142,8 +205,13 @@ def main() -> None:
     for k in kinds:
         print(f"{k:>8}: {secs[k] * 1000:8.1f} ms/step  saved {saved[k] / 2**20:8.1f} MiB  "
               f"rss +{rss[k] / 2**20:8.1f} MiB")
+    if args.policy:
+        m, h = result["policy"]["meshlm"], result["policy"]["hf-neox"]
+        ms = {kind: ", ".join(f"{1000 * r['seconds']:.1f}" for r in rs) for kind, rs in (("m", m), ("h", h))}
+        print(f"policy: meshlm vanilla in {m[0]['dtype']}, malloc tuned: {ms['m']} ms/step; "
+              f"transformers {h[0]['dtype']}: {ms['h']} ms/step")
     for name, ratio in result["ratios"].items():
-        print(f"{name:<48} {ratio:.3f}×")
+        print(f"{name:<70} {ratio:.3f}×")
 
 
 if __name__ == "__main__":
