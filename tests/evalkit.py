@@ -18,7 +18,8 @@ def tiny_checkpoint(root: Path, scheme: str, data: Path, seed: int = 0, seq_len:
     torch.manual_seed(seed)
     cfg = ModelConfig.from_preset("tiny", scheme=scheme, vocab_size=8192)
     run = root / f"tiny-{scheme}"
-    meta = {"model": cfg.to_dict(), "train": {"tokenizer": "default", "data": str(data), "seq_len": seq_len}}
+    meta = {"model": cfg.to_dict(), "train": {"tokenizer": "default", "data": str(data), "seq_len": seq_len},
+            "tokens": 4 * seq_len}  # as if one step of 4 sequences
     save_checkpoint(run, 1, MeshLM(cfg).state_dict(), {}, meta)
     return run
 

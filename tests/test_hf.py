@@ -56,6 +56,42 @@ def test_folder_contents_and_tokenizer(tmp_path):
     text = "To be, or not to be: that is the question."
     assert tok(text).input_ids == ours.encode(text)
     assert (tok.eos_token_id, tok.pad_token_id) == (ours.eos_id, ours.pad_id)
+    batch = tok(["Hello", "To be, or not to be"], padding=True).attention_mask
+    assert tok.padding_side == "left" and batch[0][0] == 0 and batch[0][-1] == 1  # pads before the prompt
+
+
+def test_model_card_states_spec_scheme_training_and_loading(tmp_path, prepared):
+    from evalkit import tiny_checkpoint
+
+    from meshlm.cli import main
+
+    run = tiny_checkpoint(tmp_path, "mesh", prepared)
+    assert main(["convert", str(run), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    card = (tmp_path / "hf" / "README.md").read_text()
+    for fact in ("`1+2R2+1`", "state scheme: `mesh` (5 slots)", f"training data: {prepared}",
+                 "training tokens: 128 (1 steps)", "trust_remote_code=True", "pipeline(\"text-generation\"",
+                 "lm_eval --model hf"):
+        assert fact in card, fact
+    bare = save_hf(build(tiny(vocab_size=VOCAB)), tmp_path / "bare")
+    assert "training: not recorded" in (bare / "README.md").read_text()
+
+
+def test_batched_pipeline_output_equals_one_prompt_at_a_time(tmp_path):
+    """Left padding: a short prompt batched beside a long one continues exactly as it does alone."""
+    from transformers import pipeline
+
+    save_hf(build(tiny(scheme="mesh", spec="1+2R2+1", vocab_size=VOCAB)), tmp_path)
+    generate = pipeline("text-generation", model=str(tmp_path), device="cpu")
+    prompts = ["Hi", "To be, or not to be, that is the question: whether"]
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, return_full_text=False)
+    alone = [generate(p, **kwargs)[0]["generated_text"] for p in prompts]
+    batched = [out[0]["generated_text"] for out in generate(prompts, batch_size=2, **kwargs)]
+    assert batched == alone and all(alone)
+    # the same with the tokenizer and generate() directly (the pipeline pads by itself; a user's batch does not)
+    tok, model = AutoTokenizer.from_pretrained(tmp_path), AutoModelForCausalLM.from_pretrained(tmp_path)
+    out = model.generate(**tok(prompts, return_tensors="pt", padding=True), max_new_tokens=8, min_new_tokens=8,
+                         do_sample=False)
+    assert tok.batch_decode(out[:, -8:]) == alone
 
 
 def test_generated_modeling_file_is_self_contained():

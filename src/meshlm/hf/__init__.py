@@ -8,8 +8,9 @@
 
 Importing this package registers `MeshConfig` / `MeshForCausalLM` with `AutoConfig` and
 `AutoModelForCausalLM`. The saved folder holds model.safetensors, config.json (with `auto_map`),
-generation_config.json, the tokenizer (tokenizer.json + tokenizer_config.json, a `PreTrainedTokenizerFast`)
-and the generated configuration_meshlm.py / modeling_meshlm.py (see meshlm.hf.remote).
+generation_config.json, the tokenizer (tokenizer.json + tokenizer_config.json, a `PreTrainedTokenizerFast`
+that pads on the left, as batched generation needs), the generated configuration_meshlm.py /
+modeling_meshlm.py (see meshlm.hf.remote) and a model card, README.md (meshlm.hf.card).
 """
 from __future__ import annotations
 
@@ -54,17 +55,21 @@ def from_meshlm(model: MeshLM, eos_id: int = 0, pad_id: int = 1) -> MeshForCausa
 
 
 def hf_tokenizer(tokenizer: TextTokenizer) -> PreTrainedTokenizerFast:
-    """The meshlm tokenizer as a transformers fast tokenizer (EOS and padding tokens set)."""
+    """The meshlm tokenizer as a transformers fast tokenizer (EOS and padding tokens set, padding on the left:
+    a decoder-only model continues each row from its last token, so padding must come before the prompt)."""
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer.hf,
                                    eos_token=tokenizer.hf.id_to_token(tokenizer.eos_id),
                                    bos_token=tokenizer.hf.id_to_token(tokenizer.eos_id),
                                    pad_token=tokenizer.hf.id_to_token(tokenizer.pad_id),
-                                   model_max_length=None)
+                                   model_max_length=None, padding_side="left")
 
 
 def save_hf(model: MeshLM | MeshForCausalLM, folder: str | Path,
-            tokenizer: str | TextTokenizer | None = "default") -> Path:
-    """Save a model (and its tokenizer) as a Hugging Face folder that also loads without meshlm."""
+            tokenizer: str | TextTokenizer | None = "default", meta: dict | None = None) -> Path:
+    """Save a model (and its tokenizer) as a Hugging Face folder that also loads without meshlm; `meta` is the
+    source checkpoint's config.json, whose training record goes into the model card."""
+    from meshlm.hf.card import model_card
+
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
     if isinstance(model, MeshLM):
         model = from_meshlm(model, *((tok.eos_id, tok.pad_id) if tok else (0, 1)))
@@ -74,6 +79,8 @@ def save_hf(model: MeshLM | MeshForCausalLM, folder: str | Path,
         fast = hf_tokenizer(tok)
         fast.model_max_length = model.config.max_position_embeddings
         fast.save_pretrained(folder)
+    cfg = model.model.config  # the wrapped MeshLM's ModelConfig
+    (folder / "README.md").write_text(model_card(cfg, meta, str(folder)), encoding="utf-8")
     return folder
 
 

@@ -233,7 +233,7 @@ def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: 
         return write_checkpoint(out, cfg, state, {"source": {"format": kind, "path": str(src)}}, local)
     tok = load_tokenizer(tokenizer or tok_file or "default")
     if to == "hf":
-        return _write_hf(cfg, state, out, tok)
+        return _write_hf(cfg, state, out, tok, checkpoint.read_meta(src) if kind == "meshlm" else None)
     return write_family(cfg, state, out, BACKBONES[to], tok)
 
 
@@ -241,9 +241,9 @@ def _tokenizer_file(folder: Path) -> str | None:
     return str(folder / "tokenizer.json") if (folder / "tokenizer.json").is_file() else None
 
 
-def _write_hf(cfg: ModelConfig, state: dict[str, torch.Tensor], out: str | Path, tok) -> Path:
+def _write_hf(cfg: ModelConfig, state: dict[str, torch.Tensor], out: str | Path, tok, meta=None) -> Path:
     from meshlm.hf import save_hf
 
     model = MeshLM(cfg)
     model.load_state_dict(state)
-    return save_hf(model, _fresh_dir(out), tok)
+    return save_hf(model, _fresh_dir(out), tok, meta)
