@@ -7,6 +7,8 @@ import torch
 from meshlm.config import ModelConfig
 from meshlm.model import MeshLM
 
+pytest_plugins = ["ciskips"]  # under CI=true: slow tests run, skips fail (except GPU tests)
+
 # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine two threads per process make
 # them up to 100× slower (threads wait on each other). Subprocesses the tests start set their own.
 torch.set_num_threads(1)
