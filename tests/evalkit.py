@@ -36,3 +36,30 @@ def wheel_cache(root: Path) -> Path:
     return root
 
 
+
+
+LAMBADA_STANDARD_ROWS = [  # stand-ins for cimec/lambada's passages: the test checks the plumbing, not LAMBADA
+    "the old man looked at the sea and thought about the fish he had lost to the sharks",
+    "she opened the letter slowly and read it twice before she handed it to her brother",
+]
+
+
+def fake_lambada_standard_cache(hf_datasets_cache: Path) -> Path:
+    """Write `cimec/lambada` (test and validation, two passages) into an HF datasets cache folder laid out as
+    `datasets.load_dataset` leaves a Hub dataset, so offline loading finds it there."""
+    import datasets
+    from datasets.arrow_writer import ArrowWriter
+
+    folder = hf_datasets_cache / "cimec___lambada" / "plain_text" / "0.0.0" / "0123456789abcdef"
+    folder.mkdir(parents=True, exist_ok=True)
+    features = datasets.Features({"text": datasets.Value("string")})
+    splits = datasets.SplitDict()
+    for split in ("test", "validation"):
+        with ArrowWriter(features=features, path=str(folder / f"lambada-{split}.arrow")) as writer:
+            for text in LAMBADA_STANDARD_ROWS:
+                writer.write({"text": text})
+            rows, size = writer.finalize()
+        splits.add(datasets.SplitInfo(name=split, num_examples=rows, num_bytes=size, dataset_name="lambada"))
+    datasets.DatasetInfo(features=features, config_name="plain_text", dataset_name="lambada",
+                         splits=splits).write_to_directory(str(folder))
+    return hf_datasets_cache

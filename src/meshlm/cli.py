@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("meshlm.commands.eval", "perplexity, loss vs. loop count and downstream tasks (lm-eval) of a checkpoint"),
     "probe": ("meshlm.commands.probe", "hidden-state probes (updates, CKA, spectra, routing) with JSON and plots"),
     "reproduce": ("meshlm.commands.reproduce", "run a study: variants × seeds trained, evaluated, probed, reported"),
+    "tasks": ("meshlm.commands.tasks", "export the downstream suite as lm-eval task YAMLs for lm-eval's own CLI"),
     "report": ("meshlm.commands.report", "one HTML page comparing runs: Table-1-style scores and overlaid probes"),
 }
 

@@ -43,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="prepared-data folder for perplexity (default: what the model was trained on)")
     p.add_argument("--tasks", default="all",
                    help="comma-separated tasks, 'all' (default) or 'none': lambada_openai, piqa, hellaswag, "
-                        "winogrande, arc_easy, arc_challenge, sciq, mmlu")
+                        "winogrande, arc_easy, arc_challenge, sciq, mmlu, lambada_standard (only from the local "
+                        "HF datasets cache; 'all' includes it when it is there)")
     p.add_argument("--shots", type=int_list, default=[0, 5], help="few-shot settings, e.g. 0,5 (default)")
     p.add_argument("--loops", type=int_list, default=None,
                    help="loop counts for loss vs. depth, e.g. 1,2,3,4, or none (default: 1 … 2K for looped models)")

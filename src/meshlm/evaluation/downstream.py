@@ -15,7 +15,7 @@ import os
 import time
 from typing import Any
 
-from meshlm.evaluation.tasks import MMLU_GROUP, SUITE_GROUP, resolve_tasks, task_manager, task_specs
+from meshlm.evaluation.tasks import MMLU_GROUP, PAPER_TASKS, SUITE_GROUP, resolve_tasks, task_manager, task_specs
 
 BOOTSTRAP_ITERS = 1000  # only LAMBADA's perplexity is bootstrapped; accuracies have a closed-form stderr
 
@@ -78,7 +78,8 @@ def _metric(values: dict, name: str) -> float | None:
 
 
 def summarise(raw: dict, tasks) -> dict[str, Any]:
-    """lm-eval's result dict -> {"tasks": {name: {...}}, "average": mean of the paper metrics, "items": n}."""
+    """lm-eval's result dict -> {"tasks": {name: {...}}, "average": mean of the paper metrics, "items": n,
+    "covered": how many of the paper's nine tasks the average covers, "of": 9}."""
     out: dict[str, dict] = {}
     for task in tasks:
         values = raw["results"][f"{SUITE_GROUP}::{MMLU_GROUP}" if task.name == "mmlu" else task.harness]
@@ -91,4 +92,4 @@ def summarise(raw: dict, tasks) -> dict[str, Any]:
             out[task.name]["perplexity"] = _metric(values, "perplexity")
     scores = [t["score"] for t in out.values() if t["score"] is not None]
     return {"tasks": out, "average": sum(scores) / len(scores) if scores else None,
-            "items": sum(t["items"] for t in out.values())}
+            "covered": len(scores), "of": PAPER_TASKS, "items": sum(t["items"] for t in out.values())}

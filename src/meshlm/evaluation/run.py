@@ -105,8 +105,17 @@ def format_suite(summary: dict) -> str:
         extra = f", {other} {100 * t[other]:.2f}" if t.get(other) is not None else ""
         lines.append(f"  {name:<15} {t['metric']:<8} {100 * t['score']:6.2f}{extra}  (n={t['items']})")
     if summary["average"] is not None:
-        lines.append(f"  {'average':<15} {'':<8} {100 * summary['average']:6.2f}")
+        lines.append(f"  {'average':<15} {'':<8} {100 * summary['average']:6.2f}  "
+                     f"({coverage(summary)})")
     return "\n".join(lines)
+
+
+def coverage(summary: dict) -> str:
+    """"8 of the paper's 9 tasks" (older eval.json files lack the counts: they averaged the eight)."""
+    from meshlm.evaluation.tasks import PAPER_TASKS
+
+    covered = summary.get("covered", sum(t.get("score") is not None for t in summary["tasks"].values()))
+    return f"{covered} of the paper's {summary.get('of', PAPER_TASKS)} tasks"
 
 
 def write_json(result: dict, path: str | Path) -> Path:
