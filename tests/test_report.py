@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import json
+import math
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,8 +45,21 @@ def runs(tmp_path_factory):
         samples = torch.randint(0, 8192, (3, 16))
         write_json({"model": loaded.model.config.to_dict(), **probe(loaded.model, samples)},
                    loaded.run_dir / "probe" / "probe.json")
+        write_metrics(loaded.run_dir, offset=0.1 * i)
         out.append(loaded.run_dir)
     return out
+
+
+def write_metrics(run_dir, offset: float = 0.0, steps: int = 20, tokens_per_step: int = 512) -> None:
+    """metrics.jsonl as the trainer writes it; the first validation record lacks `tokens` like older runs'."""
+    lines = []
+    for step in range(1, steps + 1):
+        lines.append({"kind": "train", "step": step, "loss": 6.0 - 0.1 * step + offset, "lr": 1e-3,
+                      "tokens": step * tokens_per_step})
+        if step % 10 == 0:
+            record = {"kind": "eval", "step": step, "val_loss": 6.1 - 0.1 * step + offset}
+            lines.append(record if step == 10 else {**record, "tokens": step * tokens_per_step})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"kind": "tr')
 
 
 def test_report_renders_every_section_for_two_runs(runs, tmp_path):
@@ -50,20 +67,41 @@ def test_report_renders_every_section_for_two_runs(runs, tmp_path):
     assert main(["report", *map(str, runs), "--out", str(out), "--title", "two tiny runs",
                  "--figures", str(tmp_path / "figures")]) == 0
     page = out.read_text()
-    for section in ("id='table'", "id='loops'", "id='exit'", "id='probes'", "id='notes'", "<h3>0-shot</h3>",
-                    "<h3>5-shot</h3>"):
+    for section in ("id='table'", "id='training'", "id='loops'", "id='exit'", "id='probes'", "id='notes'",
+                    "<h3>0-shot</h3>", "<h3>5-shot</h3>", f"avg<br><small>{len(SUITE)} of 9 tasks</small>"):
         assert section in page
     for name in ("tiny-mesh", "tiny-base", "1+2R2+1", "PIQA", "MMLU", "acc_norm", "val PPL", "non-emb. params"):
         assert name in page
     # two Table-1s and the loops table: header + two runs each; the exit table: header + 2 runs x 3 rules
     assert page.count("<tr>") == 2 * 3 + 3 + 7 and "state:inf" in page and "avg loops/token" in page
     images = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", page)
-    assert len(images) == 2 + 6  # loss vs loops, exit frontier + updates, cka, cka_steps, spectrum, rank, router
+    assert len(images) == 3 + 6  # loss curves, loss vs loops, exit frontier + the six probe figures
     assert not re.search(r"(src|href)=['\"](http|file|/)", page)  # self-contained
     assert "--limit 10" in page  # the fake suites were "limited": the note says so
     saved = sorted(p.name for p in (tmp_path / "figures").iterdir())
-    names = ("loops", "exit", "updates", "cka", "cka_steps", "spectrum", "rank", "router")
+    names = ("curves", "loops", "exit", "updates", "cka", "cka_steps", "spectrum", "rank", "router")
     assert saved == sorted(f"{n}.png" for n in names)
+    assert "10,240 tokens, final training loss 4.0000, validation loss 4.1000" in page
+
+
+def test_loss_curves_come_from_metrics_with_tokens_for_every_validation(runs):
+    curves = collect(runs[0]).curves
+    assert curves["train"][0] == (512, pytest.approx(5.9)) and len(curves["train"]) == 20  # the cut line skipped
+    assert curves["val"] == [(5120, pytest.approx(5.1)), (10240, pytest.approx(4.1))]  # step 10: 10 × 512
+
+
+def test_table_one_shows_perplexity_without_downstream_results(runs, tmp_path):
+    from meshlm.analysis.report import render
+
+    results = [collect(r) for r in runs]
+    for r in results:
+        r.eval = {**r.eval, "downstream": {}}
+    results[1].eval = None  # only training's validation: its last perplexity, marked
+    page = render(results, figures={})
+    table = page[page.index("id='table'"):page.index("id='training'")]
+    assert f"{results[0].eval['perplexity']['ppl']:.2f}" in table
+    assert re.search(rf"{math.exp(4.2):.2f}(</b>)?<sup>†</sup>", table) and "No downstream results yet" in table
+    assert "PIQA" not in table
 
 
 def test_report_collects_from_a_checkpoint_path_and_explains_missing_results(runs, tmp_path):
@@ -73,7 +111,8 @@ def test_report_collects_from_a_checkpoint_path_and_explains_missing_results(run
         assert results[0].name == "tiny-mesh" and results[1].eval is None and results[1].model["scheme"] == "base"
         assert f"meshlm eval {runs[1]}" in notes(results)
         table = table_one(results, "0")
-        assert table.count("<td>—</td>") == 1 + len(SUITE) + 1  # base: no PPL, no task scores, no average
+        assert table.count("<td>—</td>") == len(SUITE) + 1  # base: no task scores, no average
+        assert "<sup>†</sup>" in table  # its perplexity: the trainer's last validation
     finally:
         (tmp_path / "moved.json").rename(runs[1] / "eval.json")
     with pytest.raises(MeshlmError, match="meshlm eval"):
@@ -86,3 +125,41 @@ def test_probe_figures_are_pngs(runs):
     assert set(figures) == {"updates", "cka", "cka_steps", "spectrum", "rank", "router"}
     assert plots.png_bytes(figures["router"]).startswith(b"\x89PNG")
     assert "router" not in plots.probe_figures(results[1:])  # base has no routers
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+IMAGE_PROBE = """<script>
+window.addEventListener("load", () => {
+  const images = [...document.images].map(i => i.complete && i.naturalWidth > 0 ? 1 : 0);
+  document.body.setAttribute("data-images", images.join(""));
+});
+</script>"""
+
+
+def chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={profile}",
+             "--virtual-time-budget=10000"]
+    return subprocess.run([CHROMIUM, *flags, *args], capture_output=True, text=True, timeout=180)
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium (setup.sh installs the Debian package as root)")
+def test_report_renders_in_headless_chromium_with_every_figure_loaded(runs, tmp_path):
+    out = tmp_path / "report.html"
+    assert main(["report", *map(str, runs), "--out", str(out), "--title", "two tiny runs"]) == 0
+    page = out.read_text()
+    probed = tmp_path / "probed.html"  # the page plus a script that records which images decoded
+    probed.write_text(page.replace("</body>", IMAGE_PROBE + "</body>"))
+    dom = chromium("--dump-dom", probed.as_uri(), profile=tmp_path / "profile")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    loaded = re.search(r'data-images="([01]*)"', dom.stdout)
+    assert loaded and loaded.group(1) == "1" * page.count("<img "), "an <img> did not load in Chromium"
+    shot = tmp_path / "report.png"
+    done = chromium(f"--screenshot={shot}", "--window-size=1400,3000", "--hide-scrollbars", out.as_uri(),
+                    profile=tmp_path / "profile")
+    assert done.returncode == 0 and shot.is_file(), done.stderr[-2000:]
+    from PIL import Image
+
+    with Image.open(shot) as image:
+        assert image.size == (1400, 3000)
+        assert len(image.convert("RGB").getcolors(maxcolors=1 << 20) or []) > 50  # text and figures, not blank

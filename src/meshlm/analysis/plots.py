@@ -12,6 +12,7 @@ global state, safe in threads and headless). `probe_figures` makes the whole set
     router       MeSH only: slot usage (write), slots read per step, write/read entropy per router pair
     loops        validation loss against the loop count (from eval results; `loops_figure`)
     exit         validation loss against average loops per token under adaptive exit (`exit_figure`)
+    curves       training and validation loss against tokens seen (from metrics.jsonl; `loss_curves_figure`)
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter
 
 Run = tuple[str, dict]
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
@@ -216,6 +218,38 @@ def exit_figure(runs: list[tuple[str, list[dict], list[dict]]]) -> Figure | None
     ax.set_xlabel("average loop steps per token (dashed: fixed depth)")
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title("Adaptive exit: quality vs. average loops")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    return fig
+
+
+def token_count(n: float) -> str:
+    """Tick label for a token count: 0, 512, 10K, 2.5M, 1.2B."""
+    for size, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= size:
+            return f"{n / size:.3g}{suffix}"
+    return f"{n:.0f}"
+
+
+def loss_curves_figure(runs: list[tuple[str, dict]]) -> Figure | None:
+    """Training (solid) and validation (dashed, dots) loss against tokens seen; `runs` = (label, curves) with
+    curves = {"train": [(tokens, loss)], "val": [(tokens, loss)]} as meshlm.analysis.report reads them."""
+    runs = [(name, c) for name, c in runs if c.get("train") or c.get("val")]
+    if not runs:
+        return None
+    fig = _figure(6.4, 3.6)
+    ax = fig.add_subplot()
+    for i, (name, curves) in enumerate(runs):
+        if curves.get("train"):
+            tokens, loss = zip(*curves["train"])
+            ax.plot(tokens, loss, "-", color=_color(i), linewidth=1.2, alpha=0.85, label=f"{name}: train")
+        if curves.get("val"):
+            tokens, loss = zip(*curves["val"])
+            ax.plot(tokens, loss, "--o", color=_color(i), markersize=4, linewidth=1.2, label=f"{name}: validation")
+    ax.set_xlabel("tokens seen")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title("Training and validation loss")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: token_count(x)))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     return fig

@@ -4,11 +4,14 @@ Per run it reads what `meshlm eval` and `meshlm probe` left in the run folder (e
 and the model config (from those files, else from the run's checkpoint). Sections:
 
 1. Table 1 of the paper, once per few-shot setting: variant, spec, non-embedding parameters, validation
-   perplexity, each task's paper metric (acc or acc_norm, %) and their average; best value per column bold.
-2. Loss vs. loop count (figure and table).
-3. Probes overlaid per variant: relative updates, consecutive-stage CKA, effective rank, spectra, CKA
+   perplexity, each task's paper metric (acc or acc_norm, %) and their average (its header says how many of
+   the nine tasks it covers); best value per column bold. Without downstream results the table still shows
+   perplexity: `meshlm eval`'s, else the trainer's last validation (marked †).
+2. Training and validation loss against tokens seen, every run (from its metrics.jsonl).
+3. Loss vs. loop count (figure and table).
+4. Probes overlaid per variant: relative updates, consecutive-stage CKA, effective rank, spectra, CKA
    heatmaps and MeSH routing (meshlm.analysis.plots).
-4. Notes: what is missing for which run (and the command that produces it), and runs scored with --limit.
+5. Notes: what is missing for which run (and the command that produces it), and runs scored with --limit.
 """
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ import base64
 import datetime
 import html
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshlm import checkpoint
@@ -26,11 +30,12 @@ from meshlm.errors import MeshlmError
 from meshlm.model.accounting import describe
 
 TASK_TITLES = {"lambada_openai": "LAMBADA", "piqa": "PIQA", "hellaswag": "HellaSwag", "winogrande": "WinoGrande",
-               "arc_easy": "ARC-E", "arc_challenge": "ARC-C", "sciq": "SciQ", "mmlu": "MMLU"}
+               "arc_easy": "ARC-E", "arc_challenge": "ARC-C", "sciq": "SciQ", "mmlu": "MMLU",
+               "lambada_standard": "LAMBADA-std"}
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222}
 table{border-collapse:collapse;margin:1em 0;font-size:14px}th,td{border:1px solid #ccc;padding:4px 8px;
-text-align:right}th{background:#f3f3f3}td.l,th.l{text-align:left}img{max-width:100%;margin:0.5em 0}
-.note{color:#a33}code{background:#f5f5f5;padding:1px 4px}"""
+text-align:right}th{background:#f3f3f3}td.l,th.l{text-align:left;white-space:nowrap}img{max-width:100%;margin:0.5em 0}
+.note{color:#a33}.foot{font-size:13px;color:#555}code{background:#f5f5f5;padding:1px 4px}"""
 
 
 class ReportError(MeshlmError):
@@ -44,6 +49,16 @@ class RunResults:
     model: dict | None
     eval: dict | None
     probe: dict | None
+    curves: dict = field(default_factory=dict)  # {"train": [(tokens, loss)], "val": [(tokens, loss)]}
+
+    @property
+    def ppl(self) -> tuple[float | None, str]:
+        """Validation perplexity and its source: `meshlm eval`'s, else the trainer's last validation."""
+        if ((self.eval or {}).get("perplexity") or {}).get("ppl") is not None:
+            return self.eval["perplexity"]["ppl"], "eval"
+        if self.curves.get("val"):
+            return math.exp(min(self.curves["val"][-1][1], 700)), "train"
+        return None, ""
 
     @property
     def variant(self) -> str:
@@ -63,6 +78,29 @@ def _read_json(path: Path) -> dict | None:
         raise ReportError(f"{path} is unreadable ({err}); re-run the command that wrote it") from None
 
 
+def read_curves(run_dir: Path) -> dict:
+    """Training and validation loss against tokens from the run's metrics.jsonl ({} without one).
+
+    Validation records written before they carried `tokens` get step × the tokens per step that the training
+    records show."""
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return {}
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a line cut short by a kill
+            continue
+    train = [r for r in records if r.get("kind") == "train" and r.get("tokens") is not None]
+    per_step = train[-1]["tokens"] / max(train[-1]["step"], 1) if train else None
+    val = [(r.get("tokens", None if per_step is None else r["step"] * per_step), r["val_loss"])
+           for r in records if r.get("kind") == "eval"]
+    return {"train": [(r["tokens"], r["loss"]) for r in train],
+            "val": [(tokens, loss) for tokens, loss in val if tokens is not None]}
+
+
 def collect(path: str | Path) -> RunResults:
     """A run folder's results (a step-NNNNNN folder means its run)."""
     path = Path(path)
@@ -77,7 +115,7 @@ def collect(path: str | Path) -> RunResults:
         except MeshlmError:
             raise ReportError(f"{run_dir} has no eval.json, probe/probe.json or checkpoint; run "
                               f"`meshlm eval {run_dir}` and `meshlm probe {run_dir}` first") from None
-    return RunResults(run_dir.name, run_dir, model, evaluation, probed)
+    return RunResults(run_dir.name, run_dir, model, evaluation, probed, read_curves(run_dir))
 
 
 def non_embedding_params(model: dict) -> int:
@@ -98,31 +136,43 @@ def _table(header: list[str], columns: list[list[str]], n_rows: int) -> str:
     return f"<table><tr>{head}</tr>{rows}</table>"
 
 
-def table_one(runs: list[RunResults], shots: str) -> str:
-    """Variant, spec, non-embedding params, PPL, per-task paper metric (%) and average for one shot setting."""
-    suites = [(r.eval or {}).get("downstream", {}).get(shots) for r in runs]
+def table_one(runs: list[RunResults], shots: str | None) -> str:
+    """Variant, spec, non-embedding params, PPL, per-task paper metric (%) and average for one shot setting
+    (shots None: no downstream results, the rest of the table still shown)."""
+    from meshlm.evaluation.tasks import PAPER_TASKS
+
+    suites = [((r.eval or {}).get("downstream") or {}).get(shots) if shots else None for r in runs]
     tasks = [t for t in TASK_TITLES if any(s and t in s["tasks"] for s in suites)]
     left = [[f"<td class='l'>{html.escape(r.name)}</td>" for r in runs],
             [f"<td class='l'>{html.escape(r.variant)}</td>" for r in runs],
             [f"<td>{html.escape(str((r.model or {}).get('spec', '?')))}</td>" for r in runs],
             [f"<td>{non_embedding_params(r.model):,}</td>" if r.model else "<td>—</td>" for r in runs]]
-    ppl = [((r.eval or {}).get("perplexity") or {}).get("ppl") for r in runs]
-    columns = left + [_cells(ppl, True, "{:.2f}")]
+    ppl, sources = zip(*(r.ppl for r in runs))
+    ppl_cells = _cells(list(ppl), True, "{:.2f}")
+    ppl_cells = [c.replace("</td>", "<sup>†</sup></td>") if src == "train" else c for c, src in zip(ppl_cells, sources)]
+    columns = left + [ppl_cells]
     for task in tasks:
         scores = [(s["tasks"].get(task) or {}).get("score") if s else None for s in suites]
         columns.append(_cells([None if v is None else 100 * v for v in scores], False, "{:.2f}"))
-    complete = [s is not None and all(t in s["tasks"] for t in tasks) for s in suites]  # same tasks averaged
-    averages = [s["average"] if ok else None for s, ok in zip(suites, complete)]
-    columns.append(_cells([None if v is None else 100 * v for v in averages], False, "{:.2f}"))
-    metric = {t: next(s["tasks"][t]["metric"] for s in suites if s and t in s["tasks"]) for t in tasks}
-    header = ["run", "variant", "spec", "non-emb. params", "val PPL",
-              *(f"{TASK_TITLES[t]}<br><small>{metric[t]}</small>" for t in tasks), "avg"]
-    return f"<h3>{shots}-shot</h3>" + _table(header, columns, len(runs))
+    header = ["run", "variant", "spec", "non-emb. params", "val PPL"]
+    if tasks:
+        complete = [s is not None and all(t in s["tasks"] for t in tasks) for s in suites]  # same tasks averaged
+        averages = [s["average"] if ok else None for s, ok in zip(suites, complete)]
+        columns.append(_cells([None if v is None else 100 * v for v in averages], False, "{:.2f}"))
+        metric = {t: next(s["tasks"][t]["metric"] for s in suites if s and t in s["tasks"]) for t in tasks}
+        header += [*(f"{TASK_TITLES[t]}<br><small>{metric[t]}</small>" for t in tasks),
+                   f"avg<br><small>{len(tasks)} of {PAPER_TASKS} tasks</small>"]
+    foot = ("<p class='foot'><sup>†</sup> the trainer's last validation (train.eval_batches batches); "
+            "<code>meshlm eval RUN</code> scores the whole validation split.</p>" if "train" in sources else "")
+    return (f"<h3>{shots}-shot</h3>" if shots else "") + _table(header, columns, len(runs)) + foot
 
 
 def report_figures(runs: list[RunResults]) -> dict[str, bytes]:
     """The page's figures as PNG bytes by name: "loops" (if any run has a sweep) and the overlaid probes."""
     figures = {}
+    curves = plots.loss_curves_figure([(r.label, r.curves) for r in runs])
+    if curves is not None:
+        figures["curves"] = curves
     loops = plots.loops_figure([(r.label, (r.eval or {}).get("loops") or []) for r in runs])
     if loops is not None:
         figures["loops"] = loops
@@ -134,6 +184,16 @@ def report_figures(runs: list[RunResults]) -> dict[str, bytes]:
     probed = [(r.label, r.probe) for r in runs if r.probe]
     figures.update(plots.probe_figures(probed) if probed else {})
     return {name: plots.png_bytes(fig) for name, fig in figures.items()}
+
+
+def training_section(runs: list[RunResults], figures: dict) -> str:
+    if "curves" not in figures:
+        return "<p>No run has training metrics (<code>meshlm train</code> writes <code>metrics.jsonl</code>).</p>"
+    rows = [f"<li>{html.escape(r.label)}: {r.curves['train'][-1][0]:,} tokens, final training loss "
+            f"{r.curves['train'][-1][1]:.4f}" + (f", validation loss {r.curves['val'][-1][1]:.4f}"
+                                                  if r.curves.get("val") else "") + "</li>"
+            for r in runs if r.curves.get("train")]
+    return _img(figures["curves"]) + (f"<ul>{''.join(rows)}</ul>" if rows else "")
 
 
 def loops_section(runs: list[RunResults], figures: dict) -> str:
@@ -185,6 +245,9 @@ def notes(runs: list[RunResults]) -> str:
             items.append(f"{name}: no eval.json — run <code>meshlm eval {path}</code>")
         if r.probe is None:
             items.append(f"{name}: no probe — run <code>meshlm probe {path}</code>")
+        if not r.curves:
+            items.append(f"{name}: no metrics.jsonl, so no loss curves (the run folder of <code>meshlm train</code> "
+                         f"has one)")
         limits = {s.get("limit") for s in ((r.eval or {}).get("downstream") or {}).values()} - {None}
         if limits:
             items.append(f"{name}: tasks scored with --limit {', '.join(map(str, sorted(limits)))} "
@@ -200,13 +263,15 @@ def _img(png: bytes) -> str:
 def render(runs: list[RunResults], title: str = "meshlm report", figures: dict[str, bytes] | None = None) -> str:
     figures = report_figures(runs) if figures is None else figures
     shots = sorted({k for r in runs for k in ((r.eval or {}).get("downstream") or {})}, key=int)
-    tables = "".join(table_one(runs, s) for s in shots) or "<p>No downstream results yet.</p>"
+    tables = "".join(table_one(runs, s) for s in shots) if shots else (
+        table_one(runs, None) + "<p>No downstream results yet: <code>meshlm eval RUN</code> scores the tasks.</p>")
     run_list = "".join(f"<li><b>{html.escape(r.name)}</b>: {html.escape(str(r.path))}"
                        f"{' (step ' + str(r.eval['step']) + ')' if r.eval and r.eval.get('step') is not None else ''}"
                        f"</li>" for r in runs)
     body = (f"<h1>{html.escape(title)}</h1><p>Generated {datetime.datetime.now():%Y-%m-%d %H:%M}.</p>"
             f"<ul>{run_list}</ul>"
-            f"<h2 id='table'>Table 1: perplexity and downstream accuracy (%)</h2>{tables}"
+            f"<h2 id='table'>Table 1: validation perplexity and downstream accuracy (%)</h2>{tables}"
+            f"<h2 id='training'>Training and validation loss</h2>{training_section(runs, figures)}"
             f"<h2 id='loops'>Loss vs. loop count</h2>{loops_section(runs, figures)}"
             f"<h2 id='exit'>Adaptive exit</h2>{exit_section(runs, figures)}"
             f"<h2 id='probes'>Probes</h2>{probe_section(runs, figures)}"

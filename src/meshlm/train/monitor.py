@@ -1,4 +1,5 @@
-"""What the trainer reports: metrics as JSON lines (+ TensorBoard if installed) and a progress bar.
+"""What the trainer reports: metrics as JSON lines (+ TensorBoard) and progress (a bar on a terminal, else
+periodic log lines).
 
 MFU = achieved training FLOP/s (tokens/s × train FLOPs per token, PaLM convention from
 meshlm.model.accounting) / (peak per device × devices), with the peak of the dtype the run computes in
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +29,10 @@ class Metrics:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-            except ImportError:  # tensorboard is optional
-                self.tb = None
+            except ImportError:  # optional (setup.sh installs it): say so once, keep training
+                print("train.tensorboard is on but the tensorboard package is not installed, so no TensorBoard "
+                      "events are written (metrics.jsonl has everything); install it with pip install -c "
+                      "constraints.txt -e '.[tensorboard]' or set train.tensorboard=false", file=sys.stderr)
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop records from steps the killed run did after its last checkpoint."""
@@ -61,25 +65,52 @@ class Metrics:
             self.tb.close()
 
 
-class Progress:
-    """tqdm bar on rank 0 showing loss, tokens/s, MFU and (built in) ETA; a no-op elsewhere."""
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"
 
-    def __init__(self, enabled: bool, verbose: bool, total: int, initial: int, desc: str):
-        self.bar, self.verbose = None, verbose
-        if enabled:
-            self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True)
+
+class Progress:
+    """Rank 0's progress: loss, tokens/s, MFU, lr and ETA; a no-op elsewhere.
+
+    On a terminal, a tqdm bar. Without one (a log file, a batch job) a bar redraws itself with carriage returns
+    into one ever-growing line, so instead one plain line is printed every `total/20` steps or `every_s`
+    seconds, whichever comes first, and at the last step."""
+
+    def __init__(self, enabled: bool, verbose: bool, total: int, initial: int, desc: str,
+                 stream=None, every_s: float = 60.0):
+        self.bar, self.verbose, self.enabled = None, verbose, enabled
+        self.stream = stream or sys.stderr
+        self.total, self.step, self.desc = total, initial, desc
+        self.every_steps, self.every_s = max(1, (total - initial) // 20), every_s
+        self.start = self.last = time.monotonic()
+        self.first = initial
+        if enabled and self.stream.isatty():
+            self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, file=self.stream)
 
     def update(self, loss: float, tokens_per_s: float, mfu: float, lr: float) -> None:
+        self.step += 1
+        stats = f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% | lr {lr:.2e}"
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | MFU {100 * mfu:.1f}% "
-                                     f"| lr {lr:.2e}", refresh=False)
+            self.bar.set_postfix_str(stats, refresh=False)
             self.bar.update(1)
+            return
+        now = time.monotonic()
+        due = (self.step - self.first) % self.every_steps == 0 or now - self.last >= self.every_s
+        if self.enabled and (due or self.step == self.total):
+            self.last = now
+            elapsed = now - self.start
+            eta = elapsed / max(self.step - self.first, 1) * (self.total - self.step)
+            print(f"{self.desc}: step {self.step}/{self.total} ({100 * self.step / max(self.total, 1):.0f}%) | "
+                  f"{stats} | elapsed {_duration(elapsed)}, eta {_duration(eta)}", file=self.stream, flush=True)
 
     def write(self, message: str) -> None:
         if self.bar is not None:
-            self.bar.write(message, file=sys.stderr)  # beside the bar (tqdm draws on stderr)
+            self.bar.write(message, file=self.stream)  # beside the bar
         elif self.verbose:
-            print(message, file=sys.stderr, flush=True)
+            print(message, file=self.stream, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:

@@ -328,7 +328,8 @@ class Trainer:
         if saving or (cfg.eval_every > 0 and self.step % cfg.eval_every == 0):
             result.val_loss = self.evaluate()
             ppl = math.exp(min(result.val_loss, 700))
-            self.metrics.log({"kind": "eval", "step": self.step, "val_loss": result.val_loss, "val_ppl": ppl})
+            self.metrics.log({"kind": "eval", "step": self.step, "val_loss": result.val_loss, "val_ppl": ppl,
+                              "tokens": self.step * self.tokens_per_step})
             bar.write(f"step {self.step}/{self.total_steps}: train loss {loss:.4f}, val loss {result.val_loss:.4f}, "
                       f"val ppl {ppl:.2f}")
         if saving:
