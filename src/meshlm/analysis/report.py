@@ -27,6 +27,7 @@ from meshlm import checkpoint
 from meshlm.analysis import plots
 from meshlm.config import ModelConfig
 from meshlm.errors import MeshlmError
+from meshlm.evaluation.tasks import PAPER_TASKS
 from meshlm.model.accounting import describe
 
 TASK_TITLES = {"lambada_openai": "LAMBADA", "piqa": "PIQA", "hellaswag": "HellaSwag", "winogrande": "WinoGrande",
@@ -139,8 +140,6 @@ def _table(header: list[str], columns: list[list[str]], n_rows: int) -> str:
 def table_one(runs: list[RunResults], shots: str | None) -> str:
     """Variant, spec, non-embedding params, PPL, per-task paper metric (%) and average for one shot setting
     (shots None: no downstream results, the rest of the table still shown)."""
-    from meshlm.evaluation.tasks import PAPER_TASKS
-
     suites = [((r.eval or {}).get("downstream") or {}).get(shots) if shots else None for r in runs]
     tasks = [t for t in TASK_TITLES if any(s and t in s["tasks"] for s in suites)]
     left = [[f"<td class='l'>{html.escape(r.name)}</td>" for r in runs],

@@ -22,6 +22,7 @@ from typing import Any
 from meshlm.evaluation.downstream import run_suite
 from meshlm.evaluation.loaded import Loaded
 from meshlm.evaluation.perplexity import default_loop_counts, exit_frontier, loss_vs_loops, mean_loss
+from meshlm.evaluation.tasks import PAPER_TASKS
 from meshlm.model.accounting import account
 
 
@@ -112,8 +113,6 @@ def format_suite(summary: dict) -> str:
 
 def coverage(summary: dict) -> str:
     """"8 of the paper's 9 tasks" (older eval.json files lack the counts: they averaged the eight)."""
-    from meshlm.evaluation.tasks import PAPER_TASKS
-
     covered = summary.get("covered", sum(t.get("score") is not None for t in summary["tasks"].values()))
     return f"{covered} of the paper's {summary.get('of', PAPER_TASKS)} tasks"
 

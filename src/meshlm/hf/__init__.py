@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 from meshlm.config import ModelConfig
 from meshlm.data.tokenizer import TextTokenizer, load_tokenizer
 from meshlm.errors import CheckpointError
+from meshlm.hf.card import model_card
 from meshlm.hf.configuration import MeshConfig
 from meshlm.hf.modeling import MeshForCausalLM
 from meshlm.model import MeshLM
@@ -68,7 +69,6 @@ def save_hf(model: MeshLM | MeshForCausalLM, folder: str | Path,
             tokenizer: str | TextTokenizer | None = "default", meta: dict | None = None) -> Path:
     """Save a model (and its tokenizer) as a Hugging Face folder that also loads without meshlm; `meta` is the
     source checkpoint's config.json, whose training record goes into the model card."""
-    from meshlm.hf.card import model_card
 
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
     if isinstance(model, MeshLM):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshlm.config import ModelConfig
+from meshlm.model.accounting import describe
 
 _LOADING = """```python
 from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
@@ -56,8 +57,6 @@ def _training(meta: dict[str, Any] | None) -> list[str]:
 
 def model_card(cfg: ModelConfig, meta: dict[str, Any] | None = None, folder: str = "path/to/this/folder") -> str:
     """README.md text for an exported folder of the model `cfg`; `meta` is the source checkpoint's config.json."""
-    from meshlm.model.accounting import describe
-
     acc = describe(cfg)
     loop = (f"{acc.unique_layers} unique layers run as {acc.unrolled_layers} unrolled layers "
             f"({acc.loop_steps} loop steps)")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from meshlm.data.cache_dir import cache_dir as resolve_cache
 from meshlm.evaluation.tasks import MMLU_GROUP, SUITE_GROUP, Task, member_specs, task_manager
 
 PREFIX = "meshlm_"
@@ -94,6 +95,4 @@ def usage(out: str | Path, names: list[str]) -> str:
 
 
 def cache_tasks_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    from meshlm.data.cache_dir import cache_dir as resolve_cache
-
     return resolve_cache(cache_dir) / "lm-eval-tasks"
