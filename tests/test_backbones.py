@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import build, tiny
+from conftest import BF16_LOGITS, build, tiny
 from test_kv_cache import decode_both_ways
 from test_memory import randomise_routers, transcribed_mesh_logits
 
@@ -56,7 +56,7 @@ def test_deterministic(backbone, scheme):
     a, b = build(cfg, seed=7), build(cfg, seed=7)
     x = x_batch(cfg)
     assert torch.equal(a(x).logits, b(x).logits)
-    assert torch.equal(a(x).logits, a(x).logits)
+    assert not torch.equal(a(x).logits, build(cfg, seed=8)(x).logits)  # the seed, not luck, made them equal
 
 
 @pytest.mark.parametrize("backbone, scheme", CASES)
@@ -119,7 +119,7 @@ def test_bf16_autocast_runs_with_fp32_routers(backbone):
         out = model(x, targets=x, return_states=True)
     assert all(r.dtype == torch.float32 for r in out.stages.router_logits)
     assert torch.isfinite(out.loss)
-    torch.testing.assert_close(out.logits.float(), model(x).logits, rtol=0.1, atol=0.1)
+    torch.testing.assert_close(out.logits.float(), model(x).logits, **BF16_LOGITS)
 
 
 def test_tied_embeddings_share_one_table():

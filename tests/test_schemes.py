@@ -1,7 +1,7 @@
 """Every registered scheme through the one loop: equivalences, causality, gradients, shapes."""
 import pytest
 import torch
-from conftest import build, copy_layers, tiny
+from conftest import BF16_LOGITS, build, copy_layers, tiny
 
 from meshlm.config import SCHEME_OPTIONS, ModelConfig
 from meshlm.errors import ConfigError
@@ -138,7 +138,7 @@ def test_deterministic(scheme):
     a, b = build(cfg, seed=7), build(cfg, seed=7)
     x = x_batch(cfg)
     assert torch.equal(a(x).logits, b(x).logits)
-    assert torch.equal(a(x).logits, a(x).logits)
+    assert not torch.equal(a(x).logits, build(cfg, seed=8)(x).logits)  # the seed, not luck, made them equal
 
 
 @pytest.mark.parametrize("scheme", ALL)
@@ -204,7 +204,7 @@ def test_bf16_autocast_runs_with_fp32_routers():
         out = model(x, return_states=True)
     assert all(w.dtype == torch.float32 and r.dtype == torch.float32 for w, r in out.stages.routing)
     assert out.logits.dtype == torch.bfloat16
-    torch.testing.assert_close(out.logits.float(), model(x).logits, rtol=0.1, atol=0.1)
+    torch.testing.assert_close(out.logits.float(), model(x).logits, **BF16_LOGITS)
 
 
 def test_model_module_never_touches_files_or_logging():
