@@ -35,9 +35,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def load(path: str):
-    from meshlm import checkpoint
+    from meshlm.loading import open_model
 
-    return checkpoint.load_model(path, "cpu").eval()
+    return open_model(path, "cpu").model
 
 
 # -- decode ----------------------------------------------------------------------------------------------------

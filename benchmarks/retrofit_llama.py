@@ -86,8 +86,9 @@ def main() -> None:
     from transformers import LlamaForCausalLM
 
     from meshlm.data.prepare import PreparedData, prepare_default
-    from meshlm.interop.convert import convert, read_family
+    from meshlm.interop.convert import convert
     from meshlm.interop.retrofit import retrofit
+    from meshlm.loading import read_family
 
     start = time.perf_counter()
     folder = convert(train_source(args.out, args.steps), args.out / "llama-hf", to="llama")

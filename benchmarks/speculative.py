@@ -108,9 +108,10 @@ def main() -> None:
     args = p.parse_args()
     clock = timing_setup(args)
 
-    from meshlm.generate import load_for_generation
+    from meshlm.loading import open_model
 
-    model, tok = load_for_generation(args.checkpoint)
+    opened = open_model(args.checkpoint)
+    model, tok = opened.model, opened.tokenizer
     k = model.config.layout.n_steps
     k_ds = [int(x) for x in args.draft_loops.split(",")] if args.draft_loops else list(range(1, k))
     prompts = corpus_prompts(tok, args.batch, args.prompt)

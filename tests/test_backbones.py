@@ -234,8 +234,8 @@ def test_backbone_presets():
 
 # -- retrofit from a Llama checkpoint ------------------------------------------------------------------------
 def test_retrofit_with_one_pass_reproduces_the_llama_source(llama_folder):
-    from meshlm.interop.convert import read_family
     from meshlm.interop.retrofit import retrofit
+    from meshlm.loading import read_family
 
     folder, hf = llama_folder
     cfg, state = read_family(folder)
@@ -247,14 +247,14 @@ def test_retrofit_with_one_pass_reproduces_the_llama_source(llama_folder):
 
 def test_retrofit_llama_to_mesh_starts_as_plain_recursion(llama_folder, tmp_path):
     """Continued training of the retrofit with `meshlm train` is in test_init_from."""
-    from meshlm.checkpoint import load_model
     from meshlm.cli import main
+    from meshlm.loading import open_model
 
     folder, _ = llama_folder
     assert main(["retrofit", str(folder), str(tmp_path / "mesh"), "--spec", "1+1R2+1", "--core-init", "block"]) == 0
     assert main(["retrofit", str(folder), str(tmp_path / "base"), "--spec", "1+1R2+1", "--core-init", "block",
                  "--scheme", "base"]) == 0
-    mesh, base = load_model(tmp_path / "mesh"), load_model(tmp_path / "base")
+    mesh, base = open_model(tmp_path / "mesh").model, open_model(tmp_path / "base").model
     assert (mesh.config.backbone, mesh.config.scheme, mesh.config.scale_embeddings) == ("llama", "mesh", False)
     x = torch.randint(0, 8192, (4, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # base-started routers: MeSH begins (almost) where the looped source is

@@ -9,6 +9,7 @@ import torch
 from meshlm import checkpoint
 from meshlm.config import ModelConfig
 from meshlm.errors import CheckpointError
+from meshlm.loading import open_model
 from meshlm.model import MeshLM
 
 CFG = ModelConfig.from_preset("tiny")
@@ -28,7 +29,7 @@ def test_round_trip_and_load_model(tmp_path):
     assert path.name == "step-000005" and (tmp_path / "latest").read_text().strip() == "step-000005"
     ckpt = checkpoint.load_checkpoint(tmp_path)
     assert ckpt.step == 5 and ckpt.state["step"] == 5
-    loaded = checkpoint.load_model(tmp_path)
+    loaded = open_model(tmp_path).model
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
         assert torch.equal(a, b), name
     assert not list(tmp_path.glob(".tmp-*"))
@@ -77,7 +78,7 @@ def test_corruption_names_the_file_and_resume_falls_back(tmp_path, victim, damag
 
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="holds no checkpoint"):
-        checkpoint.load_model(tmp_path)
+        checkpoint.load_checkpoint(tmp_path)
 
 
 def test_state_loads_without_executing_code(tmp_path):

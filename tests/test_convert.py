@@ -7,13 +7,14 @@ from conftest import build, tiny
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
 from meshlm.backbones import BACKBONES
-from meshlm.checkpoint import load_model
+from meshlm.checkpoint import save_model
 from meshlm.cli import main
 from meshlm.config import ModelConfig
 from meshlm.errors import CheckpointError, ConfigError
-from meshlm.interop.convert import convert, read_family, write_checkpoint
+from meshlm.interop.convert import convert
 from meshlm.interop.families import hf_config_kwargs
 from meshlm.interop.retrofit import plan, retrofit
+from meshlm.loading import open_model, read_family
 from meshlm.model import MeshLM
 
 NEOX = ModelConfig(spec="4", d_model=32, n_heads=4, vocab_size=211, context_length=64, scheme="vanilla",
@@ -41,7 +42,7 @@ def logits_of(model, x):
 def test_neox_folder_converts_with_equal_logits(pythia, tmp_path):
     folder, _, x, expected = pythia
     out = convert(folder, tmp_path / "ckpt")
-    model = load_model(out)
+    model = open_model(out).model
     assert model.config.scheme == "vanilla" and model.config.rotary_base == 500.0
     assert (logits_of(model, x) - expected).abs().max() <= 1e-5
 
@@ -49,18 +50,19 @@ def test_neox_folder_converts_with_equal_logits(pythia, tmp_path):
 def test_neox_meshlm_neox_round_trip_is_exact(pythia, tmp_path):
     folder, hf, x, expected = pythia
     convert(folder, tmp_path / "ckpt")
-    convert(tmp_path / "ckpt", tmp_path / "back", to="neox", tokenizer="default")
+    convert(tmp_path / "ckpt", tmp_path / "back", to="neox")
     back = GPTNeoXForCausalLM.from_pretrained(tmp_path / "back").eval()
     reference = hf.state_dict()
     assert all(torch.equal(back.state_dict()[k], reference[k]) for k in reference)
     assert torch.equal(logits_of(back, x), expected)
-    assert (tmp_path / "back" / "tokenizer.json").is_file()
+    # the source carries no tokenizer and its 211 ids are not the default's 8,192: none is made up
+    assert not (tmp_path / "ckpt" / "tokenizer.json").exists() and not (tmp_path / "back" / "tokenizer.json").exists()
 
 
 def test_scaled_embeddings_fold_into_gpt_neox(tmp_path):
     model = build(tiny(spec="3", scheme="vanilla", scale_embeddings=True, vocab_size=211))
-    write_checkpoint(tmp_path / "ckpt", model.config, model.state_dict())
-    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "neox"), "--tokenizer", "default"]) == 0
+    save_model(model, tmp_path / "ckpt")
+    assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "neox")]) == 0
     hf = GPTNeoXForCausalLM.from_pretrained(tmp_path / "neox").eval()
     x = torch.randint(0, 211, (2, 9))
     assert (logits_of(hf, x) - logits_of(model, x)).abs().max() <= 1e-5
@@ -68,11 +70,11 @@ def test_scaled_embeddings_fold_into_gpt_neox(tmp_path):
 
 def test_meshlm_to_hf_and_back_is_exact(tmp_path):
     model = build(tiny(spec="1+2R2+1", scheme="mesh", vocab_size=8192))
-    write_checkpoint(tmp_path / "ckpt", model.config, model.state_dict())
+    save_model(model, tmp_path / "ckpt")
     assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf"), "--to", "hf"]) == 0
     assert main(["convert", str(tmp_path / "hf"), str(tmp_path / "again")]) == 0
     x = torch.randint(0, 8192, (2, 9))
-    assert torch.equal(logits_of(load_model(tmp_path / "again"), x), logits_of(model, x))
+    assert torch.equal(logits_of(open_model(tmp_path / "again").model, x), logits_of(model, x))
 
 
 # -- retrofit ------------------------------------------------------------------------------------------------
@@ -113,7 +115,7 @@ def test_retrofit_mesh_router_start_base_routes_each_step_to_its_own_slot(pythia
 
 def test_cli_retrofit_writes_a_trainable_checkpoint(pythia, tmp_path):
     assert main(["retrofit", str(pythia[0]), str(tmp_path / "mesh"), "--spec", "1+1R2+1"]) == 0
-    model = load_model(tmp_path / "mesh")
+    model = open_model(tmp_path / "mesh").model
     assert model.config.scheme == "mesh" and model.config.spec == "1+1R2+1"
     meta = json.loads((tmp_path / "mesh" / "config.json").read_text())
     assert meta["retrofit"]["layers"]["cores"] == [[[1], [2]]] and meta["step"] == 0
@@ -147,7 +149,7 @@ def test_bad_inputs_are_clear_errors(pythia, tmp_path):
     with pytest.raises(ConfigError, match="does not fit the 4-layer source"):
         retrofit(cfg, state, "2+2R2+2")
     mesh = build(tiny())
-    write_checkpoint(tmp_path / "mesh", mesh.config, mesh.state_dict())
+    save_model(mesh, tmp_path / "mesh")
     with pytest.raises(ConfigError, match="only a vanilla model converts to GPT-NeoX"):
         convert(tmp_path / "mesh", tmp_path / "o5", to="neox")
 

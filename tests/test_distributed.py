@@ -8,7 +8,7 @@ import pytest
 import torch
 from trainkit import as_overrides, cli, tiny_train, train_losses
 
-from meshlm import checkpoint
+from meshlm.loading import open_model
 from meshlm.train import train
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
@@ -20,7 +20,7 @@ def single(prepared, tmp_path_factory):
     """The reference: one process, global batch 8 as 2 micro-batches of 4."""
     cfg = tiny_train(prepared, tmp_path_factory.mktemp("single"), steps=STEPS, save_every=0)
     result = train(cfg)
-    return result.losses, checkpoint.load_model(result.run_dir).state_dict()
+    return result.losses, open_model(result.run_dir).model.state_dict()
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
@@ -33,7 +33,7 @@ def test_two_processes_match_one(prepared, tmp_path, single, mode):
     assert sorted(got) == sorted(losses)
     for step, loss in losses.items():
         assert abs(got[step] - loss) <= 1e-5, (step, got[step], loss)
-    model = checkpoint.load_model(cfg.run_dir())  # written by rank 0 from gathered (FSDP: unsharded) state
+    model = open_model(cfg.run_dir()).model  # written by rank 0 from gathered (FSDP: unsharded) state
     for name, tensor in model.state_dict().items():
         # Adam turns ~1e-9 gradient differences on rarely seen embedding rows into ~1e-5 weight differences
         torch.testing.assert_close(tensor, weights[name], atol=1e-4, rtol=0, msg=name)
@@ -60,6 +60,6 @@ def test_sampled_depth_keeps_ranks_in_lockstep(prepared, tmp_path, mode):
     got = train_losses(cfg.run_dir())
     for step, loss in ref.losses.items():
         assert abs(got[step] - loss) <= 1e-5, (step, got[step], loss)
-    weights = checkpoint.load_model(ref.run_dir).state_dict()
-    for name, tensor in checkpoint.load_model(cfg.run_dir()).state_dict().items():
+    weights = open_model(ref.run_dir).model.state_dict()
+    for name, tensor in open_model(cfg.run_dir()).model.state_dict().items():
         torch.testing.assert_close(tensor, weights[name], atol=1e-4, rtol=0, msg=name)

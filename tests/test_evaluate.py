@@ -18,10 +18,10 @@ from meshlm.data.prepare import PreparedData
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import ConfigError, DataError
 from meshlm.evaluation.harness import MeshLMEval, continuation_logprob
-from meshlm.evaluation.loaded import open_checkpoint
 from meshlm.evaluation.perplexity import default_loop_counts, loss_vs_loops, mean_loss
 from meshlm.evaluation.tasks import SUITE, resolve_tasks, task_specs
 from meshlm.evaluation.tasks.sets import eval_set_files, evals_root
+from meshlm.loading import open_model
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +153,7 @@ def test_lm_eval_runs_every_task_offline_and_matches_our_loglikelihoods(tmp_path
         assert (suite["covered"], suite["of"]) == (8, 9)
         assert suite["tasks"]["piqa"]["items"] == 2 and suite["tasks"]["mmlu"]["items"] == 2 * 57
     # lm-eval's loglikelihoods (batched, padded) == the model's own loss on the same token sequences
-    loaded = open_checkpoint(run)
+    loaded = open_model(run)
     lm = MeshLMEval(loaded.model, loaded.tokenizer)
     items = [json.loads(line) for line in (run / "eval-samples" / "5-shot.jsonl").read_text().splitlines()]
     assert {i["task"] for i in items} >= {"lambada_openai", "piqa", "winogrande", "mmlu_anatomy_continuation"}

@@ -3,11 +3,12 @@ import pytest
 import torch
 from conftest import build, tiny
 
+from meshlm.checkpoint import save_model
 from meshlm.cli import main
 from meshlm.errors import ConfigError
 from meshlm.generate import Sampling, generate, next_token
 from meshlm.hf import save_hf
-from meshlm.interop.convert import write_checkpoint
+from meshlm.loading import open_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
 
@@ -66,7 +67,7 @@ def checkpoints(tmp_path_factory):
     """A tiny MeSH model as a meshlm checkpoint and as a Hugging Face folder (shipped 8192 tokenizer)."""
     root = tmp_path_factory.mktemp("gen")
     model = build(tiny(vocab_size=8192, context_length=48))
-    write_checkpoint(root / "ckpt", model.config, model.state_dict())
+    save_model(model, root / "ckpt")
     save_hf(model, root / "hf")
     return root
 
@@ -82,10 +83,17 @@ def test_cli_generate_streams_a_continuation(checkpoints, kind, capsys):
 
 
 def test_cli_generate_greedy_batch_matches_library(checkpoints, capsys):
-    assert main(["generate", str(checkpoints / "ckpt"), "To be", "or not", "-t", "0", "-n", "5",
-                 "--ignore-eos"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("To be") and "or not" in out
+    texts = ["To be", "or not"]
+    assert main(["generate", str(checkpoints / "ckpt"), *texts, "-t", "0", "-n", "5", "--ignore-eos"]) == 0
+    printed = capsys.readouterr().out
+    opened = open_model(checkpoints / "ckpt")
+    model, tok = opened.model, opened.tokenizer
+    new = generate(model, [tok.encode(t) for t in texts], Sampling(max_new_tokens=5, temperature=0, stop_at_eos=False),
+                   eos_id=tok.eos_id, pad_id=tok.pad_id)
+    assert all(len(row) == 5 for row in new)
+    expected = "".join(f"{text}{tok.decode(t for t in row if t != tok.eos_id)}\n{'-' * 40}\n"
+                       for text, row in zip(texts, new))
+    assert printed == expected
 
 
 @pytest.mark.parametrize("args, message", [

@@ -11,6 +11,7 @@ from trainkit import tiny_train
 from meshlm import checkpoint
 from meshlm.cli import main
 from meshlm.errors import CheckpointError, ConfigError
+from meshlm.loading import open_model
 from meshlm.train import train
 from meshlm.train.trainer import Trainer
 
@@ -29,7 +30,7 @@ def continued(prepared, tmp_path, init, **overrides):
 
 def test_starts_from_the_checkpoint_weights_with_its_config(prepared, tmp_path, retrofitted):
     cfg = continued(prepared, tmp_path, retrofitted)
-    source = checkpoint.load_model(retrofitted)
+    source = open_model(retrofitted).model
     assert cfg.model_config() == source.config  # the default preset is ignored: the architecture is the checkpoint's
     fresh = trainer(cfg)
     for name, tensor in source.state_dict().items():
@@ -41,12 +42,12 @@ def test_a_retrofitted_llama_mesh_model_trains_and_keeps_its_tokenizer(prepared,
     result = train(continued(prepared, tmp_path, retrofitted, steps=12, micro_batch=8, save_every=6))
     losses = [result.losses[s] for s in sorted(result.losses)]
     assert sum(losses[-3:]) / 3 < losses[0] - 0.3, losses
-    model = checkpoint.load_model(result.run_dir)
+    model = open_model(result.run_dir).model
     assert (model.config.backbone, model.config.scheme, model.config.spec) == ("llama", "mesh", "1+1R2+1")
     # the source's own tokenizer.json travels with every checkpoint, so the run stands alone
     meta = json.loads((result.checkpoint / checkpoint.CONFIG).read_text())
     assert meta["tokenizer"] == "tokenizer.json" and "tokenizer.json" in meta["files"]
-    assert checkpoint.tokenizer_of(result.run_dir) == str(result.checkpoint / "tokenizer.json")
+    assert open_model(result.run_dir).tokenizer_source == str(result.checkpoint / "tokenizer.json")
     checkpoint.verify(result.checkpoint)
 
 
@@ -55,7 +56,7 @@ def test_resume_continues_the_run_not_the_initial_weights(prepared, tmp_path, re
     first = train(cfg)
     again = trainer(continued(prepared, tmp_path, retrofitted, steps=12, save_every=4), resume=True)
     assert again.step == 8
-    saved = checkpoint.load_model(first.run_dir).state_dict()
+    saved = open_model(first.run_dir).model.state_dict()
     assert all(torch.equal(again.model.state_dict()[n], t) for n, t in saved.items())
 
 
@@ -70,7 +71,7 @@ def test_what_does_not_fit_is_one_clear_error(prepared, tmp_path, retrofitted):
         trainer(continued(prepared, tmp_path, retrofitted, model={"scheme": "base"}))
     with pytest.raises(ConfigError, match="drop model.preset=tiny"):
         continued(prepared, tmp_path, retrofitted, model={"preset": "tiny"})
-    with pytest.raises(ConfigError, match="init_from.*holds no checkpoint"):
+    with pytest.raises(ConfigError, match="init_from.*nowhere is not a directory"):
         continued(prepared, tmp_path, tmp_path / "nowhere")
 
 
@@ -81,7 +82,7 @@ def test_cli_continues_a_finished_run(prepared, tmp_path, capsys):
                  "train.micro_batch=4", "train.eval_batches=1", "train.progress=false", "train.tensorboard=false"])
     assert code == 0
     assert "initialised from" in capsys.readouterr().err
-    assert checkpoint.load_model(tmp_path / "more").config == checkpoint.load_model(first.run_dir).config
+    assert open_model(tmp_path / "more").model.config == open_model(first.run_dir).model.config
 
 
 def trainer(cfg, resume: bool = False) -> Trainer:

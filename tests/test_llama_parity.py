@@ -6,8 +6,9 @@ from transformers import LlamaForCausalLM
 
 from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
-from meshlm.interop.convert import convert, read_family
+from meshlm.interop.convert import convert
 from meshlm.interop.families import from_meshlm, hf_config, to_meshlm
+from meshlm.loading import read_family
 from meshlm.model import MeshLM
 
 LLAMA = BACKBONES["llama"]
@@ -84,13 +85,13 @@ def test_hf_folder_round_trip_is_exact(tmp_path, tied):
     with torch.no_grad():
         expected = hf(x).logits
     convert(tmp_path / "llama", tmp_path / "ckpt")
-    from meshlm.checkpoint import load_model
+    from meshlm.loading import open_model
 
-    model = load_model(tmp_path / "ckpt")
+    model = open_model(tmp_path / "ckpt").model
     assert model.config.backbone == "llama" and model.config.tie_embeddings == tied
     with torch.no_grad():
         assert (model(x).logits - expected).abs().max() <= 1e-5
-    convert(tmp_path / "ckpt", tmp_path / "back", tokenizer="default")  # default target: the backbone's family
+    convert(tmp_path / "ckpt", tmp_path / "back")  # default target: the backbone's family
     again = LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert again.config.tie_word_embeddings == tied
     with torch.no_grad():
@@ -99,12 +100,12 @@ def test_hf_folder_round_trip_is_exact(tmp_path, tied):
 
 def test_scaled_tied_model_exports_untied_with_equal_logits(tmp_path):
     """√d is folded into the input table; the output layer keeps the unscaled one, so the export unties."""
-    from meshlm.interop.convert import write_checkpoint
+    from meshlm.checkpoint import save_model
 
     torch.manual_seed(0)
     model = MeshLM(llama_cfg(tie_embeddings=True, scale_embeddings=True)).eval()
-    write_checkpoint(tmp_path / "ckpt", model.config, model.state_dict())
-    convert(tmp_path / "ckpt", tmp_path / "llama", tokenizer="default")
+    save_model(model, tmp_path / "ckpt")
+    convert(tmp_path / "ckpt", tmp_path / "llama")
     hf = LlamaForCausalLM.from_pretrained(tmp_path / "llama").eval()
     assert not hf.config.tie_word_embeddings
     x = torch.randint(0, 211, (2, 9))

@@ -197,7 +197,7 @@ def test_state_dict_round_trip_and_per_expert_files_are_exact():
 
 
 def test_hf_folder_round_trip_is_exact(tmp_path):
-    from meshlm.checkpoint import load_model
+    from meshlm.loading import open_model
 
     cfg = olmoe_cfg()
     hf, _ = olmoe_pair(cfg)
@@ -206,11 +206,11 @@ def test_hf_folder_round_trip_is_exact(tmp_path):
     with torch.no_grad():
         expected = hf(x).logits
     convert(tmp_path / "olmoe", tmp_path / "ckpt")
-    model = load_model(tmp_path / "ckpt")
+    model = open_model(tmp_path / "ckpt").model
     assert (model.config.backbone, model.config.n_experts, model.config.top_k) == ("olmoe", 6, 2)
     with torch.no_grad():
         assert (model(x).logits - expected).abs().max() <= 1e-5
-    convert(tmp_path / "ckpt", tmp_path / "back", tokenizer="default")
+    convert(tmp_path / "ckpt", tmp_path / "back")
     again = OlmoeForCausalLM.from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         assert torch.equal(again(x).logits, expected)

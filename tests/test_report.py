@@ -18,9 +18,9 @@ from meshlm.analysis.probes import probe
 from meshlm.analysis.report import collect, notes, table_one
 from meshlm.cli import main
 from meshlm.errors import MeshlmError
-from meshlm.evaluation.loaded import open_checkpoint
 from meshlm.evaluation.run import EvalOptions, evaluate, write_json
 from meshlm.evaluation.tasks import SUITE
+from meshlm.loading import open_model
 
 
 def fake_suite(shots: int, offset: float) -> dict:
@@ -37,7 +37,7 @@ def runs(tmp_path_factory):
     prepared = make_prepared(tmp_path_factory)
     out = []
     for i, scheme in enumerate(("mesh", "base")):
-        loaded = open_checkpoint(tiny_checkpoint(root, scheme, prepared, seed=i))
+        loaded = open_model(tiny_checkpoint(root, scheme, prepared, seed=i))
         options = EvalOptions(tasks=None, limit=2, exits=["state:0", "state:inf", "kl:0.01"])
         result = evaluate(loaded, options, log=lambda message: None)
         result["downstream"] = {"0": fake_suite(0, 0.01 * i), "5": fake_suite(5, 0.02 * i)}

@@ -16,6 +16,7 @@ from trainkit import ROOT, as_overrides, cli, cli_command, tiny_train, train_los
 
 from meshlm import checkpoint
 from meshlm.cli import main
+from meshlm.loading import open_model
 from meshlm.model import MeshLM
 from meshlm.train import NonFiniteLossError, train
 
@@ -27,7 +28,7 @@ def test_training_lowers_the_loss(prepared, tmp_path):
     assert sum(losses[-5:]) / 5 < losses[0] - 1.0, losses
     assert math.isfinite(result.val_loss) and result.val_ppl < math.exp(losses[0])
     assert result.checkpoint.name == "step-000030"
-    model = checkpoint.load_model(result.run_dir)
+    model = open_model(result.run_dir).model
     assert isinstance(model, MeshLM) and not model.training
 
 
@@ -64,7 +65,7 @@ def test_too_many_non_finite_steps_abort(prepared, tmp_path, monkeypatch):
     with pytest.raises(NonFiniteLossError, match="3 steps in a row"):
         train(cfg)
     for path in checkpoint.list_checkpoints(cfg.run_dir()):  # everything saved is finite and loadable
-        checkpoint.load_model(path)
+        open_model(path)
 
 
 def test_sigkill_then_resume_is_bit_identical(prepared, tmp_path):
@@ -139,7 +140,7 @@ def test_activation_checkpointing_changes_nothing_but_memory(prepared, tmp_path)
     plain = train(tiny_train(prepared, tmp_path / "plain", steps=3, save_every=0))
     ckpt = train(tiny_train(prepared, tmp_path / "ckpt", steps=3, save_every=0, activation_checkpointing=True))
     assert ckpt.losses == plain.losses
-    a, b = checkpoint.load_model(plain.run_dir).state_dict(), checkpoint.load_model(ckpt.run_dir).state_dict()
+    a, b = open_model(plain.run_dir).model.state_dict(), open_model(ckpt.run_dir).model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert set(a) == set(MeshLM(tiny_train(prepared, tmp_path).model_config()).state_dict())  # names unchanged
 

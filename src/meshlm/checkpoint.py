@@ -5,12 +5,16 @@
         model.safetensors   full (unsharded) weights, fp32, names as MeshLM.state_dict()
         state.pt            optimizer (keyed by parameter name), scheduler, RNG, step, best val loss;
                             plain tensors and containers only: loaded with torch.load(weights_only=True)
-        tokenizer.json      only when trained with a tokenizer that is not built in ("default", "pythia")
+        tokenizer.json      the tokenizer, unless it is the shipped "default" (meshlm.loading: a folder's
+                            own tokenizer file wins over the one its training config names)
         config.json         {"model": ModelConfig, "train": TrainConfig, "step", "val_loss",
                              "files": {name: {"bytes", "sha256"}}}  — written last, it seals the others
       latest                "step-000600": the newest complete checkpoint (replaced atomically)
       best                  the checkpoint with the lowest validation loss
       metrics.jsonl
+
+`write_checkpoint` is the one writer: training (`save_checkpoint`, which adds the pointers and pruning),
+`meshlm convert` and `meshlm retrofit` (a single step-0 folder without state.pt) all go through it.
 
 Atomicity: a checkpoint is written into `.tmp-step-…`, every file fsynced, then the directory is renamed
 into place (rename is atomic on POSIX) and the parent fsynced; pointers are written to a temp file and
@@ -35,10 +39,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from meshlm.config import ModelConfig
 from meshlm.errors import CheckpointError
 from meshlm.hashing import sha256_file
-from meshlm.model import MeshLM
 
 WEIGHTS, STATE, CONFIG, TOKENIZER = "model.safetensors", "state.pt", "config.json", "tokenizer.json"
 FORMAT = "meshlm-checkpoint/1"
@@ -62,6 +64,49 @@ def step_dir_name(step: int) -> str:
 
 
 # -- writing ----------------------------------------------------------------------------------------------
+def write_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], meta: dict[str, Any],
+                     state: dict[str, Any] | None = None, tokenizer: Path | None = None) -> Path:
+    """Write one checkpoint folder atomically: the one writer of meshlm checkpoints (training, conversion,
+    retrofit). `meta` must hold "model" and "step"; `state` (optimizer, RNG, …) is only for resumable runs;
+    `tokenizer`: a tokenizer.json to carry, so the checkpoint stands alone. An existing `folder` is replaced."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    names = [WEIGHTS]
+    if state is not None:
+        torch.save(state, tmp / STATE)
+        names.append(STATE)
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, tmp / TOKENIZER)
+        names.append(TOKENIZER)
+        meta = {**meta, "tokenizer": TOKENIZER}
+    files = {name: _describe(tmp / name) for name in names}
+    _write_json(tmp / CONFIG, {**meta, "format": FORMAT, "files": files})
+    for name in (*names, CONFIG):
+        _fsync(tmp / name)
+    _fsync(tmp)
+    if folder.exists():  # re-saving a step (e.g. after falling back past a corrupt checkpoint)
+        trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}")
+        os.rename(folder, trash)
+        os.rename(tmp, folder)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, folder)
+    _fsync(folder.parent)
+    return folder
+
+
+def save_model(model, folder: str | Path, meta: dict[str, Any] | None = None,
+               tokenizer: Path | None = None) -> Path:
+    """A MeshLM as a step-0 checkpoint folder without optimizer state (what convert and retrofit write);
+    meshlm.loading.open_model reads it back and `train.init_from` continues training from it."""
+    return write_checkpoint(folder, model.state_dict(), {"model": model.config.to_dict(), "step": 0, **(meta or {})},
+                            tokenizer=tokenizer)
+
+
 def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Tensor], state: dict[str, Any],
                     meta: dict[str, Any], keep_last: int = 3, is_best: bool = False,
                     tokenizer: Path | None = None) -> Path:
@@ -72,31 +117,7 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
     if bad:
         raise CheckpointError(f"refusing to save step {step}: non-finite values in {bad[0]} "
                               f"(and {len(bad) - 1} more); the run diverged, lower train.lr")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    final = run_dir / step_dir_name(step)
-    tmp = run_dir / f".tmp-{final.name}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
-    torch.save(state, tmp / STATE)
-    names = [WEIGHTS, STATE]
-    if tokenizer is not None:
-        shutil.copyfile(tokenizer, tmp / TOKENIZER)
-        names.append(TOKENIZER)
-        meta = {**meta, "tokenizer": TOKENIZER}
-    files = {name: _describe(tmp / name) for name in names}
-    _write_json(tmp / CONFIG, {"format": FORMAT, **meta, "step": step, "files": files})
-    for name in (*names, CONFIG):
-        _fsync(tmp / name)
-    _fsync(tmp)
-    if final.exists():  # re-saving a step (e.g. after falling back past a corrupt checkpoint)
-        trash = run_dir / f".trash-{final.name}-{os.getpid()}"
-        os.rename(final, trash)
-        os.rename(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    _fsync(run_dir)
+    final = write_checkpoint(run_dir / step_dir_name(step), weights, {**meta, "step": step}, state, tokenizer)
     _write_pointer(run_dir / "latest", final.name)
     if is_best:
         _write_pointer(run_dir / "best", final.name)
@@ -228,24 +249,3 @@ def find_resumable(run_dir: str | Path, warn: Callable[[str], None] = print) -> 
         except CheckpointError as err:
             warn(f"warning: skipping checkpoint {path.name}: {err}")
     return None
-
-
-def tokenizer_of(path: str | Path) -> str:
-    """The tokenizer a checkpoint was made with: its own tokenizer.json, its training run's, or "default"."""
-    path = resolve(path)
-    meta = read_meta(path)
-    if meta.get("tokenizer"):
-        return str(path / meta["tokenizer"])
-    return (meta.get("train") or {}).get("tokenizer", "default")
-
-
-def load_model(path: str | Path, device: str | torch.device = "cpu") -> MeshLM:
-    """A MeshLM with the checkpoint's weights (run dir -> latest). For evaluation, generation, export."""
-    ckpt = load_checkpoint(path, with_state=False)
-    cfg = ModelConfig.from_dict(ckpt.meta["model"])
-    model = MeshLM(cfg)
-    missing, unexpected = model.load_state_dict(ckpt.weights, strict=False)
-    if missing or unexpected:
-        raise CheckpointError(f"{ckpt.path / WEIGHTS} does not match its config: missing {missing[:3]}, "
-                              f"unexpected {unexpected[:3]}")
-    return model.to(device).eval()

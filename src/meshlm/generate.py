@@ -13,19 +13,16 @@ times; `exit` (e.g. "state:0.05", meshlm.model.exit) lets each token stop loopin
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
-from meshlm import checkpoint, speculative
-from meshlm.data.tokenizer import load_tokenizer
+from meshlm import speculative
 from meshlm.errors import ConfigError
-from meshlm.interop.convert import detect_format
 from meshlm.model import MeshLM
 from meshlm.model.kv_cache import KVCache
 from meshlm.sampling import Sampling, draw, left_pad, next_token, probabilities
 
-__all__ = ["Sampling", "draw", "generate", "left_pad", "load_for_generation", "next_token", "probabilities",
+__all__ = ["Sampling", "draw", "generate", "left_pad", "next_token", "probabilities",
            "stream"]
 
 
@@ -80,13 +77,3 @@ def generate(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int =
                 out[row].append(t)
                 finished[row] = s.stop_at_eos and t == eos_id
     return out
-
-
-def load_for_generation(path: str | Path, tokenizer: str | None = None, device: str = "cpu"):
-    """(MeshLM, TextTokenizer) from a meshlm checkpoint (or run dir) or a Hugging Face folder from save_hf."""
-    path = Path(path)
-    if detect_format(path) == "hf":
-        from meshlm.hf import load_hf
-
-        return load_hf(path).model.to(device).eval(), load_tokenizer(tokenizer or path)
-    return checkpoint.load_model(path, device), load_tokenizer(tokenizer or checkpoint.tokenizer_of(path))

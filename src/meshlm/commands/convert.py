@@ -21,12 +21,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="target format (default: meshlm from a family or hf folder; from meshlm, the family of "
                         "the model's backbone)")
     p.add_argument("--tokenizer", default=None,
-                   help="tokenizer to save with neox/hf output (default: the source's, else 'default')")
+                   help="tokenizer to carry into the output (default: the source's, by meshlm.loading's rule)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm.interop.convert import convert, detect_format
+    from meshlm.interop.convert import convert
+    from meshlm.loading import locate
 
     out = convert(args.source, args.out, args.to, args.tokenizer)
-    print(f"wrote {out} ({detect_format(out)} format)")
+    print(f"wrote {out} ({locate(out).format} format)")
     return 0

@@ -1,10 +1,10 @@
 """`meshlm eval CKPT`: validation perplexity, loss vs. loop count, and the paper's downstream suite
 through lm-evaluation-harness (0- and 5-shot by default); writes <run>/eval.json.
 
-    meshlm eval runs/small-mesh                          # everything (minutes to hours on a CPU)
-    meshlm eval runs/small-mesh --limit 50               # a quick look: 50 items per task, 50 windows
-    meshlm eval runs/small-mesh --tasks piqa,arc_easy --shots 0 --loops 1,2,3,4,6,8
-    meshlm eval runs/small-mesh --tasks none --loops 1,2,4,8,16 --exit state:0.05,kl:1e-4 --exit-loops 8
+    meshlm eval runs/mesh-small-mesh                     # everything (minutes to hours on a CPU)
+    meshlm eval runs/mesh-small-mesh --limit 50          # a quick look: 50 items per task, 50 windows
+    meshlm eval runs/mesh-small-mesh --tasks piqa,arc_easy --shots 0 --loops 1,2,3,4,6,8
+    meshlm eval runs/mesh-small-mesh --tasks none --loops 1,2,4,8,16 --exit state:0.05,kl:1e-4 --exit-loops 8
 """
 from __future__ import annotations
 
@@ -39,7 +39,11 @@ def exit_list(text: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", metavar="CKPT", help="a run folder (its latest checkpoint) or a step-NNNNNN folder")
+    p.add_argument("checkpoint", metavar="CKPT",
+                   help="a run folder (its latest checkpoint), a step-NNNNNN folder, a converted or retrofitted "
+                        "folder, or a Hugging Face folder (meshlm.loading)")
+    p.add_argument("--tokenizer", help="'default', 'pythia' or a tokenizer.json (default: the folder's own, else "
+                                       "the one its training config names)")
     p.add_argument("--data", help="prepared-data folder for perplexity (default: what the model was trained on)")
     p.add_argument("--tasks", default="all",
                    help="comma-separated tasks, 'all' (default) or 'none': lambada_openai, piqa, hellaswag, "
@@ -66,8 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm.evaluation.loaded import open_checkpoint
     from meshlm.evaluation.run import EvalOptions, evaluate, write_json
+    from meshlm.loading import open_model
     from meshlm.runtime import precision
 
     if args.limit is not None and args.limit < 1:
@@ -79,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if args.exit_loops is not None and args.exit_loops < 1:
         raise ConfigError(f"--exit-loops {args.exit_loops} must be >= 1")
     tasks = None if args.tasks.strip().lower() == "none" else args.tasks
-    loaded = open_checkpoint(args.checkpoint, args.device)
+    loaded = open_model(args.checkpoint, args.device, tokenizer=args.tokenizer)
     out = Path(args.out) if args.out else loaded.run_dir / "eval.json"
     options = EvalOptions(data=args.data, loops=args.loops, exits=args.exit, exit_loops=args.exit_loops,
                           tasks=tasks, shots=args.shots, limit=args.limit,

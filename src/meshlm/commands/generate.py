@@ -1,6 +1,7 @@
-"""`meshlm generate CKPT "prompt"`: sample text from a meshlm checkpoint or Hugging Face folder, streamed.
+"""`meshlm generate CKPT "prompt"`: sample text from any model folder, streamed.
 
-CKPT is a checkpoint dir, a run dir (its latest checkpoint) or a folder written by `meshlm convert --to hf`.
+CKPT is anything meshlm.loading opens: a run dir (its latest checkpoint), a checkpoint dir, a converted or
+retrofitted folder, a folder written by `meshlm convert --to hf`, or a GPT-NeoX / Llama / OLMoE folder.
 Decoding uses the looped KV cache (one entry per unrolled layer). With several prompts they run as one
 left-padded batch and are printed when done; a single prompt streams token by token. `--speculate` decodes
 by lossless self-speculation (meshlm.speculative) and prints its acceptance rate and tokens/s on stderr.
@@ -14,7 +15,7 @@ from meshlm.runtime.options import add_dtype_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="meshlm checkpoint/run dir, or a Hugging Face folder saved by meshlm")
+    p.add_argument("checkpoint", help="run or checkpoint dir, converted/retrofitted folder, or Hugging Face folder")
     p.add_argument("prompts", nargs="+", metavar="PROMPT", help="text to continue (several: one batch)")
     p.add_argument("-n", "--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("-t", "--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
@@ -24,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loops", type=int, default=None, help="run the core this many times (single-core specs)")
     p.add_argument("--exit", default=None,
                    help="per-token adaptive exit, e.g. state:0.05 or kl:1e-4 (a token stops looping once converged)")
-    p.add_argument("--tokenizer", default=None, help="override the checkpoint's tokenizer")
+    p.add_argument("--tokenizer", default=None,
+                   help="override the folder's tokenizer ('default', 'pythia' or a tokenizer.json)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     add_dtype_argument(p)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (slow)")
@@ -36,14 +38,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm.generate import Sampling, load_for_generation
+    from meshlm.generate import Sampling
+    from meshlm.loading import open_model
     from meshlm.model.exit import ExitRule
     from meshlm.runtime import precision
 
     s = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, stop_at_eos=not args.ignore_eos)
     args.exit = None if args.exit is None else str(ExitRule.parse(args.exit))  # a bad rule fails before loading
-    model, tok = load_for_generation(args.checkpoint, args.tokenizer, args.device)
+    opened = open_model(args.checkpoint, args.device, tokenizer=args.tokenizer)
+    model, tok = opened.model, opened.tokenizer
     device, chosen = precision.for_model(args.dtype, model)
     print(f"generating in {chosen.describe()}", file=sys.stderr, flush=True)  # stdout holds only the text
     with precision.autocast(device, chosen):

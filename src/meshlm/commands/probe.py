@@ -1,6 +1,6 @@
 """`meshlm probe CKPT`: the paper's hidden-state probes and MeSH router behaviour on held-out sequences.
 
-    meshlm probe runs/small-mesh                         # 100 validation windows -> <run>/probe/
+    meshlm probe runs/mesh-small-mesh                    # 100 validation windows -> <run>/probe/
     meshlm probe runs/small-base --samples 500 --tokens 128 --save-states
 
 Writes probe.json (mean, std and per-sample values of every measure; see meshlm.analysis.probes) and the PNG
@@ -16,7 +16,11 @@ from meshlm.runtime.options import add_dtype_argument
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", metavar="CKPT", help="a run folder (its latest checkpoint) or a step-NNNNNN folder")
+    p.add_argument("checkpoint", metavar="CKPT",
+                   help="a run folder (its latest checkpoint), a step-NNNNNN folder, a converted or retrofitted "
+                        "folder, or a Hugging Face folder (meshlm.loading)")
+    p.add_argument("--tokenizer", help="'default', 'pythia' or a tokenizer.json (default: the folder's own, else "
+                                       "the one its training config names)")
     p.add_argument("--samples", type=int, default=100, help="held-out sequences to probe (default 100)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per sequence (default: the training length)")
     p.add_argument("--data", help="prepared-data folder (default: what the model was trained on)")
@@ -45,13 +49,13 @@ def run(args: argparse.Namespace) -> int:
 
     from meshlm.analysis import plots
     from meshlm.analysis.probes import probe
-    from meshlm.evaluation.loaded import open_checkpoint
     from meshlm.evaluation.run import write_json
+    from meshlm.loading import open_model
     from meshlm.runtime import precision
 
     if args.samples < 1 or args.batch_size < 1 or (args.tokens is not None and args.tokens < 2):
         raise ConfigError("--samples and --batch-size must be >= 1 and --tokens >= 2")
-    loaded = open_checkpoint(args.checkpoint, args.device)
+    loaded = open_model(args.checkpoint, args.device, tokenizer=args.tokenizer)
     tokens = args.tokens or loaded.seq_len
     if tokens > loaded.model.config.context_length:
         raise ConfigError(f"--tokens {tokens} exceeds the model's context_length "

@@ -74,8 +74,9 @@ def resolve_tokenizer_path(name_or_path: str | os.PathLike, cache_dir: str | os.
 
 
 def tokenizer_file(name_or_path: str | os.PathLike) -> Path | None:
-    """The user's tokenizer.json behind `name_or_path`; None for the built-in "default" and "pythia"."""
-    if str(name_or_path) in ("default", "pythia"):
+    """The tokenizer.json a checkpoint carries for `name_or_path` (so it stands alone); None for "default",
+    which every meshlm install has."""
+    if str(name_or_path) == "default":
         return None
     return resolve_tokenizer_path(name_or_path)
 

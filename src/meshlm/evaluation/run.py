@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from meshlm.evaluation.downstream import run_suite
-from meshlm.evaluation.loaded import Loaded
 from meshlm.evaluation.perplexity import default_loop_counts, exit_frontier, loss_vs_loops, mean_loss
 from meshlm.evaluation.tasks import PAPER_TASKS
+from meshlm.loading import Opened
 from meshlm.model.accounting import account
 
 
@@ -41,7 +41,7 @@ class EvalOptions:
     verbose: bool = False
 
 
-def evaluate(loaded: Loaded, options: EvalOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
+def evaluate(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
     start = time.perf_counter()
     model = loaded.model
     result: dict[str, Any] = {"checkpoint": str(loaded.path), "step": loaded.meta.get("step"),
@@ -68,7 +68,7 @@ def evaluate(loaded: Loaded, options: EvalOptions, log: Callable[[str], None] = 
     return result
 
 
-def downstream(loaded: Loaded, options: EvalOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
+def downstream(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
     from meshlm.evaluation.harness import MeshLMEval  # imports lm-eval: only when downstream tasks run
 
     lm = MeshLMEval(loaded.model, loaded.tokenizer, batch_tokens=options.batch_tokens)

@@ -38,11 +38,11 @@ from typing import Any
 import torch
 
 from meshlm import checkpoint
-from meshlm.backbones import BACKBONES
 from meshlm.config import Layout, ModelConfig, parse_spec
 from meshlm.errors import ConfigError
-from meshlm.interop.convert import detect_format, read_family, write_checkpoint
+from meshlm.interop.convert import fresh_dir
 from meshlm.interop.families import unique_layer_names
+from meshlm.loading import open_model
 from meshlm.model import MeshLM
 from meshlm.model.memory import Router
 
@@ -155,22 +155,12 @@ def _base_routers(model: MeshLM) -> None:
 
 
 def retrofit_folder(src: str | Path, out: str | Path, spec: str, **options: Any) -> Path:
-    """Retrofit a GPT-NeoX / Llama / OLMoE folder or vanilla meshlm checkpoint and write a meshlm checkpoint."""
-    src = Path(src)
-    kind = detect_format(src)
-    if kind in BACKBONES:
-        source_cfg, source_state = read_family(src)
-        tok = src / "tokenizer.json"
-    elif kind == "meshlm":
-        source = checkpoint.load_model(src)
-        source_cfg, source_state = source.config, source.state_dict()
-        tok = Path(checkpoint.tokenizer_of(src))
-    else:
-        raise ConfigError(f"{src} is a meshlm Hugging Face folder; retrofit from a GPT-NeoX, Llama or OLMoE "
-                          f"folder or a vanilla "
-                          f"meshlm checkpoint (convert it first with `meshlm convert {src} OUT`)")
-    model, layers = retrofit(source_cfg, source_state, spec, **options)
-    meta = {"source": {"format": kind, "path": str(src)},
+    """Retrofit any vanilla model folder meshlm.loading opens (a GPT-NeoX / Llama / OLMoE folder, a vanilla
+    meshlm checkpoint or run) and write a step-0 meshlm checkpoint carrying the source's tokenizer."""
+    fresh_dir(out, create=False)
+    source = open_model(src)
+    model, layers = retrofit(source.model.config, source.model.state_dict(), spec, **options)
+    meta = {"source": {"format": source.format, "path": str(src)},
             "retrofit": {"spec": spec, **{k: v for k, v in options.items() if k != "scheme_options"},
                          "layers": asdict(layers)}}
-    return write_checkpoint(out, model.config, model.state_dict(), meta, tok if tok.is_file() else None)
+    return checkpoint.save_model(model, out, meta, source.tokenizer_file)

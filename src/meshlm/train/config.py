@@ -28,9 +28,9 @@ from typing import Any
 
 import yaml
 
-from meshlm import checkpoint
 from meshlm.config import ModelConfig
 from meshlm.errors import CheckpointError, ConfigError
+from meshlm.loading import locate
 from meshlm.train.depth import LoopDistribution, parse_loops
 
 DISTRIBUTED = ("ddp", "fsdp")
@@ -47,8 +47,10 @@ class TrainConfig:
     model: dict[str, Any] = field(default_factory=lambda: {"preset": DEFAULT_PRESET})  # preset + overrides
     data: str = "default"  # a prepared-data dir (`meshlm prepare`), or "default" = the embedded corpus
     tokenizer: str = "default"  # "default", "pythia" or a tokenizer.json; must match the prepared data
-    init_from: str = ""  # start from this checkpoint's weights (a `meshlm retrofit`/`convert` output, a run or
-    # step dir): its model config (plus any model.* overrides) and tokenizer; fresh optimizer and schedule
+    init_from: str = ""  # start from the weights of any folder meshlm.loading opens (a run or step dir, a
+    # `meshlm retrofit`/`convert` output, a Hugging Face folder): its model config (plus any model.* overrides)
+    # and its tokenizer (meshlm.loading's rule; train.tokenizer other than "default" overrides it); fresh
+    # optimizer and schedule
     # -- batch and length ---------------------------------------------------------------------------------
     seq_len: int = 0  # tokens per sequence; 0 -> the model's context_length
     global_batch: int = 8  # sequences per optimizer step, summed over every rank (8: best at CPU scale)
@@ -117,22 +119,22 @@ class TrainConfig:
         return cfg.replace(max_loops=dist.cap(k))
 
     def _init_model_config(self, preset: str | None, overrides: dict[str, Any]) -> ModelConfig:
-        """The init_from checkpoint's model config with `overrides` on top (e.g. model.aux_loss_weight);
-        a preset other than the default cannot apply: the architecture is the checkpoint's."""
+        """The init_from folder's model config with `overrides` on top (e.g. model.aux_loss_weight);
+        a preset other than the default cannot apply: the architecture is the folder's."""
         if preset not in (None, DEFAULT_PRESET):
             raise ConfigError(f"train.init_from takes the architecture from {self.init_from}; drop model.preset="
                               f"{preset} (use `meshlm retrofit` to change a checkpoint's layout)")
         try:
-            saved = checkpoint.read_meta(self.init_from)["model"]
+            saved = locate(self.init_from).model_config().to_dict()
         except CheckpointError as err:
-            raise ConfigError(f"train.init_from: {err} (a Hugging Face folder: turn it into a meshlm checkpoint "
-                              f"with `meshlm convert` or `meshlm retrofit` first)") from None
+            raise ConfigError(f"train.init_from: {err}") from None
         return ModelConfig.from_dict({**saved, **overrides})
 
     def tokenizer_source(self) -> str:
-        """What to load as the tokenizer: train.tokenizer, or by default the init_from checkpoint's own."""
+        """What to load as the tokenizer: train.tokenizer, or by default the init_from folder's (the tokenizer
+        rule of meshlm.loading)."""
         if self.init_from and self.tokenizer == "default":
-            return checkpoint.tokenizer_of(self.init_from)
+            return locate(self.init_from).require_tokenizer()
         return self.tokenizer
 
     def run_name(self) -> str:

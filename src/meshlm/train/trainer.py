@@ -25,6 +25,7 @@ from meshlm.backbones import BACKBONES
 from meshlm.data.prepare import PreparedData, prepare_default
 from meshlm.data.tokenizer import check_vocab, load_tokenizer, tokenizer_file
 from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError
+from meshlm.loading import open_model
 from meshlm.model import MeshLM
 from meshlm.model.accounting import describe
 from meshlm.runtime import allocator
@@ -166,18 +167,19 @@ class Trainer:
         self.log(f"resumed {self.run_dir} from {ckpt.path.name} (step {self.step}/{self.total_steps})")
 
     def _initialise_from(self, path: str) -> None:
-        """Weights only, from a retrofit/convert output or another run: the optimizer and schedule start fresh."""
-        ckpt = checkpoint.load_checkpoint(path, with_state=False)
+        """Weights only, from any folder meshlm.loading opens: the optimizer and schedule start fresh."""
+        source = open_model(path)
+        weights = source.model.state_dict()
         expected = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
-        found = {name: tuple(t.shape) for name, t in ckpt.weights.items()}
+        found = {name: tuple(t.shape) for name, t in weights.items()}
         if found != expected:
             missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
             reshaped = sorted(n for n in set(found) & set(expected) if found[n] != expected[n])
             raise CheckpointError(f"train.init_from={path}: its weights do not fit the model (missing {missing[:3]}, "
                                   f"unexpected {extra[:3]}, other shapes {reshaped[:3]}); drop the model.* overrides "
                                   f"that change the architecture, or make the new layout with `meshlm retrofit`")
-        parallel.load_full_state(self.model, None, ckpt.weights, None)
-        self.log(f"initialised from {ckpt.path} (weights only; optimizer and schedule start at step 0)")
+        parallel.load_full_state(self.model, None, weights, None)
+        self.log(f"initialised from {source.path} (weights only; optimizer and schedule start at step 0)")
 
     # -- one optimizer step ---------------------------------------------------------------------------------
     def train_step(self, step: int) -> tuple[float, float, bool]:

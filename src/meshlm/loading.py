@@ -1,0 +1,318 @@
+"""One way to open a model folder, whatever wrote it: `open_model(path)` -> model, tokenizer, metadata, data.
+
+    folder                                             format   results of eval/probe go to
+    <run>/ (its `latest`, else newest step-NNNNNN)     meshlm   <run>/
+    <run>/step-NNNNNN/                                 meshlm   <run>/
+    `meshlm convert`/`meshlm retrofit` output          meshlm   the folder itself
+    `meshlm convert --to hf` output (MeshForCausalLM)  hf       the folder itself
+    Hugging Face GPT-NeoX (Pythia) / Llama / OLMoE     neox | llama | olmoe (meshlm.interop.families)
+
+The format is recognised from config.json alone. `locate(path)` reads only that (a `ModelFolder`: the model
+config, the tokenizer and data the folder names); `open_model` also loads the weights into a `MeshLM`
+(a family folder becomes the vanilla meshlm model with the same logits), checking every file.
+
+The tokenizer rule, the first that applies:
+    1. an explicit choice (`--tokenizer`; for training, `train.tokenizer` other than "default");
+    2. the folder's own tokenizer file: the tokenizer.json a meshlm checkpoint carries (config.json
+       "tokenizer"; written by training with a non-default tokenizer, by convert and by retrofit), or the
+       tokenizer.json beside a Hugging Face folder's config.json;
+    3. the tokenizer a meshlm checkpoint's training config names (train.tokenizer: "default", "pythia");
+    4. the shipped 8,192-token "default" — only for a folder that names none and whose vocabulary has exactly
+       8,192 ids. Any other vocabulary was made with another tokenizer: guessing the default there would pass
+       the vocabulary check (8,192 < 50,304) while scoring garbage, so it is an error asking for one.
+The data rule (held-out data for eval and probe), the first that applies:
+    1. an explicit `--data` folder;
+    2. the prepared folder the checkpoint's training config names (train.data);
+    3. "default": the embedded corpus, prepared (once, cached by tokenizer hash) with the tokenizer above.
+A prepared folder tokenised with a different tokenizer than the model's is a DataError naming both.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from meshlm import checkpoint
+from meshlm.backbones import BACKBONES
+from meshlm.config import ModelConfig
+from meshlm.data.prepare import PreparedData, prepare_default
+from meshlm.data.tokenizer import DEFAULT_VOCAB, TextTokenizer, check_vocab, load_tokenizer, resolve_tokenizer_path
+from meshlm.errors import CheckpointError, DataError
+from meshlm.interop.families import BY_MODEL_TYPE, to_meshlm
+from meshlm.interop.families import model_config as family_model_config
+from meshlm.model import MeshLM
+
+FORMATS = ("meshlm", "hf", *BACKBONES)
+_KNOWN_FAMILIES = ", ".join(b.title for b in BACKBONES.values())
+_STEP_DIR = re.compile(r"^step-\d+$")
+
+
+# -- recognising a folder ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelFolder:
+    """A recognised model folder, read as far as its config.json (no weights)."""
+
+    path: Path  # the folder holding config.json; a run dir is resolved to its checkpoint
+    format: str  # "meshlm", "hf" or a family name
+    config: dict[str, Any]  # its config.json
+
+    @property
+    def run_dir(self) -> Path:
+        """Where results about this model go: the run of a step-NNNNNN checkpoint, else the folder itself."""
+        return self.path.parent if self.format == "meshlm" and _STEP_DIR.match(self.path.name) else self.path
+
+    @property
+    def train(self) -> dict[str, Any]:
+        """The training config a meshlm checkpoint was written with ({} for every other folder)."""
+        return self.config.get("train") or {} if self.format == "meshlm" else {}
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        """A meshlm checkpoint's config.json; for other folders the same keys that apply (format, model)."""
+        if self.format == "meshlm":
+            return self.config
+        return {"format": self.format, "model": self.model_config().to_dict(),
+                "source": {"format": self.format, "path": str(self.path)}}
+
+    def model_config(self) -> ModelConfig:
+        if self.format == "meshlm":
+            return ModelConfig.from_dict(self.config["model"])
+        if self.format == "hf":
+            return ModelConfig.from_dict(self.config.get("meshlm") or {})
+        return family_model_config(self.config, BACKBONES[self.format], self.path / checkpoint.CONFIG)
+
+    def own_tokenizer(self) -> str | None:
+        """Rules 2 and 3: the tokenizer file the folder carries, else the one its training config names."""
+        if self.format == "meshlm" and self.config.get("tokenizer"):
+            return str(self.path / self.config["tokenizer"])
+        if self.format != "meshlm" and (self.path / checkpoint.TOKENIZER).is_file():
+            return str(self.path / checkpoint.TOKENIZER)
+        return self.train.get("tokenizer")
+
+    def tokenizer_source(self, override: str | os.PathLike | None = None) -> str | None:
+        """The tokenizer rule (module docstring): "default", "pythia" or a tokenizer.json path; None when the
+        folder names none and its vocabulary is not the default tokenizer's."""
+        if override:
+            return str(override)
+        own = self.own_tokenizer()
+        if own:
+            return own
+        return "default" if self.model_config().vocab_size == DEFAULT_VOCAB else None
+
+    def require_tokenizer(self, override: str | os.PathLike | None = None) -> str:
+        """tokenizer_source, or a DataError saying how to name the tokenizer."""
+        source = self.tokenizer_source(override)
+        if source is None:
+            raise DataError(f"{self.path} names no tokenizer, and its {self.model_config().vocab_size:,}-token "
+                            f"vocabulary is not the default tokenizer's {DEFAULT_VOCAB:,}; put the model's "
+                            f"tokenizer.json in the folder or pass --tokenizer (train.tokenizer when training)")
+        return source
+
+    def data_source(self) -> str:
+        """Data rules 2 and 3: the prepared folder the training config names, else "default"."""
+        return str(self.train.get("data") or "default")
+
+    def weights(self, check: bool = True) -> dict[str, torch.Tensor]:
+        """The meshlm-named state dict (fp32 for family folders); `check` verifies a checkpoint's hashes."""
+        if self.format == "meshlm":
+            return checkpoint.load_checkpoint(self.path, with_state=False, check=check).weights
+        if self.format == "hf":
+            return _load_hf_model(self.path).state_dict()
+        return read_family(self.path)[1]
+
+
+def locate(path: str | os.PathLike) -> ModelFolder:
+    """Recognise a folder (a run dir means its newest complete checkpoint); CheckpointError if it is none."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory; pass a checkpoint, run or model folder")
+    config = path / checkpoint.CONFIG
+    if not config.is_file():
+        if (path / "latest").is_file() or checkpoint.list_checkpoints(path):
+            step = checkpoint.resolve(path)
+            return ModelFolder(step, "meshlm", checkpoint.read_meta(step))
+        raise CheckpointError(f"{path} has no config.json: it is not a meshlm checkpoint or run, nor a "
+                              f"{_KNOWN_FAMILIES} or meshlm Hugging Face folder")
+    raw = read_json(config)
+    if raw.get("format") == checkpoint.FORMAT:
+        return ModelFolder(path, "meshlm", checkpoint.read_meta(path))
+    if raw.get("model_type") == "meshlm":
+        return ModelFolder(path, "hf", raw)
+    if raw.get("model_type") not in BY_MODEL_TYPE:
+        raise CheckpointError(f"{config} describes model_type {raw.get('model_type')!r}, not a {_KNOWN_FAMILIES}, "
+                              f"meshlm or meshlm-HF checkpoint; pass a folder holding one of those")
+    return ModelFolder(path, BY_MODEL_TYPE[raw["model_type"]].name, raw)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is unreadable or not JSON ({err}); re-download or re-export it") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} is not a JSON object; re-download or re-export it")
+    return data
+
+
+# -- opening -----------------------------------------------------------------------------------------------
+@dataclass
+class Opened:
+    """An opened model folder: the model (eval mode), its tokenizer and data under the module's rules."""
+
+    model: MeshLM
+    folder: ModelFolder
+    tokenizer_override: str | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.folder.path
+
+    @property
+    def run_dir(self) -> Path:
+        return self.folder.run_dir
+
+    @property
+    def format(self) -> str:
+        return self.folder.format
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.folder.meta
+
+    @property
+    def train(self) -> dict[str, Any]:
+        return self.folder.train
+
+    @property
+    def seq_len(self) -> int:
+        """The training sequence length, else the model's context length."""
+        return int(self.train.get("seq_len") or 0) or self.model.config.context_length
+
+    @property
+    def tokenizer_source(self) -> str | None:
+        """The tokenizer rule's answer: "default", "pythia", a tokenizer.json path, or None (none known)."""
+        return self.folder.tokenizer_source(self.tokenizer_override)
+
+    @cached_property
+    def tokenizer(self) -> TextTokenizer:
+        """Loaded on first use (conversion may not need one), checked against the model's vocabulary."""
+        tok = load_tokenizer(self.folder.require_tokenizer(self.tokenizer_override))
+        check_vocab(self.model.config.vocab_size, tok)
+        return tok
+
+    @property
+    def tokenizer_file(self) -> Path | None:
+        """The tokenizer file a checkpoint derived from this model carries, so it stands alone; None when
+        none is known (the derived checkpoint then names none either)."""
+        source = self.tokenizer_source
+        return resolve_tokenizer_path(source) if source else None
+
+    def data_dir(self, override: str | os.PathLike | None = None) -> Path:
+        """The data rule (module docstring): the prepared folder to take held-out windows from."""
+        source = str(override or self.folder.data_source())
+        if source == "default":
+            return prepare_default(tokenizer=self.folder.require_tokenizer(self.tokenizer_override))
+        path = Path(source).expanduser()
+        if not path.is_dir():
+            raise DataError(f"prepared data {path} does not exist; pass --data DIR (a `meshlm prepare` output)")
+        return path
+
+    def held_out(self, override: str | os.PathLike | None = None, split: str = "val") -> PreparedData:
+        data = PreparedData(self.data_dir(override), split)
+        prepared_with = data.manifest["tokenizer"]
+        if prepared_with["hash"] != self.tokenizer.hash:
+            raise DataError(f"{data.dir} was tokenised with {prepared_with['name']!r}, not the model's tokenizer "
+                            f"{self.tokenizer.name!r}; pass --data prepared with it (or --tokenizer)")
+        return data
+
+
+def resolve_device(name: str | torch.device = "auto") -> torch.device:
+    if str(name) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def open_model(path: str | os.PathLike, device: str | torch.device = "cpu", tokenizer: str | None = None,
+               check: bool = True) -> Opened:
+    """Open any model folder (see the module docstring) as an eval-mode MeshLM on `device`.
+    `tokenizer` overrides the tokenizer rule; `check` verifies a meshlm checkpoint's file hashes."""
+    folder = locate(path)
+    if folder.format == "hf":
+        model = _load_hf_model(folder.path)
+    else:
+        model = MeshLM(folder.model_config())
+        weights = folder.weights(check)
+        missing, unexpected = model.load_state_dict(weights, strict=False)
+        if missing or unexpected:
+            raise CheckpointError(f"{folder.path}: the weights do not match config.json (missing {missing[:3]}, "
+                                  f"unexpected {unexpected[:3]}); the files are from another model")
+    return Opened(model.to(resolve_device(device)).eval(), folder, str(tokenizer) if tokenizer else None)
+
+
+def _load_hf_model(folder: Path) -> MeshLM:
+    from meshlm.hf import load_hf  # transformers: imported only for this format
+
+    return load_hf(folder).model.float()
+
+
+# -- Hugging Face family folders (GPT-NeoX, Llama, OLMoE) -----------------------------------------------------
+def read_family(folder: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(vanilla ModelConfig, meshlm-named fp32 state dict) of a GPT-NeoX, Llama or OLMoE folder, checked."""
+    found = locate(folder)
+    if found.format not in BACKBONES:
+        raise CheckpointError(f"{folder} is a {found.format} checkpoint, not a Hugging Face {_KNOWN_FAMILIES} "
+                              f"folder (config.json model_type must be one of {sorted(BY_MODEL_TYPE)})")
+    family, cfg = BACKBONES[found.format], found.model_config()
+    try:
+        state = {k: v.float() for k, v in to_meshlm(_read_weights(found.path), cfg.layout, family).items()}
+    except ValueError as err:
+        raise CheckpointError(f"{folder}: the weights do not match config.json ({err})") from None
+    if cfg.tie_embeddings:
+        state.pop("embed_out.weight", None)  # some tied checkpoints store lm_head too: it is embed_in
+    _check_complete(cfg, state, found.path)
+    return cfg, state
+
+
+def _check_complete(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: Path) -> None:
+    with torch.device("meta"):
+        expected = MeshLM(cfg).state_dict()
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+    wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
+    if missing or unexpected or wrong:
+        raise CheckpointError(f"{folder}: the weights do not match config.json (missing {missing[:3]}, unexpected "
+                              f"{unexpected[:3]}, wrong shape {wrong[:3]}); the files are truncated or from another "
+                              f"model")
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors, a sharded model.safetensors.index.json, or pytorch_model.bin (weights_only)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(read_json(index).get("weight_map", {}).values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    elif (folder / "pytorch_model.bin").is_file():
+        files = ["pytorch_model.bin"]
+    else:
+        raise CheckpointError(f"{folder} has no weights (model.safetensors, model.safetensors.index.json or "
+                              f"pytorch_model.bin); download the complete checkpoint")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        file = folder / name
+        try:
+            if name.endswith(".bin"):
+                state.update(torch.load(file, map_location="cpu", weights_only=True))
+            else:
+                state.update(load_file(str(file)))
+        except (SafetensorError, OSError, RuntimeError, ValueError) as err:
+            raise CheckpointError(f"{file} is missing, truncated or corrupt ({str(err)[:100]}); "
+                                  f"download it again") from None
+    return state

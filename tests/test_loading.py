@@ -1,0 +1,136 @@
+"""meshlm.loading: every model folder opens through one function, with one tokenizer rule and one data rule.
+
+The regression at the heart of it: a run trained with `train.init_from` from a Hugging Face folder that has its
+own tokenizer (more than the default's 8,192 ids) must be evaluated and probed with that tokenizer, not with
+meshlm's default one (whose smaller vocabulary would pass the vocabulary check).
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from trainkit import tiny_train
+
+from meshlm import checkpoint
+from meshlm.cli import main
+from meshlm.config import ModelConfig
+from meshlm.data.corpus import default_documents
+from meshlm.data.prepare import prepare
+from meshlm.data.tokenizer import DEFAULT_PATH, DEFAULT_VOCAB, load_tokenizer
+from meshlm.errors import DataError
+from meshlm.interop.convert import convert
+from meshlm.loading import locate, open_model
+from meshlm.train import train
+
+WIDE_VOCAB = DEFAULT_VOCAB + 128  # the wide tokenizer's ids, and the Llama model's vocabulary
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """A Llama folder whose own tokenizer.json has 8,320 ids (the default BPE plus 128 added tokens, common
+    words among them, so text tokenises differently), and data prepared with that tokenizer."""
+    from transformers import LlamaForCausalLM
+
+    from meshlm.backbones import BACKBONES
+    from meshlm.interop.families import hf_config
+
+    root = tmp_path_factory.mktemp("wide")
+    tok = Tokenizer.from_file(str(DEFAULT_PATH))
+    words = [" the", " and", " of", " to", " in", " was", " that", " his", " he", " it"]
+    tok.add_tokens(words + [f"<extra_{i}>" for i in range(WIDE_VOCAB - DEFAULT_VOCAB - len(words))])
+    assert tok.get_vocab_size() == WIDE_VOCAB
+    cfg = ModelConfig(spec="4", d_model=64, n_heads=4, n_kv_heads=2, vocab_size=WIDE_VOCAB, context_length=64,
+                      mlp_hidden=96, backbone="llama", scheme="vanilla", scale_embeddings=False)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(hf_config(cfg, BACKBONES["llama"])).eval()
+    folder = root / "llama-wide"
+    hf.save_pretrained(folder)
+    tok.save(str(folder / "tokenizer.json"))
+    texts = root / "texts"
+    texts.mkdir()
+    for i, doc in enumerate(itertools.islice(default_documents(), 12)):
+        (texts / f"doc{i:02d}.txt").write_text(doc["text"][:20_000])
+    data = root / "prepared"
+    prepare(sorted(texts.glob("*.txt")), data, str(folder / "tokenizer.json"), val_fraction=0.2, progress=False)
+    return folder, hf, data
+
+
+def logits(model, x):
+    with torch.no_grad():
+        return model(x).logits
+
+
+def test_a_run_initialised_from_a_hf_folder_is_evaluated_and_probed_with_its_tokenizer(wide, tmp_path, capsys):
+    folder, _, data = wide
+    own = load_tokenizer(folder / "tokenizer.json")
+    cfg = tiny_train(data, tmp_path, model={"preset": "mesh-small"}, init_from=str(folder), steps=2, save_every=0)
+    run = train(cfg).run_dir
+    assert (run / "latest").is_file() and json.loads((checkpoint.resolve(run) / "config.json").read_text())[
+        "train"]["tokenizer"] == "default"  # the config says "default"; the carried file is what counts
+    opened = open_model(run)
+    assert (opened.tokenizer.hash, opened.tokenizer.vocab_size) == (own.hash, WIDE_VOCAB)
+    assert main(["eval", str(run), "--tasks", "none", "--loops", "none", "--limit", "4"]) == 0
+    result = json.loads((run / "eval.json").read_text())
+    assert result["perplexity"]["data"] == str(data)  # the data rule: the run's own training data
+    assert main(["probe", str(run), "--samples", "2", "--tokens", "16"]) == 0
+    assert (run / "probe" / "probe.json").is_file()
+    capsys.readouterr()
+    # forcing the default tokenizer is caught: the run's data were not tokenised with it
+    assert main(["eval", str(run), "--tasks", "none", "--loops", "none", "--limit", "4", "--tokenizer", "default"]) == 2
+    assert "was tokenised with" in capsys.readouterr().err
+
+
+def test_every_format_opens_to_the_same_model_and_tokenizer(wide, tmp_path):
+    folder, hf, _ = wide
+    x = torch.randint(0, WIDE_VOCAB, (2, 9))
+    reference = logits(hf, x)
+    own = load_tokenizer(folder / "tokenizer.json")
+    text = "It was the best of times, and it was the worst of times."
+    converted = convert(folder, tmp_path / "meshlm")
+    as_hf = convert(converted, tmp_path / "hf", to="hf")
+    for path, kind in [(folder, "llama"), (converted, "meshlm"), (as_hf, "hf")]:
+        opened = open_model(path)
+        assert opened.format == kind and opened.run_dir == path, path
+        assert opened.tokenizer.encode(text) == own.encode(text) and opened.tokenizer.vocab_size == WIDE_VOCAB, path
+        assert (logits(opened.model, x) - reference).abs().max() <= 1e-5, path
+    assert open_model(converted).tokenizer.hash == own.hash  # a meshlm checkpoint carries the file as is
+    assert json.loads((converted / "config.json").read_text())["tokenizer"] == "tokenizer.json"  # carried
+
+
+def test_retrofit_carries_the_source_tokenizer(wide, tmp_path):
+    folder, _, _ = wide
+    out = tmp_path / "mesh"
+    assert main(["retrofit", str(folder), str(out), "--spec", "1+1R2+1"]) == 0
+    opened = open_model(out)
+    assert opened.model.config.scheme == "mesh" and opened.tokenizer.vocab_size == WIDE_VOCAB
+    checkpoint.verify(out)  # written by the one checkpoint writer: every file hashed in config.json
+
+
+def test_a_folder_naming_no_tokenizer(wide, tmp_path):
+    """Rule 4: the default is never guessed for a vocabulary it did not make; an explicit choice wins."""
+    folder, _, _ = wide
+    bare = tmp_path / "bare"
+    shutil.copytree(folder, bare, ignore=shutil.ignore_patterns("tokenizer.json"))
+    opened = open_model(bare)
+    assert opened.tokenizer_source is None and opened.tokenizer_file is None
+    with pytest.raises(DataError, match="names no tokenizer.*8,320-token vocabulary.*pass --tokenizer"):
+        _ = opened.tokenizer
+    explicit = open_model(bare, tokenizer=str(folder / "tokenizer.json"))
+    assert explicit.tokenizer.vocab_size == WIDE_VOCAB
+    converted = convert(bare, tmp_path / "converted")  # conversion needs no tokenizer and invents none
+    assert not (converted / "tokenizer.json").exists() and locate(converted).tokenizer_source() is None
+
+
+def test_results_go_to_the_run_of_a_step_and_to_any_other_folder_itself(tmp_path):
+    from conftest import build, tiny
+
+    model = build(tiny(vocab_size=DEFAULT_VOCAB))
+    step = checkpoint.save_checkpoint(tmp_path / "run", 3, model.state_dict(), {}, {"model": model.config.to_dict()})
+    assert locate(tmp_path / "run").path == step and locate(step).run_dir == tmp_path / "run"
+    alone = checkpoint.save_model(model, tmp_path / "alone")
+    assert locate(alone).run_dir == alone
+    assert open_model(alone).tokenizer.name == "default"  # names none, 8,192 ids: rule 4
