@@ -1,4 +1,5 @@
-"""Write configs/: one YAML per row of the paper's main table (spec §6) and the CPU-scale configs.
+"""Write the shipped configs (src/meshlm/configs/, also reachable as configs/): one YAML per row of the paper's
+main table (spec §6) and the CPU-scale configs.
 
     python scripts/make_configs.py          # rewrites configs/paper/*.yaml and configs/cpu/*.yaml
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = Path(__file__).resolve().parents[1] / "src" / "meshlm" / "configs"  # package data, shipped in the wheel
 SCHEMES = ("base", "residual", "anchor", "anchor*", "mesh")
 PAPER = {  # size: (peak lr, recursive splits, micro batch per GPU, FSDP + activation checkpointing)
     "160m": (6.0e-4, ["2+4R2+2"], 16, False),
@@ -67,10 +68,10 @@ def cpu_configs() -> dict[str, dict]:
 def main() -> None:
     configs = {**paper_configs(), **cpu_configs()}
     for rel, data in configs.items():
-        path = ROOT / "configs" / f"{rel}.yaml"
+        path = CONFIGS / f"{rel}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(HEADER + yaml.safe_dump(data, sort_keys=False))
-    print(f"wrote {len(configs)} configs under {ROOT / 'configs'}")
+    print(f"wrote {len(configs)} configs under {CONFIGS}")
 
 
 if __name__ == "__main__":

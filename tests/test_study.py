@@ -7,8 +7,9 @@ import yaml
 from meshlm.analysis.study import Run, load_study, plan_table, probe_row, results_markdown
 from meshlm.cli import main
 from meshlm.errors import ConfigError
+from meshlm.train.config import SHIPPED_CONFIGS
 
-STUDIES = Path(__file__).resolve().parents[1] / "configs" / "studies"
+STUDIES = SHIPPED_CONFIGS / "studies"
 TINY = ["model.preset=mesh-small", "model.d_model=32", "model.n_heads=4", "model.context_length=32",
         "train.seq_len=32", "train.global_batch=2", "train.micro_batch=2", "train.steps=2",
         "train.eval_every=0", "train.eval_batches=1", "train.save_every=0"]

@@ -9,11 +9,10 @@ import yaml
 
 from meshlm.errors import ConfigError
 from meshlm.model import MeshLM
-from meshlm.train.config import TrainConfig, load_config
+from meshlm.train.config import SHIPPED_CONFIGS, TrainConfig, find_config, load_config
 from meshlm.train.optim import CosineSchedule, param_groups
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = sorted(p for d in ("paper", "cpu") for p in (ROOT / "configs" / d).rglob("*.yaml"))  # training configs
+CONFIGS = sorted(p for d in ("paper", "cpu") for p in (SHIPPED_CONFIGS / d).rglob("*.yaml"))  # training configs
 
 
 def test_defaults_follow_the_paper_recipe():
@@ -87,7 +86,7 @@ def test_configs_exist_for_every_paper_row():
                 assert f"{size}-{spec}-{scheme}" in names
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(ROOT / "configs")) for p in CONFIGS])
+@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(SHIPPED_CONFIGS)) for p in CONFIGS])
 def test_every_config_file_parses_and_builds(path):
     cfg = load_config(path)
     model_cfg = cfg.model_config()
@@ -113,3 +112,22 @@ def test_cosine_schedule_shape():
     s = CosineSchedule(total_steps=200, warmup=0.01, min_ratio=0.1)
     assert s.warmup_steps == 2 and s(0) == 0.5 and s(1) == 1.0 and s(2) == 1.0
     assert s(199) == pytest.approx(0.1) and s(100) == pytest.approx(0.55, abs=0.01)
+
+
+def test_shipped_configs_resolve_by_name_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no configs/ here
+    shipped = SHIPPED_CONFIGS / "cpu" / "small-anchor.yaml"
+    for name in ("cpu/small-anchor.yaml", "configs/cpu/small-anchor.yaml", "cpu/small-anchor"):
+        assert find_config(name) == shipped, name
+    assert load_config("cpu/small-anchor.yaml").name == "small-anchor"
+    assert find_config("studies/quick") == SHIPPED_CONFIGS / "studies" / "quick.yaml"
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "small-anchor.yaml").write_text("train: {name: mine}\n")
+    assert load_config("cpu/small-anchor.yaml").name == "mine"  # a file that exists as given wins
+    with pytest.raises(ConfigError, match="cpu/nothing.yaml does not exist, here or among the shipped configs"):
+        load_config("cpu/nothing.yaml")
+
+
+def test_the_repository_configs_folder_is_the_shipped_one():
+    root = Path(__file__).resolve().parents[1]
+    assert (root / "configs").resolve() == SHIPPED_CONFIGS.resolve()

@@ -42,7 +42,7 @@ import yaml
 from meshlm.errors import ConfigError
 from meshlm.evaluation.tasks import PAPER_TASKS
 from meshlm.model.accounting import describe
-from meshlm.train.config import load_config
+from meshlm.train.config import find_config, load_config
 
 STUDY_KEYS = {"name", "out_dir", "config", "overrides", "seeds", "variants", "eval", "probe", "launcher",
               "assumed_mfu", "peak_flops", "gpus"}
@@ -79,12 +79,11 @@ class Study:
 
 
 def load_study(path: str | Path, extra_overrides: list[str] = ()) -> Study:
-    """Parse and check a study file; every problem goes into one ConfigError."""
-    path = Path(path)
+    """Parse and check a study file (a path, or a shipped name such as studies/quick.yaml); every problem goes
+    into one ConfigError."""
+    path = find_config(path, "study file")
     try:
         raw = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"study file {path} does not exist; see configs/studies/ for examples") from None
     except yaml.YAMLError as err:
         raise ConfigError(f"study file {path} is not valid YAML ({str(err).splitlines()[0]})") from None
     problems = [f"unknown key {k!r} (valid: {sorted(STUDY_KEYS)})" for k in sorted(set(raw or {}) - STUDY_KEYS)]
@@ -110,8 +109,11 @@ def load_study(path: str | Path, extra_overrides: list[str] = ()) -> Study:
                          f"train.out_dir={out_dir / name}", f"train.name={run_dir.name}", "train.progress=false"]
             runs.append(Run(variant, seed, overrides, run_dir))
     config = raw.get("config")
-    if config is not None and not Path(config).is_file():
-        raise ConfigError(f"study {path}: config {config} does not exist")
+    if config is not None:  # resolved now, so every run's `meshlm train --config` finds it from any directory
+        try:
+            config = str(find_config(config))
+        except ConfigError as err:
+            raise ConfigError(f"study {path}: {err}") from None
     study = Study(name, out_dir, config, runs, list(map(str, raw.get("eval", []))),
                   list(map(str, raw.get("probe", []))), shlex.split(raw.get("launcher", "")),
                   float(raw.get("assumed_mfu", 0.4)), float(raw.get("peak_flops", 989e12)), int(raw.get("gpus", 1)))

@@ -5,18 +5,19 @@
     meshlm reproduce configs/studies/paper-410m.yaml --plan    # print runs, tokens, FLOPs, GPU-hours; exit
     meshlm reproduce STUDY.yaml train.steps=50                 # dotted overrides for every run
 
+Study files and the train configs they name are paths, or names of the configs shipped inside meshlm
+(meshlm/configs: `studies/…`, `cpu/…`, `paper/…`; the repository's configs/ links there), so this works from
+any directory and from an installed wheel.
+
 Interrupt it and run it again: finished runs are skipped, a half-trained run resumes.
 """
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-
-STUDIES = Path(__file__).resolve().parents[3] / "configs" / "studies"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("study", nargs="?", help="study YAML (see configs/studies/)")
+    p.add_argument("study", nargs="?", help="study YAML: a path, or a shipped study such as studies/cpu-12layer.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted train-config overrides for every run")
     p.add_argument("--quick", action="store_true", help="the quick study: configs/studies/quick.yaml")
     p.add_argument("--plan", action="store_true", help="print the plan with token/FLOP/GPU-hour estimates and exit")
@@ -28,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.quick == bool(args.study):
         raise ConfigError("pass a study file or --quick (not both); examples are in configs/studies/")
-    study = load_study(STUDIES / "quick.yaml" if args.quick else args.study, args.overrides)
+    study = load_study("studies/quick.yaml" if args.quick else args.study, args.overrides)  # shipped, or a path
     print(plan_table(study), flush=True)
     if args.plan:
         return 0

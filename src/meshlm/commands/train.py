@@ -2,8 +2,8 @@
 small MeSH model on the embedded corpus (a few minutes on a laptop CPU).
 
     meshlm train                                         # the default job
-    meshlm train --config configs/cpu/mesh-tiny.yaml model.d_model=128 train.lr=1e-3
-    meshlm train --config configs/paper/pythia-160m-mesh.yaml --resume
+    meshlm train --config cpu/small-anchor.yaml model.d_model=128 train.lr=1e-3   # a shipped config
+    meshlm train --config configs/paper/160m-2+4R2+2-mesh.yaml --resume          # the same, by its repo path
     torchrun --nproc_per_node=8 -m meshlm.cli train --config ... train.distributed=fsdp
 """
 from __future__ import annotations
@@ -16,7 +16,8 @@ import sys
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="dotted overrides applied after the config file, e.g. model.d_model=128 train.lr=1e-3")
-    p.add_argument("--config", help="YAML config with `model:` and `train:` sections (see configs/)")
+    p.add_argument("--config", help="YAML config with `model:` and `train:` sections: a path, or a shipped config "
+                                    "such as cpu/small-mesh.yaml or paper/410m-4+8R2+4-mesh.yaml")
     p.add_argument("--resume", action="store_true",
                    help="continue the run from its newest good checkpoint (start fresh if it has none)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")

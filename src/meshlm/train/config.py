@@ -33,6 +33,7 @@ from meshlm.errors import CheckpointError, ConfigError
 from meshlm.loading import locate
 from meshlm.train.depth import LoopDistribution, parse_loops
 
+SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # cpu/, paper/, studies/: package data
 DISTRIBUTED = ("ddp", "fsdp")
 DEFAULT_PRESET = "mesh-small"  # what `meshlm train` trains with no arguments
 DTYPES = ("auto", "fp32", "bf16")
@@ -256,13 +257,27 @@ class TrainConfig:
         return cls.from_dict(flat)
 
 
+def find_config(name: str | Path, what: str = "config file") -> Path:
+    """A config or study file: `name` if it exists as given, else the shipped file it names relative to
+    meshlm/configs, with or without a leading "configs/" and ".yaml": "cpu/small-anchor.yaml",
+    "configs/cpu/small-anchor.yaml", "cpu/small-anchor" and "studies/quick" all work from any directory."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    rel = Path(*path.parts[1:]) if len(path.parts) > 1 and path.parts[0] == "configs" else path
+    for candidate in (SHIPPED_CONFIGS / rel, SHIPPED_CONFIGS / f"{rel}.yaml"):
+        if not path.is_absolute() and candidate.is_file():
+            return candidate
+    raise ConfigError(f"{what} {name} does not exist, here or among the shipped configs; pass a YAML file or a "
+                      f"shipped name such as cpu/small-mesh.yaml or studies/quick.yaml (see {SHIPPED_CONFIGS})")
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """Read a YAML (or JSON) config file, apply dotted overrides, validate."""
+    """Read a YAML (or JSON) config file (a path, or a shipped name: find_config), apply dotted overrides,
+    validate."""
     data: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist; pass a YAML file (see configs/)")
+        path = find_config(path)
         try:
             data = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:
