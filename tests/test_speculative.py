@@ -171,10 +171,10 @@ def test_bad_settings_are_one_line_errors():
 
 
 def test_cli_prints_acceptance_and_speed_on_stderr(tmp_path, capsys):
-    from meshlm.interop.convert import write_checkpoint
+    from meshlm.checkpoint import save_model
 
     model = build(tiny(spec="1+1R3+1", vocab_size=8192, context_length=48))
-    write_checkpoint(tmp_path / "ckpt", model.config, model.state_dict())
+    save_model(model, tmp_path / "ckpt")
     args = ["generate", str(tmp_path / "ckpt"), "Once upon a time", "-n", "12", "-t", "0"]
     assert main(args) == 0
     plain = capsys.readouterr()
