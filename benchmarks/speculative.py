@@ -99,6 +99,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="a trained looped model: meshlm checkpoint/run dir or HF folder")
     p.add_argument("--draft-loops", default="", help="K_d values to run, comma-separated (default: 1 … K−1)")
+    p.add_argument("--settings", default="", help="extra K_d:γ settings to run, comma-separated (e.g. 4:6)")
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens per row")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
@@ -115,7 +116,8 @@ def main() -> None:
     k = model.config.layout.n_steps
     k_ds = [int(x) for x in args.draft_loops.split(",")] if args.draft_loops else list(range(1, k))
     prompts = corpus_prompts(tok, args.batch, args.prompt)
-    variants = {"plain": None, **{f"K_d={k_d}": f"{k_d}" for k_d in k_ds}, "auto": "auto"}
+    variants = {"plain": None, **{f"K_d={k_d}": f"{k_d}" for k_d in k_ds},
+                **{x: x for x in args.settings.split(",") if x}, "auto": "auto"}
     decode(model, prompts, argparse.Namespace(**{**vars(args), "new_tokens": 4}), None, clock)  # warm-up
     times = {name: [] for name in variants}
     last = {}

@@ -72,7 +72,7 @@ def test_auto_is_exact_and_reports_its_choice(scheme):
     model = build(tiny(scheme=scheme, spec="1+2R4+1", context_length=96))
     plain, spec, stats = greedy_both_ways(model, PROMPTS, 64, "auto")
     assert spec == plain
-    assert stats.setting and stats.acceptance_by_depth and stats.plain_steps >= 1  # timed before probing
+    assert stats.setting and stats.acceptance_by_depth and stats.plain_steps >= 1  # calibrated, then timed
 
 
 def test_rejections_rollback_and_compaction_keep_greedy_exact(monkeypatch):

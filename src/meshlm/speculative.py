@@ -41,12 +41,11 @@ from meshlm.errors import ConfigError
 from meshlm.model import MeshLM
 from meshlm.model.kv_cache import KVCache, slot_offsets
 from meshlm.model.lm import LoopRun
-from meshlm.model.schemes import concat_contexts
+from meshlm.model.schemes import Scheme, concat_contexts
 from meshlm.sampling import Sampling, draw, left_pad, next_token, probabilities
 
 GAMMA_MAX = 8  # longest draft the planner considers
-PROBE_GAMMA = 3  # draft length of the rounds that measure a K_d's acceptance
-TOKENS_PER_PROBE = 32  # auto probes one round per this many new tokens (at least 2), so losing probes stay cheap
+PRIOR_WEIGHT = 8  # the prompt's measured agreement counts as this many drafted tokens; rounds add the rest
 MIN_GAIN = 1.25  # auto speculates only where the cost model predicts this speed-up (it is optimistic: it
 # leaves out Python overhead that does not scale with the stages; measured 0.93x where it predicted 1.37x)
 
@@ -58,7 +57,8 @@ class Speculation:
 
     draft_loops: int | None = None  # K_d: loop passes of the draft
     draft_tokens: int | None = None  # γ: tokens drafted per round
-    final_read: bool = True  # the draft's coda reads through scheme.early_exit (MeSH: the final read router)
+    final_read: bool | None = None  # the draft's coda reads scheme.early_exit (MeSH: the final read router)
+    # or the loop state itself; None: whichever agrees better with the full model on the prompt
 
     @classmethod
     def parse(cls, text: str | Speculation) -> Speculation:
@@ -162,7 +162,8 @@ class Costs:
 
     @property
     def measured(self) -> bool:
-        return self._at("enter", 1) is not None
+        """A one-token forward has been timed (the prefill alone times many tokens at once)."""
+        return ("enter", 1) in self.seen
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -173,31 +174,40 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 class Planner:
     """Chooses each round's (K_d, γ), or None for a plain step, from measured costs and acceptance."""
 
-    def __init__(self, spec: Speculation, schedule: tuple[int, ...], stats: SpeculationStats, new_tokens: int):
+    def __init__(self, spec: Speculation, schedule: tuple[int, ...], stats: SpeculationStats):
         self.spec, self.k, self.stats = spec, len(schedule), stats
-        self.probes_left = max(2, new_tokens // TOKENS_PER_PROBE)
-        self.lo, self.hi, self.last_probe = 0, self.k, None  # auto: K_d is searched in (lo, hi)
         self.costs = Costs(schedule)
-        self.counts: dict[int, list[int]] = {}  # K_d -> [accepted, rejections, rounds]
+        self.counts: dict[int, list[float]] = {}  # K_d -> [accepted, rejections]: prompt prior + rounds
         explicit = spec.draft_loops is not None
         self.candidates = [spec.draft_loops] if explicit else list(range(1, self.k))
         self.fixed = (spec.draft_loops, spec.draft_tokens) if explicit and spec.draft_tokens else None
+        self.final_read = {k_d: spec.final_read is not False for k_d in self.candidates}  # chosen by calibrate
         self.choice: tuple[int, int] | None = None
-        self.done_probing = self.fixed is not None
         self.plain_for_good = False  # auto found nothing that pays: plain decoding, untimed, from then on
         stats.setting = f"K_d={spec.draft_loops} γ={spec.draft_tokens}" if self.fixed else ""
 
+    def calibrate(self, agreement: dict[tuple[int, bool], float]) -> None:
+        """Prompt agreement of each (K_d, final_read) draft with the full model (Decoder.prefill): pick each
+        K_d's readout and start its acceptance estimate there."""
+        for k_d in self.candidates:
+            reads = [r for r in (True, False) if (k_d, r) in agreement]
+            if not reads:
+                continue
+            self.final_read[k_d] = max(reads, key=lambda r: agreement[(k_d, r)])
+            alpha = agreement[(k_d, self.final_read[k_d])]
+            self.counts[k_d] = [alpha * PRIOR_WEIGHT, (1 - alpha) * PRIOR_WEIGHT]
+            self.stats.acceptance_by_depth[k_d] = self.alpha(k_d)
+
     def alpha(self, k_d: int) -> float:
         """Per-token acceptance: the geometric model's estimate with one pseudo-count each way (few rounds)."""
-        accepted, rejections, _ = self.counts.get(k_d, (0, 0, 0))
+        accepted, rejections = self.counts.get(k_d, (0, 0))
         return (accepted + 1) / (accepted + rejections + 2)
 
     def observe(self, k_d: int, accepted: torch.Tensor, gamma: int) -> None:
         """Per-row accepted counts of one round; a row that stopped before γ saw one rejection."""
-        counts = self.counts.setdefault(k_d, [0, 0, 0])
+        counts = self.counts.setdefault(k_d, [0.0, 0.0])
         counts[0] += int(accepted.sum())
         counts[1] += int((accepted < gamma).sum())
-        counts[2] += 1
         self.stats.acceptance_by_depth[k_d] = self.alpha(k_d)
 
     def best(self, k_d: int, alpha: float) -> tuple[float, int]:
@@ -211,34 +221,10 @@ class Planner:
             return self.fixed
         if self.plain_for_good or not self.costs.measured:
             return None  # plain decoding (at first, one timed plain step measures the stages)
-        if not self.done_probing and self.probes_left > 0:
-            k_d = self._next_probe()
-            if k_d is not None:
-                self.probes_left -= 1
-                return k_d, self.spec.draft_tokens or PROBE_GAMMA
-        self.done_probing = True
         return self._settle()
 
-    def _next_probe(self) -> int | None:
-        """Bisect K_d: deeper drafts accept more and cost more. Start at K/2; where the measured acceptance
-        pays, look shallower, else deeper. A K_d that could not pay even at perfect acceptance (nor can any
-        deeper one, which costs more) sends the search shallower without a probe."""
-        if self.spec.draft_loops is not None:
-            return None if self.counts else self.spec.draft_loops
-        if self.last_probe is not None:
-            pays = self.best(self.last_probe, self.alpha(self.last_probe))[0] >= MIN_GAIN
-            self.lo, self.hi = (self.lo, self.last_probe) if pays else (self.last_probe, self.hi)
-        while True:
-            mid = (self.lo + self.hi) // 2
-            if mid <= self.lo or mid in self.counts:
-                return None
-            if self.best(mid, 1.0)[0] >= MIN_GAIN:
-                self.last_probe = mid
-                return mid
-            self.hi = mid
-
     def _settle(self) -> tuple[int, int] | None:
-        """Re-decided every round, from the acceptance measured so far (probes and the rounds since)."""
+        """Re-decided every round, from the acceptance measured so far (the prompt's, then the rounds')."""
         scored = [(*self.best(k_d, self.alpha(k_d)), k_d) for k_d in self.candidates if k_d in self.counts]
         if not scored:
             self.choice = None
@@ -272,10 +258,8 @@ class Decoder:
     """Batched decoding state: the cache, the padding mask over it, the pending token of every row. Every
     stage is timed into `costs` while it does real work (so measuring costs no extra forward)."""
 
-    def __init__(self, model: MeshLM, schedule: tuple[int, ...], s: Sampling, generator, costs: Costs,
-                 final_read: bool = True):
+    def __init__(self, model: MeshLM, schedule: tuple[int, ...], s: Sampling, generator, costs: Costs):
         self.model, self.schedule, self.s, self.generator, self.costs = model, schedule, s, generator, costs
-        self.final_read = final_read
         _, _, coda_start, slots = slot_offsets(model.config.layout, schedule)
         self.coda_slots = range(coda_start, slots)
         self.kv = KVCache()
@@ -286,12 +270,28 @@ class Decoder:
     def cached(self) -> int:
         return self.mask.shape[1]
 
-    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Run the prompt; returns the first new token of every row (it becomes the pending token)."""
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor, depths: list[int]
+                ) -> tuple[torch.Tensor, dict[tuple[int, bool], float]]:
+        """Run the prompt (stages timed); returns the first new token of every row (the pending token) and the
+        calibration: for each K_d in `depths` and each readout (final read or not), how well the draft's
+        distribution q matches the full model's p on the prompt's last positions, mean Σ_x min(p, q) — the
+        expected acceptance of speculative sampling (greedy: how often the argmaxes agree)."""
         self.mask = mask
-        logits = self.model(ids, padding_mask=mask, cache=self.kv, loops=len(self.schedule)).logits[:, -1]
-        self.pending = draw(probabilities(logits, self.s), self.s, self.generator)
-        return self.pending
+        n, k = ids.shape[1], len(self.schedule)
+        reads = (True, False) if type(self.model.scheme).early_exit is not Scheme.early_exit else (False,)
+        run = self._timed("enter", n, self.model.enter, ids, mask, None, self.kv)
+        exits = {}
+        for step in range(k):
+            self._timed(("step", step), n, self.model.advance, run, self.schedule, step + 1)
+            for read in reads if step + 1 in depths else ():
+                h = self.model.scheme.early_exit(run.h, run.ctx, k) if read else run.h
+                draft = replace(run, h=h, cache=None, routed=[], stages=None)  # no cache: the coda sees the prompt
+                exits[(step + 1, read)] = probabilities(self.model.readout(draft, self.schedule)[:, -16:], self.s)
+        p = probabilities(self._timed("readout", n, self.model.readout, run, self.schedule), self.s)  # (B, T, V)
+        real = mask[:, -16:].bool()
+        agreement = {key: float(torch.minimum(p[:, -16:], q).sum(-1)[real].mean()) for key, q in exits.items()}
+        self.pending = draw(p[:, -1], self.s, self.generator)
+        return self.pending, agreement
 
     def _timed(self, stage: object, n: int, fn, *args):
         t = self.clock()
@@ -301,7 +301,7 @@ class Decoder:
         self.stage_seconds += seconds
         return out
 
-    def _forward(self, tokens: torch.Tensor, mask: torch.Tensor, stop: int, readout: bool
+    def _forward(self, tokens: torch.Tensor, mask: torch.Tensor, stop: int, readout: bool, final_read: bool = False
                  ) -> tuple[LoopRun, torch.Tensor | None]:
         """enter → advance to step `stop` (→ readout: (B, T, V) logits). Stopping early (a draft), the coda
         reads scheme.early_exit of the state; the run keeps the loop's own state for verification."""
@@ -312,7 +312,7 @@ class Decoder:
         if not readout:
             return run, None
         exit_run = run
-        if stop < len(self.schedule) and self.final_read:
+        if stop < len(self.schedule) and final_read:
             exit_run = replace(run, h=self.model.scheme.early_exit(run.h, run.ctx, len(self.schedule)))
         return run, self._timed("readout", n, self.model.readout, exit_run, self.schedule)
 
@@ -336,7 +336,8 @@ class Decoder:
             self.costs.add("plain-overhead", 1, max(self.clock() - start - self.stage_seconds, 0.0))
         return self.pending[:, None]
 
-    def round(self, k_d: int, gamma: int, keep_limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def round(self, k_d: int, gamma: int, keep_limit: torch.Tensor, final_read: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """One draft-verify round. Returns (B, γ+1) tokens and (B,) counts: row r emitted tokens[r, :count[r]]
         (its accepted drafts, then the full model's next token). keep_limit (B,): at most this many fed
         positions stay real in the cache per row (0 for finished rows); the others become padding."""
@@ -345,7 +346,8 @@ class Decoder:
         runs, drafts, q = [], [], []
         token = self.pending
         for i in range(gamma + 1):  # the last token needs only its shared part (no draft readout)
-            run, logits = self._forward(token[:, None], torch.cat([self.mask, ones[:, :i + 1]], 1), k_d, i < gamma)
+            run, logits = self._forward(token[:, None], torch.cat([self.mask, ones[:, :i + 1]], 1), k_d, i < gamma,
+                                        final_read)
             runs.append(run)
             if i < gamma:
                 q.append(probabilities(logits[:, -1], self.s))  # (B, V)
@@ -427,10 +429,13 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, speculate: str 
                           f"context_length={context}; lower max_new_tokens to at most {context - ids.shape[1]} "
                           f"or shorten the prompt")
     generator = None if s.seed is None else torch.Generator(device).manual_seed(s.seed)
-    planner = stats.planner = Planner(spec, schedule, stats, s.max_new_tokens)
-    decoder = Decoder(model, schedule, s, generator, planner.costs, spec.final_read)
+    planner = stats.planner = Planner(spec, schedule, stats)
+    decoder = Decoder(model, schedule, s, generator, planner.costs)
     rows = ids.shape[0]
-    queues = [deque([t]) for t in decoder.prefill(ids, mask).tolist()]
+    first, agreement = decoder.prefill(ids, mask, [] if spec.final_read is not None and planner.fixed
+                                       else planner.candidates)
+    planner.calibrate(agreement)
+    queues = [deque([t]) for t in first.tolist()]
     made = [1] * rows  # tokens generated per row, queued or yielded
     done = [False] * rows  # yielded EOS (when stop_at_eos)
     for _ in range(s.max_new_tokens):
@@ -466,7 +471,7 @@ def _decode_more(decoder: Decoder, planner: Planner, stats: SpeculationStats, ma
                            [1] * len(made))
         stats.plain_steps += 1
         return
-    tokens, counts = decoder.round(choice[0], gamma, keep.to(device))
+    tokens, counts = decoder.round(choice[0], gamma, keep.to(device), planner.final_read[choice[0]])
     accepted = (counts - 1).cpu()[active]
     planner.observe(choice[0], accepted, gamma)
     stats.rounds += 1
