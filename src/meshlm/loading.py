@@ -72,7 +72,7 @@ class ModelFolder:
     @property
     def train(self) -> dict[str, Any]:
         """The training config a meshlm checkpoint was written with ({} for every other folder)."""
-        return self.config.get("train") or {} if self.format == "meshlm" else {}
+        return (self.config.get("train") or {}) if self.format == "meshlm" else {}
 
     @property
     def meta(self) -> dict[str, Any]:
