@@ -174,6 +174,8 @@ class MeshLM(nn.Module):
         if track is not None and run.step == 0:
             self._probe(track, run.h, coda_slot, 0)  # kl: the distribution of h⁰, what step 1 is compared with
         for step in range(run.step, len(schedule) if stop is None else stop):
+            if step == first_grad_step > 0 and torch.is_grad_enabled():
+                self.scheme.truncate(run.ctx)  # MeSH: fold the no-grad steps' values, memory follows k
             with torch.set_grad_enabled(torch.is_grad_enabled() and step >= first_grad_step):
                 x, r, m, kv = (run.h, run.rope, run.mask, run.cache) if track is None else \
                     track.step_inputs(run.h, step_slots[step])

@@ -120,6 +120,22 @@ class MeSH(Scheme):
         _, read = self.routers[min(n_steps, len(self.routers) - 1)](h)
         return self._read(read, ctx)
 
+    def truncate(self, ctx: LoopContext) -> None:
+        """Truncated backprop starts: fold the values written so far by loop steps (constants: they ran without
+        autograd) into one per slot, r_b = Σ_{j ≥ 2} c[b, j]·v_j, with identity coefficients. Exact, and memory
+        then holds e, p, B slot remainders and the k values still to come, not one value per step run."""
+        entry = 2  # e and p: written before the loop, they keep their gradients
+        if len(ctx.values) <= entry + self.slots:
+            return
+        with torch.no_grad():
+            rest = torch.stack(ctx.values[entry:], dim=0)  # (J − 2, B, T, d)
+            coefficients = ctx.coefficients[..., entry:].to(rest.dtype)  # (B, T, slots, J − 2)
+            remainders = torch.einsum("btsj,jbtd->sbtd", coefficients, rest).unbind(0)
+        eye = torch.eye(self.slots, dtype=ctx.coefficients.dtype, device=ctx.coefficients.device)
+        ctx.values = ctx.values[:entry] + list(remainders)
+        ctx.coefficients = torch.cat([ctx.coefficients[..., :entry].detach(),
+                                      eye.expand(*ctx.coefficients.shape[:-2], -1, -1)], dim=-1)
+
     @staticmethod
     def buffer(ctx: LoopContext) -> torch.Tensor:
         """The slots m_b as the spec defines them, rebuilt from the coefficients: (B, T, slots, d)."""

@@ -90,6 +90,10 @@ class Scheme(nn.Module, abc.ABC):
         speculative draft). Only the draft uses it; the loop's own state is untouched. Default: h itself."""
         return h
 
+    def truncate(self, ctx: LoopContext) -> None:
+        """Truncated backprop is about to start (the steps so far ran without autograd): a scheme that carries
+        one value per step (MeSH) may fold them to bound memory. Stateless schemes have nothing to do."""
+
     def flops_per_token(self, d_model: int, n_steps: int) -> int:
         """Forward FLOPs the scheme adds per token (beyond the layers)."""
         return 0
