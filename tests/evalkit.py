@@ -39,13 +39,15 @@ def wheel_cache(root: Path) -> Path:
 
 
 LAMBADA_STANDARD_ROWS = [  # stand-ins for cimec/lambada's passages: the test checks the plumbing, not LAMBADA
-    "the old man looked at the sea and thought about the fish he had lost to the sharks",
-    "she opened the letter slowly and read it twice before she handed it to her brother",
-]
+    f"the {who} walked to the {place} and waited there until the evening came and then saw the {thing}"
+    for who, place, thing in (("old man", "sea", "boat"), ("girl", "market", "cart"), ("farmer", "field", "horse"),
+                              ("doctor", "station", "train"), ("child", "river", "bridge"), ("king", "tower", "army"),
+                              ("sailor", "harbour", "ship"), ("teacher", "school", "bell"))
+]  # eight per split: a 5-shot context draws five others
 
 
 def fake_lambada_standard_cache(hf_datasets_cache: Path) -> Path:
-    """Write `cimec/lambada` (test and validation, two passages) into an HF datasets cache folder laid out as
+    """Write `cimec/lambada` (test and validation, eight passages each) into an HF datasets cache folder laid out as
     `datasets.load_dataset` leaves a Hub dataset, so offline loading finds it there."""
     import datasets
     from datasets.arrow_writer import ArrowWriter
