@@ -39,7 +39,7 @@ def corpus_prompts(tok, count: int, length: int) -> list[list[int]]:
 
 def decode(model, prompts, args, speculate, clock):
     from meshlm.generate import Sampling, generate
-    from meshlm.speculative import SpeculationStats
+    from meshlm.generate.speculative import SpeculationStats
 
     s = Sampling(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p, seed=0,
                  stop_at_eos=False)
@@ -53,8 +53,7 @@ def decode(model, prompts, args, speculate, clock):
 
 def cost_arithmetic(model, prompts, args, k_ds) -> None:
     """Per-stage costs measured in one auto run, and the speed-up they bound at the measured acceptance."""
-    from meshlm import speculative
-    from meshlm.generate import Sampling
+    from meshlm.generate import Sampling, speculative
 
     s = Sampling(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p, seed=0,
                  stop_at_eos=False)

@@ -5,14 +5,13 @@ import pytest
 import torch
 from conftest import build, tiny
 
-from meshlm import speculative
 from meshlm.cli import main
 from meshlm.errors import ConfigError
-from meshlm.generate import Sampling, draw, generate, probabilities
+from meshlm.generate import Sampling, draw, generate, probabilities, speculative
+from meshlm.generate.speculative import Speculation, SpeculationStats
 from meshlm.model import SCHEMES
 from meshlm.model.kv_cache import KVCache
 from meshlm.model.schemes import concat_contexts
-from meshlm.speculative import Speculation, SpeculationStats
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]  # batch 3, left-padded to 7
 LOOPED = sorted(set(SCHEMES) - {"vanilla"})

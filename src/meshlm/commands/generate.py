@@ -4,7 +4,7 @@ CKPT is anything meshlm.loading opens: a run dir (its latest checkpoint), a chec
 retrofitted folder, a folder written by `meshlm convert --to hf`, or a GPT-NeoX / Llama / OLMoE folder.
 Decoding uses the looped KV cache (one entry per unrolled layer). With several prompts they run as one
 left-padded batch and are printed when done; a single prompt streams token by token. `--speculate` decodes
-by lossless self-speculation (meshlm.speculative) and prints its acceptance rate and tokens/s on stderr.
+by lossless self-speculation (meshlm.generate.speculative) and prints its acceptance rate and tokens/s on stderr.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace, model, tok, s) -> int:
     from meshlm.generate import generate, stream
-    from meshlm.speculative import SpeculationStats
+    from meshlm.generate.speculative import SpeculationStats
 
     prompts = [tok.encode(text) for text in args.prompts]
     stats = SpeculationStats() if args.speculate is not None else None

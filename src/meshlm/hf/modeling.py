@@ -30,13 +30,13 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
+from meshlm.generate.sampling import Sampling
+from meshlm.generate.speculative import SpeculationStats
+from meshlm.generate.speculative import stream as speculative_stream
 from meshlm.hf.configuration import MeshConfig
 from meshlm.hf.remote import write_remote_code
 from meshlm.model.layers import RotaryEmbedding
 from meshlm.model.lm import MeshLM
-from meshlm.sampling import Sampling
-from meshlm.speculative import SpeculationStats
-from meshlm.speculative import stream as speculative_stream
 
 # generate() arguments the speculative path understands; any other one is refused with its name
 SPECULATIVE_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",
@@ -105,7 +105,7 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
         return result if return_dict is not False else result.to_tuple()
 
     def generate(self, inputs: torch.Tensor | None = None, **kwargs):
-        """transformers' generate(), plus lossless self-speculative decoding (meshlm.speculative).
+        """transformers' generate(), plus lossless self-speculative decoding (meshlm.generate.speculative).
 
         Speculation is asked for with `speculate="auto" | "K_d" | "K_d:γ"`, or with transformers' early-exit
         assistant knobs: `assistant_early_exit=K_d` (loop passes here, not layers) and `num_assistant_tokens=γ`.

@@ -22,7 +22,7 @@ and, in training mode, added to `loss` with `aux_loss_weight` / `z_loss_weight`.
 plain next-token cross-entropy, so validation perplexity is comparable across backbones.
 
 A forward is three stages, `enter` (embed, prelude, h⁰) → `advance` (loop steps) → `readout` (coda, head),
-sharing one `LoopRun`; self-speculative decoding (meshlm.speculative) stops `advance` early to draft and
+sharing one `LoopRun`; self-speculative decoding (meshlm.generate.speculative) stops `advance` early to draft and
 resumes it later to verify.
 
 Truncated backprop through depth (`backprop_loops=k`, Huginn's recipe): the first K − k loop steps run
@@ -151,7 +151,7 @@ class MeshLM(nn.Module):
             out.exit_loops, out.exit_probes = run.track.loops, run.track.probes
         return self._losses(out, targets, ignore_index, run.routed, padding_mask)
 
-    # -- the three stages of a forward; speculative decoding (meshlm.speculative) runs them separately ----------
+    # -- the three stages of a forward; speculative decoding (meshlm.generate.speculative) runs them separately
     def enter(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None,
               position_ids: torch.Tensor | None = None, cache: LayerCache | None = None,
               return_states: bool = False) -> LoopRun:

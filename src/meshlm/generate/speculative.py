@@ -38,11 +38,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from meshlm.errors import ConfigError
+from meshlm.generate.sampling import Sampling, draw, left_pad, next_token, probabilities
 from meshlm.model import MeshLM
 from meshlm.model.kv_cache import KVCache, slot_offsets
 from meshlm.model.lm import LoopRun
 from meshlm.model.schemes import Scheme, concat_contexts
-from meshlm.sampling import Sampling, draw, left_pad, next_token, probabilities
 
 GAMMA_MAX = 8  # longest draft the planner considers
 PRIOR_WEIGHT = 8  # the prompt's measured agreement counts as this many drafted tokens; rounds add the rest

@@ -1,6 +1,6 @@
 """Sampling settings and the distribution decoding draws from: temperature, top-k, top-p; left padding.
 
-Shared by plain decoding (meshlm.generate) and self-speculative decoding (meshlm.speculative), which must
+Shared by plain decoding (meshlm.generate) and self-speculative decoding (meshlm.generate.speculative), which must
 apply the very same filters to the draft's and the full model's distributions to be exact.
 """
 from __future__ import annotations

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 
 import torch
 
-from meshlm import speculative
 from meshlm.errors import ConfigError
+from meshlm.generate import speculative
+from meshlm.generate.sampling import Sampling, draw, left_pad, next_token, probabilities
 from meshlm.model import MeshLM
 from meshlm.model.kv_cache import KVCache
-from meshlm.sampling import Sampling, draw, left_pad, next_token, probabilities
 
 __all__ = ["Sampling", "draw", "generate", "left_pad", "next_token", "probabilities",
            "stream"]
@@ -32,8 +32,8 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
            stats=None) -> Iterator[torch.Tensor]:
     """Yield the (B,) next tokens step by step. Rows that reached EOS keep yielding `pad_id`.
 
-    `speculate` ("auto", "K_d", "K_d:γ" or a meshlm.speculative.Speculation) decodes by lossless
-    self-speculation (meshlm.speculative): the same tokens when greedy, the same distribution when sampling;
+    `speculate` ("auto", "K_d", "K_d:γ" or a meshlm.generate.speculative.Speculation) decodes by lossless
+    self-speculation (meshlm.generate.speculative): the same tokens when greedy, the same distribution when sampling;
     `stats` (a SpeculationStats) then receives the acceptance rate, tokens/s and the chosen setting."""
     if speculate is not None:
         if not cache or exit is not None:
