@@ -98,7 +98,7 @@ def test_cli_generate_greedy_batch_matches_library(checkpoints, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["{ckpt}", "hello", "-n", "100"], "exceeds context_length=48"),
-    (["{tmp}/missing", "hello"], "is not a directory"),
+    (["{tmp}/missing", "hello"], "is not a folder"),
     (["{ckpt}", "hello", "--top-p", "1.5"], "top_p=1.5 must be in (0, 1]"),
 ])
 def test_cli_generate_errors_exit_2(checkpoints, tmp_path, args, message, capsys):

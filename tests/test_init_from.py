@@ -79,7 +79,7 @@ def test_cli_continues_a_finished_run(prepared, tmp_path, capsys):
     first = train(tiny_train(prepared, tmp_path, steps=4, save_every=0))
     code = main(["train", f"train.init_from={first.run_dir}", f"train.data={prepared}", f"train.out_dir={tmp_path}",
                  "train.name=more", "train.steps=2", "train.seq_len=32", "train.global_batch=4",
-                 "train.micro_batch=4", "train.eval_batches=1", "train.progress=false", "train.tensorboard=false"])
+                 "train.micro_batch=4", "train.eval_windows=4", "train.progress=false", "train.tensorboard=false"])
     assert code == 0
     assert "initialised from" in capsys.readouterr().err
     assert open_model(tmp_path / "more").model.config == open_model(first.run_dir).model.config

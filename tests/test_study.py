@@ -12,7 +12,7 @@ from meshlm.train.config import SHIPPED_CONFIGS
 STUDIES = SHIPPED_CONFIGS / "studies"
 TINY = ["model.preset=mesh-small", "model.d_model=32", "model.n_heads=4", "model.context_length=32",
         "train.seq_len=32", "train.global_batch=2", "train.micro_batch=2", "train.steps=2",
-        "train.eval_every=0", "train.eval_batches=1", "train.save_every=0"]
+        "train.eval_every=0", "train.eval_windows=2", "train.save_every=0"]
 
 
 def write_study(tmp_path, **fields) -> Path:

@@ -132,7 +132,7 @@ def test_refuses_to_overwrite_a_run_and_resumes_only_good_checkpoints(prepared, 
     assert "--resume" in capsys.readouterr().err
     state = cfg.run_dir() / "step-000004" / "state.pt"
     state.write_bytes(b"garbage")
-    assert main(["train", *as_overrides(cfg), "--resume"]) == 2
+    assert main(["train", *as_overrides(cfg), "--resume"]) == 1  # a runtime failure, not a usage error
     assert "no usable checkpoint" in capsys.readouterr().err
 
 

@@ -43,7 +43,7 @@ def tiny_train(data: Path, out_dir: Path, **overrides) -> TrainConfig:
     """A 6-layer-equivalent MeSH model (d=64) on 32-token sequences: ~20 ms per step."""
     base = dict(model={"preset": "tiny", "vocab_size": 8192}, data=str(data), out_dir=str(out_dir), name="run",
                 seq_len=32, global_batch=8, micro_batch=4, steps=12, lr=3e-3, warmup=0.1, eval_every=0,
-                eval_batches=2, save_every=4, keep_last=3, progress=False, tensorboard=False, peak_flops=1e11)
+                eval_windows=8, save_every=4, keep_last=3, progress=False, tensorboard=False, peak_flops=1e11)
     return TrainConfig(**{**base, **overrides})
 
 

@@ -1,17 +1,23 @@
 """The `meshlm` command line: a table of subcommands, each living in its own module.
 
 Each command module exposes `add_arguments(parser)` and `run(args) -> int`. Modules are imported only
-when their command runs, so `meshlm --help` stays fast. User errors (`MeshlmError`) become one line on
-stderr and exit code 2; nothing else is swallowed. Long-running commands tune malloc first, before torch is
-imported (meshlm.runtime.allocator).
+when their command runs, so `meshlm --help` stays fast. Long-running commands tune malloc first, before
+torch is imported (meshlm.runtime.allocator).
+
+Failures the user can act on are one line on stderr, `meshlm <command>: error: <what and how to fix it>`,
+and an exit code: 2 for usage (argparse errors, `ConfigError`), 1 for runtime (missing data, a corrupt
+checkpoint, a full disk: any other `MeshlmError` or `OSError`), 130 / 143 after Ctrl-C / SIGTERM. Anything
+else is a bug and keeps its traceback. `--debug` (or MESHLM_DEBUG=1) shows the traceback of every failure.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
 
-from meshlm.errors import MeshlmError
+from meshlm.errors import MeshlmError, describe_os_error
 from meshlm.runtime import allocator
 
 LONG_RUNNING = ("train", "eval", "probe", "generate", "reproduce")  # malloc tuned before they start
@@ -31,28 +37,72 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tasks": ("meshlm.commands.tasks", "export the downstream suite as lm-eval task YAMLs for lm-eval's own CLI"),
     "report": ("meshlm.commands.report", "one HTML page comparing runs: Table-1-style scores and overlaid probes"),
 }
+USAGE, RUNTIME = 2, 1
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("meshlm")
+    except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
+        return "unknown (not installed)"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with advice: a command sets `parser.hints = {fragment: advice}`, added to a usage error
+    whose message contains the fragment."""
+
+    hints: dict[str, str] = {}
+
+    def error(self, message: str):
+        advice = [text for fragment, text in self.hints.items() if fragment in message]
+        super().error("; ".join([message, *advice[:1]]))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshlm", description="Recursive Transformers with MeSH.")
+    parser = Parser(prog="meshlm", description="Recursive Transformers with MeSH.")
+    parser.add_argument("--version", action="version", version=f"meshlm {version()}")
+    debug = dict(action="store_true", default=argparse.SUPPRESS,
+                 help="show the full traceback of any failure (also MESHLM_DEBUG=1)")
+    parser.add_argument("--debug", **debug)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name, (module, help_text) in COMMANDS.items():
         sp = sub.add_parser(name, help=help_text, description=help_text)
         sp.set_defaults(_module=module)
+        sp.add_argument("--debug", **debug)
         importlib.import_module(module).add_arguments(sp)
     return parser
 
 
+def debugging(args: argparse.Namespace | None = None) -> bool:
+    return bool(getattr(args, "debug", False)) or os.environ.get("MESHLM_DEBUG", "").strip() not in ("", "0")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # usage errors: argparse prints one line and exits 2
     if args.command in LONG_RUNNING:
         allocator.tune()
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
-    except MeshlmError as err:
-        print(f"meshlm {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except (MeshlmError, OSError, KeyboardInterrupt) as err:
+        return report(args, err)
+
+
+def report(args: argparse.Namespace, err: BaseException) -> int:
+    """Print an expected failure as one line (plus the traceback when debugging); its exit code."""
+    if debugging(args):
+        traceback.print_exc()
+    if isinstance(err, KeyboardInterrupt):
+        message, code = "interrupted (Ctrl-C); nothing was saved by this step", 130
+    elif isinstance(err, OSError):
+        message, code = describe_os_error(err), RUNTIME
+    else:
+        message, code = str(err), err.exit_code
+    print(f"meshlm {args.command}: {'stopped' if code >= 128 else 'error'}: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

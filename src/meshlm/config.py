@@ -29,8 +29,10 @@ from typing import Any
 
 from meshlm.backbones import BACKBONES
 from meshlm.errors import ConfigError
+from meshlm.fields import coerce_all, type_problems, with_defaults
 
 _CORE = re.compile(r"^(\d+)(?:[rR](\d+))?$")
+PREFIX = "invalid model config: "
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,14 @@ class ModelConfig:
 
     # -- validation ----------------------------------------------------------------------------------
     def validate(self) -> None:
-        """Collect every problem, then raise one ConfigError naming each bad field."""
+        """Collect every problem (types first, then values), then raise one ConfigError naming each bad field."""
+        problems, wrong_type = type_problems(self)
+        problems += with_defaults(self, wrong_type)._value_problems()
+        if problems:
+            raise ConfigError(PREFIX + "; ".join(problems))
+
+    def _value_problems(self) -> list[str]:
+        """Range and consistency problems; every field holds a value of its type here."""
         problems = []
         layout = None
         try:
@@ -198,8 +207,7 @@ class ModelConfig:
         need(isinstance(self.scheme_options, dict), "scheme_options must be a mapping")
         if isinstance(self.scheme_options, dict):
             problems.extend(scheme_problems(self.scheme, self.scheme_options, layout))
-        if problems:
-            raise ConfigError("invalid model config: " + "; ".join(problems))
+        return problems
 
     def _max_loops_problems(self, layout: Layout | None) -> list[str]:
         m = self.max_loops
@@ -221,10 +229,6 @@ class ModelConfig:
             out.append(f"mlp_hidden={self.mlp_hidden!r} must be a positive integer (or null for the default)")
         if kv is not None and not (_is_int(kv) and kv > 0 and _is_int(self.n_heads) and self.n_heads % kv == 0):
             out.append(f"n_kv_heads={kv!r} must be a positive divisor of n_heads={self.n_heads} (or null)")
-        for name in ("qk_norm", "tie_embeddings", "norm_topk_prob"):
-            value = getattr(self, name)
-            if not (isinstance(value, bool) or (value is None and name == "qk_norm")):
-                out.append(f"{name}={value!r} must be true or false")
         for name in ("aux_loss_weight", "z_loss_weight"):
             if not (_is_number(getattr(self, name)) and getattr(self, name) >= 0):
                 out.append(f"{name}={getattr(self, name)!r} must be a number >= 0")
@@ -242,11 +246,17 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ConfigError(f"unknown model config field(s) {unknown}; valid fields: {sorted(known)}")
-        return cls(**data)
+        """From YAML/JSON values: each coerced to its field's type (meshlm.fields); every problem in one error."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a model config must be a mapping of fields, not {type(data).__name__} {data!r}")
+        values, problems = coerce_all(cls, data, "model config")
+        try:
+            config = cls(**values)
+        except ConfigError as err:
+            problems.append(str(err).removeprefix(PREFIX))
+        if problems:
+            raise ConfigError(PREFIX + "; ".join(problems))
+        return config
 
     def replace(self, **changes: Any) -> ModelConfig:
         return self.from_dict({**self.to_dict(), **changes})

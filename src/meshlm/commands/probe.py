@@ -53,8 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from meshlm.loading import open_model
     from meshlm.runtime import precision
 
-    if args.samples < 1 or args.batch_size < 1 or (args.tokens is not None and args.tokens < 2):
-        raise ConfigError("--samples and --batch-size must be >= 1 and --tokens >= 2")
+    check_inputs(args)
     loaded = open_model(args.checkpoint, args.device, tokenizer=args.tokenizer)
     tokens = args.tokens or loaded.seq_len
     if tokens > loaded.model.config.context_length:
@@ -81,6 +80,23 @@ def run(args: argparse.Namespace) -> int:
     print(summary(result))
     print(f"results: {out / 'probe.json'}; figures: {', '.join(p.name for p in paths)}")
     return 0
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Numbers, device, checkpoint and --data, all before loading anything (every problem in one error)."""
+    from meshlm.devices import resolve_device
+    from meshlm.problems import Problems
+
+    p = Problems()
+    p.need(args.samples >= 1 and args.batch_size >= 1, "--samples and --batch-size must be >= 1")
+    p.need(args.tokens is None or args.tokens >= 2, f"--tokens {args.tokens} must be >= 2")
+    p.need(args.split in ("train", "val"), f"--split {args.split!r} must be train or val")
+    p.check(resolve_device, args.device)
+    p.check(checkpoint.verify, args.checkpoint)
+    if args.data is not None:
+        p.need(Path(args.data).expanduser().is_dir(),
+               f"--data {args.data} does not exist; pass a folder written by `meshlm prepare`")
+    p.raise_if_any()
 
 
 def _fmt(values: list[float]) -> str:

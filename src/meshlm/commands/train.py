@@ -26,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import yaml
 
+    from meshlm.errors import Interrupted
     from meshlm.train.config import load_config
 
     cfg = load_config(args.config, args.overrides)
@@ -34,7 +35,11 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from meshlm.train.trainer import train
 
-    result = train(cfg, resume=args.resume, log=lambda message: print(message, file=sys.stderr, flush=True))
+    try:
+        result = train(cfg, resume=args.resume, log=lambda message: print(message, file=sys.stderr, flush=True))
+    except Interrupted as err:
+        err.args = (str(err).replace("the same command and --resume", resume_command(args)),)
+        raise
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 reports
         return 0
     print(f"trained {result.steps} steps in {result.wall_s:.0f} s ({result.tokens_per_s:,.0f} tokens/s, "
@@ -43,6 +48,14 @@ def run(args: argparse.Namespace) -> int:
           f"unigram baseline {_unigram(result, cfg):.2f}")
     print(f"checkpoint: {result.checkpoint}")
     return 0
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command line that continues this run."""
+    import shlex
+
+    config = ["--config", args.config] if args.config else []
+    return shlex.join(["meshlm", "train", *config, *args.overrides, "--resume"])
 
 
 def _unigram(result, cfg) -> float:

@@ -13,6 +13,7 @@ data, and each rank takes a fixed, disjoint slice of it.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import shutil
 import tempfile
@@ -235,3 +236,26 @@ def batch_indices(step: int, global_batch: int, seed: int, n_sequences: int) -> 
         mask = epochs == epoch
         out[mask] = epoch_permutation(seed, int(epoch), n_sequences)[positions[mask] % n_sequences]
     return out.tolist()
+
+
+def window_indices(n_windows: int, max_sequences: int | None) -> list[int]:
+    """All windows, or `max_sequences` of them spread evenly (deterministic)."""
+    n = n_windows if not max_sequences else min(max_sequences, n_windows)
+    return [j * n_windows // n for j in range(n)]
+
+
+def validation_batches(n_windows: int, max_sequences: int, micro_batch: int, rank: int = 0, world: int = 1
+                       ) -> list[tuple[list[int], bool]]:
+    """This rank's forwards over the fixed validation set: (window indices, counted) pairs.
+
+    The set is `window_indices(n_windows, max_sequences)` whatever the micro-batch and world size; rank r
+    takes the r-th contiguous slice of it (sizes differ by at most one). Every rank runs the same number of
+    forwards (FSDP gathers weights in each one), so a rank with fewer windows pads with an uncounted one.
+    """
+    indices = window_indices(n_windows, max_sequences)
+    n = len(indices)
+    mine = indices[rank * n // world:(rank + 1) * n // world]
+    forwards = math.ceil(math.ceil(n / world) / micro_batch)  # the same on every rank
+    chunks = [mine[i * micro_batch:(i + 1) * micro_batch] for i in range(forwards)]
+    return [(chunk, True) if chunk else ([indices[0]], False) for chunk in chunks]
+

@@ -21,7 +21,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from meshlm.data.fetch import pythia_tokenizer_path
-from meshlm.errors import DataError
+from meshlm.errors import ConfigError, DataError
 
 DEFAULT_PATH = Path(__file__).parents[1] / "assets" / "tokenizer-8192.json"
 DEFAULT_VOCAB = 8192
@@ -98,7 +98,7 @@ def load_tokenizer(name_or_path: str | os.PathLike = "default",
 def check_vocab(model_vocab_size: int, tokenizer: TextTokenizer) -> None:
     """A model can embed more ids than the tokenizer makes (Pythia pads 50,277 to 50,304), never fewer."""
     if tokenizer.vocab_size > model_vocab_size:
-        raise DataError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids but the model's vocabulary "
+        raise ConfigError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} ids but the model's vocabulary "
                         f"has {model_vocab_size}; set the model vocab_size to at least {tokenizer.vocab_size}")
 
 

@@ -18,14 +18,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from meshlm.data.prepare import PreparedData
+from meshlm.data.prepare import PreparedData, window_indices
 from meshlm.model.accounting import depth_flops_per_token
 
-
-def window_indices(n_windows: int, max_sequences: int | None) -> list[int]:
-    """All windows, or `max_sequences` of them spread evenly (deterministic)."""
-    n = n_windows if not max_sequences else min(max_sequences, n_windows)
-    return [j * n_windows // n for j in range(n)]
+__all__ = ["default_loop_counts", "loss_vs_loops", "mean_loss", "window_indices"]
 
 
 @torch.no_grad()

@@ -41,17 +41,23 @@ class EvalOptions:
     verbose: bool = False
 
 
-def evaluate(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
+def evaluate(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = print,
+             save: Callable[[dict], Any] | None = None) -> dict[str, Any]:
+    """Every stage in turn; `save(result)` after each one ("complete": false until the last), so a failure
+    or an interrupt later keeps what finished."""
     start = time.perf_counter()
     model = loaded.model
     result: dict[str, Any] = {"checkpoint": str(loaded.path), "step": loaded.meta.get("step"),
-                              "model": model.config.to_dict(), "accounting": account(model).to_dict()}
+                              "model": model.config.to_dict(), "accounting": account(model).to_dict(),
+                              "complete": False}
+    save = save or (lambda partial: None)
     data = loaded.held_out(options.data)
     common = dict(batch_size=options.batch_size, max_sequences=options.limit)
     result["perplexity"] = {**mean_loss(model, data, loaded.seq_len, **common), "data": str(data.dir),
                             "split": data.split, "seq_len": loaded.seq_len}
     log(f"validation perplexity {result['perplexity']['ppl']:.3f} (loss {result['perplexity']['loss']:.4f}, "
         f"{result['perplexity']['tokens']:,} tokens)")
+    save(result)
     counts = default_loop_counts(model) if options.loops is None else options.loops
     result["loops"] = loss_vs_loops(model, data, loaded.seq_len, counts, **common)
     for row in result["loops"]:
@@ -62,23 +68,29 @@ def evaluate(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = 
         log(f"  exit {row['exit']} (at most {row['max_loops']} loops): loss {row['loss']:.4f}, avg loops/token "
             f"{row['avg_loops']:.3f}, coda probes/token {row['avg_probes']:.3f}, FLOPs x{row['flops_ratio']:.3f}")
     result["downstream"] = {}
+    save(result)
     if options.tasks:
-        result["downstream"] = downstream(loaded, options, log)
+        downstream(loaded, options, log, into=result["downstream"], save=lambda: save(result))
     result["seconds"] = time.perf_counter() - start
+    result["complete"] = True
+    save(result)
     return result
 
 
-def downstream(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
+def downstream(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = print,
+               into: dict[str, Any] | None = None, save: Callable[[], Any] = lambda: None) -> dict[str, Any]:
+    """{shots: suite summary}, filled into `into` one few-shot setting at a time (`save()` after each)."""
     from meshlm.evaluation.harness import MeshLMEval  # imports lm-eval: only when downstream tasks run
 
     lm = MeshLMEval(loaded.model, loaded.tokenizer, batch_tokens=options.batch_tokens)
-    out = {}
+    out = {} if into is None else into
     for shots in options.shots:
         summary = run_suite(lm, options.tasks, shots=shots, limit=options.limit, verbose=options.verbose,
                             log_samples=options.samples_dir is not None)
         if options.samples_dir is not None:
             write_samples(summary.pop("samples"), Path(options.samples_dir) / f"{shots}-shot.jsonl")
         out[str(shots)] = summary
+        save()
         log(format_suite(summary))
     return out
 

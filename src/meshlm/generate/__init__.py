@@ -26,6 +26,19 @@ __all__ = ["Sampling", "draw", "generate", "left_pad", "next_token", "probabilit
            "stream"]
 
 
+def check_room(model: MeshLM, prompts: list[list[int]], s: Sampling) -> None:
+    """ConfigError unless the longest prompt plus max_new_tokens fits the context, with advice that works."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("every prompt needs at least one token; pass a non-empty prompt")
+    longest, context = max(len(p) for p in prompts), model.config.context_length
+    if longest >= context:
+        raise ConfigError(f"the prompt is {longest} tokens but context_length={context} leaves room for at most "
+                          f"{context - 1} prompt tokens plus one new one; shorten the prompt")
+    if longest + s.max_new_tokens > context:
+        raise ConfigError(f"the prompt ({longest} tokens) plus max_new_tokens={s.max_new_tokens} exceeds "
+                          f"context_length={context}; pass -n {context - longest} or less, or shorten the prompt")
+
+
 @torch.no_grad()
 def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0, pad_id: int = 1,
            cache: bool = True, loops: int | None = None, exit: str | None = None, speculate=None,
@@ -42,12 +55,8 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
         yield from speculative.stream(model, prompts, s, speculate, eos_id, pad_id, loops, stats)
         return
     device = next(model.parameters()).device
+    check_room(model, prompts, s)
     ids, mask = left_pad(prompts, pad_id, device)
-    total = ids.shape[1] + s.max_new_tokens
-    if total > model.config.context_length:
-        raise ConfigError(f"the prompt ({ids.shape[1]} tokens) plus max_new_tokens={s.max_new_tokens} exceeds "
-                          f"context_length={model.config.context_length}; lower max_new_tokens to at most "
-                          f"{model.config.context_length - ids.shape[1]} or shorten the prompt")
     generator = None if s.seed is None else torch.Generator(device).manual_seed(s.seed)
     kv = KVCache() if cache else None
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)

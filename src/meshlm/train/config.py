@@ -30,6 +30,7 @@ import yaml
 
 from meshlm.config import ModelConfig
 from meshlm.errors import CheckpointError, ConfigError
+from meshlm.fields import coerce_all, type_problems, with_defaults
 from meshlm.loading import locate
 from meshlm.train.depth import LoopDistribution, parse_loops
 
@@ -38,6 +39,7 @@ DISTRIBUTED = ("ddp", "fsdp")
 DEFAULT_PRESET = "mesh-small"  # what `meshlm train` trains with no arguments
 DTYPES = ("auto", "fp32", "bf16")
 COMPILE = ("auto", "true", "false")
+PREFIX = "invalid training config: "
 
 
 @dataclass
@@ -72,7 +74,8 @@ class TrainConfig:
     seed: int = 0
     # -- evaluation, checkpoints, logging ---------------------------------------------------------------
     eval_every: int = 100  # steps between validation passes (also at the end); 0 -> only at the end
-    eval_batches: int = 16  # validation micro-batches (of micro_batch sequences) per pass
+    eval_windows: int = 128  # validation windows per pass, spread evenly over the split (all if fewer);
+    # a fixed set, so the reported loss does not depend on micro_batch or the world size
     save_every: int = 100  # steps between checkpoints (also at the end); 0 -> only at the end
     keep_last: int = 3  # checkpoints kept besides the best; >= 2 keeps a fallback for a corrupt latest
     log_every: int = 1  # steps between metrics lines
@@ -157,13 +160,20 @@ class TrainConfig:
 
     # -- validation ---------------------------------------------------------------------------------------
     def validate(self) -> None:
+        """Every problem at once: wrong types first, then values (checked with defaults for mistyped fields)."""
+        problems, wrong_type = type_problems(self)
+        problems += with_defaults(self, wrong_type)._value_problems()
+        if problems:
+            raise ConfigError(PREFIX + "; ".join(problems))
+
+    def _value_problems(self) -> list[str]:
         problems: list[str] = []
 
         def need(ok: bool, message: str) -> None:
             if not ok:
                 problems.append(message)
 
-        for name in ("global_batch", "micro_batch", "eval_batches", "keep_last", "log_every", "max_nonfinite"):
+        for name in ("global_batch", "micro_batch", "eval_windows", "keep_last", "log_every", "max_nonfinite"):
             need(getattr(self, name) >= 1, f"{name}={getattr(self, name)} must be >= 1")
         for name in ("seq_len", "steps", "tokens", "eval_every", "save_every", "seed"):
             need(getattr(self, name) >= 0, f"{name}={getattr(self, name)} must be >= 0")
@@ -194,8 +204,7 @@ class TrainConfig:
         if model_cfg is not None and self.seq_len > model_cfg.context_length:
             problems.append(f"seq_len={self.seq_len} exceeds the model's context_length="
                             f"{model_cfg.context_length}; lower train.seq_len or raise model.context_length")
-        if problems:
-            raise ConfigError("invalid training config: " + "; ".join(problems))
+        return problems
 
     def _depth_problems(self) -> list[str]:
         """train.loops parses, and backprop_loops is in [0, the distribution's cap]."""
@@ -227,21 +236,25 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        """Build from flat TrainConfig fields, coercing types and collecting every problem."""
-        kinds = {f.name: str(f.type) for f in dataclasses.fields(cls)}
-        problems, values = [], {}
-        unknown = sorted(set(data) - set(kinds))
-        if unknown:
-            problems.append(f"unknown train field(s) {unknown}; valid fields: {sorted(kinds)}")
-        for key, value in data.items():
-            if key in kinds:
-                try:
-                    values[key] = _coerce(key, kinds[key], value)
-                except ConfigError as err:
-                    problems.append(str(err))
+        """Build from flat TrainConfig fields, coercing types (meshlm.fields) and collecting every problem."""
+        data = dict(data)
+        for key in ("name", "init_from"):
+            if key in data and data[key] is None:  # `name=` / `init_from:` (YAML null) mean "unset"
+                data[key] = ""
+        if isinstance(data.get("compile"), bool):  # YAML true/false for the "auto"/"true"/"false" setting
+            data["compile"] = str(data["compile"]).lower()
+        renamed = data.pop("eval_batches", None) is not None
+        values, problems = coerce_all(cls, data, "train")
+        if renamed:
+            problems.append("eval_batches was replaced by eval_windows (validation windows per pass, fixed "
+                            "whatever micro_batch is): set eval_windows = old eval_batches × micro_batch")
+        try:
+            config = cls(**values)
+        except ConfigError as err:
+            problems.append(str(err).removeprefix(PREFIX))
         if problems:
-            raise ConfigError("invalid training config: " + "; ".join(problems))
-        return cls(**values)
+            raise ConfigError(PREFIX + "; ".join(problems))
+        return config
 
     @classmethod
     def from_file_dict(cls, data: dict[str, Any], overrides: list[str] = ()) -> TrainConfig:
@@ -249,6 +262,10 @@ class TrainConfig:
         unknown = sorted(set(data) - {"model", "train"})
         if unknown:
             raise ConfigError(f"config sections {unknown} are unknown; a config file has `model:` and `train:`")
+        for section in ("model", "train"):
+            if data.get(section) is not None and not isinstance(data[section], dict):
+                raise ConfigError(f"the `{section}:` section must be a mapping of fields, not "
+                                  f"{type(data[section]).__name__} {data[section]!r}")
         flat = dict(data.get("train") or {})
         if data.get("model") is not None:
             flat["model"] = dict(data["model"])
@@ -300,8 +317,10 @@ def apply_override(flat: dict[str, Any], item: str) -> None:
         if len(parts) == 1:
             raise ConfigError(f"override {item!r} needs a field, e.g. model.d_model=128 or model.preset=tiny")
         target = flat.setdefault("model", {"preset": DEFAULT_PRESET})
-        for p in parts[1:-1]:
+        for depth, p in enumerate(parts[1:-1], 1):
             target = target.setdefault(p, {})
+            if not isinstance(target, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth + 1])} is {target!r}, not a mapping")
         target[parts[-1]] = value
     elif len(parts) == 1:
         flat[parts[0]] = value
@@ -322,42 +341,6 @@ def _parse_scalar(raw: str) -> Any:
         return yaml.safe_load(raw)
     except yaml.YAMLError:
         return raw
-
-
-def _coerce(key: str, kind: str, value: Any) -> Any:
-    """Coerce a parsed YAML value to the field's annotated type (annotations are strings here)."""
-    bad = ConfigError(f"{key}={value!r} must be of type {kind}")
-    if kind == "bool":
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise bad
-    if kind in ("int", "float"):
-        if isinstance(value, bool):
-            raise bad
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise bad from None
-        if kind == "int":
-            if not number.is_integer():
-                raise bad
-            return int(number)
-        return number
-    if kind == "str":
-        if isinstance(value, (dict, list)):
-            raise bad
-        return "" if value is None else str(value)  # `name=` / `init_from:` (YAML null) mean "unset"
-    if kind.startswith("list"):
-        if not isinstance(value, (list, tuple)):
-            raise bad
-        return [_coerce(key, "float", v) for v in value]
-    if kind.startswith("dict"):
-        if not isinstance(value, dict):
-            raise bad
-        return dict(value)
-    return value
 
 
 def dumps(cfg: TrainConfig) -> str:

@@ -32,6 +32,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
+from meshlm.devices import device_problem
 from meshlm.errors import ConfigError
 from meshlm.model.layers import Layer
 from meshlm.runtime import compile as compile_policy
@@ -68,8 +69,9 @@ def setup(cfg: TrainConfig) -> Env:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    if want_cuda and not torch.cuda.is_available():
-        raise ConfigError("device=cuda but no CUDA device is visible; use train.device=cpu or auto")
+    problem = device_problem(cfg.device, "train.device")
+    if problem:
+        raise ConfigError(problem)
     if want_cuda:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -170,6 +172,13 @@ def all_mean(value: torch.Tensor, env: Env) -> torch.Tensor:
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         value /= env.world
+    return value
+
+
+def all_max(value: torch.Tensor, env: Env) -> torch.Tensor:
+    if env.distributed:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
     return value
 
 

@@ -33,6 +33,7 @@ from meshlm.runtime.peaks import device_peak
 from meshlm.train import parallel
 from meshlm.train.batches import get_batch
 from meshlm.train.config import TrainConfig
+from meshlm.train.interrupt import StopRequest
 from meshlm.train.monitor import Metrics, Progress
 from meshlm.train.optim import build_optimizer, build_scheduler, retarget
 
@@ -68,7 +69,8 @@ def resolve_data(cfg: TrainConfig, env: parallel.Env, tokenizer: str) -> Path:
         return path or prepare_default(tokenizer=tokenizer)
     path = Path(cfg.data).expanduser()
     if not path.is_dir():
-        raise DataError(f"data dir {path} does not exist; run `meshlm prepare` or set train.data=default")
+        raise ConfigError(f"train.data={cfg.data}: {path} does not exist; run `meshlm prepare` or set "
+                          f"train.data=default")
     return path
 
 
@@ -219,27 +221,26 @@ class Trainer:
     # -- validation ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean next-token loss over a fixed, evenly spread set of validation windows (same for any world)."""
+        """Mean next-token loss over a fixed set of `eval_windows` validation windows spread evenly over the
+        split: the same set, so the same number, for any micro_batch and world size."""
+        from meshlm.data.prepare import validation_batches
+
         cfg, env = self.cfg, self.env
-        n_val = self.val_data.num_sequences(self.seq_len)
-        n = min(n_val, cfg.eval_batches * cfg.micro_batch)
-        n = max(env.world, n - n % env.world) if n_val >= env.world else n  # equal work on every rank
-        indices = [j * n_val // n for j in range(n)]
-        per_rank = max(1, n // env.world)
-        mine = indices[env.rank * per_rank:(env.rank + 1) * per_rank] or indices[:1]
-        total, count = torch.zeros((), device=env.device, dtype=torch.float64), 0
+        batches = validation_batches(self.val_data.num_sequences(self.seq_len), cfg.eval_windows,
+                                     cfg.micro_batch, env.rank, env.world)
+        total = torch.zeros((), device=env.device, dtype=torch.float64)
+        count = torch.zeros((), device=env.device, dtype=torch.float64)
         self.model.eval()
-        for start in range(0, len(mine), cfg.micro_batch):
-            windows = [self.val_data.sequence(i, self.seq_len) for i in mine[start:start + cfg.micro_batch]]
+        for indices, counted in batches:
+            windows = [self.val_data.sequence(i, self.seq_len) for i in indices]
             batch = torch.from_numpy(np.stack(windows)).to(env.device)  # (b, seq_len + 1)
             with parallel.autocast(env):
                 loss = self.wrapped(batch[:, :-1], batch[:, 1:]).loss
-            total += loss.double() * batch[:, 1:].numel()
-            count += batch[:, 1:].numel()
+            if counted:  # a padding forward only keeps the ranks in step
+                total += loss.double() * batch[:, 1:].numel()
+                count += batch[:, 1:].numel()
         self.model.train()
-        total = parallel.all_sum(total, env)
-        count = parallel.all_sum(torch.tensor(count, device=env.device, dtype=torch.float64), env)
-        return (total / count).item()
+        return (parallel.all_sum(total, env) / parallel.all_sum(count, env)).item()
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def save(self, val_loss: float) -> Path | None:
@@ -274,17 +275,20 @@ class Trainer:
         if self.step >= self.total_steps:  # resumed a finished run: report it, train nothing
             result.val_loss, result.checkpoint = self.evaluate(), checkpoint.resolve(self.run_dir)
         try:
-            while self.step < self.total_steps:
-                t0, lr = time.perf_counter(), self.scheduler.get_last_lr()[0]  # the rate this step uses
-                loss, norm, ok = self.train_step(self.step)
-                dt = time.perf_counter() - t0
-                self.step += 1
-                train_time += dt
-                rate = self.tokens_per_step / dt if rate == 0 else 0.9 * rate + 0.1 * self.tokens_per_step / dt
-                self._after_step(ok, loss, norm, bar)
-                self._record(ok, loss, norm, lr, rate, time.perf_counter() - start, bar)
-                result.losses[self.step] = loss
-                self._evaluate_and_save(loss, result, bar)
+            with StopRequest(self.log) as stop:
+                while self.step < self.total_steps:
+                    if stop.requested(self.env):
+                        raise self._stop(stop, result)
+                    t0, lr = time.perf_counter(), self.scheduler.get_last_lr()[0]  # the rate this step uses
+                    loss, norm, ok = self.train_step(self.step)
+                    dt = time.perf_counter() - t0
+                    self.step += 1
+                    train_time += dt
+                    rate = self.tokens_per_step / dt if rate == 0 else 0.9 * rate + 0.1 * self.tokens_per_step / dt
+                    self._after_step(ok, loss, norm, bar)
+                    self._record(ok, loss, norm, lr, rate, time.perf_counter() - start, bar)
+                    result.losses[self.step] = loss
+                    self._evaluate_and_save(loss, result, bar)
         finally:
             bar.close()
             self.metrics.close()
@@ -292,6 +296,15 @@ class Trainer:
         result.tokens_per_s = (self.step - result.start_step) * self.tokens_per_step / max(train_time, 1e-9)
         result.mfu = self.mfu(result.tokens_per_s)
         return result
+
+    def _stop(self, stop: StopRequest, result: TrainResult) -> Exception:
+        """Save the current step (unless just saved; no validation pass, to stop quickly) -> the error to raise."""
+        saved = result.checkpoint is not None and checkpoint.step_dir_name(self.step) == result.checkpoint.name
+        if self.step > result.start_step and not saved:
+            result.checkpoint = self.save(math.nan)
+        where = (f"checkpoint {result.checkpoint} holds step {self.step}/{self.total_steps}"
+                 if result.checkpoint is not None else f"nothing to save at step {self.step}/{self.total_steps}")
+        return stop.error(f"{where}; resume with the same command and --resume")
 
     @property
     def tokens_per_step(self) -> int:
@@ -351,10 +364,47 @@ class Trainer:
                 f"last checkpoint in {self.run_dir}")
 
 
+def preflight(cfg: TrainConfig, resume: bool = False) -> None:
+    """What `train` needs besides a valid config, checked before any compute, every problem in one error:
+    the device, the tokenizer and its vocabulary, the prepared data (tokenizer, length), init_from, the run
+    folder. Read-only: safe on every rank."""
+    from meshlm.data.prepare import PreparedData
+    from meshlm.data.tokenizer import check_vocab, load_tokenizer
+    from meshlm.devices import device_problem
+    from meshlm.problems import Problems
+
+    p = Problems()
+    p.need(not (problem := device_problem(cfg.device, "train.device")), problem or "")
+    model_cfg, seq_len = cfg.model_config(), cfg.sequence_length()
+    source = p.check(cfg.tokenizer_source)
+    tok = p.check(load_tokenizer, source) if source is not None else None
+    if tok is not None:
+        p.check(check_vocab, model_cfg.vocab_size, tok)
+    path = Path(cfg.data).expanduser()
+    if cfg.data != "default" and p.need(path.is_dir(), f"train.data={cfg.data}: {path} does not exist; run "
+                                                       f"`meshlm prepare` or set train.data=default"):
+        for split in ("train", "val"):
+            data = p.check(PreparedData, path, split)
+            if data is not None:
+                p.check(data.num_sequences, seq_len)
+        manifest = data.manifest if data is not None else None
+        if manifest and tok is not None and manifest["tokenizer"]["hash"] != tok.hash:
+            p.need(False, f"{path} was prepared with tokenizer {manifest['tokenizer']['name']!r}, not "
+                          f"{tok.name!r}; set train.tokenizer to match or prepare the data again")
+    if cfg.init_from:
+        p.check(checkpoint.verify, cfg.init_from)
+    existing = checkpoint.list_checkpoints(cfg.run_dir())
+    p.need(resume or not existing, f"{cfg.run_dir()} already holds checkpoints (newest "
+                                   f"{existing[0].name if existing else ''}); pass --resume to continue, or choose "
+                                   f"another run with train.name=... or train.out_dir=...")
+    p.raise_if_any()
+
+
 def train(cfg: TrainConfig, resume: bool = False, log: Callable[[str], None] = print) -> TrainResult:
-    """Tune malloc (if `meshlm train` has not yet), set up devices (and the process group under torchrun),
-    train, tear down."""
+    """Tune malloc (if `meshlm train` has not yet), check every input, set up devices (and the process group
+    under torchrun), train, tear down."""
     allocator.tune()
+    preflight(cfg, resume)
     env = parallel.setup(cfg)
     try:
         return Trainer(cfg, env, resume=resume, log=log).run()

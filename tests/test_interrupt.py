@@ -1,0 +1,72 @@
+"""Ctrl-C / SIGTERM during training: a checkpoint at the current step, advice to resume, exit 130 / 143,
+and a resumed run that is bit-identical to an uninterrupted one; a second Ctrl-C aborts at once."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import torch
+from safetensors.torch import load_file
+from trainkit import ROOT, as_overrides, cli, cli_command, tiny_train, train_losses
+
+from meshlm import checkpoint
+
+
+def start_and_signal(cfg, at_step: int, signals: list[int], gap: float = 0.0) -> subprocess.CompletedProcess:
+    """Run `meshlm train` in a subprocess; once it logged `at_step` steps, send `signals` (gap s apart)."""
+    cmd, env = cli_command("train", *as_overrides(cfg))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = cfg.run_dir() / "metrics.jsonl", time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(train_losses(cfg.run_dir())) >= at_step:
+            break
+        time.sleep(0.005)
+    for sig in signals:
+        proc.send_signal(sig)
+        time.sleep(gap)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def test_sigint_saves_the_current_step_and_resume_is_bit_identical(prepared, tmp_path):
+    steps = 40
+    ref_cfg = tiny_train(prepared, tmp_path / "ref", steps=steps, save_every=0)
+    assert cli("train", *as_overrides(ref_cfg)).returncode == 0
+
+    cfg = tiny_train(prepared, tmp_path / "int", steps=steps, save_every=0)  # no periodic checkpoints at all
+    done = start_and_signal(cfg, 5, [signal.SIGINT])
+    assert done.returncode == 130, done.stderr
+    assert "Traceback" not in done.stderr and not done.stdout
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("meshlm train: stopped: checkpoint ") and last.endswith("--resume"), last
+    saved = checkpoint.list_checkpoints(cfg.run_dir())
+    assert len(saved) == 1 and 5 <= checkpoint.verify(saved[0])["step"] < steps
+    assert not list(cfg.run_dir().glob(".t*"))  # no temporary folder left
+
+    resumed = cli("train", *as_overrides(cfg), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert train_losses(cfg.run_dir()) == train_losses(ref_cfg.run_dir())
+    final = f"step-{steps:06d}/model.safetensors"
+    a, b = load_file(str(ref_cfg.run_dir() / final)), load_file(str(cfg.run_dir() / final))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_exits_143_with_a_checkpoint(prepared, tmp_path):
+    cfg = tiny_train(prepared, tmp_path, steps=400, save_every=0)
+    done = start_and_signal(cfg, 3, [signal.SIGTERM])
+    assert done.returncode == 143, done.stderr
+    assert "meshlm train: stopped: checkpoint" in done.stderr and "Traceback" not in done.stderr
+    assert checkpoint.list_checkpoints(cfg.run_dir())
+
+
+def test_a_second_ctrl_c_aborts_at_once(prepared, tmp_path):
+    cfg = tiny_train(prepared, tmp_path, steps=400, save_every=0, model={"preset": "tiny", "vocab_size": 8192,
+                                                                          "d_model": 128, "spec": "2+4R4+2"})
+    done = start_and_signal(cfg, 2, [signal.SIGINT, signal.SIGINT], gap=0.02)
+    assert done.returncode == 130, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("meshlm train: stopped: interrupted")
+    assert not list(cfg.run_dir().glob(".t*"))  # an abort during a save leaves no temporary folder
+    for path in checkpoint.list_checkpoints(cfg.run_dir()):
+        checkpoint.verify(path)
