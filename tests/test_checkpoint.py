@@ -85,3 +85,87 @@ def test_state_loads_without_executing_code(tmp_path):
     """state.pt must hold only what torch.load(weights_only=True) accepts."""
     path = write(tmp_path, 1)
     torch.load(path / "state.pt", weights_only=True)
+
+
+# -- the manifest: config.json and every needed file are checksummed; nothing unchecked is loaded --------------
+def _edit_json(path, change):
+    import json
+
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def test_an_edited_config_json_is_refused(tmp_path):
+    path = write(tmp_path, 1)
+    _edit_json(path / "config.json", lambda d: d["model"].update(scheme="base"))  # same shapes: would load silently
+    with pytest.raises(CheckpointError, match="config.json was edited or is corrupt"):
+        checkpoint.load_model(path)
+
+
+def test_a_missing_or_edited_manifest_is_refused(tmp_path):
+    path = write(tmp_path, 1)
+    (path / "manifest.json").rename(path / "saved.json")
+    with pytest.raises(CheckpointError, match="manifest.json is missing"):
+        checkpoint.load_checkpoint(path)
+    (path / "saved.json").rename(path / "manifest.json")
+    _edit_json(path / "manifest.json", lambda d: d["files"]["state.pt"].update(bytes=7))
+    with pytest.raises(CheckpointError, match="manifest.json was edited"):
+        checkpoint.load_checkpoint(path)
+
+
+def test_a_manifest_must_cover_every_needed_file(tmp_path):
+    path = write(tmp_path, 1)
+
+    def drop_state(d):
+        del d["files"]["state.pt"]
+        d["sha256"] = checkpoint._digest(d["files"])
+    _edit_json(path / "manifest.json", drop_state)
+    with pytest.raises(CheckpointError, match="does not cover state.pt"):
+        checkpoint.verify(path)
+
+
+def test_a_checkpoint_from_before_manifests_is_refused_until_resealed(tmp_path):
+    path = write(tmp_path, 1)
+    files = {n: {"bytes": (path / n).stat().st_size, "sha256": checkpoint.sha256_file(path / n)}
+             for n in ("model.safetensors", "state.pt")}
+    _edit_json(path / "config.json", lambda d: d.update(files=files))  # the old layout: files inside config.json
+    (path / "manifest.json").unlink()
+    with pytest.raises(CheckpointError, match="python -m meshlm.checkpoint reseal"):
+        checkpoint.load_model(path)
+    checkpoint.reseal(path)
+    checkpoint.load_model(path)
+
+
+class Payload:
+    """Stands for any object whose unpickling could run code."""
+
+
+def test_state_is_loaded_without_executing_code(tmp_path):
+    """A state.pt that needs unpickling of arbitrary objects is refused even when its checksum matches."""
+    path = write(tmp_path, 1)
+    torch.save({"step": 1, "payload": Payload()}, path / "state.pt")  # not an allowed global
+    files = {n: {"bytes": (path / n).stat().st_size, "sha256": checkpoint.sha256_file(path / n)}
+             for n in ("model.safetensors", "state.pt", "config.json")}
+    _edit_json(path / "manifest.json", lambda d: d.update(files=files, sha256=checkpoint._digest(files)))
+    with pytest.raises(CheckpointError, match="state.pt cannot be read"):
+        checkpoint.load_checkpoint(path)
+
+
+@pytest.mark.parametrize("fail_in", ["save_file", "torch.save", "_write_json"])
+def test_a_full_disk_leaves_no_temporary_folder_and_keeps_earlier_checkpoints(tmp_path, monkeypatch, fail_in):
+    import errno
+
+    from meshlm.errors import StorageError
+
+    write(tmp_path, 1)
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x"))
+    monkeypatch.setattr(f"meshlm.checkpoint.{fail_in}", full)
+    with pytest.raises(StorageError, match=r"writing checkpoint .*step-000002: no space left on device \(.* free\)"):
+        write(tmp_path, 2)
+    assert not list(tmp_path.glob(".t*"))
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-000001"]
+    assert (tmp_path / "latest").read_text().strip() == "step-000001"
+    checkpoint.load_checkpoint(tmp_path)

@@ -155,7 +155,7 @@ def test_bad_inputs_are_clear_errors(pythia, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["convert", "{tmp}/nowhere", "{tmp}/out"], "is not a directory"),
+    (["convert", "{tmp}/nowhere", "{tmp}/out"], "does not exist"),
     (["retrofit", "{neox}", "{tmp}/out", "--spec", "3+2R2+3"], "does not fit the 4-layer source"),
     (["convert", "{neox}", "{neox}"], "already exists and is not empty"),
 ])

@@ -16,7 +16,7 @@ from meshlm.data import prepare as data_mod
 from meshlm.data import readers as sources
 from meshlm.data.prepare import PreparedData, batch_indices, prepare, prepare_default
 from meshlm.data.tokenizer import load_tokenizer
-from meshlm.errors import ConfigError, DataError
+from meshlm.errors import ConfigError, DataError, MeshlmError
 from meshlm.train.batches import get_batch
 
 DOCS = ["First document.\nIt has two lines.\n", "Second, shorter.", "Third — with “unicode”.\n",
@@ -154,7 +154,7 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list, dict, str]]:
 def test_bad_inputs_raise_one_line_data_errors(tmp_path):
     for inputs, kw, message in bad_inputs(tmp_path):
         tok = kw.pop("tokenizer", "default")
-        with pytest.raises(DataError, match=message) as err:
+        with pytest.raises(MeshlmError, match=message) as err:
             run_prepare(inputs, tmp_path / "out", tok, **kw)
         assert "\n" not in str(err.value)
 

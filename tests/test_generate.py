@@ -58,7 +58,7 @@ def test_bad_sampling_settings_are_one_clear_error():
     with pytest.raises(ConfigError, match="temperature=-1.*top_p=0"):
         Sampling(temperature=-1, top_p=0)
     model = build(tiny(context_length=10))
-    with pytest.raises(ConfigError, match="lower max_new_tokens to at most 3"):
+    with pytest.raises(ConfigError, match="pass -n 3 or less"):
         generate(model, PROMPTS, Sampling(max_new_tokens=4))
 
 

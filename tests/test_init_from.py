@@ -46,7 +46,8 @@ def test_a_retrofitted_llama_mesh_model_trains_and_keeps_its_tokenizer(prepared,
     assert (model.config.backbone, model.config.scheme, model.config.spec) == ("llama", "mesh", "1+1R2+1")
     # the source's own tokenizer.json travels with every checkpoint, so the run stands alone
     meta = json.loads((result.checkpoint / checkpoint.CONFIG).read_text())
-    assert meta["tokenizer"] == "tokenizer.json" and "tokenizer.json" in meta["files"]
+    files = json.loads((result.checkpoint / checkpoint.MANIFEST).read_text())["files"]
+    assert meta["tokenizer"] == "tokenizer.json" and "tokenizer.json" in files
     assert open_model(result.run_dir).tokenizer_source == str(result.checkpoint / "tokenizer.json")
     checkpoint.verify(result.checkpoint)
 

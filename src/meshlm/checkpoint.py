@@ -7,8 +7,9 @@
                             plain tensors and containers only: loaded with torch.load(weights_only=True)
         tokenizer.json      the tokenizer, unless it is the shipped "default" (meshlm.loading: a folder's
                             own tokenizer file wins over the one its training config names)
-        config.json         {"model": ModelConfig, "train": TrainConfig, "step", "val_loss",
-                             "files": {name: {"bytes", "sha256"}}}  — written last, it seals the others
+        config.json         {"model": ModelConfig, "train": TrainConfig, "step", "val_loss"}
+        manifest.json       {"format", "files": {name: {"bytes", "sha256"}}, "sha256"}: every file above,
+                            config.json included, plus a digest of that list; written last, it seals them
       latest                "step-000600": the newest complete checkpoint (replaced atomically)
       best                  the checkpoint with the lowest validation loss
       metrics.jsonl
@@ -19,13 +20,17 @@
 Atomicity: a checkpoint is written into `.tmp-step-…`, every file fsynced, then the directory is renamed
 into place (rename is atomic on POSIX) and the parent fsynced; pointers are written to a temp file and
 `os.replace`d. A crash leaves either the old state or the new one, never a half checkpoint under a real
-name. Loading checks every file's size and SHA-256 against config.json, so truncation or corruption is
-reported with the file's path, and `find_resumable` falls back to the previous good checkpoint.
+name. Loading checks every file's size and SHA-256 against manifest.json, so truncation, corruption or an
+edit (of config.json too) is reported with the file's path, and `find_resumable` falls back to the previous
+good checkpoint. A checkpoint without a manifest, or whose manifest leaves out a file it needs or was edited,
+is refused. A failed write (full disk, no permission) removes its temporary folder and names the path and
+the free space; the checkpoints written before stay as they were.
 
 Loading never executes code: weights via safetensors, the rest via torch.load(weights_only=True).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -39,11 +44,13 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from meshlm.errors import CheckpointError
+from meshlm.errors import CheckpointError, storage_error
 from meshlm.hashing import sha256_file
 
 WEIGHTS, STATE, CONFIG, TOKENIZER = "model.safetensors", "state.pt", "config.json", "tokenizer.json"
+MANIFEST = "manifest.json"
 FORMAT = "meshlm-checkpoint/1"
+MANIFEST_FORMAT = "meshlm-manifest/1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -70,32 +77,26 @@ def write_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], meta:
     retrofit). `meta` must hold "model" and "step"; `state` (optimizer, RNG, …) is only for resumable runs;
     `tokenizer`: a tokenizer.json to carry, so the checkpoint stands alone. An existing `folder` is replaced."""
     folder = Path(folder)
-    folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
-    names = [WEIGHTS]
-    if state is not None:
-        torch.save(state, tmp / STATE)
-        names.append(STATE)
-    if tokenizer is not None:
-        shutil.copyfile(tokenizer, tmp / TOKENIZER)
-        names.append(TOKENIZER)
-        meta = {**meta, "tokenizer": TOKENIZER}
-    files = {name: _describe(tmp / name) for name in names}
-    _write_json(tmp / CONFIG, {**meta, "format": FORMAT, "files": files})
-    for name in (*names, CONFIG):
-        _fsync(tmp / name)
-    _fsync(tmp)
-    if folder.exists():  # re-saving a step (e.g. after falling back past a corrupt checkpoint)
-        trash = folder.with_name(f".trash-{folder.name}-{os.getpid()}")
-        os.rename(folder, trash)
-        os.rename(tmp, folder)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.rename(tmp, folder)
-    _fsync(folder.parent)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        names = [WEIGHTS]
+        if state is not None:
+            torch.save(state, tmp / STATE)
+            names.append(STATE)
+        if tokenizer is not None:
+            shutil.copyfile(tokenizer, tmp / TOKENIZER)
+            names.append(TOKENIZER)
+            meta = {**meta, "tokenizer": TOKENIZER}
+        seal(tmp, meta, names)
+        _replace_dir(tmp, folder)
+    except OSError as err:
+        raise storage_error(err, folder, "writing checkpoint") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; after a failure, the partial write
     return folder
 
 
@@ -123,6 +124,34 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
         _write_pointer(run_dir / "best", final.name)
     prune(run_dir, keep_last)
     return final
+
+
+def seal(folder: Path, meta: dict[str, Any], names: list[str]) -> None:
+    """Finish a checkpoint folder: config.json (`meta`), then manifest.json over `names` and config.json,
+    then fsync everything (the end of write_checkpoint)."""
+    _write_json(folder / CONFIG, {**meta, "format": FORMAT})
+    files = {name: _describe(folder / name) for name in (*names, CONFIG)}
+    _write_json(folder / MANIFEST, {"format": MANIFEST_FORMAT, "files": files, "sha256": _digest(files)})
+    for name in (*names, CONFIG, MANIFEST):
+        _fsync(folder / name)
+    _fsync(folder)
+
+
+def _digest(files: dict[str, Any]) -> str:
+    """SHA-256 of the file list itself: a manifest edited by hand no longer matches it."""
+    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final` (replacing a checkpoint of the same step), then fsync the parent."""
+    if final.exists():  # re-saving a step (e.g. after falling back past a corrupt checkpoint)
+        trash = final.with_name(f".trash-{final.name}-{os.getpid()}")
+        os.rename(final, trash)
+        os.rename(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync(final.parent)
 
 
 def prune(run_dir: Path, keep_last: int) -> None:
@@ -154,9 +183,13 @@ def _write_json(path: Path, data: dict) -> None:
 
 def _write_pointer(path: Path, target: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(target + "\n")
-    _fsync(tmp)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(target + "\n")
+        _fsync(tmp)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise storage_error(err, path, "updating") from None
 
 
 def _read_pointer(path: Path) -> str | None:
@@ -205,11 +238,41 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+def read_manifest(path: Path) -> dict[str, dict[str, Any]]:
+    """The checked file list of a checkpoint dir; CheckpointError if it is missing, unreadable or edited."""
+    file = path / MANIFEST
+    if not file.is_file():
+        legacy = (path / CONFIG).is_file() and "files" in _read_json_or_empty(path / CONFIG)
+        why = ("it was written by meshlm before checksums covered config.json; if you trust it, seal it with "
+               f"`python -m meshlm.checkpoint reseal {path}`") if legacy else "the checkpoint is incomplete"
+        raise CheckpointError(f"{file} is missing: {why}; or use an earlier checkpoint")
+    try:
+        manifest = json.loads(file.read_text())
+        files = manifest["files"]
+        ok = manifest.get("format") == MANIFEST_FORMAT and manifest.get("sha256") == _digest(files)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{file} is unreadable or corrupt ({err}); use an earlier checkpoint") from None
+    if not ok:
+        raise CheckpointError(f"{file} was edited or is corrupt (its digest does not match its file list); "
+                              f"use an earlier checkpoint")
+    return files
+
+
+def _read_json_or_empty(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def verify(path: str | Path) -> dict[str, Any]:
-    """Check every file's size and SHA-256 against config.json; returns the metadata."""
+    """Check every file's size and SHA-256 against manifest.json, and that the manifest covers every file
+    the checkpoint needs (config.json, the weights, state.pt and tokenizer.json when present or named);
+    returns the metadata."""
     path = resolve(path)
-    meta = read_meta(path)
-    for name, expected in meta.get("files", {}).items():
+    files = read_manifest(path)
+    for name, expected in files.items():
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{file} is missing; the checkpoint is incomplete, use an earlier one")
@@ -218,9 +281,32 @@ def verify(path: str | Path) -> dict[str, Any]:
             raise CheckpointError(f"{file} is truncated or corrupt: {size} bytes, expected {expected['bytes']}; "
                                   f"use an earlier checkpoint")
         if sha256_file(file) != expected["sha256"]:
-            raise CheckpointError(f"{file} is corrupt: its SHA-256 does not match config.json; "
+            raise CheckpointError(f"{file} was edited or is corrupt: its SHA-256 does not match {MANIFEST}; "
                                   f"use an earlier checkpoint")
+    meta = read_meta(path)
+    needed = {CONFIG, WEIGHTS} | {n for n in (STATE, TOKENIZER) if (path / n).exists()}
+    needed |= {meta["tokenizer"]} if isinstance(meta.get("tokenizer"), str) else set()
+    uncovered = sorted(needed - set(files))
+    if uncovered:
+        raise CheckpointError(f"{path / MANIFEST} does not cover {', '.join(uncovered)}: the checkpoint was "
+                              f"edited; use an earlier checkpoint")
     return meta
+
+
+def reseal(path: str | Path) -> Path:
+    """Write manifest.json for a checkpoint from before manifests, after checking the files its config.json
+    lists. Only for checkpoints you trust: config.json itself was never checksummed."""
+    path = resolve(path)
+    meta = read_meta(path)
+    for name, expected in meta.get("files", {}).items():
+        if sha256_file(path / name) != expected["sha256"]:
+            raise CheckpointError(f"{path / name} does not match config.json; use an earlier checkpoint")
+    names = [n for n in (WEIGHTS, STATE, TOKENIZER) if (path / n).is_file()]
+    files = {name: _describe(path / name) for name in (*names, CONFIG)}
+    tmp = path / f".{MANIFEST}.{os.getpid()}"
+    _write_json(tmp, {"format": MANIFEST_FORMAT, "files": files, "sha256": _digest(files)})
+    os.replace(tmp, path / MANIFEST)
+    return path / MANIFEST
 
 
 def load_checkpoint(path: str | Path, with_state: bool = True, check: bool = True) -> Checkpoint:
@@ -249,3 +335,14 @@ def find_resumable(run_dir: str | Path, warn: Callable[[str], None] = print) -> 
         except CheckpointError as err:
             warn(f"warning: skipping checkpoint {path.name}: {err}")
     return None
+
+
+if __name__ == "__main__":  # python -m meshlm.checkpoint reseal PATH
+    import sys
+
+    if len(sys.argv) != 3 or sys.argv[1] != "reseal":
+        sys.exit("usage: python -m meshlm.checkpoint reseal CHECKPOINT_DIR")
+    try:
+        print(f"wrote {reseal(sys.argv[2])}")
+    except CheckpointError as err:
+        sys.exit(f"error: {err}")

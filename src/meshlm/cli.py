@@ -96,7 +96,7 @@ def report(args: argparse.Namespace, err: BaseException) -> int:
     if debugging(args):
         traceback.print_exc()
     if isinstance(err, KeyboardInterrupt):
-        message, code = "interrupted (Ctrl-C); nothing was saved by this step", 130
+        message, code = "interrupted (Ctrl-C); results and checkpoints written before are kept", 130
     elif isinstance(err, OSError):
         message, code = describe_os_error(err), RUNTIME
     else:

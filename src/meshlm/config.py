@@ -262,7 +262,7 @@ class ModelConfig:
         return self.from_dict({**self.to_dict(), **changes})
 
     @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
+    def from_preset(cls, name: str, /, **overrides: Any) -> ModelConfig:
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
         return cls.from_dict({**PRESETS[name], **overrides})

@@ -40,7 +40,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from meshlm import checkpoint
+from meshlm import checkpoint, devices
 from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.data.prepare import PreparedData, prepare_default
@@ -235,9 +235,8 @@ class Opened:
 
 
 def resolve_device(name: str | torch.device = "auto") -> torch.device:
-    if str(name) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """A torch.device as is; a name checked by meshlm.devices (one message for an unavailable device)."""
+    return name if isinstance(name, torch.device) else devices.resolve_device(name)
 
 
 def open_model(path: str | os.PathLike, device: str | torch.device = "cpu", tokenizer: str | None = None,
@@ -248,12 +247,17 @@ def open_model(path: str | os.PathLike, device: str | torch.device = "cpu", toke
     if folder.format == "hf":
         model = _load_hf_model(folder.path)
     else:
+        weights = folder.weights(check)  # verified first: an edited config.json is refused, never built
         model = MeshLM(folder.model_config())
-        weights = folder.weights(check)
-        missing, unexpected = model.load_state_dict(weights, strict=False)
-        if missing or unexpected:
+        expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        found = {name: tuple(t.shape) for name, t in weights.items()}
+        if found != expected:
+            missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+            reshaped = sorted(n for n in set(found) & set(expected) if found[n] != expected[n])
             raise CheckpointError(f"{folder.path}: the weights do not match config.json (missing {missing[:3]}, "
-                                  f"unexpected {unexpected[:3]}); the files are from another model")
+                                  f"unexpected {extra[:3]}, other shapes {reshaped[:3]}); the files are from "
+                                  f"another model")
+        model.load_state_dict(weights)
     return Opened(model.to(resolve_device(device)).eval(), folder, str(tokenizer) if tokenizer else None)
 
 

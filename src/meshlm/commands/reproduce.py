@@ -27,6 +27,8 @@ def run(args: argparse.Namespace) -> int:
     from meshlm.analysis.study import execute, load_study, plan_table
     from meshlm.errors import ConfigError
 
+    if args.quick and args.study and "=" in args.study:  # `--quick train.steps=50`: an override, not a file
+        args.overrides, args.study = [args.study, *args.overrides], None
     if args.quick == bool(args.study):
         raise ConfigError("pass a study file or --quick (not both); examples are in configs/studies/")
     study = load_study("studies/quick.yaml" if args.quick else args.study, args.overrides)  # shipped, or a path

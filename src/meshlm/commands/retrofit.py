@@ -28,15 +28,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm.errors import ConfigError
-    from meshlm.interop.retrofit import retrofit_folder
+    from pathlib import Path
 
-    try:
-        options = json.loads(args.scheme_options)
-    except ValueError:
-        raise ConfigError(f"--scheme-options {args.scheme_options!r} is not JSON; e.g. '{{\"slots\": 6}}'") from None
+    from meshlm.interop.retrofit import retrofit_folder
+    from meshlm.problems import Problems
+
+    p = Problems()
+    p.need(Path(args.source).exists(), f"source {args.source} does not exist; pass a GPT-NeoX, Llama or OLMoE "
+                                       f"folder or a vanilla meshlm checkpoint")
+    options = p.check(_json, args.scheme_options)
+    p.raise_if_any()
     out = retrofit_folder(args.source, args.out, args.spec, scheme=args.scheme, core_init=args.core_init,
                           block_index=args.block, router_start=args.router_start, scheme_options=options,
                           seed=args.seed)
     print(f"wrote {out}: spec {args.spec}, scheme {args.scheme}, core init {args.core_init}")
     return 0
+
+
+def _json(text: str) -> dict:
+    from meshlm.errors import ConfigError
+
+    try:
+        options = json.loads(text)
+    except ValueError:
+        raise ConfigError(f"--scheme-options {text!r} is not JSON; e.g. '{{\"slots\": 6}}'") from None
+    if not isinstance(options, dict):
+        raise ConfigError(f"--scheme-options {text!r} must be a JSON object, e.g. '{{\"slots\": 6}}'")
+    return options

@@ -48,18 +48,30 @@ BATCH_CHARS = 1 << 21  # characters encoded per tokenizer call: ~0.5M tokens, a 
 def prepare(inputs, out_dir: str | os.PathLike, tokenizer: str | TextTokenizer = "default", *,
             text_field: str = "text", val_fraction: float = DEFAULT_VAL_FRACTION,
             shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False, progress: bool = True,
-            batch_chars: int = BATCH_CHARS) -> dict:
+            batch_chars: int = BATCH_CHARS, allow_binary: bool = False) -> dict:
     """Tokenise `inputs` (paths, or a corpus object with .description/.documents) into `out_dir`.
 
     Returns the manifest (also written to out_dir/manifest.json). Raises DataError on missing inputs,
-    no text, a missing text field, or an out_dir that already holds prepared data (unless overwrite).
+    no text, a missing text field, binary-looking input files (unless allow_binary), or an out_dir that
+    already holds prepared data (unless overwrite). A failure while writing (a full disk) removes the
+    shards written so far; what the folder held before was already cleared only if overwrite was given.
     """
     tok = tokenizer if isinstance(tokenizer, TextTokenizer) else load_tokenizer(tokenizer)
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
-    corpus = inputs if hasattr(inputs, "documents") else FileCorpus(inputs, text_field)
+    corpus = inputs if hasattr(inputs, "documents") else FileCorpus(inputs, text_field, allow_binary)
     plan, n_chars = plan_documents(corpus, val_fraction)
     out = ready_output_dir(Path(out_dir), overwrite)
+    try:
+        return write_prepared(corpus, plan, n_chars, out, tok, val_fraction, shard_tokens, progress, batch_chars)
+    except BaseException:  # a full disk, Ctrl-C: no half-written data set is left looking usable
+        clear_prepared(out)
+        raise
+
+
+def write_prepared(corpus, plan: SplitPlan, n_chars: int, out: Path, tok: TextTokenizer, val_fraction: float,
+                   shard_tokens: int, progress: bool, batch_chars: int) -> dict:
+    """Second pass: tokenise every document into its split's shards, then write the manifest."""
     dtype = token_dtype(tok.vocab_size)
     writers = {split: ShardWriter(out, split, dtype, shard_tokens) for split in SPLITS}
     stats = ReadStats()
@@ -93,10 +105,15 @@ def prepare(inputs, out_dir: str | os.PathLike, tokenizer: str | TextTokenizer =
 
 def plan_documents(corpus, val_fraction: float) -> tuple[SplitPlan, int]:
     """First pass: every document id into the split plan, and the total characters (for the progress bar)."""
-    plan, n_chars = SplitPlan(val_fraction), 0
-    for doc_id, chunks in corpus.documents(ReadStats()):
+    plan, n_chars, stats = SplitPlan(val_fraction), 0, ReadStats()
+    for doc_id, chunks in corpus.documents(stats):
         plan.add(doc_id)
         n_chars += sum(len(chunk) for chunk in chunks)
+    if stats.binary:
+        listed = "; ".join(stats.binary[:3]) + (f"; and {len(stats.binary) - 3} more" if len(stats.binary) > 3 else "")
+        raise DataError(f"{len(stats.binary)} input file(s) look binary, not text: {listed}. Text in another "
+                        f"encoding: convert it to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8); to read the files anyway "
+                        f"(bad bytes become U+FFFD), pass --allow-binary")
     if plan.n_docs == 0:
         raise DataError(f"no text found in {corpus.description}; give files or records with non-empty text")
     return plan, n_chars
@@ -158,6 +175,29 @@ def prepare_default(cache_dir: str | os.PathLike | None = None, tokenizer: str =
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+TINY_VAL_TOKENS = 4096  # below this, a validation loss is noisy and long sequences do not fit
+
+
+def split_warnings(manifest: dict) -> list[str]:
+    """Warnings about an empty or tiny validation split, each with advice that changes the outcome."""
+    val, total = manifest["splits"][VAL]["tokens"], sum(s["tokens"] for s in manifest["splits"].values())
+    documents, fraction = manifest["documents"], manifest["val_fraction"]
+    if val >= TINY_VAL_TOKENS:
+        return []
+    if documents == 1:
+        return [f"the validation split is {'empty' if not val else f'only {val:,} tokens'}: the split is by document "
+                f"and the input is one document; give several files, or a JSONL file with one document per line"]
+    if fraction == 0:
+        return ["the validation split is empty (--val-fraction 0); `meshlm train` needs one: pass --val-fraction 0.02"]
+    if total < 2 * TINY_VAL_TOKENS:
+        return [f"the validation split holds only {val:,} tokens because the corpus holds only {total:,}; validation "
+                f"losses will be noisy and train.seq_len must stay below {val:,}: add text"]
+    better = min(0.5, max(2 * fraction, 1.5 * TINY_VAL_TOKENS / total))
+    return [f"the validation split holds only {val:,} tokens ({manifest['splits'][VAL]['documents']} of {documents} "
+            f"documents); validation losses will be noisy and train.seq_len must stay below {val:,}: pass "
+            f"--val-fraction {better:.2g} (documents are held out whole, so the share is approximate) or add documents"]
 
 
 # ---------------------------------------------------------------- reading

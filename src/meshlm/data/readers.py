@@ -21,7 +21,7 @@ import json
 import lzma
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshlm.data.corpus import default_documents
@@ -38,9 +38,15 @@ SURROGATE = re.compile("[\ud800-\udfff]")  # never valid text: escaped bad bytes
 Documents = Iterator[tuple[str, Iterator[str]]]
 
 
+BINARY_SAMPLE = 1 << 16  # bytes of each input file looked at to tell text from binary
+MAX_INVALID_SHARE = 0.3  # more bytes than this that are not UTF-8 (in the sample): binary, not text
+# (random bytes: ~50%; Latin-1 text with accents: a few %)
+
+
 @dataclass
 class ReadStats:
     replaced_bytes: int = 0
+    binary: list[str] = field(default_factory=list)  # "path (why)" of inputs skipped as binary
 
     def scrub(self, text: str) -> str:
         """Lone surrogates (invalid bytes after surrogateescape) -> U+FFFD, counted."""
@@ -109,6 +115,23 @@ def base_suffix(path: Path) -> str:
     if suffixes and suffixes[-1] in COMPRESSED:
         suffixes.pop()
     return suffixes[-1] if suffixes else ""
+
+
+def binary_reason(path: Path) -> str | None:
+    """Why a file looks binary rather than text: NUL bytes, or a high share of bytes that are not UTF-8 in
+    its first BINARY_SAMPLE (decompressed) bytes; None for text."""
+    try:
+        with open_binary(path) as f:
+            head = f.read(BINARY_SAMPLE)
+    except (OSError, EOFError, lzma.LZMAError) as err:
+        raise DataError(f"{path} cannot be read ({err}); check that it is a complete {path.suffix} file") from None
+    if b"\x00" in head:
+        return "it holds NUL bytes"
+    decoded = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape").decode(head)  # a cut char waits
+    invalid = len(SURROGATE.findall(decoded))
+    if head and invalid / len(head) > MAX_INVALID_SHARE:
+        return f"{invalid / len(head):.0%} of its first {len(head):,} bytes are not UTF-8"
+    return None
 
 
 # ---------------------------------------------------------------- file kinds
@@ -217,15 +240,25 @@ def folder_files(root: Path) -> list[Path]:
 class FileCorpus:
     """The user's inputs: files, folders (recursive) and save_to_disk folders, read in argument order."""
 
-    def __init__(self, inputs: Iterable[str | Path], text_field: str = "text"):
+    def __init__(self, inputs: Iterable[str | Path], text_field: str = "text", allow_binary: bool = False):
         self.inputs = [Path(p).expanduser() for p in inputs]
-        self.text_field = text_field
+        self.text_field, self.allow_binary = text_field, allow_binary
         if not self.inputs:
             raise DataError("no input given; pass at least one file or folder")
-        for path in self.inputs:
-            if not path.exists():
-                raise DataError(f"input {path} does not exist; check the path")
+        missing = [str(path) for path in self.inputs if not path.exists()]
+        if missing:
+            raise DataError(f"input{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
+                            f"do{'' if len(missing) > 1 else 'es'} not exist; check the path")
         self.description = ", ".join(str(p) for p in self.inputs)
+
+    def _file_documents(self, path: Path, doc_id: str, stats: ReadStats) -> Documents:
+        """One file's documents; a binary-looking file is recorded in `stats.binary` and skipped (unless
+        allow_binary: then its bad bytes become U+FFFD like any others)."""
+        reason = None if self.allow_binary else binary_reason(path)
+        if reason is not None:
+            stats.binary.append(f"{path} ({reason})")
+            return iter(())
+        return path_documents(path, doc_id, self.text_field, stats)
 
     def documents(self, stats: ReadStats) -> Documents:
         for path in self.inputs:
@@ -238,9 +271,9 @@ class FileCorpus:
                                     f"point at the text files")
                 for file in files:
                     doc_id = f"{path.name}/{file.relative_to(path).as_posix()}"
-                    yield from path_documents(file, doc_id, self.text_field, stats)
+                    yield from self._file_documents(file, doc_id, stats)
             else:
-                yield from path_documents(path, path.name, self.text_field, stats)
+                yield from self._file_documents(path, path.name, stats)
 
 
 class EmbeddedCorpus:

@@ -67,16 +67,22 @@ class ShardWriter:
 
 def write_manifest(out_dir: Path, manifest: dict) -> None:
     tmp = Path(out_dir) / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, Path(out_dir) / MANIFEST)
+    try:
+        tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, Path(out_dir) / MANIFEST)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_manifest(data_dir: str | os.PathLike) -> dict:
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
         raise DataError(f"{data_dir} holds no prepared data ({MANIFEST} missing); run `meshlm prepare` first")
-    manifest = json.loads(path.read_text(encoding="utf-8"))
-    if manifest.get("format") != FORMAT:
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise DataError(f"{path} is unreadable or corrupt ({err}); run `meshlm prepare` again") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise DataError(f"{path} is not in format {FORMAT}; prepare the data again with this meshlm")
     return manifest
 

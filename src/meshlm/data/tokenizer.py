@@ -68,7 +68,7 @@ def resolve_tokenizer_path(name_or_path: str | os.PathLike, cache_dir: str | os.
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise DataError(f"tokenizer {str(name_or_path)!r} is not 'default', 'pythia' or a tokenizer.json file; "
+        raise ConfigError(f"tokenizer {str(name_or_path)!r} is not 'default', 'pythia' or a tokenizer.json file; "
                         f"check the name or path")
     return path
 

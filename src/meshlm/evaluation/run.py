@@ -133,6 +133,9 @@ def write_json(result: dict, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=1, default=float) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(result, indent=1, default=float) + "\n")
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path

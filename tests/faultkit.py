@@ -1,0 +1,458 @@
+"""Bad inputs and faults for every command, each with the exit code and message it must get.
+
+`CASES` drives tests/test_faults.py (each case: exit code, message, no traceback, nothing on stdout before
+an error, its row in docs/errors.md) and scripts/errors_table.py, which writes docs/errors.md from the
+messages the cases really get, so the table cannot drift from the code.
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import itertools
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "errors.md"
+
+
+# -- the shared world: a corpus, its prepared data and a tiny trained run -------------------------------------
+def build_world(root: Path) -> dict[str, Path]:
+    from meshlm.data.corpus import default_documents
+    from meshlm.data.prepare import prepare
+    from meshlm.train import train
+    from meshlm.train.config import TrainConfig
+
+    corpus = root / "corpus"
+    corpus.mkdir(parents=True)
+    for i, doc in enumerate(itertools.islice(default_documents(), 12)):
+        (corpus / f"doc{i:02d}.txt").write_text(doc["text"][:8000])
+    data = root / "data"
+    prepare(sorted(corpus.glob("*.txt")), data, "default", val_fraction=0.2, progress=False)
+    cfg = TrainConfig(model={"preset": "tiny", "vocab_size": 8192}, data=str(data), out_dir=str(root), name="run",
+                      seq_len=32, global_batch=4, micro_batch=4, steps=2, eval_every=0, eval_windows=4,
+                      save_every=2, progress=False, tensorboard=False, peak_flops=1e11)
+    train(cfg, log=lambda message: None)
+    return {"corpus": corpus, "data": data, "run": root / "run"}
+
+
+# -- helpers for setups ----------------------------------------------------------------------------------------
+def copy_run(tmp: Path, world: dict[str, Path]) -> Path:
+    run = tmp / "run"
+    shutil.copytree(world["run"], run)
+    return run
+
+
+def step_dir(tmp: Path) -> Path:
+    return tmp / "run" / "step-000002"
+
+
+def edit_json(path: Path, change: Callable[[dict], None]) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def write(path: Path, content: bytes | str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+
+
+def raise_oserror(code: int):
+    def fail(*args, **kwargs):
+        name = next((str(a) for a in args if isinstance(a, (str, Path))), None)
+        raise OSError(code, {errno.ENOSPC: "No space left on device", errno.EACCES: "Permission denied",
+                             errno.EDQUOT: "Disk quota exceeded",
+                             errno.EROFS: "Read-only file system"}[code], name)
+    return fail
+
+
+def no_cuda(mp: pytest.MonkeyPatch, tmp: Path) -> None:
+    import torch
+
+    mp.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def empty_cache(mp: pytest.MonkeyPatch, tmp: Path) -> None:
+    mp.setenv("MESHLM_CACHE", str(tmp / "empty-cache"))
+
+
+# -- the cases -------------------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    command: str
+    what: str  # the bad input or fault, in words
+    argv: list[str]  # {tmp}, {run}, {data}, {corpus}, {ckpt} = {tmp}/run/step-000002 are filled in
+    code: int
+    needle: str  # must appear in the message
+    setup: Callable[[Path, dict], None] | None = None
+    patch: Callable[[pytest.MonkeyPatch, Path], None] | None = None
+    after: Callable[[Path], None] | None = None  # more checks on what is left on disk
+    runner: Callable[[Path, dict], tuple[int, str, str]] | None = None  # instead of main() in-process
+    slow: bool = False
+    id: str = field(default="")
+
+
+def _no_tmp_left(tmp: Path) -> None:
+    left = [p for p in tmp.rglob(".t*-step-*")] + [p for p in tmp.rglob("*.tmp")]
+    assert not left, left
+
+
+def _earlier_checkpoint_intact(tmp: Path) -> None:
+    from meshlm import checkpoint
+
+    _no_tmp_left(tmp)
+    assert checkpoint.verify(step_dir(tmp))["step"] == 2
+    assert (tmp / "run" / "latest").read_text().strip() == "step-000002"
+
+
+def _no_shards_left(tmp: Path) -> None:
+    assert not list((tmp / "out").glob("*.bin")) and not (tmp / "out" / "manifest.json").exists()
+    _no_tmp_left(tmp)
+
+
+def _partial_eval_kept(tmp: Path) -> None:
+    result = json.loads((tmp / "run" / "eval.json").read_text())
+    assert result["complete"] is False and result["perplexity"]["tokens"] > 0
+
+
+def signal_runner(signals: list[int]) -> Callable:
+    """`meshlm train` in a subprocess, sent `signals` once it has logged two steps."""
+    def run(tmp: Path, world: dict[str, Path]) -> tuple[int, str, str]:
+        import os
+
+        out = tmp / "runs"
+        args = ["train", "model.preset=tiny", "model.vocab_size=8192", "model.d_model=128", "model.spec=2+4R4+2",
+                f"train.data={world['data']}", f"train.out_dir={out}", "train.name=run", "train.seq_len=32",
+                "train.global_batch=4", "train.micro_batch=4", "train.steps=500", "train.save_every=0",
+                "train.eval_every=0", "train.progress=false", "train.tensorboard=false", "train.peak_flops=1e11"]
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1", "MESHLM_DEBUG": ""}
+        proc = subprocess.Popen([sys.executable, "-m", "meshlm.cli", *args], env=env, cwd=tmp,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        metrics, deadline = out / "run" / "metrics.jsonl", time.time() + 180
+        while time.time() < deadline and proc.poll() is None:
+            if metrics.is_file() and metrics.read_text().count('"kind": "train"') >= 2:
+                break
+            time.sleep(0.01)
+        err = []
+        for i, sig in enumerate(signals):
+            proc.send_signal(sig)
+            while i + 1 < len(signals) and (line := proc.stderr.readline()):  # the first one was handled
+                err.append(line)
+                if "stopping after this step" in line:
+                    break
+        stdout, stderr = proc.communicate(timeout=180)
+        return proc.returncode, stdout, ("".join(err) + stderr).replace(str(out), "<tmp>/runs")
+    return run
+
+
+def _bin(tmp: Path, world) -> None:
+    write(tmp / "blob.txt", bytes(range(256)) * 64)
+
+
+def _latin(tmp: Path, world) -> None:
+    write(tmp / "noise.txt", bytes([0xE9, 0xFF, 0x41, 0xC3]) * 2000)
+
+
+CASES: list[Case] = [
+    # -- meshlm itself
+    Case("meshlm", "no command", [], 2, "the following arguments are required: COMMAND"),
+    Case("meshlm", "unknown command", ["trian"], 2, "invalid choice: 'trian'"),
+    # -- describe
+    Case("describe", "a core run 0 times", ["describe", "--spec", "4+8R0+4"], 2, "needs >= 1 layer run >= 1 time"),
+    Case("describe", "a spec with two parts", ["describe", "--spec", "4+8R2"], 2, "is malformed"),
+    Case("describe", "an unknown scheme", ["describe", "--scheme", "meshy"], 2, "scheme='meshy'"),
+    Case("describe", "an unknown preset", ["describe", "--preset", "pythia-9b"], 2, "unknown preset 'pythia-9b'"),
+    Case("describe", "one MeSH slot", ["describe", "--slots", "1"], 2, "slots"),
+    Case("describe", "a non-integer --slots", ["describe", "--slots", "four"], 2, "invalid int value: 'four'"),
+    Case("describe", "a zero context", ["describe", "--context", "0"], 2, "--context 0 must be >= 1"),
+    Case("describe", "three bad settings at once", ["describe", "--spec", "4+8R0+4", "--scheme", "x", "--slots", "1"],
+         2, "scheme='x'"),
+    # -- prepare
+    Case("prepare", "a missing input", ["prepare", "{tmp}/nope.txt", "-o", "{tmp}/out"], 2, "does not exist"),
+    Case("prepare", "two missing inputs", ["prepare", "{tmp}/a.txt", "{tmp}/b.txt", "-o", "{tmp}/out"], 2,
+         "b.txt do not exist"),
+    Case("prepare", "a binary file (NUL bytes)", ["prepare", "{tmp}/blob.txt", "-o", "{tmp}/out"], 1,
+         "look binary", setup=_bin, after=_no_shards_left),
+    Case("prepare", "a file that is mostly not UTF-8", ["prepare", "{tmp}/noise.txt", "-o", "{tmp}/out"], 1,
+         "are not UTF-8", setup=_latin),
+    Case("prepare", "a binary file with --allow-binary", ["prepare", "{tmp}/blob.txt", "{corpus}", "-o", "{tmp}/out",
+                                                          "--allow-binary", "--quiet"], 0, "not valid UTF-8",
+         setup=_bin),
+    Case("prepare", "--out is a file", ["prepare", "{corpus}", "-o", "{tmp}/file"], 2, "is a file",
+         setup=lambda tmp, w: write(tmp / "file", "x")),
+    Case("prepare", "--out already prepared", ["prepare", "{corpus}", "-o", "{data}"], 2, "pass --overwrite"),
+    Case("prepare", "--val-fraction 1.5", ["prepare", "{corpus}", "-o", "{tmp}/out", "--val-fraction", "1.5"], 2,
+         "must be in [0, 1)"),
+    Case("prepare", "a tokenizer file that does not exist", ["prepare", "{corpus}", "-o", "{tmp}/out", "--tokenizer",
+                                                            "{tmp}/tok.json"], 2, "tok.json"),
+    Case("prepare", "a tokenizer file that is not JSON", ["prepare", "{corpus}", "-o", "{tmp}/out", "--tokenizer",
+                                                         "{tmp}/tok.json"], 1, "is not a valid tokenizers JSON file",
+         setup=lambda tmp, w: write(tmp / "tok.json", b"\x00\xff")),
+    Case("prepare", "every input problem at once", ["prepare", "{tmp}/nope.txt", "-o", "{tmp}/out", "--val-fraction",
+                                                    "-1", "--shard-tokens", "0"], 2, "3 problems"),
+    Case("prepare", "a JSONL line without the text field", ["prepare", "{tmp}/d.jsonl", "-o", "{tmp}/out"], 1,
+         "has no field 'text'", setup=lambda tmp, w: write(tmp / "d.jsonl", '{"body": "hello"}\n')),
+    Case("prepare", "a JSONL line that is not JSON", ["prepare", "{tmp}/d.jsonl", "-o", "{tmp}/out"], 1,
+         "is not valid JSON", setup=lambda tmp, w: write(tmp / "d.jsonl", '{"text": "a"}\n{"text": \n')),
+    Case("prepare", "an empty file", ["prepare", "{tmp}/empty.txt", "-o", "{tmp}/out"], 1, "no text found",
+         setup=lambda tmp, w: write(tmp / "empty.txt", "  \n")),
+    Case("prepare", "a folder without text files", ["prepare", "{tmp}/pics", "-o", "{tmp}/out"], 1,
+         "holds no", setup=lambda tmp, w: write(tmp / "pics" / "a.png", b"\x89PNG")),
+    Case("prepare", "a truncated .gz file", ["prepare", "{tmp}/c.txt.gz", "-o", "{tmp}/out"], 1, "cannot be read",
+         setup=lambda tmp, w: write(tmp / "c.txt.gz", b"\x1f\x8b\x08\x00garbage")),
+    Case("prepare", "one document: an empty validation split", ["prepare", "{corpus}/doc00.txt", "-o", "{tmp}/out",
+                                                                "--quiet"], 0, "the input is one document"),
+    Case("prepare", "a tiny validation split", ["prepare", "{corpus}", "-o", "{tmp}/out", "--val-fraction", "0.01",
+                                                "--quiet"], 0, "--val-fraction"),
+    Case("prepare", "--val-fraction 0", ["prepare", "{corpus}", "-o", "{tmp}/out", "--val-fraction", "0",
+                                         "--quiet"], 0, "pass --val-fraction 0.02"),
+    Case("prepare", "a full disk while writing shards", ["prepare", "{corpus}", "-o", "{tmp}/out", "--quiet"], 1,
+         "no space left on device",
+         patch=lambda mp, tmp: mp.setattr("meshlm.data.shards.open", raise_oserror(errno.ENOSPC), raising=False),
+         after=_no_shards_left),
+    # -- train
+    Case("train", "seq_len above the context", ["train", "train.data={data}", "model.preset=tiny", "seq_len=512"], 2,
+         "exceeds the model's context_length"),
+    Case("train", "a vocabulary smaller than the tokenizer's", ["train", "train.data={data}", "model.vocab_size=1000"],
+         2, "set the model vocab_size to at least 8192"),
+    Case("train", "data that does not exist", ["train", "train.data={tmp}/nodata"], 2, "does not exist"),
+    Case("train", "neither steps nor tokens", ["train", "steps=0", "tokens=0"], 2, "set steps or tokens"),
+    Case("train", "an override without =", ["train", "not-an-override"], 2, "not key=value"),
+    Case("train", "a boolean given as 1", ["train", "train.compile=1"], 2, "compile=1 must be true or false"),
+    Case("train", "a float that does not parse", ["train", "train.lr=fast"], 2, "lr='fast' must be a finite number"),
+    Case("train", "a model boolean given as 2", ["train", "model.tie_embeddings=2"], 2, "tie_embeddings=2 must be"),
+    Case("train", "a fractional step count", ["train", "train.steps=1.5"], 2, "steps=1.5 must be an integer"),
+    Case("train", "five bad fields at once", ["train", "train.compile=1", "train.lr=fast", "model.d_model=x",
+                                              "model.n_heads=0", "train.micro_batch=0"], 2, "micro_batch=0"),
+    Case("train", "an unknown field", ["train", "train.lrr=1e-3"], 2, "unknown train field(s) ['lrr']"),
+    Case("train", "the old eval_batches", ["train", "train.eval_batches=16"], 2, "replaced by eval_windows"),
+    Case("train", "a nested override into a number", ["train", "model.d_model.x=1"], 2, "must be an integer"),
+    Case("train", "a missing config file", ["train", "--config", "{tmp}/nope.yaml"], 2, "does not exist"),
+    Case("train", "a config file that is not YAML", ["train", "--config", "{tmp}/c.yaml"], 2, "is not valid YAML",
+         setup=lambda tmp, w: write(tmp / "c.yaml", "model: [unclosed\n")),
+    Case("train", "a model section that is not a mapping", ["train", "--config", "{tmp}/c.yaml"], 2,
+         "section must be a mapping", setup=lambda tmp, w: write(tmp / "c.yaml", "model: tiny\n")),
+    Case("train", "a run that already has checkpoints", ["train", "train.data={data}", "model.preset=tiny",
+                                                         "model.vocab_size=8192", "train.out_dir={tmp}",
+                                                         "train.name=run"], 2, "pass --resume",
+         setup=lambda tmp, w: copy_run(tmp, w)),
+    Case("train", "--resume when every checkpoint is corrupt", ["train", "train.data={data}", "model.preset=tiny",
+                                                                "model.vocab_size=8192", "train.out_dir={tmp}",
+                                                                "train.name=run", "--resume"], 1,
+         "no usable checkpoint",
+         setup=lambda tmp, w: (copy_run(tmp, w), write(step_dir(tmp) / "state.pt", b"garbage"))),
+    Case("train", "an unavailable device", ["train", "train.device=cuda"], 2, "no CUDA device is visible",
+         patch=no_cuda),
+    Case("train", "a device that does not exist", ["train", "train.device=tpu"], 2, "must be auto, cpu or cuda"),
+    Case("train", "init_from a folder that is not a checkpoint", ["train", "train.init_from={tmp}"], 2,
+         "train.init_from"),
+    Case("train", "a scheme option of the wrong type", ["train", "model.scheme_options.slots=abc"], 2,
+         "slots='abc'"),
+    Case("train", "a full disk at a checkpoint", ["train", "train.data={data}", "model.preset=tiny",
+                                                  "model.vocab_size=8192", "train.out_dir={tmp}", "train.name=run",
+                                                  "train.seq_len=32", "train.global_batch=4", "train.micro_batch=4",
+                                                  "train.steps=4", "train.eval_windows=4", "train.progress=false",
+                                                  "train.tensorboard=false", "train.peak_flops=1e11", "--resume"], 1,
+         "no space left on device", setup=lambda tmp, w: copy_run(tmp, w),
+         patch=lambda mp, tmp: mp.setattr("meshlm.checkpoint.save_file", raise_oserror(errno.ENOSPC)),
+         after=_earlier_checkpoint_intact),
+    Case("train", "a read-only run folder", ["train", "train.data={data}", "model.preset=tiny",
+                                             "model.vocab_size=8192", "train.out_dir={tmp}", "train.name=run",
+                                             "train.seq_len=32", "train.global_batch=4", "train.micro_batch=4",
+                                             "train.steps=4", "train.eval_windows=4", "train.progress=false",
+                                             "train.tensorboard=false", "train.peak_flops=1e11", "--resume"], 1,
+         "read-only file system", setup=lambda tmp, w: copy_run(tmp, w),
+         patch=lambda mp, tmp: mp.setattr("meshlm.checkpoint.torch.save", raise_oserror(errno.EROFS)),
+         after=_earlier_checkpoint_intact),
+    Case("train", "Ctrl-C", ["train"], 130, "--resume", runner=signal_runner([signal.SIGINT]), slow=True),
+    Case("train", "SIGTERM", ["train"], 143, "--resume", runner=signal_runner([signal.SIGTERM]), slow=True),
+    Case("train", "Ctrl-C twice", ["train"], 130, "interrupted",
+         runner=signal_runner([signal.SIGINT, signal.SIGINT]), slow=True),
+    # -- generate
+    Case("generate", "no prompt", ["generate", "{run}"], 2, "pass the text to continue"),
+    Case("generate", "an empty prompt", ["generate", "{run}", ""], 2, "prompt 1 is empty"),
+    Case("generate", "a prompt longer than the context", ["generate", "{run}", "word " * 200], 2,
+         "shorten the prompt"),
+    Case("generate", "a prompt plus -n beyond the context", ["generate", "{run}", "word " * 100, "-n", "50"], 2,
+         "pass -n 27 or less"),
+    Case("generate", "--top-p 1.5", ["generate", "{run}", "hi", "--top-p", "1.5"], 2, "top_p=1.5 must be in (0, 1]"),
+    Case("generate", "a negative temperature", ["generate", "{run}", "hi", "-t", "-1"], 2, "temperature=-1.0"),
+    Case("generate", "--loops 0", ["generate", "{run}", "hi", "--loops", "0"], 2, "--loops 0 must be >= 1"),
+    Case("generate", "a checkpoint folder that does not exist", ["generate", "{tmp}/nope", "hi"], 2,
+         "is not a folder"),
+    Case("generate", "an unavailable device", ["generate", "{run}", "hi", "--device", "cuda"], 2,
+         "no CUDA device is visible", patch=no_cuda),
+    Case("generate", "three problems at once", ["generate", "{tmp}/nope", "", "--top-p", "0"], 2, "3 problems"),
+    Case("generate", "a checkpoint whose config.json was edited", ["generate", "{tmp}/run", "hi"], 1,
+         "config.json was edited",
+         setup=lambda tmp, w: (copy_run(tmp, w),
+                               edit_json(step_dir(tmp) / "config.json", lambda d: d["model"].update(d_model=96)))),
+    Case("generate", "a checkpoint without manifest.json", ["generate", "{tmp}/run", "hi"], 1,
+         "manifest.json is missing",
+         setup=lambda tmp, w: (copy_run(tmp, w), (step_dir(tmp) / "manifest.json").unlink())),
+    Case("generate", "a hand-edited manifest.json", ["generate", "{tmp}/run", "hi"], 1, "was edited or is corrupt",
+         setup=lambda tmp, w: (copy_run(tmp, w), edit_json(step_dir(tmp) / "manifest.json",
+                                                          lambda d: d["files"]["config.json"].update(bytes=1)))),
+    Case("generate", "a manifest that leaves out state.pt", ["generate", "{tmp}/run", "hi"], 1, "does not cover",
+         setup=lambda tmp, w: (copy_run(tmp, w), _drop_from_manifest(step_dir(tmp), "state.pt"))),
+    Case("generate", "a prompt that is not UTF-8 (any shell bytes)", ["generate", "{run}", "caf\udce9 \udcff",
+                                                                     "-n", "2", "-t", "0"], 0, ""),
+    # -- eval
+    Case("eval", "an unknown task", ["eval", "{run}", "--tasks", "piqa,nope"], 2, "unknown task(s) ['nope']"),
+    Case("eval", "tasks whose data were never fetched", ["eval", "{run}", "--tasks", "piqa"], 1, "meshlm fetch",
+         patch=empty_cache),
+    Case("eval", "--limit 0", ["eval", "{run}", "--limit", "0"], 2, "--limit 0 must be >= 1"),
+    Case("eval", "--loops 0", ["eval", "{run}", "--loops", "0,2"], 2, "loop counts must be >= 1"),
+    Case("eval", "--shots that are not numbers", ["eval", "{run}", "--shots", "zero"], 2,
+         "is not a comma-separated list of integers"),
+    Case("eval", "an unavailable device", ["eval", "{run}", "--device", "cuda"], 2, "no CUDA device is visible",
+         patch=no_cuda),
+    Case("eval", "a checkpoint folder that does not exist", ["eval", "{tmp}/nope"], 2, "does not exist"),
+    Case("eval", "a folder with no checkpoint", ["eval", "{tmp}"], 1, "holds no checkpoint"),
+    Case("eval", "--data that does not exist", ["eval", "{run}", "--data", "{tmp}/nodata"], 2, "does not exist"),
+    Case("eval", "four problems at once", ["eval", "{tmp}/nope", "--tasks", "nope", "--limit", "0", "--device",
+                                           "cuda"], 2, "4 problems", patch=no_cuda),
+    Case("eval", "a corrupt weights file", ["eval", "{tmp}/run", "--tasks", "none"], 1, "truncated or corrupt",
+         setup=lambda tmp, w: (copy_run(tmp, w), _truncate(step_dir(tmp) / "model.safetensors"))),
+    Case("eval", "Ctrl-C during the tasks, after perplexity", ["eval", "{tmp}/run", "--tasks", "piqa", "--shots",
+                                                              "0", "--limit", "2"], 130, "are kept",
+         setup=lambda tmp, w: copy_run(tmp, w),
+         patch=lambda mp, tmp: (mp.setattr("meshlm.commands.eval.check_tasks", lambda tasks, p: None),
+                                mp.setattr("meshlm.evaluation.run.downstream", _ctrl_c)),
+         after=_partial_eval_kept),
+    # -- probe
+    Case("probe", "--samples 0", ["probe", "{run}", "--samples", "0"], 2, "--samples and --batch-size must be >= 1"),
+    Case("probe", "--tokens 1", ["probe", "{run}", "--tokens", "1"], 2, "--tokens 1 must be >= 2"),
+    Case("probe", "an unknown split", ["probe", "{run}", "--split", "test"], 2, "must be train or val"),
+    Case("probe", "--tokens beyond the context", ["probe", "{run}", "--tokens", "4096"], 2,
+         "exceeds the model's context_length"),
+    Case("probe", "a checkpoint folder that does not exist", ["probe", "{tmp}/nope"], 2, "does not exist"),
+    # -- convert / retrofit
+    Case("convert", "a source that does not exist", ["convert", "{tmp}/nope", "{tmp}/out"], 2, "does not exist"),
+    Case("convert", "an output folder that is not empty", ["convert", "{run}", "{corpus}", "--to", "hf"], 2,
+         "already exists and is not empty"),
+    Case("convert", "a MeSH model to GPT-NeoX", ["convert", "{run}", "{tmp}/out", "--to", "neox"], 2,
+         "only a vanilla model converts"),
+    Case("convert", "a folder of another model type", ["convert", "{tmp}/bert", "{tmp}/out"], 1, "model_type 'bert'",
+         setup=lambda tmp, w: write(tmp / "bert" / "config.json", '{"model_type": "bert"}')),
+    Case("retrofit", "--scheme-options that are not JSON", ["retrofit", "{run}", "{tmp}/out", "--spec", "1+1R2+1",
+                                                            "--scheme-options", "slots=4"], 2, "is not JSON"),
+    Case("retrofit", "a source that does not exist", ["retrofit", "{tmp}/nope", "{tmp}/out", "--spec", "2+2R2+2"], 2,
+         "does not exist"),
+    Case("retrofit", "a looped source", ["retrofit", "{run}", "{tmp}/out", "--spec", "1+1R2+1"], 2, "vanilla"),
+    # -- report / reproduce / fetch
+    Case("report", "a run with nothing to report", ["report", "{tmp}"], 1, "has no eval.json"),
+    Case("report", "an output folder that cannot be written", ["report", "{run}", "--out", "{tmp}/r.html"], 1,
+         "permission denied",
+         patch=lambda mp, tmp: mp.setattr("meshlm.analysis.report.Path.write_text", raise_oserror(errno.EACCES))),
+    Case("reproduce", "neither a study nor --quick", ["reproduce"], 2, "pass a study file or --quick"),
+    Case("reproduce", "a study file that does not exist", ["reproduce", "{tmp}/nope.yaml"], 2, "nope.yaml"),
+    Case("reproduce", "an override without =", ["reproduce", "--quick", "--plan", "train.lr=fast"], 2,
+         "lr='fast' must be a finite number"),
+    Case("reproduce", "a study file that is not YAML", ["reproduce", "{tmp}/s.yaml"], 2, "is not valid YAML",
+         setup=lambda tmp, w: write(tmp / "s.yaml", "variants: [\n")),
+    Case("fetch", "a cache folder that is a file", ["fetch", "--cache-dir", "{tmp}/file"], 2, "is a file",
+         setup=lambda tmp, w: write(tmp / "file", "x")),
+]
+
+
+def _ctrl_c(*args, **kwargs):
+    raise KeyboardInterrupt
+
+
+def _truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _drop_from_manifest(folder: Path, name: str) -> None:
+    from meshlm.checkpoint import _digest
+
+    def change(d: dict) -> None:
+        del d["files"][name]
+        d["sha256"] = _digest(d["files"])
+    edit_json(folder / "manifest.json", change)
+
+
+for _i, _case in enumerate(CASES):
+    _case.id = f"{_case.command}-{_i:02d}"
+
+
+# -- running a case -----------------------------------------------------------------------------------------
+def fill(arg: str, tmp: Path, world: dict[str, Path]) -> str:
+    return arg.format(tmp=tmp, ckpt=step_dir(tmp), **world)
+
+
+def run_case(case: Case, tmp: Path, world: dict[str, Path]) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of the case, run in this process (main()) unless it has its own runner."""
+    from meshlm.cli import main
+
+    if case.setup:
+        case.setup(tmp, world)
+    if case.runner:
+        return case.runner(tmp, world)
+    out, err = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MESHLM_DEBUG", "")
+        mp.chdir(tmp)
+        if case.patch:
+            case.patch(mp, tmp)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([fill(a, tmp, world) for a in case.argv])
+            except SystemExit as stop:  # argparse usage errors
+                code = stop.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def message(case: Case, err: str) -> str:
+    """The line the user sees: the error line, or for a success the line holding the needle ("" if none)."""
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    if case.code == 0:
+        return next((line for line in lines if case.needle and case.needle in line), "")
+    return lines[-1] if lines else ""
+
+
+def normalise(text: str, tmp: Path, world: dict[str, Path]) -> str:
+    for name, path in sorted(world.items(), key=lambda kv: -len(str(kv[1]))):
+        text = text.replace(str(path), f"<{name}>")
+    text = text.replace(str(tmp), "<tmp>")
+    text = re.sub(r"\d+(\.\d+)? [KMGT]?B free", "N GB free", text)
+    text = re.sub(r"<tmp>/runs/run/step-\d+", "<tmp>/runs/run/step-N", text)
+    text = re.sub(r"holds step \d+/500", "holds step N/500", text)
+    return text
+
+
+def row(case: Case, text: str) -> str:
+    cell = text.replace("|", "\\|") if text else "(no error: works)"
+    return f"| {case.command} | {case.what} | {case.code} | `{cell}` |"
+
+
+HEADER = """# Errors: what each bad input gets
+
+Generated by `scripts/errors_table.py` from the cases in `tests/faultkit.py`; `tests/test_faults.py` checks
+every row against what the command really prints, so the table cannot drift. Each failure is one line on
+stderr (argparse usage errors print the usage block first) with no traceback; `--debug` or `MESHLM_DEBUG=1`
+adds the traceback. Exit codes: 2 usage (a bad argument or config value), 1 runtime (data, checkpoint,
+filesystem), 130 Ctrl-C, 143 SIGTERM, 0 for the inputs that are handled (a warning or a correct result).
+Paths: `<tmp>` is the working folder, `<run>` a trained run, `<data>` prepared data, `<corpus>` text files.
+
+| command | bad input or fault | exit | message |
+|---|---|---|---|
+"""
+
+
+def table(rows: list[str]) -> str:
+    return HEADER + "\n".join(rows) + f"\n\n{len(rows)} cases.\n"
