@@ -34,6 +34,8 @@ def _cases(cls):
                 continue
             if cls is TrainConfig and name in ("name", "init_from") and value is None:
                 continue
+            if cls is TrainConfig and name == "compile" and isinstance(value, bool):
+                continue  # compile is "auto", "true" or "false"; YAML's true/false mean the last two
             yield name, value
 
 
