@@ -75,8 +75,8 @@ def train_config(args: argparse.Namespace, out_dir: str) -> TrainConfig:
     global_batch, micro_batch = (2, 1) if args.smoke else (args.global_batch, args.micro_batch)
     return TrainConfig(name="gpu-check", out_dir=out_dir, model=smoke, data=args.data, seq_len=seq_len,
                        global_batch=global_batch, micro_batch=micro_batch, steps=args.warmup + args.steps,
-                       lr=6e-4, warmup=0.1, eval_every=0, save_every=0, eval_batches=2, progress=False,
-                       tensorboard=False, device=args.device, dtype="auto", compile="false")
+                       lr=6e-4, warmup=0.1, eval_every=0, save_every=0, eval_windows=2 * micro_batch,
+                       progress=False, tensorboard=False, device=args.device, dtype="auto", compile="false")
 
 
 def check_flash(trainer: Trainer) -> bool:

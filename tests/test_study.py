@@ -100,3 +100,42 @@ def test_paired_differences_by_seed(tmp_path):
         (run.dir / "eval.json").write_text(json.dumps({"perplexity": {"loss": loss}}))
     row = [line for line in paired_markdown(study) if line.startswith("| base − mesh")]
     assert row == ["| base − mesh | 2 | 0.000 ± 0.141 | +0.100, -0.100 | 1/2 |"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_study_with_the_running_training_saved_and_a_rerun_finishes(tmp_path):
+    """SIGINT to `meshlm reproduce` reaches the training run once: it saves its step; the study exits 130 and
+    says to run it again, which resumes that run and finishes the study."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    overrides = [o for o in TINY if not o.startswith("train.steps")] + ["train.steps=60"]
+    path = write_study(tmp_path, overrides=overrides, variants={"base": {"overrides": ["model.spec=1+1R2+1",
+                                                                                        "model.scheme=base"]}})
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1", "MESHLM_DEBUG": ""}
+    command = [sys.executable, "-m", "meshlm.cli", "reproduce", str(path)]
+    proc = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    metrics, deadline = tmp_path / "runs" / "t" / "base-s0" / "metrics.jsonl", time.time() + 180
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and metrics.read_text().count('"kind": "train"') >= 3:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("meshlm reproduce: stopped: train of base-s0 stopped (its current step is saved)"), last
+    assert "Traceback" not in err
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line]
+    assert 3 <= max(steps) < 60 and list((metrics.parent).glob("step-*"))
+
+    again = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr
+    assert "resumed" in (metrics.parent / "train.log").read_text()
+    assert (tmp_path / "runs" / "t" / "results.md").is_file()

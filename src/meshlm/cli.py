@@ -16,6 +16,8 @@ import importlib
 import os
 import sys
 import traceback
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as installed
 
 from meshlm.errors import MeshlmError, describe_os_error
 from meshlm.runtime import allocator
@@ -41,9 +43,6 @@ USAGE, RUNTIME = 2, 1
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
-
     try:
         return installed("meshlm")
     except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed

@@ -17,6 +17,7 @@ into the field's annotated type, and refuses anything else:
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from typing import Any
@@ -143,8 +144,6 @@ def type_problems(obj) -> tuple[list[str], list[str]]:
 def with_defaults(obj, names: list[str]):
     """A shallow copy of `obj` (no __post_init__) whose `names` fields hold their defaults: lets the range
     checks run on the other fields when some have the wrong type."""
-    import copy
-
     shadow = copy.copy(obj)
     for f in dataclasses.fields(obj):
         if f.name in names:

@@ -29,9 +29,11 @@ from __future__ import annotations
 import itertools
 import json
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,7 +41,7 @@ from typing import Any
 
 import yaml
 
-from meshlm.errors import ConfigError
+from meshlm.errors import ConfigError, Interrupted, MeshlmError
 from meshlm.evaluation.tasks import PAPER_TASKS
 from meshlm.model.accounting import describe
 from meshlm.train.config import find_config, load_config
@@ -163,7 +165,7 @@ def meshlm_command(*args: str) -> list[str]:
 def execute(study: Study, log=print) -> None:
     """Train, evaluate and probe every run that is not finished yet, then write the results page."""
     for i, run in enumerate(study.runs, 1):
-        if (run.dir / "eval.json").is_file() and (run.dir / "probe" / "probe.json").is_file():
+        if _evaluated(run) and (run.dir / "probe" / "probe.json").is_file():
             log(f"[{i}/{len(study.runs)}] {run.name}: done, skipped")
             continue
         log(f"[{i}/{len(study.runs)}] {run.name}: training")
@@ -178,13 +180,48 @@ def execute(study: Study, log=print) -> None:
     write_results(study)
 
 
+def _evaluated(run: Run) -> bool:
+    """eval.json is there and complete (meshlm eval writes it after each stage, "complete": false until done)."""
+    try:
+        return json.loads((run.dir / "eval.json").read_text()).get("complete", True) is not False
+    except (OSError, ValueError):
+        return False
+
+
 def _check_call(command: list[str], run: Run, stage: str) -> None:
+    """Run one stage in its own session, so Ctrl-C reaches it once, from here: a training run then saves its
+    current step; the study stops with advice to run it again (which resumes where it stopped)."""
     run.dir.mkdir(parents=True, exist_ok=True)
     with open(run.dir / f"{stage}.log", "a") as out:
-        code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        code, signum = wait_forwarding_signals(proc)
+    if signum is not None or code in (130, 143, -signal.SIGINT, -signal.SIGTERM):
+        saved = " (its current step is saved)" if stage == "train" and code in (130, 143) else ""
+        raise Interrupted(f"{stage} of {run.name} stopped{saved}; run the same `meshlm reproduce` command again: "
+                          f"finished runs are skipped and {run.name} continues from its last checkpoint",
+                          signum or (code - 128 if code > 0 else -code))
     if code:
-        raise ConfigError(f"{stage} of {run.name} failed (exit {code}); see {run.dir / f'{stage}.log'}, fix it and "
+        raise MeshlmError(f"{stage} of {run.name} failed (exit {code}); see {run.dir / f'{stage}.log'}, fix it and "
                           f"run the study again (finished runs are skipped)")
+
+
+def wait_forwarding_signals(proc: subprocess.Popen) -> tuple[int, int | None]:
+    """Wait for `proc`, passing SIGINT and SIGTERM on to it (a second Ctrl-C reaches it too, and aborts it at
+    once); returns (its exit code, the first signal received here or None)."""
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    is_main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)} if is_main else {}
+    try:
+        return proc.wait(), (received[0] if received else None)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _record_wall_time(run: Run, seconds: float) -> None:

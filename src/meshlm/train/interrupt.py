@@ -17,7 +17,10 @@ import signal
 import threading
 from collections.abc import Callable
 
+import torch
+
 from meshlm.errors import Interrupted
+from meshlm.train import parallel
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -50,10 +53,6 @@ class StopRequest:
         """True when any rank got a signal (one tiny all-reduce per step under torchrun)."""
         if env is None or not env.distributed:
             return self.signal is not None
-        import torch
-
-        from meshlm.train import parallel
-
         flag = torch.tensor(float(self.signal or 0), device=env.device)
         got = int(parallel.all_max(flag, env).item())
         self.signal = self.signal or (got or None)

@@ -22,12 +22,14 @@ import torch
 
 from meshlm import checkpoint
 from meshlm.backbones import BACKBONES
-from meshlm.data.prepare import PreparedData, prepare_default
+from meshlm.data.prepare import PreparedData, prepare_default, validation_batches
 from meshlm.data.tokenizer import check_vocab, load_tokenizer, tokenizer_file
+from meshlm.devices import device_problem
 from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError
 from meshlm.loading import open_model
 from meshlm.model import MeshLM
 from meshlm.model.accounting import describe
+from meshlm.problems import Problems
 from meshlm.runtime import allocator
 from meshlm.runtime.peaks import device_peak
 from meshlm.train import parallel
@@ -223,8 +225,6 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean next-token loss over a fixed set of `eval_windows` validation windows spread evenly over the
         split: the same set, so the same number, for any micro_batch and world size."""
-        from meshlm.data.prepare import validation_batches
-
         cfg, env = self.cfg, self.env
         batches = validation_batches(self.val_data.num_sequences(self.seq_len), cfg.eval_windows,
                                      cfg.micro_batch, env.rank, env.world)
@@ -368,11 +368,6 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> None:
     """What `train` needs besides a valid config, checked before any compute, every problem in one error:
     the device, the tokenizer and its vocabulary, the prepared data (tokenizer, length), init_from, the run
     folder. Read-only: safe on every rank."""
-    from meshlm.data.prepare import PreparedData
-    from meshlm.data.tokenizer import check_vocab, load_tokenizer
-    from meshlm.devices import device_problem
-    from meshlm.problems import Problems
-
     p = Problems()
     p.need(not (problem := device_problem(cfg.device, "train.device")), problem or "")
     model_cfg, seq_len = cfg.model_config(), cfg.sequence_length()
