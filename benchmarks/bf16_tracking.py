@@ -15,7 +15,7 @@ import tempfile
 import time
 
 TINY = ["model.preset=tiny", "model.vocab_size=8192", "seq_len=128", "global_batch=8", "micro_batch=8", "steps=40",
-        "lr=3e-3", "warmup=0.05", "eval_every=0", "save_every=0", "eval_batches=8", "progress=false",
+        "lr=3e-3", "warmup=0.05", "eval_every=0", "save_every=0", "eval_windows=64", "progress=false",
         "tensorboard=false", "peak_flops=1e11"]
 
 

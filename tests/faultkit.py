@@ -320,7 +320,7 @@ CASES: list[Case] = [
     Case("eval", "an unavailable device", ["eval", "{run}", "--device", "cuda"], 2, "no CUDA device is visible",
          patch=no_cuda),
     Case("eval", "a checkpoint folder that does not exist", ["eval", "{tmp}/nope"], 2, "does not exist"),
-    Case("eval", "a folder with no checkpoint", ["eval", "{tmp}"], 1, "holds no checkpoint"),
+    Case("eval", "a folder with no checkpoint", ["eval", "{tmp}"], 1, "has no config.json"),
     Case("eval", "--data that does not exist", ["eval", "{run}", "--data", "{tmp}/nodata"], 2, "does not exist"),
     Case("eval", "four problems at once", ["eval", "{tmp}/nope", "--tasks", "nope", "--limit", "0", "--device",
                                            "cuda"], 2, "4 problems", patch=no_cuda),

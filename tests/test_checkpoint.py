@@ -100,7 +100,7 @@ def test_an_edited_config_json_is_refused(tmp_path):
     path = write(tmp_path, 1)
     _edit_json(path / "config.json", lambda d: d["model"].update(scheme="base"))  # same shapes: would load silently
     with pytest.raises(CheckpointError, match="config.json was edited or is corrupt"):
-        checkpoint.load_model(path)
+        open_model(path)
 
 
 def test_a_missing_or_edited_manifest_is_refused(tmp_path):
@@ -132,9 +132,9 @@ def test_a_checkpoint_from_before_manifests_is_refused_until_resealed(tmp_path):
     _edit_json(path / "config.json", lambda d: d.update(files=files))  # the old layout: files inside config.json
     (path / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="python -m meshlm.checkpoint reseal"):
-        checkpoint.load_model(path)
+        open_model(path)
     checkpoint.reseal(path)
-    checkpoint.load_model(path)
+    open_model(path)
 
 
 class Payload:

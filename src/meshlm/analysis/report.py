@@ -161,7 +161,7 @@ def table_one(runs: list[RunResults], shots: str | None) -> str:
         metric = {t: next(s["tasks"][t]["metric"] for s in suites if s and t in s["tasks"]) for t in tasks}
         header += [*(f"{TASK_TITLES[t]}<br><small>{metric[t]}</small>" for t in tasks),
                    f"avg<br><small>{len(tasks)} of {PAPER_TASKS} tasks</small>"]
-    foot = ("<p class='foot'><sup>†</sup> the trainer's last validation (train.eval_batches batches); "
+    foot = ("<p class='foot'><sup>†</sup> the trainer's last validation (train.eval_windows windows); "
             "<code>meshlm eval RUN</code> scores the whole validation split.</p>" if "train" in sources else "")
     return (f"<h3>{shots}-shot</h3>" if shots else "") + _table(header, columns, len(runs)) + foot
 
