@@ -87,6 +87,14 @@ def test_rejections_rollback_and_compaction_keep_greedy_exact(monkeypatch):
     assert compactions
 
 
+@pytest.mark.parametrize("final_read", [True, False])
+def test_either_draft_readout_is_exact(final_read):
+    """MeSH's draft may read its buffer with the final read router or take the loop state: both exact."""
+    model = build(tiny(scheme="mesh", spec="1+2R4+1", context_length=96))
+    plain, spec, stats = greedy_both_ways(model, PROMPTS, 32, Speculation(2, 3, final_read=final_read))
+    assert spec == plain and stats.planner.final_read[2] is final_read
+
+
 def test_stops_at_eos_like_plain_decoding():
     model = build(tiny(scheme="anchor", spec="1+2R4+1", context_length=96))
     s = Sampling(max_new_tokens=40, temperature=0)

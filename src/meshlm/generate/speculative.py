@@ -23,10 +23,10 @@ output distribution is exactly the full model's filtered one; greedy is the same
 Holes left by rows that accepted fewer tokens than others are squeezed out (`compact`) when the cache would
 outgrow the context. docs/design.md ("Self-speculative decoding") says why this is exact for every scheme.
 
-`Planner` picks K_d and γ from measured costs (each stage timed while it does real work: plain steps, draft
-steps, verifications) and measured acceptance (short probe rounds, whose tokens are real output), by the
-expected tokens per round (1 − α^{γ+1})/(1 − α) against the round's cost; when no setting is predicted to
-pay it falls back to plain decoding.
+`Planner` picks K_d and γ from measured costs (each stage timed while it does real work: the prefill, plain
+steps, drafts, verifications) and measured acceptance (the prefill reads every candidate draft out over the
+prompt; rounds refine it), by the expected tokens per round Σ_{i≤γ} α^i against the round's cost; when no
+setting is predicted to pay, `auto` falls back to plain decoding.
 """
 from __future__ import annotations
 
