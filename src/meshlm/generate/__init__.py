@@ -8,7 +8,9 @@ positions count real tokens only, so every row decodes exactly as it would alone
 once, then each step feeds one token per row (meshlm.model.kv_cache: one entry per unrolled layer; the MeSH
 buffer is per token and needs no cache). `cache=False` recomputes the whole sequence every step, as a
 reference and for the speed benchmark. Temperature 0 is greedy decoding. `loops` runs the core that many
-times; `exit` (e.g. "state:0.05", meshlm.model.exit) lets each token stop looping once it has converged.
+times; `exit` (e.g. "state:0.05", meshlm.model.exit) lets each token stop looping once it has converged;
+`speculate` ("auto", "K_d", "K_d:γ") decodes the same tokens (greedy) or the same distribution (sampling) by
+lossless self-speculation, the shallow loops drafting for the full depth (meshlm.speculative).
 """
 from __future__ import annotations
 
