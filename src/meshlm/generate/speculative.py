@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from meshlm.config import Layout
 from meshlm.errors import ConfigError
 from meshlm.generate.sampling import Sampling, draw, left_pad, next_token, probabilities
 from meshlm.model import MeshLM
@@ -45,7 +46,7 @@ from meshlm.model.lm import LoopRun
 from meshlm.model.schemes import Scheme, concat_contexts
 
 GAMMA_MAX = 8  # longest draft the planner considers
-PRIOR_WEIGHT = 8  # the prompt's measured agreement counts as this many drafted tokens; rounds add the rest
+CALIBRATION_POSITIONS = 64  # the prompt's last positions whose draft agreement seeds each K_d's acceptance
 MIN_GAIN = 1.25  # auto speculates only where the cost model predicts this speed-up (it is optimistic: it
 # leaves out Python overhead that does not scale with the stages; measured 0.93x where it predicted 1.37x)
 
@@ -171,22 +172,32 @@ def expected_tokens(alpha: float, gamma: int) -> float:
     return float(sum(alpha ** i for i in range(gamma + 1)))
 
 
+def layer_bound(layout: Layout, schedule: tuple[int, ...], k_d: int) -> float:
+    """Speed-up of K_d at perfect acceptance and γ = GAMMA_MAX, counting layers (the head as one, a verified
+    token as a fed one): auto calibrates only the K_d that could reach MIN_GAIN."""
+    front = layout.prelude + sum(layout.cores[c] for c in schedule[:k_d])
+    rest = sum(layout.cores[c] for c in schedule[k_d:]) + layout.coda + 1
+    plain, draft = front + rest, front + layout.coda + 1
+    return (GAMMA_MAX + 1) * plain / (GAMMA_MAX * draft + front + rest)
+
+
 class Planner:
     """Chooses each round's (K_d, γ), or None for a plain step, from measured costs and acceptance."""
 
-    def __init__(self, spec: Speculation, schedule: tuple[int, ...], stats: SpeculationStats):
+    def __init__(self, spec: Speculation, layout: Layout, schedule: tuple[int, ...], stats: SpeculationStats):
         self.spec, self.k, self.stats = spec, len(schedule), stats
         self.costs = Costs(schedule)
         self.counts: dict[int, list[float]] = {}  # K_d -> [accepted, rejections]: prompt prior + rounds
         explicit = spec.draft_loops is not None
-        self.candidates = [spec.draft_loops] if explicit else list(range(1, self.k))
+        self.candidates = [spec.draft_loops] if explicit else [k_d for k_d in range(1, self.k)
+                                                              if layer_bound(layout, schedule, k_d) >= MIN_GAIN]
         self.fixed = (spec.draft_loops, spec.draft_tokens) if explicit and spec.draft_tokens else None
         self.final_read = {k_d: spec.final_read is not False for k_d in self.candidates}  # chosen by calibrate
         self.choice: tuple[int, int] | None = None
         self.plain_for_good = False  # auto found nothing that pays: plain decoding, untimed, from then on
         stats.setting = f"K_d={spec.draft_loops} γ={spec.draft_tokens}" if self.fixed else ""
 
-    def calibrate(self, agreement: dict[tuple[int, bool], float]) -> None:
+    def calibrate(self, agreement: dict[tuple[int, bool], float], positions: int) -> None:
         """Prompt agreement of each (K_d, final_read) draft with the full model (Decoder.prefill): pick each
         K_d's readout and start its acceptance estimate there."""
         for k_d in self.candidates:
@@ -195,13 +206,13 @@ class Planner:
                 continue
             self.final_read[k_d] = max(reads, key=lambda r: agreement[(k_d, r)])
             alpha = agreement[(k_d, self.final_read[k_d])]
-            self.counts[k_d] = [alpha * PRIOR_WEIGHT, (1 - alpha) * PRIOR_WEIGHT]
+            self.counts[k_d] = [alpha * positions, (1 - alpha) * positions]  # as if drafted there
             self.stats.acceptance_by_depth[k_d] = self.alpha(k_d)
 
     def alpha(self, k_d: int) -> float:
-        """Per-token acceptance: the geometric model's estimate with one pseudo-count each way (few rounds)."""
+        """Per-token acceptance: the geometric model's estimate, with half a pseudo-count each way."""
         accepted, rejections = self.counts.get(k_d, (0, 0))
-        return (accepted + 1) / (accepted + rejections + 2)
+        return (accepted + 0.5) / (accepted + rejections + 1)
 
     def observe(self, k_d: int, accepted: torch.Tensor, gamma: int) -> None:
         """Per-row accepted counts of one round; a row that stopped before γ saw one rejection."""
@@ -271,13 +282,14 @@ class Decoder:
         return self.mask.shape[1]
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor, depths: list[int]
-                ) -> tuple[torch.Tensor, dict[tuple[int, bool], float]]:
+                ) -> tuple[torch.Tensor, dict[tuple[int, bool], float], int]:
         """Run the prompt (stages timed); returns the first new token of every row (the pending token) and the
         calibration: for each K_d in `depths` and each readout (final read or not), how well the draft's
         distribution q matches the full model's p on the prompt's last positions, mean Σ_x min(p, q) — the
-        expected acceptance of speculative sampling (greedy: how often the argmaxes agree)."""
+        expected acceptance of speculative sampling (greedy: how often the argmaxes agree) — and how many real
+        positions that mean is over."""
         self.mask = mask
-        n, k = ids.shape[1], len(self.schedule)
+        n, k, last = ids.shape[1], len(self.schedule), CALIBRATION_POSITIONS
         reads = (True, False) if type(self.model.scheme).early_exit is not Scheme.early_exit else (False,)
         run = self._timed("enter", n, self.model.enter, ids, mask, None, self.kv)
         exits = {}
@@ -286,12 +298,12 @@ class Decoder:
             for read in reads if step + 1 in depths else ():
                 h = self.model.scheme.early_exit(run.h, run.ctx, k) if read else run.h
                 draft = replace(run, h=h, cache=None, routed=[], stages=None)  # no cache: the coda sees the prompt
-                exits[(step + 1, read)] = probabilities(self.model.readout(draft, self.schedule)[:, -16:], self.s)
+                exits[(step + 1, read)] = probabilities(self.model.readout(draft, self.schedule)[:, -last:], self.s)
         p = probabilities(self._timed("readout", n, self.model.readout, run, self.schedule), self.s)  # (B, T, V)
-        real = mask[:, -16:].bool()
-        agreement = {key: float(torch.minimum(p[:, -16:], q).sum(-1)[real].mean()) for key, q in exits.items()}
+        real = mask[:, -last:].bool()
+        agreement = {key: float(torch.minimum(p[:, -last:], q).sum(-1)[real].mean()) for key, q in exits.items()}
         self.pending = draw(p[:, -1], self.s, self.generator)
-        return self.pending, agreement
+        return self.pending, agreement, int(real.sum())
 
     def _timed(self, stage: object, n: int, fn, *args):
         t = self.clock()
@@ -429,12 +441,12 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, speculate: str 
                           f"context_length={context}; lower max_new_tokens to at most {context - ids.shape[1]} "
                           f"or shorten the prompt")
     generator = None if s.seed is None else torch.Generator(device).manual_seed(s.seed)
-    planner = stats.planner = Planner(spec, schedule, stats)
+    planner = stats.planner = Planner(spec, model.config.layout, schedule, stats)
     decoder = Decoder(model, schedule, s, generator, planner.costs)
     rows = ids.shape[0]
-    first, agreement = decoder.prefill(ids, mask, [] if spec.final_read is not None and planner.fixed
-                                       else planner.candidates)
-    planner.calibrate(agreement)
+    first, agreement, positions = decoder.prefill(ids, mask, [] if spec.final_read is not None and planner.fixed
+                                                  else planner.candidates)
+    planner.calibrate(agreement, positions)
     queues = [deque([t]) for t in first.tolist()]
     made = [1] * rows  # tokens generated per row, queued or yielded
     done = [False] * rows  # yielded EOS (when stop_at_eos)
