@@ -10,7 +10,7 @@ buffer is per token and needs no cache). `cache=False` recomputes the whole sequ
 reference and for the speed benchmark. Temperature 0 is greedy decoding. `loops` runs the core that many
 times; `exit` (e.g. "state:0.05", meshlm.model.exit) lets each token stop looping once it has converged;
 `speculate` ("auto", "K_d", "K_d:γ") decodes the same tokens (greedy) or the same distribution (sampling) by
-lossless self-speculation, the shallow loops drafting for the full depth (meshlm.speculative).
+lossless self-speculation, the shallow loops drafting for the full depth (meshlm.generate.speculative).
 """
 from __future__ import annotations
 
