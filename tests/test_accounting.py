@@ -1,7 +1,7 @@
 """Parameter counts and FLOPs reproduce the papers' figures exactly (Pythia's, and the MeSH paper's 1.4B rows),
 computed on the meta device. The 160M and 410M router counts are not in the paper: they are derived from
 2·(K+1)·B·(d+1)."""
-import time
+import resource
 
 import pytest
 import torch
@@ -59,12 +59,13 @@ def test_flops_count_unrolled_layers():
     assert base.unique_layers == 16 and base.loop_steps == 2
 
 
-def test_describe_allocates_nothing_and_is_fast():
+def test_describe_allocates_nothing():
     cfg = ModelConfig.from_preset("pythia-6.9b-6+10R2+6")
     describe(cfg)  # warm imports
-    start = time.perf_counter()
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     acc = describe(cfg)
-    assert time.perf_counter() - start < 1.0  # meta tensors: no 6.9B allocation
+    grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before) / 1024
+    assert grown_mib < 256, grown_mib  # meta tensors: the 6.9B parameters (27 GB in fp32) are never allocated
     assert acc.total_params > 4e9
     with torch.device("meta"):
         assert all(p.is_meta for p in MeshLM(cfg).parameters())
