@@ -9,9 +9,11 @@ decode      cached greedy decoding at batch 1: fixed depth vs. per-token adaptiv
             also the average loop steps per generated token.
 gather      full-sequence forward under exit: gathering the active tokens vs. masking (computing every token),
             at the active fractions the given rules produce (how meshlm.model.exit.GATHER_BELOW was chosen).
-memory      one training step (forward + backward) per fresh process: peak RSS growth and autograd's saved
-            activations for a fixed K = k run, for sampled counts n > k with backprop_loops = k, and for n with
-            full backprop (target: truncated within 10% of fixed K = k).
+memory      one training step (forward + backward) per fresh process: the peak of live heap memory (glibc's
+            in-use bytes, sampled after every aten op: what a GPU allocator's max_memory_allocated measures) and
+            the peak RSS growth (which also counts allocator fragmentation), for a fixed K = k run, for sampled
+            counts n > k with backprop_loops = k, and for n with full backprop (target: truncated within 10% of
+            fixed K = k).
 throughput  training steps (forward + backward + AdamW) of a fixed-K model in two source trees, alternating
             processes (target: this tree ≤ 2% slower than the baseline tree).
 
@@ -20,6 +22,7 @@ On a shared machine use --threads 1 --clock cpu (CPU time ignores the time other
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -30,6 +33,7 @@ from pathlib import Path
 
 import torch
 from benchkit import add_timing_arguments, interleaved_medians, timing_setup
+from torch.utils._python_dispatch import TorchDispatchMode
 
 HERE = Path(__file__).resolve().parent
 
@@ -103,18 +107,41 @@ def memory_child(spec: str) -> None:
     model = MeshLM(ModelConfig(spec=cfg["spec"], d_model=cfg["d"], n_heads=cfg["d"] // 64, vocab_size=8192,
                                context_length=cfg["seq"], max_loops=cfg["cap"])).train()
     x = torch.randint(0, 8192, (cfg["batch"], cfg["seq"]))
-    saved = [0]
-
-    def pack(t: torch.Tensor):
-        saved[0] += t.numel() * t.element_size()
-        return t
-
+    tracker = LiveHeap()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with tracker:
         out = model(x, targets=x, loops=cfg["loops"], backprop_loops=cfg["backprop"])
-    out.loss.backward()
+        out.loss.backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"rss_growth_mib": (peak - before) / 1024, "saved_mib": saved[0] / 2 ** 20}))
+    print(json.dumps({"rss_growth_mib": (peak - before) / 1024, "live_mib": tracker.peak_growth / 2 ** 20}))
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+class LiveHeap(TorchDispatchMode):
+    """Peak growth of glibc's in-use heap bytes (uordblks + mmapped hblkhd), sampled after every aten op."""
+
+    def __enter__(self):
+        self.libc = ctypes.CDLL("libc.so.6")
+        self.libc.mallinfo2.restype = _MallInfo2
+        self.start = self.peak = self.in_use()
+        return super().__enter__()
+
+    def in_use(self) -> int:
+        info = self.libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.in_use())
+        return out
+
+    @property
+    def peak_growth(self) -> int:
+        return self.peak - self.start
 
 
 def memory(args) -> None:
@@ -129,14 +156,15 @@ def memory(args) -> None:
             out = subprocess.run([sys.executable, __file__, "memory-child", json.dumps(cfg)], capture_output=True,
                                  text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             results[name].append(json.loads(out.stdout))
-    ref = {key: statistics.median(r[key] for r in results[f"fixed K={k}"]) for key in ("rss_growth_mib", "saved_mib")}
+    keys = ("live_mib", "rss_growth_mib")
+    ref = {key: statistics.median(r[key] for r in results[f"fixed K={k}"]) for key in keys}
     print(f"one training step of {args.spec} d={args.d_model}, batch {args.batch} x {args.seq}, medians of "
           f"{args.rounds} fresh processes per config")
-    print(f"{'run':<24} {'peak RSS growth MiB':>20} {'vs fixed':>9} {'saved activations MiB':>22} {'vs fixed':>9}")
+    print(f"{'run':<24} {'peak live MiB':>14} {'vs fixed':>9} {'peak RSS growth MiB':>20} {'vs fixed':>9}")
     for name, rows in results.items():
-        rss, act = (statistics.median(r[key] for r in rows) for key in ("rss_growth_mib", "saved_mib"))
-        print(f"{name:<24} {rss:>20.1f} {rss / ref['rss_growth_mib']:>8.3f}x {act:>22.1f} "
-              f"{act / ref['saved_mib']:>8.3f}x")
+        live, rss = (statistics.median(r[key] for r in rows) for key in keys)
+        print(f"{name:<24} {live:>14.1f} {live / ref['live_mib']:>8.3f}x {rss:>20.1f} "
+              f"{rss / ref['rss_growth_mib']:>8.3f}x")
 
 
 # -- training throughput across two source trees -----------------------------------------------------------------
