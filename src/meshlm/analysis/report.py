@@ -20,6 +20,7 @@ import datetime
 import html
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -175,9 +176,10 @@ def report_figures(runs: list[RunResults]) -> dict[str, bytes]:
     loops = plots.loops_figure([(r.label, (r.eval or {}).get("loops") or []) for r in runs])
     if loops is not None:
         figures["loops"] = loops
-    variants = list(dict.fromkeys(r.variant for r in runs))
-    exits = plots.exit_figure([(v, [(r.eval or {}).get("exit") or [] for r in runs if r.variant == v],
-                                [(r.eval or {}).get("loops") or [] for r in runs if r.variant == v]) for v in variants])
+    groups = {r.name: re.sub(r"-s\d+$", "", r.name) for r in runs}  # a study's runs are <variant>-s<seed>
+    exits = plots.exit_figure([(g, [(r.eval or {}).get("exit") or [] for r in runs if groups[r.name] == g],
+                                [(r.eval or {}).get("loops") or [] for r in runs if groups[r.name] == g])
+                               for g in dict.fromkeys(groups.values())])
     if exits is not None:
         figures["exit"] = exits
     probed = [(r.label, r.probe) for r in runs if r.probe]
