@@ -9,7 +9,8 @@ trainer's own step (`Trainer.train_step`) on the default corpus, started the way
 (malloc tuned before torch is imported, unless MESHLM_MALLOC=default): "before" and "now" alternate, round
 by round, and their order flips every round, so the machine's load hits both alike. After `--warmup` steps
 each child measures `--steps` steps with getrusage: wall and CPU time, the kernel's share of the CPU time
-(system / (user + system)) and minor page faults. Ratios are medians over rounds (now / before).
+(system / (user + system)), minor page faults, and MFU per CPU-second against the trainer's cached peak.
+Ratios are medians over rounds (now / before).
 On a machine other jobs load, trust tokens per CPU-second over tokens per wall-second.
 """
 from __future__ import annotations
@@ -63,7 +64,9 @@ def child(args: argparse.Namespace) -> None:
                       "malloc": malloc, "threads": torch.get_num_threads(), "tokens_per_s": tokens / wall,
                       "tokens_per_cpu_s": tokens / (user + system), "kernel_share": system / (user + system),
                       "minor_faults_per_step": (r1.ru_minflt - r0.ru_minflt) / args.steps,
-                      "cpu_s_per_step": (user + system) / args.steps}))
+                      "cpu_s_per_step": (user + system) / args.steps,
+                      "mfu_per_cpu_s": tokens / (user + system) * trainer.flops_per_token / trainer.peak,
+                      "peak_flops": trainer.peak, "peak_source": trainer.peak_source}))
 
 
 def measure(args: argparse.Namespace, variant: str) -> dict:
@@ -104,6 +107,9 @@ def main() -> None:
     first = runs["now"][0]
     print(f"now: {first['dtype']}, compile {'on' if first['compile'] else 'off'}, {first['malloc']}, "
           f"{first['threads']} threads; before: fp32, compile off, glibc malloc defaults")
+    mfu = {name: statistics.median(r["mfu_per_cpu_s"] for r in rs) for name, rs in runs.items()}
+    print(f"MFU per CPU-second: before {100 * mfu['before']:.1f}%, now {100 * mfu['now']:.1f}% of "
+          f"{first['peak_flops'] / 1e9:.1f} GFLOP/s ({first['peak_source']})")
     print(f"{'median':<10}{'tokens/s':>10}{'tokens/CPU-s':>14}{'kernel share':>14}{'minor faults/step':>19}")
     med = {name: {key: statistics.median(r[key] for r in rs) for key in
                   ("tokens_per_s", "tokens_per_cpu_s", "kernel_share", "minor_faults_per_step")}

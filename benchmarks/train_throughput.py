@@ -12,7 +12,9 @@ config's global batch, micro-batches and sequence length): forward + backward pe
   hf-neox       transformers' GPTNeoXForCausalLM of that vanilla shape (SDPA attention)
 
 MFU = tokens/s × train FLOPs per token (meshlm.model.accounting; the same figure for all three, since they
-do the same matmuls) / the fp32 matmul peak measured in this run (best of a 2048³ GEMM before and after).
+do the same matmuls) / the fp32 matmul peak the trainer uses (meshlm.runtime.peaks: measured once per
+machine and thread count, cached with its date and method; printed with its source). The best 2048³ GEMM of
+this run (before and after) is printed beside it, and MFU against it too, as a check on the cached figure.
 Timing interleaves the models round by round so machine noise hits all alike, and reports medians.
 `--clock cpu --threads 1` times with this process's CPU time (peak included), so other processes on a
 shared machine distort the figures much less; MFU is then per core.
@@ -62,7 +64,7 @@ def make_step(name, model, batches, clock):
 def main() -> None:
     from meshlm.data.prepare import PreparedData, prepare_default
     from meshlm.model.accounting import describe
-    from meshlm.runtime.peaks import measure_matmul_peak
+    from meshlm.runtime.peaks import device_peak, measure_matmul_peak
     from meshlm.train.batches import get_batch
     from meshlm.train.config import load_config
 
@@ -94,12 +96,15 @@ def main() -> None:
                 times[name].append(elapsed)
     peak = max(peak, measure_matmul_peak(torch.device("cpu"), torch.float32, n=2048, seconds=1.0, clock=clock))
 
-    print(f"fp32 matmul peak (2048^3 GEMM, this run, {args.clock} clock): {peak / 1e9:.1f} GFLOP/s")
-    print(f"{'model':<14}{'s/step':>9}{'tokens/s':>11}{'MFU':>8}{'vs hf-neox':>12}")
+    cached, source = device_peak(torch.device("cpu"), None)
+    print(f"MFU peak: {cached / 1e9:.1f} GFLOP/s ({source}); this run's best 2048^3 GEMM ({args.clock} clock): "
+          f"{peak / 1e9:.1f} GFLOP/s")
+    print(f"{'model':<14}{'s/step':>9}{'tokens/s':>11}{'MFU':>8}{'MFU (run)':>11}{'vs hf-neox':>12}")
     hf_rate = tokens / statistics.median(times["hf-neox"])
     for name, ts in times.items():
         rate = tokens / statistics.median(ts)
-        print(f"{name:<14}{statistics.median(ts):>9.3f}{rate:>11,.0f}{100 * rate * flops / peak:>7.1f}%"
+        print(f"{name:<14}{statistics.median(ts):>9.3f}{rate:>11,.0f}{100 * rate * flops / cached:>7.1f}%"
+              f"{100 * rate * flops / peak:>10.1f}%"
               f"{rate / hf_rate:>11.2f}x")
 
 
