@@ -50,9 +50,11 @@ def run(args: argparse.Namespace) -> int:
     prompts = [tok.encode(text) for text in texts]
     check_room(model, prompts, s)  # before anything is written to stdout
     device, chosen = precision.for_model(args.dtype, model)
-    print(f"generating in {chosen.describe()}", file=sys.stderr, flush=True)  # stdout holds only the text
     with precision.autocast(device, chosen):
-        return _generate(args, model, tok, s, texts, prompts)
+        code = _generate(args, model, tok, s, texts, prompts)
+    # after the text, on stderr: stdout holds only the text, and an error stays the only line on stderr
+    print(f"generated in {chosen.describe()}", file=sys.stderr, flush=True)
+    return code
 
 
 def _generate(args: argparse.Namespace, model, tok, s, texts: list[str], prompts: list[list[int]]) -> int:
