@@ -45,7 +45,7 @@ def decode(model, prompts, args, speculate, clock):
                  stop_at_eos=False)
     stats = SpeculationStats() if speculate else None
     start = clock()
-    out = generate(model, prompts, s, speculate=speculate, stats=stats)
+    out = generate(model, prompts, s, speculate=speculate, stats=stats, loops=args.loops)
     elapsed = clock() - start
     assert all(len(row) == args.new_tokens for row in out)
     return elapsed, out, stats
@@ -60,7 +60,7 @@ def cost_arithmetic(model, prompts, args, k_ds) -> None:
     planners = []
     for k_d in k_ds:  # one run per K_d so each gets its own acceptance
         stats = speculative.SpeculationStats()
-        list(speculative.stream(model, prompts, s, f"{k_d}", stats=stats))
+        list(speculative.stream(model, prompts, s, f"{k_d}", stats=stats, loops=args.loops))
         planners.append(stats.planner)
     print("cost arithmetic (per-stage costs measured while decoding; ratios to one plain token):")
     print("  K_d   c_d   α      best γ  v(γ)  predicted   bound at α=1 (γ=8)")
@@ -75,15 +75,15 @@ def cost_arithmetic(model, prompts, args, k_ds) -> None:
         print(f"  {k_d:<4} {c_d:5.2f}  {alpha:5.1%}  {gamma:<7} {verify:5.2f}  {gain:6.2f}x    {bound:6.2f}x")
 
 
-def agreement(model, tok, k_ds) -> None:
+def agreement(model, tok, k_ds, loops) -> None:
     """Teacher-forced greedy agreement of the K_d-pass exit with the full depth on held-out text (4 × 200
     tokens), with the coda reading the loop state itself or scheme.early_exit (MeSH: the final read router)."""
     from dataclasses import replace
 
     ids = torch.tensor(corpus_prompts(tok, 4, 200))
-    schedule = model.schedule()
+    schedule = model.schedule(loops)
     with torch.no_grad():
-        full = model(ids).logits.argmax(-1)
+        full = model(ids, loops=loops).logits.argmax(-1)
         print("teacher-forced greedy agreement with the full depth (4 x 200 held-out tokens):")
         for k_d in k_ds:
             run = model.advance(model.enter(ids), schedule, stop=k_d)
@@ -100,6 +100,7 @@ def main() -> None:
     p.add_argument("--draft-loops", default="", help="K_d values to run, comma-separated (default: 1 … K−1)")
     p.add_argument("--settings", default="", help="extra K_d:γ settings to run, comma-separated (e.g. 4:6)")
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens per row")
+    p.add_argument("--loops", type=int, default=None, help="run the model at this many loop passes (default: K)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -112,7 +113,7 @@ def main() -> None:
 
     opened = open_model(args.checkpoint)
     model, tok = opened.model, opened.tokenizer
-    k = model.config.layout.n_steps
+    k = len(model.schedule(args.loops))
     k_ds = [int(x) for x in args.draft_loops.split(",")] if args.draft_loops else list(range(1, k))
     prompts = corpus_prompts(tok, args.batch, args.prompt)
     variants = {"plain": None, **{f"K_d={k_d}": f"{k_d}" for k_d in k_ds},
@@ -138,7 +139,7 @@ def main() -> None:
         extra = "" if stats is None else f"  acceptance {stats.acceptance:6.1%}  setting {stats.setting}"
         print(f"  {name:<8} {rate:8.1f} tokens/s  {rate / plain_rate:5.2f}x{extra}{same}")
     cost_arithmetic(model, prompts, args, k_ds)
-    agreement(model, tok, list(range(1, k)))
+    agreement(model, tok, list(range(1, k)), args.loops)
 
 
 if __name__ == "__main__":
