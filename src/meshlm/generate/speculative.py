@@ -333,11 +333,16 @@ class Decoder:
         """(B, width) padding-mask columns: 1 for each row's first keep[r] positions, 0 (padding) after."""
         return (torch.arange(width, device=keep.device)[None] < keep[:, None]).to(self.mask.dtype)
 
-    def plain_step(self, keep_limit: torch.Tensor, timed: bool = True) -> torch.Tensor:
-        """Feed the pending token through the full model; returns (B, 1): the new pending token. Untimed, it
-        is exactly meshlm.generate's step (one forward, next_token)."""
+    def plain_step(self, keep_limit: torch.Tensor | None, timed: bool = True) -> torch.Tensor:
+        """Feed the pending token through the full model; returns (B, 1): the new pending token. Untimed and
+        without keep_limit, it is exactly meshlm.generate's step (one forward, next_token)."""
         start, self.stage_seconds = self.clock(), 0.0
         mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], 1)
+        if not timed and keep_limit is None:
+            logits = self.model(self.pending[:, None], padding_mask=mask, cache=self.kv,
+                                loops=len(self.schedule)).logits
+            self.pending, self.mask = next_token(logits[:, -1], self.s, self.generator), mask
+            return self.pending[:, None]
         if timed:
             logits = self._forward(self.pending[:, None], mask, len(self.schedule), readout=True)[1]
         else:
@@ -470,6 +475,12 @@ def _decode_more(decoder: Decoder, planner: Planner, stats: SpeculationStats, ma
                  s: Sampling, context: int) -> None:
     """One plain step or one speculative round, as the planner says; leaves (tokens, counts) in
     decoder.emitted. Rows still generating keep at most the positions they will need in the cache."""
+    if planner.plain_for_good:  # nothing pays: meshlm.generate's own step, no bookkeeping
+        if decoder.cached + 1 > context:
+            decoder.compact()
+        decoder.emitted = (decoder.plain_step(None, timed=False).tolist(), [1] * len(made))
+        stats.plain_steps += 1
+        return
     active = torch.tensor([not d and m < s.max_new_tokens for d, m in zip(done, made)])
     keep = torch.tensor([s.max_new_tokens - m for m in made]).clamp(min=0) * active
     need = int(keep.max())  # tokens still to generate for the furthest-behind row
