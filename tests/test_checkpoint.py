@@ -169,3 +169,33 @@ def test_a_full_disk_leaves_no_temporary_folder_and_keeps_earlier_checkpoints(tm
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-000001"]
     assert (tmp_path / "latest").read_text().strip() == "step-000001"
     checkpoint.load_checkpoint(tmp_path)
+
+
+def test_write_failures_reported_by_safetensors_or_torch_are_storage_errors(tmp_path, monkeypatch):
+    """On a real full disk safetensors raises SafetensorError ("os error 28") and torch.save a RuntimeError
+    ("unexpected pos …"), not OSError (seen on a 16 MB tmpfs); both become the one-line StorageError."""
+    import shutil as shutil_module
+    from collections import namedtuple
+
+    from safetensors import SafetensorError
+
+    from meshlm.errors import StorageError
+
+    write(tmp_path, 1)
+
+    def safetensors_full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    with monkeypatch.context() as mp:
+        mp.setattr("meshlm.checkpoint.save_file", safetensors_full)
+        with pytest.raises(StorageError, match="no space left on device"):
+            write(tmp_path, 2)
+
+    def torch_full(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 2117568 vs 2117520")
+    usage = namedtuple("usage", "total used free")
+    with monkeypatch.context() as mp:
+        mp.setattr("meshlm.checkpoint.torch.save", torch_full)
+        mp.setattr(shutil_module, "disk_usage", lambda path: usage(10, 10, 0))
+        with pytest.raises(StorageError, match="no space left on device"):
+            write(tmp_path, 2)
+    assert not list(tmp_path.glob(".t*")) and [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-000001"]

@@ -30,6 +30,7 @@ Loading never executes code: weights via safetensors, the rest via torch.load(we
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -85,7 +86,7 @@ def write_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], meta:
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
         names = [WEIGHTS]
         if state is not None:
-            torch.save(state, tmp / STATE)
+            _save_state(state, tmp / STATE)
             names.append(STATE)
         if tokenizer is not None:
             shutil.copyfile(tokenizer, tmp / TOKENIZER)
@@ -93,8 +94,9 @@ def write_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], meta:
             meta = {**meta, "tokenizer": TOKENIZER}
         seal(tmp, meta, names)
         _replace_dir(tmp, folder)
-    except OSError as err:
-        raise storage_error(err, folder, "writing checkpoint") from None
+    except (OSError, SafetensorError) as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # first, so the message shows the space there really is
+        raise storage_error(as_os_error(err), folder, "writing checkpoint") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; after a failure, the partial write
     return folder
@@ -124,6 +126,28 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
         _write_pointer(run_dir / "best", final.name)
     prune(run_dir, keep_last)
     return final
+
+
+def as_os_error(err: Exception) -> OSError:
+    """The filesystem error behind a failed write: safetensors and torch.save report a full disk as their own
+    errors ("... os error 28", "file write failed"), not as OSError."""
+    if isinstance(err, OSError):
+        return err
+    found = re.search(r"os error (\d+)", str(err))
+    if found:
+        return OSError(int(found.group(1)), os.strerror(int(found.group(1))))
+    return OSError(errno.EIO, f"the write failed ({str(err).splitlines()[0][:80]})")
+
+
+def _save_state(state: dict[str, Any], path: Path) -> None:
+    """torch.save, with a failed write (its RuntimeError: "file write failed", "unexpected pos", …) turned
+    into the OSError it is: ENOSPC when the disk is (nearly) full."""
+    try:
+        torch.save(state, path)
+    except RuntimeError as err:
+        full = shutil.disk_usage(path.parent).free < (1 << 20)
+        raise OSError(errno.ENOSPC if full else errno.EIO, "No space left on device" if full else
+                      f"the write failed ({str(err).splitlines()[0][:80]})", str(path)) from None
 
 
 def seal(folder: Path, meta: dict[str, Any], names: list[str]) -> None:

@@ -62,6 +62,8 @@ def describe_os_error(err: OSError, path: str | Path | None = None, doing: str =
     path = path or err.filename or "?"
     what = f"{doing} {path}" if doing else str(path)
     reason = err.strerror or type(err).__name__
+    if err.errno == errno.EIO:
+        return f"{what}: {reason}; {free_space(path)}: check the disk and the free space"
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"{what}: no space left on device ({free_space(path)}); free some space or choose another folder"
     if err.errno in (errno.EACCES, errno.EPERM):

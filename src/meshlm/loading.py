@@ -45,7 +45,7 @@ from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.data.prepare import PreparedData, prepare_default
 from meshlm.data.tokenizer import DEFAULT_VOCAB, TextTokenizer, check_vocab, load_tokenizer, resolve_tokenizer_path
-from meshlm.errors import CheckpointError, DataError
+from meshlm.errors import CheckpointError, ConfigError, DataError
 from meshlm.interop.families import BY_MODEL_TYPE, to_meshlm
 from meshlm.interop.families import model_config as family_model_config
 from meshlm.model import MeshLM
@@ -229,8 +229,8 @@ class Opened:
         data = PreparedData(self.data_dir(override), split)
         prepared_with = data.manifest["tokenizer"]
         if prepared_with["hash"] != self.tokenizer.hash:
-            raise DataError(f"{data.dir} was tokenised with {prepared_with['name']!r}, not the model's tokenizer "
-                            f"{self.tokenizer.name!r}; pass --data prepared with it (or --tokenizer)")
+            raise ConfigError(f"{data.dir} was tokenised with {prepared_with['name']!r}, not the model's tokenizer "
+                              f"{self.tokenizer.name!r}; pass --data prepared with it (or --tokenizer)")  # usage: 2
         return data
 
 

@@ -7,7 +7,9 @@
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from meshlm.errors import ConfigError, MeshlmError
@@ -31,6 +33,16 @@ class Problems:
         except MeshlmError as err:
             self.errors.append(err)
             return None
+
+    def writable(self, path: str | os.PathLike, setting: str) -> bool:
+        """Records a problem unless `path` (or, if it does not exist yet, its nearest existing parent) can be
+        written: a read-only filesystem or a missing permission is found before any work, not after it."""
+        existing = Path(path).expanduser().absolute()
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        return self.need(os.access(existing, os.W_OK | os.X_OK),
+                         f"{setting} {path}: cannot write to {existing} (read-only or no permission); choose a "
+                         f"folder you can write to")
 
     def raise_if_any(self) -> None:
         """One error: a usage error (exit 2) if any problem is one, else the first problem's kind."""

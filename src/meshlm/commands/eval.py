@@ -109,7 +109,9 @@ def check_inputs(args: argparse.Namespace) -> str | None:
     p.check(resolve_device, args.device)
     if p.need(Path(args.checkpoint).exists(), f"{args.checkpoint} does not exist; pass a run folder, a "
                                               f"step-NNNNNN folder or a model folder"):
-        p.check(locate, args.checkpoint)
+        folder = p.check(locate, args.checkpoint)
+        if folder is not None:
+            p.writable(Path(args.out).parent if args.out else folder.run_dir, "output folder")
     if args.data is not None:
         p.need(Path(args.data).expanduser().is_dir(),
                f"--data {args.data} does not exist; pass a folder written by `meshlm prepare`")

@@ -26,7 +26,7 @@ from meshlm.data.prepare import PreparedData, prepare_default, validation_batche
 from meshlm.data.tokenizer import check_vocab, load_tokenizer, tokenizer_file
 from meshlm.devices import device_problem
 from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError
-from meshlm.loading import open_model
+from meshlm.loading import locate, open_model
 from meshlm.model import MeshLM
 from meshlm.model.accounting import describe
 from meshlm.problems import Problems
@@ -387,7 +387,8 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> None:
             p.need(False, f"{path} was prepared with tokenizer {manifest['tokenizer']['name']!r}, not "
                           f"{tok.name!r}; set train.tokenizer to match or prepare the data again")
     if cfg.init_from:
-        p.check(checkpoint.verify, cfg.init_from)
+        p.check(locate, cfg.init_from)  # any model folder meshlm.loading opens
+    p.writable(cfg.run_dir(), "run folder")
     existing = checkpoint.list_checkpoints(cfg.run_dir())
     p.need(resume or not existing, f"{cfg.run_dir()} already holds checkpoints (newest "
                                    f"{existing[0].name if existing else ''}); pass --resume to continue, or choose "
