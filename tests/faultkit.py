@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from meshlm.train.config import SHIPPED_CONFIGS
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "errors.md"
 
@@ -434,6 +436,7 @@ def normalise(text: str, tmp: Path, world: dict[str, Path]) -> str:
     for name, path in sorted(world.items(), key=lambda kv: -len(str(kv[1]))):
         text = text.replace(str(path), f"<{name}>")
     text = text.replace(str(tmp), "<tmp>")
+    text = text.replace(str(SHIPPED_CONFIGS), "<configs>")  # where the package lies differs between checkouts
     text = re.sub(r"\d+(\.\d+)? [KMGT]?B free", "N GB free", text)
     text = re.sub(r"<tmp>/runs/run/step-\d+", "<tmp>/runs/run/step-N", text)
     text = re.sub(r"holds step \d+/500", "holds step N/500", text)
@@ -452,7 +455,8 @@ every row against what the command really prints, so the table cannot drift. Eac
 stderr (argparse usage errors print the usage block first) with no traceback; `--debug` or `MESHLM_DEBUG=1`
 adds the traceback. Exit codes: 2 usage (a bad argument or config value), 1 runtime (data, checkpoint,
 filesystem), 130 Ctrl-C, 143 SIGTERM, 0 for the inputs that are handled (a warning or a correct result).
-Paths: `<tmp>` is the working folder, `<run>` a trained run, `<data>` prepared data, `<corpus>` text files.
+Paths: `<tmp>` is the working folder, `<run>` a trained run, `<data>` prepared data, `<corpus>` text files,
+`<configs>` the shipped configs.
 
 | command | bad input or fault | exit | message |
 |---|---|---|---|
