@@ -29,7 +29,7 @@ from typing import Any
 
 from meshlm.backbones import BACKBONES
 from meshlm.errors import ConfigError
-from meshlm.fields import coerce_all, type_problems, with_defaults
+from meshlm.fields import build, coerce_all, type_problems, with_defaults
 
 _CORE = re.compile(r"^(\d+)(?:[rR](\d+))?$")
 PREFIX = "invalid model config: "
@@ -250,13 +250,7 @@ class ModelConfig:
         if not isinstance(data, dict):
             raise ConfigError(f"a model config must be a mapping of fields, not {type(data).__name__} {data!r}")
         values, problems = coerce_all(cls, data, "model config")
-        try:
-            config = cls(**values)
-        except ConfigError as err:
-            problems.append(str(err).removeprefix(PREFIX))
-        if problems:
-            raise ConfigError(PREFIX + "; ".join(problems))
-        return config
+        return build(cls, values, problems, PREFIX)
 
     def replace(self, **changes: Any) -> ModelConfig:
         return self.from_dict({**self.to_dict(), **changes})

@@ -22,6 +22,8 @@ import dataclasses
 import math
 from typing import Any
 
+from meshlm.errors import ConfigError
+
 _TRUE, _FALSE = ("true", "yes"), ("false", "no")
 
 
@@ -150,3 +152,16 @@ def with_defaults(obj, names: list[str]):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
             object.__setattr__(shadow, f.name, default)
     return shadow
+
+
+def build(cls, values: dict[str, Any], problems: list[str], prefix: str):
+    """cls(**values), with the problems its own validation finds joined to `problems` (from coerce_all):
+    every problem in one ConfigError starting with `prefix`."""
+    config = None
+    try:
+        config = cls(**values)
+    except ConfigError as err:
+        problems.append(str(err).removeprefix(prefix))
+    if problems:
+        raise ConfigError(prefix + "; ".join(problems))
+    return config

@@ -234,6 +234,17 @@ class Opened:
         return data
 
 
+def weight_mismatch(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> str | None:
+    """How `weights` fail to fit `model` (the first few missing, unexpected and reshaped names); None if they fit."""
+    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    found = {name: tuple(t.shape) for name, t in weights.items()}
+    if found == expected:
+        return None
+    missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    reshaped = sorted(n for n in set(found) & set(expected) if found[n] != expected[n])
+    return f"missing {missing[:3]}, unexpected {extra[:3]}, other shapes {reshaped[:3]}"
+
+
 def resolve_device(name: str | torch.device = "auto") -> torch.device:
     """A torch.device as is; a name checked by meshlm.devices (one message for an unavailable device)."""
     return name if isinstance(name, torch.device) else devices.resolve_device(name)
@@ -249,14 +260,10 @@ def open_model(path: str | os.PathLike, device: str | torch.device = "cpu", toke
     else:
         weights = folder.weights(check)  # verified first: an edited config.json is refused, never built
         model = MeshLM(folder.model_config())
-        expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-        found = {name: tuple(t.shape) for name, t in weights.items()}
-        if found != expected:
-            missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
-            reshaped = sorted(n for n in set(found) & set(expected) if found[n] != expected[n])
-            raise CheckpointError(f"{folder.path}: the weights do not match config.json (missing {missing[:3]}, "
-                                  f"unexpected {extra[:3]}, other shapes {reshaped[:3]}); the files are from "
-                                  f"another model")
+        mismatch = weight_mismatch(model, weights)
+        if mismatch:
+            raise CheckpointError(f"{folder.path}: the weights do not match config.json ({mismatch}); the files "
+                                  f"are from another model")
         model.load_state_dict(weights)
     return Opened(model.to(resolve_device(device)).eval(), folder, str(tokenizer) if tokenizer else None)
 

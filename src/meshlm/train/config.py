@@ -30,7 +30,7 @@ import yaml
 
 from meshlm.config import ModelConfig
 from meshlm.errors import CheckpointError, ConfigError
-from meshlm.fields import coerce_all, type_problems, with_defaults
+from meshlm.fields import build, coerce_all, type_problems, with_defaults
 from meshlm.loading import locate
 from meshlm.train.depth import LoopDistribution, parse_loops
 
@@ -248,13 +248,7 @@ class TrainConfig:
         if renamed:
             problems.append("eval_batches was replaced by eval_windows (validation windows per pass, fixed "
                             "whatever micro_batch is): set eval_windows = old eval_batches × micro_batch")
-        try:
-            config = cls(**values)
-        except ConfigError as err:
-            problems.append(str(err).removeprefix(PREFIX))
-        if problems:
-            raise ConfigError(PREFIX + "; ".join(problems))
-        return config
+        return build(cls, values, problems, PREFIX)
 
     @classmethod
     def from_file_dict(cls, data: dict[str, Any], overrides: list[str] = ()) -> TrainConfig:

@@ -26,7 +26,7 @@ from meshlm.data.prepare import PreparedData, prepare_default, validation_batche
 from meshlm.data.tokenizer import check_vocab, load_tokenizer, tokenizer_file
 from meshlm.devices import device_problem
 from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError
-from meshlm.loading import locate, open_model
+from meshlm.loading import locate, open_model, weight_mismatch
 from meshlm.model import MeshLM
 from meshlm.model.accounting import describe
 from meshlm.problems import Problems
@@ -174,14 +174,11 @@ class Trainer:
         """Weights only, from any folder meshlm.loading opens: the optimizer and schedule start fresh."""
         source = open_model(path)
         weights = source.model.state_dict()
-        expected = {name: tuple(t.shape) for name, t in self.model.state_dict().items()}
-        found = {name: tuple(t.shape) for name, t in weights.items()}
-        if found != expected:
-            missing, extra = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
-            reshaped = sorted(n for n in set(found) & set(expected) if found[n] != expected[n])
-            raise CheckpointError(f"train.init_from={path}: its weights do not fit the model (missing {missing[:3]}, "
-                                  f"unexpected {extra[:3]}, other shapes {reshaped[:3]}); drop the model.* overrides "
-                                  f"that change the architecture, or make the new layout with `meshlm retrofit`")
+        mismatch = weight_mismatch(self.model, weights)
+        if mismatch:
+            raise CheckpointError(f"train.init_from={path}: its weights do not fit the model ({mismatch}); drop the "
+                                  f"model.* overrides that change the architecture, or make the new layout with "
+                                  f"`meshlm retrofit`")
         parallel.load_full_state(self.model, None, weights, None)
         self.log(f"initialised from {source.path} (weights only; optimizer and schedule start at step 0)")
 
