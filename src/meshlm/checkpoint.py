@@ -45,8 +45,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from meshlm.data.hashing import sha256_file
 from meshlm.errors import CheckpointError, storage_error
-from meshlm.hashing import sha256_file
 
 WEIGHTS, STATE, CONFIG, TOKENIZER = "model.safetensors", "state.pt", "config.json", "tokenizer.json"
 MANIFEST = "manifest.json"

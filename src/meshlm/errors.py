@@ -1,12 +1,16 @@
 """Errors that mean "the user asked for something impossible" or "the world got in the way": the CLI prints
 them as one line (no traceback unless --debug / MESHLM_DEBUG=1) and exits with the error's `exit_code`:
 2 for usage (a bad argument or config value), 1 for a runtime failure (missing data, corrupt checkpoint,
-full disk), 130 / 143 after Ctrl-C / SIGTERM."""
+full disk), 130 / 143 after Ctrl-C / SIGTERM. `Problems` collects every problem with a command's inputs
+before any compute and raises them as one error."""
 from __future__ import annotations
 
 import errno
+import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 
 class MeshlmError(Exception):
@@ -79,3 +83,51 @@ def describe_os_error(err: OSError, path: str | Path | None = None, doing: str =
 
 def storage_error(err: OSError, path: str | Path | None = None, doing: str = "") -> StorageError:
     return StorageError(describe_os_error(err, path, doing))
+
+
+_Result = TypeVar("_Result")
+
+
+class Problems:
+    """Collect every problem with a command's inputs before any compute, then raise them as one error.
+
+        p = Problems()
+        p.need(args.limit is None or args.limit >= 1, "--limit must be >= 1")
+        device = p.check(resolve_device, args.device)     # None when it failed; the message is kept
+        p.raise_if_any()                                  # one MeshlmError listing all of them
+    """
+
+    def __init__(self) -> None:
+        self.errors: list[MeshlmError] = []
+
+    def need(self, ok: bool, message: str) -> bool:
+        if not ok:
+            self.errors.append(ConfigError(message))
+        return ok
+
+    def check(self, fn: Callable[..., _Result], *args: Any, **kwargs: Any) -> _Result | None:
+        """fn(*args, **kwargs), or None with its MeshlmError recorded."""
+        try:
+            return fn(*args, **kwargs)
+        except MeshlmError as err:
+            self.errors.append(err)
+            return None
+
+    def writable(self, path: str | os.PathLike, setting: str) -> bool:
+        """Records a problem unless `path` (or, if it does not exist yet, its nearest existing parent) can be
+        written: a read-only filesystem or a missing permission is found before any work, not after it."""
+        existing = Path(path).expanduser().absolute()
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        return self.need(os.access(existing, os.W_OK | os.X_OK),
+                         f"{setting} {path}: cannot write to {existing} (read-only or no permission); choose a "
+                         f"folder you can write to")
+
+    def raise_if_any(self) -> None:
+        """One error: a usage error (exit 2) if any problem is one, else the first problem's kind."""
+        if not self.errors:
+            return
+        if len(self.errors) == 1:
+            raise self.errors[0]
+        kind = ConfigError if any(isinstance(e, ConfigError) for e in self.errors) else type(self.errors[0])
+        raise kind(f"{len(self.errors)} problems: " + "; ".join(f"({i}) {e}" for i, e in enumerate(self.errors, 1)))

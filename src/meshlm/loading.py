@@ -40,7 +40,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from meshlm import checkpoint, devices
+from meshlm import checkpoint
 from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.data.prepare import PreparedData, prepare_default
@@ -49,6 +49,7 @@ from meshlm.errors import CheckpointError, ConfigError, DataError
 from meshlm.interop.families import BY_MODEL_TYPE, to_meshlm
 from meshlm.interop.families import model_config as family_model_config
 from meshlm.model import MeshLM
+from meshlm.runtime import devices
 
 FORMATS = ("meshlm", "hf", *BACKBONES)
 _KNOWN_FAMILIES = ", ".join(b.title for b in BACKBONES.values())
@@ -246,7 +247,7 @@ def weight_mismatch(model: torch.nn.Module, weights: dict[str, torch.Tensor]) ->
 
 
 def resolve_device(name: str | torch.device = "auto") -> torch.device:
-    """A torch.device as is; a name checked by meshlm.devices (one message for an unavailable device)."""
+    """A torch.device as is; a name checked by meshlm.runtime.devices (one message for an unavailable device)."""
     return name if isinstance(name, torch.device) else devices.resolve_device(name)
 
 

@@ -97,9 +97,9 @@ def run(args: argparse.Namespace) -> int:
 def check_inputs(args: argparse.Namespace) -> str | None:
     """Every argument, the model folder, the device, the task names and their fetched data, before any compute
     (all problems in one error). Returns the tasks to run (None = none)."""
-    from meshlm.devices import resolve_device
+    from meshlm.errors import Problems
     from meshlm.loading import locate
-    from meshlm.problems import Problems
+    from meshlm.runtime.devices import resolve_device
 
     p = Problems()
     p.need(args.limit is None or args.limit >= 1, f"--limit {args.limit} must be >= 1 (omit it to evaluate everything)")

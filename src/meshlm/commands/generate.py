@@ -103,10 +103,10 @@ def check_inputs(args: argparse.Namespace):
     loading anything (every problem in one error). Returns (Sampling, prompts as text)."""
     from pathlib import Path
 
-    from meshlm.devices import resolve_device
+    from meshlm.errors import Problems
     from meshlm.generate import Sampling
     from meshlm.model.exit import ExitRule
-    from meshlm.problems import Problems
+    from meshlm.runtime.devices import resolve_device
 
     p = Problems()
     s = p.check(Sampling, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,

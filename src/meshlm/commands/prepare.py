@@ -52,7 +52,7 @@ def check_inputs(args: argparse.Namespace) -> None:
 
     from meshlm.data.shards import MANIFEST
     from meshlm.data.tokenizer import load_tokenizer
-    from meshlm.problems import Problems
+    from meshlm.errors import Problems
 
     p = Problems()
     missing = [path for path in args.inputs if not Path(path).expanduser().exists()]

@@ -84,9 +84,9 @@ def run(args: argparse.Namespace) -> int:
 
 def check_inputs(args: argparse.Namespace) -> None:
     """Numbers, device, checkpoint and --data, all before loading anything (every problem in one error)."""
-    from meshlm.devices import resolve_device
+    from meshlm.errors import Problems
     from meshlm.loading import locate
-    from meshlm.problems import Problems
+    from meshlm.runtime.devices import resolve_device
 
     p = Problems()
     p.need(args.samples >= 1 and args.batch_size >= 1, "--samples and --batch-size must be >= 1")

@@ -30,8 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from meshlm.errors import Problems
     from meshlm.interop.retrofit import retrofit_folder
-    from meshlm.problems import Problems
 
     p = Problems()
     p.need(Path(args.source).exists(), f"source {args.source} does not exist; pass a GPT-NeoX, Llama or OLMoE "

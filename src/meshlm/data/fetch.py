@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from meshlm.data.cache_dir import cache_dir as resolve_cache
+from meshlm.data.hashing import sha256_file
 from meshlm.errors import DataError
-from meshlm.hashing import sha256_file
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from meshlm.devices import device_problem
 from meshlm.errors import ConfigError
 from meshlm.model.layers import Layer
 from meshlm.runtime import compile as compile_policy
 from meshlm.runtime import precision
+from meshlm.runtime.devices import device_problem
 from meshlm.train.config import TrainConfig
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets every tensor, on CPU

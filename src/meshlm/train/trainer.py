@@ -24,13 +24,12 @@ from meshlm import checkpoint
 from meshlm.backbones import BACKBONES
 from meshlm.data.prepare import PreparedData, prepare_default, validation_batches
 from meshlm.data.tokenizer import check_vocab, load_tokenizer, tokenizer_file
-from meshlm.devices import device_problem
-from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError
+from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError, Problems
 from meshlm.loading import locate, open_model, weight_mismatch
 from meshlm.model import MeshLM
 from meshlm.model.accounting import describe
-from meshlm.problems import Problems
 from meshlm.runtime import allocator
+from meshlm.runtime.devices import device_problem
 from meshlm.runtime.peaks import device_peak
 from meshlm.train import parallel
 from meshlm.train.batches import get_batch
