@@ -167,6 +167,13 @@ def _latin(tmp: Path, world) -> None:
     write(tmp / "noise.txt", bytes([0xE9, 0xFF, 0x41, 0xC3]) * 2000)
 
 
+# `meshlm train --resume` of the tiny run that copy_run puts under {tmp}/run: the next save is a checkpoint write
+RESUME_COPIED_RUN = ["train", "train.data={data}", "model.preset=tiny", "model.vocab_size=8192", "train.out_dir={tmp}",
+                     "train.name=run", "train.seq_len=32", "train.global_batch=4", "train.micro_batch=4",
+                     "train.steps=4", "train.eval_windows=4", "train.progress=false", "train.tensorboard=false",
+                     "train.peak_flops=1e11", "--resume"]
+
+
 CASES: list[Case] = [
     # -- meshlm itself
     Case("meshlm", "no command", [], 2, "the following arguments are required: COMMAND"),
@@ -262,19 +269,11 @@ CASES: list[Case] = [
          "train.init_from"),
     Case("train", "a scheme option of the wrong type", ["train", "model.scheme_options.slots=abc"], 2,
          "slots='abc'"),
-    Case("train", "a full disk at a checkpoint", ["train", "train.data={data}", "model.preset=tiny",
-                                                  "model.vocab_size=8192", "train.out_dir={tmp}", "train.name=run",
-                                                  "train.seq_len=32", "train.global_batch=4", "train.micro_batch=4",
-                                                  "train.steps=4", "train.eval_windows=4", "train.progress=false",
-                                                  "train.tensorboard=false", "train.peak_flops=1e11", "--resume"], 1,
+    Case("train", "a full disk at a checkpoint", RESUME_COPIED_RUN, 1,
          "no space left on device", setup=lambda tmp, w: copy_run(tmp, w),
          patch=lambda mp, tmp: mp.setattr("meshlm.checkpoint.save_file", raise_oserror(errno.ENOSPC)),
          after=_earlier_checkpoint_intact),
-    Case("train", "a read-only run folder", ["train", "train.data={data}", "model.preset=tiny",
-                                             "model.vocab_size=8192", "train.out_dir={tmp}", "train.name=run",
-                                             "train.seq_len=32", "train.global_batch=4", "train.micro_batch=4",
-                                             "train.steps=4", "train.eval_windows=4", "train.progress=false",
-                                             "train.tensorboard=false", "train.peak_flops=1e11", "--resume"], 1,
+    Case("train", "a read-only run folder", RESUME_COPIED_RUN, 1,
          "read-only file system", setup=lambda tmp, w: copy_run(tmp, w),
          patch=lambda mp, tmp: mp.setattr("meshlm.checkpoint.torch.save", raise_oserror(errno.EROFS)),
          after=_earlier_checkpoint_intact),
