@@ -57,9 +57,10 @@ def test_missing_study_file_exits_2(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-def test_tiny_study_end_to_end_and_rerun_skips(tmp_path, capsys):
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_tiny_study_end_to_end_and_rerun_skips(tmp_path, capsys, jobs):
     path = write_study(tmp_path)
-    assert main(["reproduce", str(path)]) == 0
+    assert main(["reproduce", str(path), "--jobs", str(jobs)]) == 0
     out_dir = tmp_path / "runs" / "t"
     for run in ["base-s0", "mesh-s0"]:
         assert (out_dir / run / "eval.json").is_file() and (out_dir / run / "probe" / "probe.json").is_file()
@@ -102,40 +103,75 @@ def test_paired_differences_by_seed(tmp_path):
     assert row == ["| base − mesh | 2 | 0.000 ± 0.141 | +0.100, -0.100 | 1/2 |"]
 
 
+@pytest.mark.parametrize("keep_going", [False, True])
+def test_a_failed_run_stops_the_study_unless_keep_going(tmp_path, capsys, keep_going):
+    path = write_study(tmp_path, variants={"broken": {"overrides": ["model.spec=1+1R2+1", f"train.data={tmp_path}/nope"]},
+                                           "mesh": {"overrides": ["model.spec=1+1R2+1", "model.scheme=mesh"]}})
+    assert main(["reproduce", str(path), *(["--keep-going"] if keep_going else [])]) == 1
+    err = capsys.readouterr().err
+    assert "train of broken-s0 failed" in err and "broken-s0/train.log" in err
+    assert (tmp_path / "runs" / "t" / "mesh-s0" / "eval.json").is_file() == keep_going
+    assert (tmp_path / "runs" / "t" / "results.md").is_file()  # the page shows what finished
+
+
+def test_jobs_below_one_is_refused(tmp_path, capsys):
+    assert main(["reproduce", str(write_study(tmp_path)), "--jobs", "0"]) == 2
+    assert "--jobs 0" in capsys.readouterr().err
+
+
+def test_a_job_slot_gets_its_share_of_the_cores(monkeypatch):
+    from meshlm.analysis.study import job_environment
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert job_environment(0, 4, launcher=False)["OMP_NUM_THREADS"] == "4"
+    assert job_environment(0, 32, launcher=False)["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # the user's setting wins
+    assert "OMP_NUM_THREADS" not in job_environment(0, 4, launcher=False)
+
+
 @pytest.mark.slow
-def test_ctrl_c_stops_the_study_with_the_running_training_saved_and_a_rerun_finishes(tmp_path):
-    """SIGINT to `meshlm reproduce` reaches the training run once: it saves its step; the study exits 130 and
-    says to run it again, which resumes that run and finishes the study."""
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_ctrl_c_stops_the_study_with_the_running_training_saved_and_a_rerun_finishes(tmp_path, jobs):
+    """SIGINT to `meshlm reproduce` reaches every running training once: each saves its step; the study exits
+    130 and says to run it again, which resumes those runs and finishes the study."""
     import json
     import os
+    import re
     import signal
     import subprocess
     import sys
     import time
 
     overrides = [o for o in TINY if not o.startswith("train.steps")] + ["train.steps=60"]
-    path = write_study(tmp_path, overrides=overrides, variants={"base": {"overrides": ["model.spec=1+1R2+1",
-                                                                                        "model.scheme=base"]}})
+    variants = {"base": {"overrides": ["model.spec=1+1R2+1", "model.scheme=base"]},
+                "mesh": {"overrides": ["model.spec=1+1R2+1", "model.scheme=mesh"]}}
+    path = write_study(tmp_path, overrides=overrides, variants=dict(list(variants.items())[:jobs]))
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1", "MESHLM_DEBUG": ""}
-    command = [sys.executable, "-m", "meshlm.cli", "reproduce", str(path)]
+    command = [sys.executable, "-m", "meshlm.cli", "reproduce", str(path), "--jobs", str(jobs)]
     proc = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
-    metrics, deadline = tmp_path / "runs" / "t" / "base-s0" / "metrics.jsonl", time.time() + 180
+    runs = [tmp_path / "runs" / "t" / f"{name}-s0" for name in list(variants)[:jobs]]
+    deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None:
-        if metrics.is_file() and metrics.read_text().count('"kind": "train"') >= 3:
+        if all((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count('"kind": "train"') >= 3
+               for run in runs):
             break
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 130, err
     last = err.strip().splitlines()[-1]
-    assert last.startswith("meshlm reproduce: stopped: train of base-s0 stopped (its current step is saved)"), last
+    assert re.match(r"meshlm reproduce: stopped: train of (base|mesh)-s0 stopped \(its current step is saved\)",
+                    last), last
     assert "Traceback" not in err
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines() if '"train"' in line]
-    assert 3 <= max(steps) < 60 and list((metrics.parent).glob("step-*"))
+    for run in runs:  # every running training got the signal once and saved its step
+        steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+                 if '"train"' in line]
+        assert 3 <= max(steps) < 60 and list(run.glob("step-*")), run.name
 
     again = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr
-    assert "resumed" in (metrics.parent / "train.log").read_text()
+    assert all("resumed" in (run / "train.log").read_text() for run in runs)
     assert (tmp_path / "runs" / "t" / "results.md").is_file()

@@ -67,8 +67,14 @@ def test_backprop_loops_above_the_cap_and_multi_core_sampling_are_errors(prepare
                    loops="uniform:1-4")
 
 
-def test_sampling_sets_the_model_cap_to_the_distribution_cap(prepared, tmp_path):
+def test_sampling_gives_per_step_parameters_up_to_the_distributions_95th_percentile(prepared, tmp_path):
     assert tiny_train(prepared, tmp_path, loops="uniform:1-8").model_config().max_loops == 8
+    # mean 4, cap 16: 95% of draws are <= 8 (P(n >= 12) is 1%): pairs beyond 8 would hardly be trained
+    huginn = tiny_train(prepared, tmp_path, loops="poisson-lognormal:mean=4,cap=16")
+    assert huginn.model_config().max_loops == 8
+    draws = [huginn.loop_distribution().draw(0, step) for step in range(4000)]
+    assert 0.94 <= sum(n <= 8 for n in draws) / len(draws) <= 0.97 and max(draws) > 8
+    assert tiny_train(prepared, tmp_path, loops="uniform:1-2").model_config().max_loops is None  # within K
     assert tiny_train(prepared, tmp_path).model_config().max_loops is None  # fixed: today's model
     explicit = tiny_train(prepared, tmp_path, loops="uniform:1-4",
                           model={"preset": "tiny", "vocab_size": 8192, "max_loops": 6})

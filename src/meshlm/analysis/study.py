@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import shlex
 import signal
 import statistics
@@ -162,22 +163,73 @@ def meshlm_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "meshlm.cli", *args]
 
 
-def execute(study: Study, log=print) -> None:
-    """Train, evaluate and probe every run that is not finished yet, then write the results page."""
+def execute(study: Study, log=print, jobs: int = 1, keep_going: bool = False) -> None:
+    """Train, evaluate and probe every run that is not finished yet, `jobs` runs at a time, then write the
+    results page. With jobs > 1 each run's processes get OMP_NUM_THREADS = cores // jobs (unless set), and on a
+    machine with several GPUs (and no launcher) the runs are spread over them, one GPU per job slot.
+
+    After a failed run no new run starts (with `keep_going`, the others still do), the running ones finish,
+    and the first error is raised; after an interrupt the running ones stop on the forwarded signal."""
+    todo = []
     for i, run in enumerate(study.runs, 1):
         if _evaluated(run) and (run.dir / "probe" / "probe.json").is_file():
             log(f"[{i}/{len(study.runs)}] {run.name}: done, skipped")
-            continue
-        log(f"[{i}/{len(study.runs)}] {run.name}: training")
-        start = time.perf_counter()
-        train = meshlm_command("train", "--resume", *(["--config", study.config] if study.config else []),
-                               *run.overrides)
-        _check_call(study.launcher + train[1:] if study.launcher else train, run, "train")
-        _record_wall_time(run, time.perf_counter() - start)
-        log(f"[{i}/{len(study.runs)}] {run.name}: evaluating and probing")
-        _check_call(meshlm_command("eval", str(run.dir), *study.eval_args), run, "eval")
-        _check_call(meshlm_command("probe", str(run.dir), *study.probe_args), run, "probe")
+        else:
+            todo.append((i, run))
+    queue, lock, errors = list(reversed(todo)), threading.Lock(), []
+
+    def worker(slot: int) -> None:
+        env = job_environment(slot, jobs, bool(study.launcher))
+        while True:
+            with lock:
+                if (errors and not keep_going) or children.received or not queue:
+                    return
+                i, run = queue.pop()
+            try:
+                _run_stages(study, run, f"[{i}/{len(study.runs)}]", children, env, log)
+            except MeshlmError as err:  # Interrupted included; raised from the main thread below
+                with lock:
+                    errors.append(err)
+                if not isinstance(err, Interrupted):
+                    log(f"[{i}/{len(study.runs)}] {run.name}: failed: {err}")
+
+    with Children() as children:
+        threads = [threading.Thread(target=worker, args=(slot,), daemon=True) for slot in range(min(jobs, len(todo)))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            while thread.is_alive():  # join with a timeout: the main thread stays free to take Ctrl-C
+                thread.join(0.2)
     write_results(study)
+    interrupted = [err for err in errors if isinstance(err, Interrupted)]
+    if interrupted or errors:
+        raise (interrupted or errors)[0]
+
+
+def _run_stages(study: Study, run: Run, tag: str, children: "Children", env: dict[str, str], log) -> None:
+    """train → eval → probe for one run, each stage its own `meshlm` process."""
+    log(f"{tag} {run.name}: training")
+    start = time.perf_counter()
+    train = meshlm_command("train", "--resume", *(["--config", study.config] if study.config else []),
+                           *run.overrides)
+    _check_call(study.launcher + train[1:] if study.launcher else train, run, "train", children, env)
+    _record_wall_time(run, time.perf_counter() - start)
+    log(f"{tag} {run.name}: evaluating and probing")
+    _check_call(meshlm_command("eval", str(run.dir), *study.eval_args), run, "eval", children, env)
+    _check_call(meshlm_command("probe", str(run.dir), *study.probe_args), run, "probe", children, env)
+
+
+def job_environment(slot: int, jobs: int, launcher: bool) -> dict[str, str]:
+    """Environment for one job slot's processes: its share of the cores and, with several GPUs, its GPU."""
+    env = {}
+    if jobs > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
+    if not launcher and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.device_count() > 1:
+            env["CUDA_VISIBLE_DEVICES"] = str(slot % torch.cuda.device_count())
+    return env
 
 
 def _evaluated(run: Run) -> bool:
@@ -188,13 +240,15 @@ def _evaluated(run: Run) -> bool:
         return False
 
 
-def _check_call(command: list[str], run: Run, stage: str) -> None:
+def _check_call(command: list[str], run: Run, stage: str, children: "Children", env: dict[str, str]) -> None:
     """Run one stage in its own session, so Ctrl-C reaches it once, from here: a training run then saves its
     current step; the study stops with advice to run it again (which resumes where it stopped)."""
     run.dir.mkdir(parents=True, exist_ok=True)
     with open(run.dir / f"{stage}.log", "a") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        code, signum = wait_forwarding_signals(proc)
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **env} if env else None)
+        code = children.wait(proc)
+    signum = children.received[0] if children.received else None
     if signum is not None or code in (130, 143, -signal.SIGINT, -signal.SIGTERM):
         saved = " (its current step is saved)" if stage == "train" and code in (130, 143) else ""
         raise Interrupted(f"{stage} of {run.name} stopped{saved}; run the same `meshlm reproduce` command again: "
@@ -205,23 +259,43 @@ def _check_call(command: list[str], run: Run, stage: str) -> None:
                           f"run the study again (finished runs are skipped)")
 
 
-def wait_forwarding_signals(proc: subprocess.Popen) -> tuple[int, int | None]:
-    """Wait for `proc`, passing SIGINT and SIGTERM on to it (a second Ctrl-C reaches it too, and aborts it at
-    once); returns (its exit code, the first signal received here or None)."""
-    received: list[int] = []
+class Children:
+    """The stage processes running now. While open (in the main thread), SIGINT and SIGTERM are passed on to
+    every one of them (a second Ctrl-C reaches them too, and aborts them at once); `received` lists the
+    signals that came."""
 
-    def forward(signum, frame):
-        received.append(signum)
-        if proc.poll() is None:
-            proc.send_signal(signum)
+    def __init__(self):
+        self.running: set[subprocess.Popen] = set()
+        self.received: list[int] = []
+        self._lock = threading.Lock()
+        self._previous = {}
 
-    is_main = threading.current_thread() is threading.main_thread()
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)} if is_main else {}
-    try:
-        return proc.wait(), (received[0] if received else None)
-    finally:
-        for sig, handler in previous.items():
+    def __enter__(self) -> "Children":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+    def _forward(self, signum, frame) -> None:
+        self.received.append(signum)
+        with self._lock:
+            for proc in self.running:
+                if proc.poll() is None:
+                    proc.send_signal(signum)
+
+    def wait(self, proc: subprocess.Popen) -> int:
+        with self._lock:
+            self.running.add(proc)
+            if self.received and proc.poll() is None:  # a signal came while it was starting
+                proc.send_signal(self.received[0])
+        try:
+            return proc.wait()
+        finally:
+            with self._lock:
+                self.running.discard(proc)
 
 
 def _record_wall_time(run: Run, seconds: float) -> None:

@@ -98,7 +98,8 @@ class TrainConfig:
 
     # -- derived ------------------------------------------------------------------------------------------
     def model_config(self) -> ModelConfig:
-        """The model: preset + overrides (or init_from's), with max_loops = the train.loops cap when sampling."""
+        """The model: preset + overrides (or init_from's), with max_loops = the train.loops horizon when sampling
+        (train/depth.py: its 95th percentile, at least K)."""
         overrides = dict(self.model)
         preset = overrides.pop("preset", None)
         if self.init_from:
@@ -118,9 +119,9 @@ class TrainConfig:
         if dist.cap(k) != k and len(cfg.layout.cores) != 1:
             raise ConfigError(f"train.loops={self.loops!r} needs a single-core spec (one core run K times, e.g. "
                               f"\"2+2R2+2\"), not {cfg.spec!r}; use train.loops=fixed")
-        if explicit or cfg.max_loops is not None or dist.cap(k) <= k:
+        if explicit or cfg.max_loops is not None or dist.horizon(k) <= k:
             return cfg
-        return cfg.replace(max_loops=dist.cap(k))
+        return cfg.replace(max_loops=dist.horizon(k))
 
     def _init_model_config(self, preset: str | None, overrides: dict[str, Any]) -> ModelConfig:
         """The init_from folder's model config with `overrides` on top (e.g. model.aux_loss_weight);

@@ -11,7 +11,10 @@
 Every data-parallel rank draws from a generator seeded with (train.seed, step), so all ranks run the same
 count at the same step (DDP/FSDP stay in lockstep) and a resumed run draws exactly what the uninterrupted one
 did. All micro-batches of one optimizer step share its count. `cap` is the largest count the distribution can
-draw; the trainer builds the model with `max_loops` = cap (MeSH: one router pair per step up to it).
+draw. The trainer builds the model with `max_loops` = `horizon`, the distribution's 95th percentile (at least
+K): MeSH has one router pair per step up to it and reuses the last pair beyond, in training and at any depth
+afterwards. A pair for a step that only the rarest draws reach would hardly be trained (mean 4, cap 16:
+P(n >= 12) = 1%) and would read noise at depth; measured in docs/depth.md ("Router pairs beyond the horizon").
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from meshlm.errors import ConfigError
 FORMS = ("fixed, fixed:N, uniform:LO-HI or poisson-lognormal:mean=M,cap=C[,sigma=S] "
          "(e.g. poisson-lognormal:mean=4,cap=16)")
 _SALT = 0x6C6F6F7073  # "loops": keeps this stream apart from every other use of the seed
+HORIZON_QUANTILE = 0.95  # per-step parameters up to the count that 95% of training steps stay within
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,20 @@ class LoopDistribution:
     def cap(self, k: int) -> int:
         """The largest count ever drawn (k = the spec's loop steps)."""
         return (self.low or k) if self.kind == "fixed" else self.high
+
+    def horizon(self, k: int, quantile: float = HORIZON_QUANTILE) -> int:
+        """The deepest step count with its own per-step parameters: the `quantile` of the counts drawn, at least
+        k, at most the cap. Deterministic (a fixed-seed sample of 100,000 draws, as `draw` makes them)."""
+        if self.kind == "fixed":
+            return self.cap(k)
+        rng = np.random.default_rng(_SALT)
+        if self.kind == "uniform":
+            counts = rng.integers(self.low, self.high + 1, size=100_000)
+        else:
+            rates = (np.exp(rng.normal(math.log(self.mean - 1) - self.sigma ** 2 / 2, self.sigma, size=100_000))
+                     if self.mean > 1 else np.zeros(100_000))
+            counts = np.minimum(1 + rng.poisson(rates), self.high)
+        return int(min(self.high, max(k, math.ceil(np.quantile(counts, quantile)))))
 
     def draw(self, seed: int, step: int) -> int | None:
         """The loop count of optimizer step `step`; None = the model's own K (plain `fixed`)."""
