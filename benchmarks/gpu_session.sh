@@ -12,7 +12,7 @@ export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 MESHLM_CACHE=${MESHLM_CACHE:-/tmp/
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" 2>&1
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())" >> "$out/gpu.txt" 2>&1
 
-timeout 150 python3 benchmarks/gpu_check.py --steps 60 --out "$out" > "$out/gpu_check.log" 2>&1
+timeout 120 python3 benchmarks/gpu_check.py --steps 60 --out "$out" > "$out/gpu_check.log" 2>&1
 echo "gpu_check exit $?" >> "$out/gpu_check.log"
 
 python3 -c "from meshlm.data.prepare import prepare_default; print(prepare_default())" > "$out/study.log" 2>&1
