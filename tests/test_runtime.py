@@ -113,6 +113,31 @@ def test_peaks_are_measured_once_and_cached_with_date_and_method(monkeypatch):
     assert peaks.device_peak(CPU, None, override=1e12) == (1e12, "train.peak_flops")
 
 
+def test_the_cpu_peak_is_timed_on_cpu_time_so_a_busy_machine_does_not_lower_it(monkeypatch):
+    import time
+
+    clocks = []
+    monkeypatch.setattr(peaks, "measure_matmul_peak", lambda *a, clock, **k: clocks.append(clock) or 5e10)
+    peaks.device_peak(CPU, None)
+    start = clocks[0]()
+    time.sleep(0.05)  # time the process is not running (as when other work has the cores) does not count
+    assert clocks[0]() - start < 0.01
+    assert "timed on CPU time per thread" in peaks.device_peak(CPU, None)[1]
+
+
+def test_a_peak_cached_by_another_method_is_measured_again(monkeypatch):
+    from meshlm.runtime import machine
+
+    calls = []
+    monkeypatch.setattr(peaks, "measure_matmul_peak", lambda *a, **k: calls.append(a) or 5e10)
+    peaks.device_peak(CPU, None)
+    data = machine.read()
+    (key,) = data
+    data[key] = {**data[key], "value": 8e9, "method": "best float32 2048^3 matmul over 2 s, 2 threads"}  # wall clock
+    machine.path().write_text(json.dumps(data))
+    assert peaks.device_peak(CPU, None)[0] == 5e10 and len(calls) == 2
+
+
 def test_a_bf16_run_divides_by_the_bf16_peak(monkeypatch):
     monkeypatch.setattr(peaks, "measure_matmul_peak", lambda device, dtype, **k: {torch.float32: 1e11}.get(dtype, 7e11))
     assert peaks.device_peak(CPU, torch.bfloat16)[0] == 7e11 and peaks.device_peak(CPU, None)[0] == 1e11

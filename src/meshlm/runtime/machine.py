@@ -55,9 +55,10 @@ def read() -> dict[str, dict[str, Any]]:
 
 def lookup(key: str, measure: Callable[[], Any], method: str) -> dict[str, Any]:
     """The cached entry for `key`, or measure it now (`measure()` -> JSON value) and cache it with today's
-    date and `method`. A cache that cannot be written (read-only home) only costs a re-measurement."""
+    date and `method`. An entry measured by another method is measured again. A cache that cannot be written
+    (read-only home) only costs a re-measurement."""
     entry = read().get(key)
-    if isinstance(entry, dict) and "value" in entry:
+    if isinstance(entry, dict) and "value" in entry and entry.get("method") == method:
         return entry
     entry = {"value": measure(), "date": datetime.date.today().isoformat(), "method": method}
     data = read()

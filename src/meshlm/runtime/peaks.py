@@ -7,7 +7,9 @@ peak is `train.peak_flops` when given. Otherwise:
   CPU   the best a large matmul of that dtype reaches on this machine with this process's threads, measured
         once per machine and cached (meshlm.runtime.machine: value, date, method). Re-measuring at every
         start made MFU swing with the machine's load (45% then 28% for one configuration); a cached figure
-        makes runs comparable. Delete the cache entry to measure again on a quiet machine.
+        makes runs comparable. It is timed on the process's CPU time per thread, not the wall clock, so
+        other work on the machine does not lower it (a wall-clock figure measured under load once gave a
+        2-thread peak of 8 GFLOP/s and MFUs over 150%). Delete the cache entry to measure again.
 """
 from __future__ import annotations
 
@@ -71,8 +73,12 @@ def cached_peak(device: torch.device, dtype: torch.dtype) -> dict:
     threads = torch.get_num_threads() if device.type == "cpu" else 0
     dname = str(dtype).removeprefix("torch.")
     key = f"peak|{device_name(device)}|{dname}|threads {threads}|torch {torch.__version__}"
-    method = f"best {dname} {n}^3 matmul over {seconds:g} s" + (f", {threads} threads" if threads else "")
-    return machine.lookup(key, lambda: measure_matmul_peak(device, dtype, n=n, seconds=seconds), method)
+    if threads:  # CPU time per thread: time the machine gave this process, whatever else runs beside it
+        method = f"best {dname} {n}^3 matmul over {seconds:g} s of wall time, timed on CPU time per thread, {threads} threads"
+        clock = lambda: time.process_time() / threads  # noqa: E731
+    else:
+        method, clock = f"best {dname} {n}^3 matmul over {seconds:g} s", time.perf_counter
+    return machine.lookup(key, lambda: measure_matmul_peak(device, dtype, n=n, seconds=seconds, clock=clock), method)
 
 
 def _native_cpu_bf16() -> bool:
