@@ -77,14 +77,16 @@ def cost_arithmetic(model, prompts, args, k_ds) -> None:
 
 def agreement(model, tok, k_ds, loops) -> None:
     """Teacher-forced greedy agreement of the K_d-pass exit with the full depth on held-out text (4 × 200
-    tokens), with the coda reading the loop state itself or scheme.early_exit (MeSH: the final read router)."""
+    tokens, or the context length), with the coda reading the loop state itself or scheme.early_exit (MeSH: the
+    final read router)."""
     from dataclasses import replace
 
-    ids = torch.tensor(corpus_prompts(tok, 4, 200))
+    length = min(200, model.config.context_length)
+    ids = torch.tensor(corpus_prompts(tok, 4, length))
     schedule = model.schedule(loops)
     with torch.no_grad():
         full = model(ids, loops=loops).logits.argmax(-1)
-        print("teacher-forced greedy agreement with the full depth (4 x 200 held-out tokens):")
+        print(f"teacher-forced greedy agreement with the full depth (4 x {length} held-out tokens):")
         for k_d in k_ds:
             run = model.advance(model.enter(ids), schedule, stop=k_d)
             own = model.readout(run, schedule).argmax(-1)

@@ -120,16 +120,19 @@ class Costs:
     """Seconds of each stage, by tokens in the call: `enter`, loop step k, `readout`, and per-round overhead.
 
     Stages are timed while doing real work. Costs at n tokens are interpolated linearly between the fewest
-    and the most tokens measured; a step never measured at n borrows the mean of its core's measured steps."""
+    and the most tokens measured; a step never measured at n borrows the mean of its core's measured steps.
+    Answers are memoised until the next measurement: the planner asks for the same few hundreds each round."""
 
     def __init__(self, schedule: tuple[int, ...]):
         self.schedule = schedule
         self.seen: dict[tuple[object, int], list[float]] = {}
+        self._memo: dict[tuple[object, int], float] = {}
 
     def add(self, stage: object, n: int, seconds: float) -> None:
         samples = self.seen.setdefault((stage, n), [])
         samples.append(seconds)
         del samples[:-15]  # the recent ones: medians stay cheap and follow the machine's load
+        self._memo.clear()
 
     def _at(self, stage: object, n: int) -> float | None:
         ns = sorted(m for (s, m) in self.seen if s == stage)
@@ -142,6 +145,11 @@ class Costs:
         return med[lo] + (med[hi] - med[lo]) * (n - lo) / (hi - lo)  # beyond hi: extrapolated
 
     def stage(self, stage: object, n: int) -> float:
+        if (stage, n) not in self._memo:
+            self._memo[(stage, n)] = self._stage(stage, n)
+        return self._memo[(stage, n)]
+
+    def _stage(self, stage: object, n: int) -> float:
         value = self._at(stage, n)
         if value is None and isinstance(stage, tuple):  # ("step", k): borrow the core's other steps
             core = self.schedule[stage[1]]
@@ -299,7 +307,7 @@ class Decoder:
             for read in reads if step + 1 in depths else ():
                 h = self.model.scheme.early_exit(run.h, run.ctx, k) if read else run.h
                 draft = replace(run, h=h, cache=None, routed=[], stages=None)  # no cache: the coda sees the prompt
-                exits[(step + 1, read)] = probabilities(self.model.readout(draft, self.schedule)[:, -last:], self.s)
+                exits[(step + 1, read)] = probabilities(self.model.readout(draft, self.schedule, last=last), self.s)
         p = probabilities(self._timed("readout", n, self.model.readout, run, self.schedule), self.s)  # (B, T, V)
         real = mask[:, -last:].bool()
         agreement = {key: float(torch.minimum(p[:, -last:], q).sum(-1)[real].mean()) for key, q in exits.items()}

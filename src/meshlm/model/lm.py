@@ -196,16 +196,18 @@ class MeshLM(nn.Module):
                 break
         return run
 
-    def readout(self, run: LoopRun, schedule: tuple[int, ...]) -> torch.Tensor:
-        """Coda and head on the current state: (B, T, vocab) logits. The coda uses `schedule`'s coda slots
-        whatever step the run stands at (a speculative draft exits early into the full model's coda slots)."""
+    def readout(self, run: LoopRun, schedule: tuple[int, ...], last: int | None = None) -> torch.Tensor:
+        """Coda and head on the current state: (B, T, vocab) logits, or (B, last, vocab) for the last `last`
+        positions only (the coda still runs on all T: they attend to the others). The coda uses `schedule`'s
+        coda slots whatever step the run stands at (a speculative draft exits early into the full model's coda
+        slots)."""
         if run.track is not None and run.track.logits is not None:  # kl exit: each token's probe where it exited
-            return run.track.logits
+            return run.track.logits if last is None else run.track.logits[:, -last:]
         coda_slot = slot_offsets(self.config.layout, schedule)[2]
         y = self.coda(run.h, run.rope, run.mask, run.cache, coda_slot, run.routed)
         if run.stages is not None:
             run.stages.coda, run.stages.routing, run.stages.router_logits = y, run.ctx.routing, run.routed
-        return self.head(y)  # (B, T, vocab)
+        return self.head(y if last is None else y[:, -last:])  # (B, T or last, vocab)
 
     def head(self, y: torch.Tensor) -> torch.Tensor:
         """Final norm and output layer: (…, d) -> (…, vocab)."""
