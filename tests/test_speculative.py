@@ -37,6 +37,17 @@ def test_a_loop_stopped_joined_and_resumed_equals_the_forward(scheme):
         assert (model.readout(joined, schedule) - reference).abs().max() <= 1e-5
 
 
+def test_readout_of_the_last_positions_is_the_tail_of_the_full_readout():
+    """Calibration reads only the positions it compares: the coda still sees every position (attention)."""
+    model = build(tiny(scheme="mesh", spec="1+2R3+1"))
+    ids, schedule = torch.tensor([[5, 6, 7, 8, 9, 10]]), model.config.layout.schedule
+    with torch.no_grad():
+        full = model.readout(model.advance(model.enter(ids), schedule), schedule)
+        tail = model.readout(model.advance(model.enter(ids), schedule), schedule, last=2)
+    # the head's matmul over 2 rows instead of 6 may block differently: equal to float rounding
+    assert tail.shape == (1, 2, full.shape[-1]) and (tail - full[:, -2:]).abs().max() <= 1e-6
+
+
 def test_crop_forgets_the_tail_of_chosen_slots():
     cache = KVCache()
     for slot in range(3):
