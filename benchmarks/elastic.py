@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/elastic.py gather CKPT --exit state:0.1,state:0.2,state:0.3 --threads 1 --clock cpu
     .venv/bin/python benchmarks/elastic.py memory                  # truncated backprop: peak memory vs. fixed K = k
     .venv/bin/python benchmarks/elastic.py throughput --baseline-src /path/to/older/src   # fixed-K training speed
+    .venv/bin/python benchmarks/elastic.py horizon CKPT --horizons 16,8,6,4   # MeSH router pairs beyond a horizon
 
 decode      cached greedy decoding at batch 1: fixed depth vs. per-token adaptive exit (target: tokens/s ≥ 1.3×);
             also the average loop steps per generated token.
@@ -16,6 +17,9 @@ memory      one training step (forward + backward) per fresh process: the peak o
             fixed K = k).
 throughput  training steps (forward + backward + AdamW) of a fixed-K model in two source trees, alternating
             processes (target: this tree ≤ 2% slower than the baseline tree).
+horizon     validation loss at 4 … 16 loops of one MeSH checkpoint with the router pairs beyond each horizon H
+            replaced by pair H (what `max_loops` = H does): how much the rarely trained deep pairs of a
+            sampled-depth model cost at depth (how train/depth.py's 95th-percentile horizon was chosen).
 
 On a shared machine use --threads 1 --clock cpu (CPU time ignores the time other jobs hold the cores).
 """
@@ -93,6 +97,25 @@ def gather(args) -> None:
         loops = run(0.0).exit_loops.float().mean().item()
         medians = interleaved_medians({"mask": lambda: run(0.0), "gather": lambda: run(1.01)}, args.rounds, clock)
         print(f"{rule:<14} {loops:>9.2f} {medians['gather'] / medians['mask']:>16.2f}x")
+
+
+# -- router horizon --------------------------------------------------------------------------------------------
+def horizon(args) -> None:
+    from meshlm.evaluation.perplexity import mean_loss
+    from meshlm.loading import open_model
+
+    torch.set_num_threads(args.threads)
+    opened = open_model(args.checkpoint, "cpu")
+    model, data = opened.model, opened.held_out()
+    routers = list(model.scheme.routers)
+    counts = [int(v) for v in args.loops.split(",")]
+    print(f"{args.checkpoint}: validation loss ({args.limit} windows of {opened.seq_len} tokens) with the router "
+          f"pairs beyond H replaced by pair H ({len(routers)} pairs in the checkpoint)")
+    print(f"{'H':>4} " + " ".join(f"{f'{k} loops':>9}" for k in counts) + f" {'rise':>8}")
+    for h in [int(v) for v in args.horizons.split(",")]:
+        model.scheme.routers = torch.nn.ModuleList(routers[:h + 1])
+        losses = [mean_loss(model, data, opened.seq_len, max_sequences=args.limit, loops=k)["loss"] for k in counts]
+        print(f"{h:>4} " + " ".join(f"{v:>9.4f}" for v in losses) + f" {max(losses[1:]) - losses[0]:>+8.4f}")
 
 
 # -- peak memory -----------------------------------------------------------------------------------------------
@@ -227,6 +250,12 @@ def main() -> None:
         else:
             q.add_argument("--batch", type=int, default=8)
             q.add_argument("--seq", type=int, default=128)
+    q = sub.add_parser("horizon")
+    q.add_argument("checkpoint", help="a MeSH checkpoint trained with sampled depth")
+    q.add_argument("--horizons", default="16,8,6,4", help="comma-separated H (pairs 0 … H kept)")
+    q.add_argument("--loops", default="4,8,12,16", help="loop counts to evaluate; the first is the reference")
+    q.add_argument("--limit", type=int, default=64, help="validation windows")
+    q.add_argument("--threads", type=int, default=1)
     q = sub.add_parser("memory")
     q.add_argument("--spec", default="2+2R4+2")
     q.add_argument("--d-model", type=int, default=256)
@@ -245,7 +274,8 @@ def main() -> None:
     q.add_argument("--steps", type=int, default=10)
     q.add_argument("--rounds", type=int, default=6)
     args = p.parse_args()
-    {"decode": decode, "gather": gather, "memory": memory, "throughput": throughput}[args.command](args)
+    {"decode": decode, "gather": gather, "memory": memory, "throughput": throughput,
+     "horizon": horizon}[args.command](args)
 
 
 if __name__ == "__main__":
