@@ -20,6 +20,8 @@ Every invalid field is reported at once, in one `ConfigError` message that says 
 """
 from __future__ import annotations
 
+import functools
+
 import dataclasses
 import json
 import re
@@ -66,8 +68,10 @@ class Layout:
         return any(k > 1 for k in self.repeats)
 
 
+@functools.lru_cache(maxsize=256)
 def parse_spec(spec: str) -> Layout:
-    """Parse "P+CrK+D", "P+C1+C2+…+D" or "N"; raise ConfigError with the grammar on failure."""
+    """Parse "P+CrK+D", "P+C1+C2+…+D" or "N"; raise ConfigError with the grammar on failure. Cached (the
+    Layout is frozen): `ModelConfig.layout` is read on every forward, and decoding runs many small ones."""
     grammar = 'use "P+CrK+D" (e.g. "4+8R2+4"), "P+C1+C2+D" (e.g. "4+8+8+4") or "N" (e.g. "24")'
     tokens = str(spec).replace(" ", "").split("+")
     if len(tokens) == 2 or any(t == "" for t in tokens):
