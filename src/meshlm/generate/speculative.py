@@ -46,13 +46,18 @@ from meshlm.model.lm import LoopRun
 from meshlm.model.schemes import Scheme, concat_contexts
 
 GAMMA_MAX = 8  # longest draft the planner considers
-CALIBRATION_POSITIONS = 16  # the prompt's last positions whose draft agreement seeds each K_d's acceptance
-PRIOR_TOKENS = 4  # the weight of that seed, in drafted tokens: a prior, soon outweighed by the rounds. The prompt
-# is read teacher-forced, a draft's coda sees the verified tokens' full-depth keys/values: acceptance while
-# decoding differed from the prompt's by 91% vs. 32% on one model (and 91% vs. 97% on another)
-# (few: top-p filtering sorts the vocabulary at each one, for each candidate)
-MIN_GAIN = 1.25  # auto speculates only where the cost model predicts this speed-up (it is optimistic: it
-# leaves out Python overhead that does not scale with the stages; measured 0.93x where it predicted 1.37x)
+PRIOR_TOKENS = 4  # the prompt's last positions whose draft agreement seeds each K_d's acceptance, with the
+# weight of as many drafted tokens: a prior, soon outweighed by the rounds. The prompt is read teacher-forced,
+# while a draft's coda sees the verified tokens' full-depth keys/values, so the two can differ (91% vs. 32%
+# on one model, 91% vs. 97% on another); and calibrating costs a coda + head per position for every
+# candidate K_d and readout (16 positions took ~30% of a 96-token decode at d = 128)
+MIN_GAIN = 1.25  # auto starts speculating only where the cost model predicts this speed-up (it is optimistic:
+# it leaves out Python overhead that does not scale with the stages; measured 0.93x where it predicted 1.37x)
+LOSS_BUDGET = 0.03  # auto gives speculation up for good once its rounds have cost this share of the plain
+# decode's time more than plain steps would have: the prompt's agreement can mislead (a prompt of real text
+# agreed 100%, the model's own repetitive continuation 32%), and this bounds what finding out costs
+KEEP_GAIN = 1.1  # and keeps speculating while it predicts this much: one unlucky round (a rejection right
+# after a fully accepted one) must not end speculation for good where it pays (1.36x, measured)
 
 
 # -- what to do ---------------------------------------------------------------------------------------------
@@ -196,8 +201,11 @@ def layer_bound(layout: Layout, schedule: tuple[int, ...], k_d: int) -> float:
 class Planner:
     """Chooses each round's (K_d, γ), or None for a plain step, from measured costs and acceptance."""
 
-    def __init__(self, spec: Speculation, layout: Layout, schedule: tuple[int, ...], stats: SpeculationStats):
+    def __init__(self, spec: Speculation, layout: Layout, schedule: tuple[int, ...], stats: SpeculationStats,
+                 new_tokens: int = 64):
         self.spec, self.k, self.stats = spec, len(schedule), stats
+        self.new_tokens = new_tokens
+        self.loss = 0.0  # seconds the rounds so far took beyond what plain steps would have for their tokens
         self.costs = Costs(schedule)
         self.counts: dict[int, list[float]] = {}  # K_d -> [accepted, rejections]: prompt prior + rounds
         explicit = spec.draft_loops is not None
@@ -218,8 +226,7 @@ class Planner:
                 continue
             self.final_read[k_d] = max(reads, key=lambda r: agreement[(k_d, r)])
             alpha = agreement[(k_d, self.final_read[k_d])]
-            weight = min(positions, PRIOR_TOKENS)
-            self.counts[k_d] = [alpha * weight, (1 - alpha) * weight]  # as if `weight` tokens were drafted there
+            self.counts[k_d] = [alpha * positions, (1 - alpha) * positions]  # as if drafted there
             self.stats.acceptance_by_depth[k_d] = self.alpha(k_d)
 
     def alpha(self, k_d: int) -> float:
@@ -227,8 +234,10 @@ class Planner:
         accepted, rejections = self.counts.get(k_d, (0, 0))
         return (accepted + 0.5) / (accepted + rejections + 1)
 
-    def observe(self, k_d: int, accepted: torch.Tensor, gamma: int) -> None:
-        """Per-row accepted counts of one round; a row that stopped before γ saw one rejection."""
+    def observe(self, k_d: int, accepted: torch.Tensor, gamma: int, seconds: float) -> None:
+        """Per-row accepted counts of one round that took `seconds`; a row that stopped before γ saw one
+        rejection."""
+        self.loss += seconds - (1 + float(accepted.float().mean())) * self.costs.plain_token()
         counts = self.counts.setdefault(k_d, [0.0, 0.0])
         counts[0] += int(accepted.sum())
         counts[1] += int((accepted < gamma).sum())
@@ -245,6 +254,9 @@ class Planner:
             return self.fixed
         if self.plain_for_good or not self.costs.measured:
             return None  # plain decoding (at first, one timed plain step measures the stages)
+        if self.spec.draft_loops is None and self.loss > LOSS_BUDGET * self.new_tokens * self.costs.plain_token():
+            self.plain_for_good, self.choice, self.stats.setting = True, None, "plain"
+            return None
         return self._settle()
 
     def _settle(self) -> tuple[int, int] | None:
@@ -256,7 +268,8 @@ class Planner:
             gain, gamma, k_d = max(scored)
             self.stats.predicted_speedup = gain
             forced = self.spec.draft_loops is not None
-            self.choice = (k_d, gamma) if forced or gain >= MIN_GAIN else None
+            threshold = MIN_GAIN if self.choice is None else KEEP_GAIN  # to start, to carry on
+            self.choice = (k_d, gamma) if forced or gain >= threshold else None
         self.plain_for_good = self.choice is None
         self.stats.setting = "plain" if self.choice is None else f"K_d={self.choice[0]} γ={self.choice[1]}"
         return self.choice
@@ -289,6 +302,7 @@ class Decoder:
         self.kv = KVCache()
         self.clock = Clock(next(model.parameters()).device)
         self.stage_seconds = 0.0  # stage time since the current plain step or round began
+        self.round_seconds = 0.0  # time the last round took
 
     @property
     def cached(self) -> int:
@@ -302,19 +316,29 @@ class Decoder:
         expected acceptance of speculative sampling (greedy: how often the argmaxes agree) — and how many real
         positions that mean is over."""
         self.mask = mask
-        n, k, last = ids.shape[1], len(self.schedule), CALIBRATION_POSITIONS
+        n, k = ids.shape[1], len(self.schedule)
+        last = min(PRIOR_TOKENS, n) if depths else 1  # calibrated positions: the prompt's last ones
+        head = n - last
+        if head:  # the positions before them: one forward, for their keys/values (its head runs on one row)
+            run = self._timed("enter", head, self.model.enter, ids[:, :head], mask[:, :head], None, self.kv)
+            for step in range(k):
+                self._timed(("step", step), head, self.model.advance, run, self.schedule, step + 1)
+            self.model.readout(run, self.schedule, last=1)
         reads = (True, False) if type(self.model.scheme).early_exit is not Scheme.early_exit else (False,)
-        run = self._timed("enter", n, self.model.enter, ids, mask, None, self.kv)
+        run = self._timed("enter", last, self.model.enter, ids[:, head:], mask, None, self.kv)
         exits = {}
         for step in range(k):
-            self._timed(("step", step), n, self.model.advance, run, self.schedule, step + 1)
+            self._timed(("step", step), last, self.model.advance, run, self.schedule, step + 1)
             for read in reads if step + 1 in depths else ():
+                # as a draft reads: the coda sees the earlier positions' full-depth keys/values (then forgets
+                # its own), so the agreement is the acceptance of a draft there
                 h = self.model.scheme.early_exit(run.h, run.ctx, k) if read else run.h
-                draft = replace(run, h=h, cache=None, routed=[], stages=None)  # no cache: the coda sees the prompt
-                exits[(step + 1, read)] = probabilities(self.model.readout(draft, self.schedule, last=last), self.s)
-        p = probabilities(self._timed("readout", n, self.model.readout, run, self.schedule), self.s)  # (B, T, V)
+                draft = replace(run, h=h, routed=[], stages=None)
+                exits[(step + 1, read)] = probabilities(self.model.readout(draft, self.schedule), self.s)
+                self.kv.crop(head, self.coda_slots)
+        p = probabilities(self._timed("readout", last, self.model.readout, run, self.schedule), self.s)  # (B, last, V)
         real = mask[:, -last:].bool()
-        agreement = {key: float(torch.minimum(p[:, -last:], q).sum(-1)[real].mean()) for key, q in exits.items()}
+        agreement = {key: float(torch.minimum(p, q).sum(-1)[real].mean()) for key, q in exits.items()}
         self.pending = draw(p[:, -1], self.s, self.generator)
         return self.pending, agreement, int(real.sum())
 
@@ -393,7 +417,8 @@ class Decoder:
         self.kv.crop(past + width)  # every slot: prelude, loops, coda
         self.mask = torch.cat([self.mask, self._new_columns(keep, width)], 1)
         self.pending = final
-        self.costs.add("round-overhead", gamma + 1, max(self.clock() - start - self.stage_seconds, 0.0))
+        self.round_seconds = self.clock() - start
+        self.costs.add("round-overhead", gamma + 1, max(self.round_seconds - self.stage_seconds, 0.0))
         return tokens, accepted + 1
 
     def _verify(self, runs: list[LoopRun], mask: torch.Tensor, past: int, k_d: int) -> torch.Tensor:
@@ -459,7 +484,7 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, speculate: str 
                           f"context_length={context}; lower max_new_tokens to at most {context - ids.shape[1]} "
                           f"or shorten the prompt")
     generator = None if s.seed is None else torch.Generator(device).manual_seed(s.seed)
-    planner = stats.planner = Planner(spec, model.config.layout, schedule, stats)
+    planner = stats.planner = Planner(spec, model.config.layout, schedule, stats, s.max_new_tokens)
     decoder = Decoder(model, schedule, s, generator, planner.costs)
     rows = ids.shape[0]
     first, agreement, positions = decoder.prefill(ids, mask, [] if spec.final_read is not None and planner.fixed
@@ -509,7 +534,7 @@ def _decode_more(decoder: Decoder, planner: Planner, stats: SpeculationStats, ma
         return
     tokens, counts = decoder.round(choice[0], gamma, keep.to(device), planner.final_read[choice[0]])
     accepted = (counts - 1).cpu()[active]
-    planner.observe(choice[0], accepted, gamma)
+    planner.observe(choice[0], accepted, gamma, decoder.round_seconds)
     stats.rounds += 1
     stats.drafted += gamma * int(active.sum())
     stats.accepted += int(accepted.sum())
