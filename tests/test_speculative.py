@@ -85,6 +85,48 @@ def test_auto_is_exact_and_reports_its_choice(scheme):
     assert stats.setting and stats.acceptance_by_depth and stats.plain_steps >= 1  # calibrated, then timed
 
 
+def planner_with_costs(speculate="auto", new_tokens=100):
+    """A planner for `1+2R4+1` whose loop steps took 2 s and enter and readout 0.5 s each (a plain token: 9 s,
+    a K_d = 1 draft token 3 s), with a prompt prior of α = 0.9."""
+    from meshlm.config import parse_spec
+
+    layout = parse_spec("1+2R4+1")
+    planner = speculative.Planner(Speculation.parse(speculate), layout, layout.schedule, SpeculationStats(), new_tokens)
+    for stage, seconds in [("enter", 0.5), ("readout", 0.5), *[(("step", k), 2.0) for k in range(4)]]:
+        for n in (1, 9):
+            planner.costs.add(stage, n, seconds)
+    planner.calibrate({(k_d, False): 0.9 for k_d in planner.candidates}, positions=4)
+    return planner
+
+
+def test_auto_gives_speculation_up_once_its_rounds_have_lost_the_budget():
+    planner = planner_with_costs()
+    assert planner.next() is not None  # the prior says it pays: speculate
+    budget = speculative.LOSS_BUDGET * 100 * planner.costs.plain_token()  # 3% of 100 plain tokens: 27 s
+    planner.observe(1, torch.tensor([0]), 4, seconds=9.0 + budget / 2)  # one token, budget/2 more than plain
+    assert planner.loss == pytest.approx(budget / 2)
+    planner.observe(1, torch.tensor([4]), 4, seconds=5 * 9.0 + 1.0)  # 5 tokens, 1 s more than plain steps
+    assert planner.next() is not None and planner.loss == pytest.approx(budget / 2 + 1.0)
+    planner.observe(1, torch.tensor([0]), 4, seconds=9.0 + budget)
+    assert planner.next() is None and planner.plain_for_good and planner.stats.setting == "plain"
+    explicit = planner_with_costs("1")  # an explicit K_d speculates whatever it costs
+    explicit.observe(1, torch.tensor([0]), 4, seconds=1e6)
+    assert explicit.next() is not None
+
+
+def test_auto_needs_more_to_start_than_to_carry_on():
+    """Starting needs a predicted 1.25x, carrying on 1.1x: one unlucky round (a rejection right after a fully
+    accepted one) must not end speculation where it pays."""
+    starting, speculating = planner_with_costs(), planner_with_costs()
+    for planner in (starting, speculating):
+        planner.calibrate({(k_d, False): 0.6 for k_d in planner.candidates}, positions=4)
+    gain = max(starting.best(k_d, starting.alpha(k_d))[0] for k_d in starting.candidates)
+    assert speculative.KEEP_GAIN <= gain < speculative.MIN_GAIN  # 1.19x
+    speculating.choice = (1, 2)  # already speculating
+    assert starting.next() is None and starting.plain_for_good
+    assert speculating.next() is not None
+
+
 def test_rejections_rollback_and_compaction_keep_greedy_exact(monkeypatch):
     """A draft that often disagrees (base, K_d = 1), rows accepting different counts, and a context so tight
     that rollback holes must be squeezed out (compact) for the rounds to fit."""
