@@ -64,9 +64,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Rotate the first rotary_dims of x (B, H, T, …, hd); the remaining dims pass through unchanged. The
-    tables (B, T, …, r) broadcast over the heads (and any dims between T and hd, e.g. q and k stacked)."""
-    cos, sin = (t.unsqueeze(1) for t in rope)  # (B, 1, T, …, r)
+    """Rotate the first rotary_dims of x (B, H, T, hd); the remaining dims pass through unchanged."""
+    cos, sin = (t.unsqueeze(1) for t in rope)  # (B, 1, T, r)
     r = cos.shape[-1]
     if r == x.shape[-1]:  # Llama: every dim rotates (no slicing and concatenation)
         return x * cos + _rotate_half(x) * sin
@@ -127,12 +126,10 @@ class NeoXAttention(nn.Module):
                 cache: LayerCache | None = None, slot: int = 0) -> torch.Tensor:
         b, t, d = x.shape
         qkv = self.query_key_value(x).view(b, t, self.n_heads, 3 * self.head_dim).transpose(1, 2)
-        qk, v = qkv[..., :2 * self.head_dim], qkv[..., 2 * self.head_dim:]  # (B, H, T, 2·hd), (B, H, T, hd)
-        # q and k rotate together, as (B, H, T, 2, hd): one set of rotary kernels, not two. They become a
-        # rotated copy; copying v too lets autograd free the fused qkv (3× the size of v)
-        cos, sin = rope
-        qk = apply_rotary(qk.unflatten(-1, (2, self.head_dim)), (cos.unsqueeze(-2), sin.unsqueeze(-2)))
-        y = attend(qk[..., 0, :], qk[..., 1, :], v.contiguous(), mask, cache, slot)
+        q, k, v = qkv.chunk(3, dim=-1)  # each (B, H, T, hd)
+        # q, k become rotated copies; copying v too lets autograd free the fused qkv (3× the size of v). (Rotating
+        # q and k together as one (B, H, T, 2, hd) tensor made a training step 1.9% slower: strided kernels.)
+        y = attend(apply_rotary(q, rope), apply_rotary(k, rope), v.contiguous(), mask, cache, slot)
         return self.dense(y.transpose(1, 2).reshape(b, t, d))
 
 
