@@ -13,6 +13,11 @@ Comparisons (targets from the model-core issue, and issue 12's in brackets):
      (`--policy-rounds` children each, `--rounds` timed steps per child); the ratio is the median over
      rounds.
 
+Comparisons 1 and 2 run in this process with malloc tuned as `meshlm train` tunes it at start-up
+(meshlm.runtime.allocator; `--malloc default` for glibc's defaults): both models of each pair share it. Under
+glibc's defaults MeSH's few extra live tensors cost page faults that show as step time (MeSH / base 1.036×
+with default malloc, 1.005× tuned, 2026-12-01, quiet machine, one thread, CPU clock).
+
 Timing interleaves the models round by round (so machine noise hits all alike) and reports medians.
 `--clock cpu --threads 1` measures this process's CPU time: on a shared machine it ignores the time other
 jobs hold the cores.
@@ -121,6 +126,8 @@ def parse_args():
     p.add_argument("--seq", type=int, default=256)
     add_timing_arguments(p, rounds=10)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--malloc", choices=("tuned", "default"), default="tuned",
+                   help="comparisons 1-2: glibc malloc tuned as meshlm train tunes it (default), or its defaults")
     p.add_argument("--policy", action="store_true", help="also compare under each side's own run policy (3.)")
     p.add_argument("--policy-rounds", type=int, default=3, help="child processes per side for --policy")
     p.add_argument("--policy-child", choices=("meshlm", "hf-neox"), help=argparse.SUPPRESS)
@@ -175,6 +182,10 @@ def _policy_start(kind: str) -> None:
 
 def main() -> None:
     args = parse_args()
+    if args.malloc == "tuned" and not args.policy_child:
+        from meshlm.runtime import allocator
+
+        allocator.tune()  # before the models allocate; children (RSS, --policy's meshlm side) inherit MALLOC_*
     clock = timing_setup(args)
     kinds = ["mesh", "base", "vanilla", "hf-neox"]
     models = {k: build(k, args) for k in kinds}
