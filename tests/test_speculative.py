@@ -114,6 +114,16 @@ def test_auto_gives_speculation_up_once_its_rounds_have_lost_the_budget():
     assert explicit.next() is not None
 
 
+def test_auto_drafts_short_rounds_until_a_depth_has_shown_what_it_accepts():
+    planner = planner_with_costs()
+    planner.calibrate({(k_d, False): 0.95 for k_d in planner.candidates}, positions=4)  # long drafts predicted
+    k_d, gamma = planner.next()
+    assert gamma == speculative.EXPLORE_GAMMA < planner.best(k_d, planner.alpha(k_d))[1]
+    for _ in range(speculative.EXPLORE_TOKENS // gamma):  # every drafted token accepted, in time
+        planner.observe(k_d, torch.tensor([gamma]), gamma, seconds=0.0)
+    assert planner.next()[1] > speculative.EXPLORE_GAMMA
+
+
 def test_auto_needs_more_to_start_than_to_carry_on():
     """Starting needs a predicted 1.25x, carrying on 1.1x: one unlucky round (a rejection right after a fully
     accepted one) must not end speculation where it pays."""

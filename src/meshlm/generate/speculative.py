@@ -53,9 +53,11 @@ PRIOR_TOKENS = 4  # the prompt's last positions whose draft agreement seeds each
 # candidate K_d and readout (16 positions took ~30% of a 96-token decode at d = 128)
 MIN_GAIN = 1.25  # auto starts speculating only where the cost model predicts this speed-up (it is optimistic:
 # it leaves out Python overhead that does not scale with the stages; measured 0.93x where it predicted 1.37x)
-LOSS_BUDGET = 0.03  # auto gives speculation up for good once its rounds have cost this share of the plain
+LOSS_BUDGET = 0.015  # auto gives speculation up for good once its rounds have cost this share of the plain
 # decode's time more than plain steps would have: the prompt's agreement can mislead (a prompt of real text
 # agreed 100%, the model's own repetitive continuation 32%), and this bounds what finding out costs
+EXPLORE_TOKENS, EXPLORE_GAMMA = 8, 2  # until a K_d has drafted this many tokens, auto drafts at most 2 per
+# round: a round that turns out to lose then loses little (the budget is checked between rounds)
 KEEP_GAIN = 1.1  # and keeps speculating while it predicts this much: one unlucky round (a rejection right
 # after a fully accepted one) must not end speculation for good where it pays (1.36x, measured)
 
@@ -206,6 +208,7 @@ class Planner:
         self.spec, self.k, self.stats = spec, len(schedule), stats
         self.new_tokens = new_tokens
         self.loss = 0.0  # seconds the rounds so far took beyond what plain steps would have for their tokens
+        self.drafted: dict[int, int] = {}  # K_d -> tokens drafted in rounds so far (per row)
         self.costs = Costs(schedule)
         self.counts: dict[int, list[float]] = {}  # K_d -> [accepted, rejections]: prompt prior + rounds
         explicit = spec.draft_loops is not None
@@ -238,6 +241,7 @@ class Planner:
         """Per-row accepted counts of one round that took `seconds`; a row that stopped before γ saw one
         rejection."""
         self.loss += seconds - (1 + float(accepted.float().mean())) * self.costs.plain_token()
+        self.drafted[k_d] = self.drafted.get(k_d, 0) + gamma
         counts = self.counts.setdefault(k_d, [0.0, 0.0])
         counts[0] += int(accepted.sum())
         counts[1] += int((accepted < gamma).sum())
@@ -266,6 +270,8 @@ class Planner:
             self.choice = None
         else:
             gain, gamma, k_d = max(scored)
+            if self.spec.draft_loops is None and self.drafted.get(k_d, 0) < EXPLORE_TOKENS:
+                gamma = min(gamma, EXPLORE_GAMMA)  # auto, still finding out what this K_d accepts
             self.stats.predicted_speedup = gain
             forced = self.spec.draft_loops is not None
             threshold = MIN_GAIN if self.choice is None else KEEP_GAIN  # to start, to carry on
