@@ -111,6 +111,14 @@ def test_resume_skips_a_corrupt_latest_checkpoint(prepared, tmp_path, capsys):
     assert str(latest) in err and "truncated" in err and "resumed" in err and "step-000004" in err
 
 
+def test_resuming_a_finished_run_says_so_instead_of_a_speed(prepared, tmp_path, capsys):
+    cfg = tiny_train(prepared, tmp_path, steps=4, save_every=4)
+    train(cfg)
+    assert main(["train", *as_overrides(cfg), "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "already trained: 4 steps" in out and "tokens/s" not in out
+
+
 @pytest.mark.parametrize("overrides, needle", [
     (["seq_len=512"], "exceeds the model's context_length"),
     (["model.vocab_size=1000"], "set the model vocab_size to at least 8192"),

@@ -42,8 +42,11 @@ def run(args: argparse.Namespace) -> int:
         raise
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun only rank 0 reports
         return 0
-    print(f"trained {result.steps} steps in {result.wall_s:.0f} s ({result.tokens_per_s:,.0f} tokens/s, "
-          f"MFU {100 * result.mfu:.1f}%)")
+    if result.start_step >= result.steps:  # --resume of a finished run: nothing was trained now
+        print(f"already trained: {result.steps} steps (resumed at its last step)")
+    else:
+        print(f"trained {result.steps} steps in {result.wall_s:.0f} s ({result.tokens_per_s:,.0f} tokens/s, "
+              f"MFU {100 * result.mfu:.1f}%)")
     print(f"validation perplexity {result.val_ppl:.2f} (loss {result.val_loss:.4f}); "
           f"unigram baseline {_unigram(result, cfg):.2f}")
     print(f"checkpoint: {result.checkpoint}")
