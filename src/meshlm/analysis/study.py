@@ -187,7 +187,7 @@ def execute(study: Study, log=print, jobs: int = 1, keep_going: bool = False) ->
                 i, run = queue.pop()
             try:
                 _run_stages(study, run, f"[{i}/{len(study.runs)}]", children, env, log)
-            except MeshlmError as err:  # Interrupted included; raised from the main thread below
+            except Exception as err:  # noqa: BLE001 — Interrupted included; raised from the main thread below
                 with lock:
                     errors.append(err)
                 if not isinstance(err, Interrupted):
