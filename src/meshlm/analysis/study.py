@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 
 from meshlm.errors import ConfigError, Interrupted, MeshlmError
@@ -225,8 +226,6 @@ def job_environment(slot: int, jobs: int, launcher: bool) -> dict[str, str]:
     if jobs > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
     if not launcher and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        import torch
-
         if torch.cuda.is_available() and torch.cuda.device_count() > 1:
             env["CUDA_VISIBLE_DEVICES"] = str(slot % torch.cuda.device_count())
     return env
