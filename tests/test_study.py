@@ -105,7 +105,8 @@ def test_paired_differences_by_seed(tmp_path):
 
 @pytest.mark.parametrize("keep_going", [False, True])
 def test_a_failed_run_stops_the_study_unless_keep_going(tmp_path, capsys, keep_going):
-    path = write_study(tmp_path, variants={"broken": {"overrides": ["model.spec=1+1R2+1", f"train.data={tmp_path}/nope"]},
+    broken = ["model.spec=1+1R2+1", f"train.data={tmp_path}/nope"]
+    path = write_study(tmp_path, variants={"broken": {"overrides": broken},
                                            "mesh": {"overrides": ["model.spec=1+1R2+1", "model.scheme=mesh"]}})
     assert main(["reproduce", str(path), *(["--keep-going"] if keep_going else [])]) == 1
     err = capsys.readouterr().err

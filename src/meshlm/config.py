@@ -20,9 +20,8 @@ Every invalid field is reported at once, in one `ConfigError` message that says 
 """
 from __future__ import annotations
 
-import functools
-
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Callable

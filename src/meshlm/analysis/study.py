@@ -207,7 +207,7 @@ def execute(study: Study, log=print, jobs: int = 1, keep_going: bool = False) ->
         raise (interrupted or errors)[0]
 
 
-def _run_stages(study: Study, run: Run, tag: str, children: "Children", env: dict[str, str], log) -> None:
+def _run_stages(study: Study, run: Run, tag: str, children: Children, env: dict[str, str], log) -> None:
     """train → eval → probe for one run, each stage its own `meshlm` process."""
     log(f"{tag} {run.name}: training")
     start = time.perf_counter()
@@ -239,7 +239,7 @@ def _evaluated(run: Run) -> bool:
         return False
 
 
-def _check_call(command: list[str], run: Run, stage: str, children: "Children", env: dict[str, str]) -> None:
+def _check_call(command: list[str], run: Run, stage: str, children: Children, env: dict[str, str]) -> None:
     """Run one stage in its own session, so Ctrl-C reaches it once, from here: a training run then saves its
     current step; the study stops with advice to run it again (which resumes where it stopped)."""
     run.dir.mkdir(parents=True, exist_ok=True)
@@ -269,7 +269,7 @@ class Children:
         self._lock = threading.Lock()
         self._previous = {}
 
-    def __enter__(self) -> "Children":
+    def __enter__(self) -> Children:
         if threading.current_thread() is threading.main_thread():
             self._previous = {sig: signal.signal(sig, self._forward) for sig in (signal.SIGINT, signal.SIGTERM)}
         return self

@@ -74,7 +74,8 @@ def cached_peak(device: torch.device, dtype: torch.dtype) -> dict:
     dname = str(dtype).removeprefix("torch.")
     key = f"peak|{device_name(device)}|{dname}|threads {threads}|torch {torch.__version__}"
     if threads:  # CPU time per thread: time the machine gave this process, whatever else runs beside it
-        method = f"best {dname} {n}^3 matmul over {seconds:g} s of wall time, timed on CPU time per thread, {threads} threads"
+        method = (f"best {dname} {n}^3 matmul over {seconds:g} s of wall time, timed on CPU time per thread, "
+                  f"{threads} threads")
         clock = lambda: time.process_time() / threads  # noqa: E731
     else:
         method, clock = f"best {dname} {n}^3 matmul over {seconds:g} s", time.perf_counter
