@@ -14,7 +14,7 @@ did. All micro-batches of one optimizer step share its count. `cap` is the large
 draw. The trainer builds the model with `max_loops` = `horizon`, the distribution's 95th percentile (at least
 K): MeSH has one router pair per step up to it and reuses the last pair beyond, in training and at any depth
 afterwards. A pair for a step that only the rarest draws reach would hardly be trained (mean 4, cap 16:
-P(n >= 12) = 1%) and would read noise at depth; measured in docs/depth.md ("Router pairs beyond the horizon").
+P(n >= 12) = 1%) and would read noise at depth; measured in docs/depth.md ("The router horizon matters").
 """
 from __future__ import annotations
 
