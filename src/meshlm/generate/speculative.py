@@ -211,10 +211,10 @@ class Planner:
         self.drafted: dict[int, int] = {}  # K_d -> tokens drafted in rounds so far (per row)
         self.costs = Costs(schedule)
         self.counts: dict[int, list[float]] = {}  # K_d -> [accepted, rejections]: prompt prior + rounds
-        explicit = spec.draft_loops is not None
-        self.candidates = [spec.draft_loops] if explicit else [k_d for k_d in range(1, self.k)
-                                                              if layer_bound(layout, schedule, k_d) >= MIN_GAIN]
-        self.fixed = (spec.draft_loops, spec.draft_tokens) if explicit and spec.draft_tokens else None
+        self.auto = spec.draft_loops is None  # K_d chosen here: it may explore, give up, fall back to plain
+        self.candidates = [k_d for k_d in range(1, self.k) if layer_bound(layout, schedule, k_d) >= MIN_GAIN] \
+            if self.auto else [spec.draft_loops]
+        self.fixed = (spec.draft_loops, spec.draft_tokens) if not self.auto and spec.draft_tokens else None
         self.final_read = {k_d: spec.final_read is not False for k_d in self.candidates}  # chosen by calibrate
         self.choice: tuple[int, int] | None = None
         self.plain_for_good = False  # auto found nothing that pays: plain decoding, untimed, from then on
@@ -258,24 +258,21 @@ class Planner:
             return self.fixed
         if self.plain_for_good or not self.costs.measured:
             return None  # plain decoding (at first, one timed plain step measures the stages)
-        if self.spec.draft_loops is None and self.loss > LOSS_BUDGET * self.new_tokens * self.costs.plain_token():
-            self.plain_for_good, self.choice, self.stats.setting = True, None, "plain"
-            return None
         return self._settle()
 
     def _settle(self) -> tuple[int, int] | None:
         """Re-decided every round, from the acceptance measured so far (the prompt's, then the rounds')."""
         scored = [(*self.best(k_d, self.alpha(k_d)), k_d) for k_d in self.candidates if k_d in self.counts]
-        if not scored:
+        spent = self.auto and self.loss > LOSS_BUDGET * self.new_tokens * self.costs.plain_token()
+        if not scored or spent:  # nothing to draft with, or finding out has cost auto its budget
             self.choice = None
         else:
             gain, gamma, k_d = max(scored)
-            if self.spec.draft_loops is None and self.drafted.get(k_d, 0) < EXPLORE_TOKENS:
-                gamma = min(gamma, EXPLORE_GAMMA)  # auto, still finding out what this K_d accepts
+            if self.auto and self.drafted.get(k_d, 0) < EXPLORE_TOKENS:
+                gamma = min(gamma, EXPLORE_GAMMA)  # still finding out what this K_d accepts
             self.stats.predicted_speedup = gain
-            forced = self.spec.draft_loops is not None
             threshold = MIN_GAIN if self.choice is None else KEEP_GAIN  # to start, to carry on
-            self.choice = (k_d, gamma) if forced or gain >= threshold else None
+            self.choice = (k_d, gamma) if not self.auto or gain >= threshold else None
         self.plain_for_good = self.choice is None
         self.stats.setting = "plain" if self.choice is None else f"K_d={self.choice[0]} γ={self.choice[1]}"
         return self.choice
