@@ -119,9 +119,10 @@ class TrainConfig:
         if dist.cap(k) != k and len(cfg.layout.cores) != 1:
             raise ConfigError(f"train.loops={self.loops!r} needs a single-core spec (one core run K times, e.g. "
                               f"\"2+2R2+2\"), not {cfg.spec!r}; use train.loops=fixed")
-        if explicit or cfg.max_loops is not None or dist.horizon(k) <= k:
+        if explicit or cfg.max_loops is not None:
             return cfg
-        return cfg.replace(max_loops=dist.horizon(k))
+        horizon = dist.horizon(k)
+        return cfg if horizon <= k else cfg.replace(max_loops=horizon)
 
     def _init_model_config(self, preset: str | None, overrides: dict[str, Any]) -> ModelConfig:
         """The init_from folder's model config with `overrides` on top (e.g. model.aux_loss_weight);

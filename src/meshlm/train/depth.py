@@ -18,6 +18,7 @@ P(n >= 12) = 1%) and would read noise at depth; measured in docs/depth.md ("The 
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -48,19 +49,10 @@ class LoopDistribution:
         """The largest count ever drawn (k = the spec's loop steps)."""
         return (self.low or k) if self.kind == "fixed" else self.high
 
-    def horizon(self, k: int, quantile: float = HORIZON_QUANTILE) -> int:
-        """The deepest step count with its own per-step parameters: the `quantile` of the counts drawn, at least
-        k, at most the cap. Deterministic (a fixed-seed sample of 100,000 draws, as `draw` makes them)."""
-        if self.kind == "fixed":
-            return self.cap(k)
-        rng = np.random.default_rng(_SALT)
-        if self.kind == "uniform":
-            counts = rng.integers(self.low, self.high + 1, size=100_000)
-        else:
-            rates = (np.exp(rng.normal(math.log(self.mean - 1) - self.sigma ** 2 / 2, self.sigma, size=100_000))
-                     if self.mean > 1 else np.zeros(100_000))
-            counts = np.minimum(1 + rng.poisson(rates), self.high)
-        return int(min(self.high, max(k, math.ceil(np.quantile(counts, quantile)))))
+    def horizon(self, k: int) -> int:
+        """The deepest step count with its own per-step parameters: the HORIZON_QUANTILE of the counts drawn,
+        at least k, at most the cap."""
+        return self.cap(k) if self.kind == "fixed" else _horizon(self, k)
 
     def draw(self, seed: int, step: int) -> int | None:
         """The loop count of optimizer step `step`; None = the model's own K (plain `fixed`)."""
@@ -71,6 +63,20 @@ class LoopDistribution:
             return int(rng.integers(self.low, self.high + 1))
         rate = math.exp(rng.normal(math.log(self.mean - 1) - self.sigma ** 2 / 2, self.sigma)) if self.mean > 1 else 0.0
         return int(min(1 + rng.poisson(rate), self.high))
+
+
+@functools.lru_cache(maxsize=64)
+def _horizon(dist: LoopDistribution, k: int) -> int:
+    """LoopDistribution.horizon, from a fixed-seed sample of 100,000 counts drawn as `draw` draws them
+    (~10 ms, so once per distribution: model_config() asks on every call)."""
+    rng = np.random.default_rng(_SALT)
+    if dist.kind == "uniform":
+        counts = rng.integers(dist.low, dist.high + 1, size=100_000)
+    else:
+        rates = (np.exp(rng.normal(math.log(dist.mean - 1) - dist.sigma ** 2 / 2, dist.sigma, size=100_000))
+                 if dist.mean > 1 else np.zeros(100_000))
+        counts = np.minimum(1 + rng.poisson(rates), dist.high)
+    return int(min(dist.high, max(k, math.ceil(np.quantile(counts, HORIZON_QUANTILE)))))
 
 
 def parse_loops(text: str) -> LoopDistribution:
