@@ -48,6 +48,38 @@ def test_readout_of_the_last_positions_is_the_tail_of_the_full_readout():
     assert tail.shape == (1, 2, full.shape[-1]) and (tail - full[:, -2:]).abs().max() <= 1e-6
 
 
+@pytest.mark.parametrize("scheme", ["mesh", "anchor"])
+def test_calibration_reads_every_candidate_draft_as_a_draft_does(scheme):
+    """The prefill's agreement for each (K_d, readout), all candidates in one batched coda, equals Σ min(p, q)
+    of drafts read one at a time: the prompt's earlier positions at full depth, the last ones stopped at K_d,
+    their coda seeing the earlier positions' full-depth keys/values; p the full model's distribution."""
+    model = build(tiny(scheme=scheme, spec="1+2R4+1"))
+    schedule, s = model.config.layout.schedule, Sampling(temperature=1.3, top_k=40)
+    ids, mask = speculative.left_pad(PROMPTS, 1, torch.device("cpu"))
+    torch.manual_seed(0)
+    with torch.no_grad():  # away from the initialisation, where MeSH's final read is close to the loop state
+        for weight in model.parameters():
+            weight.add_(torch.randn_like(weight) * 0.05)
+    last, head = speculative.PRIOR_TOKENS, ids.shape[1] - speculative.PRIOR_TOKENS
+    with torch.no_grad():
+        decoder = speculative.Decoder(model, schedule, s, None, speculative.Costs(schedule))
+        _, agreement, positions = decoder.prefill(ids, mask, [1, 3])
+        p = probabilities(model(ids, padding_mask=mask).logits[:, -last:], s)
+        real = mask[:, -last:].bool()
+        reads = [(1, True), (1, False), (3, True), (3, False)] if scheme == "mesh" else [(1, False), (3, False)]
+        assert sorted(agreement) == sorted(reads) and positions == int(real.sum())
+        for k_d, read in reads:
+            cache = KVCache()
+            model(ids[:, :head], padding_mask=mask[:, :head], cache=cache)  # every slot, earlier positions
+            run = model.advance(model.enter(ids[:, head:], mask, cache=cache), schedule, stop=k_d)
+            if read:
+                run.h = model.scheme.early_exit(run.h, run.ctx, len(schedule))
+            q = probabilities(model.readout(run, schedule), s)
+            expected = float(torch.minimum(p, q).sum(-1)[real].mean())
+            assert abs(agreement[(k_d, read)] - expected) <= 1e-5, (k_d, read)
+        assert len({round(a, 4) for a in agreement.values()}) == len(reads)  # the candidates do differ
+
+
 def test_crop_forgets_the_tail_of_chosen_slots():
     cache = KVCache()
     for slot in range(3):
