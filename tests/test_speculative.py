@@ -127,19 +127,28 @@ def planner_with_costs(speculate="auto", new_tokens=100):
     for stage, seconds in [("enter", 0.5), ("readout", 0.5), *[(("step", k), 2.0) for k in range(4)]]:
         for n in (1, 9):
             planner.costs.add(stage, n, seconds)
+    assert planner.next() is None  # no plain step timed yet
+    for _ in range(speculative.PLAIN_SAMPLES):
+        planner.costs.add("plain-overhead", 1, 0.0)
     planner.calibrate({(k_d, False): 0.9 for k_d in planner.candidates}, positions=4)
     return planner
 
 
-def test_auto_gives_speculation_up_once_its_rounds_have_lost_the_budget():
+def test_auto_starts_a_round_only_if_its_worst_outcome_keeps_the_loss_within_the_budget():
+    """A round emits at least one token, so it can lose at most its cost minus one plain token: auto shortens
+    γ until that fits in what is left of the budget, and decodes plainly for good when not even γ = 1 does."""
     planner = planner_with_costs()
-    assert planner.next() is not None  # the prior says it pays: speculate
-    budget = speculative.LOSS_BUDGET * 100 * planner.costs.plain_token()  # 3% of 100 plain tokens: 27 s
-    planner.observe(1, torch.tensor([0]), 4, seconds=9.0 + budget / 2)  # one token, budget/2 more than plain
-    assert planner.loss == pytest.approx(budget / 2)
-    planner.observe(1, torch.tensor([4]), 4, seconds=5 * 9.0 + 1.0)  # 5 tokens, 1 s more than plain steps
-    assert planner.next() is not None and planner.loss == pytest.approx(budget / 2 + 1.0)
-    planner.observe(1, torch.tensor([0]), 4, seconds=9.0 + budget)
+    plain = planner.costs.plain_token()  # 9 s
+    budget = speculative.LOSS_BUDGET * 100 * plain  # a share of 100 plain tokens
+    worst = {g: planner.costs.round(1, g) - plain for g in (1, 2)}
+    assert worst == {1: 3.0, 2: 6.0} and budget > 7.0  # γ·3 s of drafts + 2.5 s shared + 6.5 s verifying − 9 s
+    assert planner.next() == (1, speculative.EXPLORE_GAMMA)  # the prior says it pays: a short first look
+    planner.observe(1, torch.tensor([0]), 2, seconds=plain + budget - 7.0)  # one token: 7 s of room left
+    assert planner.loss == pytest.approx(budget - 7.0)
+    assert planner.next() == (1, 2)
+    planner.observe(1, torch.tensor([1]), 2, seconds=2 * plain + 2.0)  # 5 s left: γ = 2 could lose 6
+    assert planner.next() == (1, 1)
+    planner.observe(1, torch.tensor([0]), 1, seconds=plain + 3.0)  # 2 s left, less than γ = 1's 3
     assert planner.next() is None and planner.plain_for_good and planner.stats.setting == "plain"
     explicit = planner_with_costs("1")  # an explicit K_d speculates whatever it costs
     explicit.observe(1, torch.tensor([0]), 4, seconds=1e6)

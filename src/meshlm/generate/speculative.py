@@ -52,13 +52,15 @@ PRIOR_TOKENS = 4  # the prompt's last positions whose draft agreement seeds each
 # on one model, 91% vs. 97% on another)
 MIN_GAIN = 1.25  # auto starts speculating only where the cost model predicts this speed-up (it is optimistic:
 # it leaves out Python overhead that does not scale with the stages; measured 0.93x where it predicted 1.37x)
-LOSS_BUDGET = 0.015  # auto gives speculation up for good once its rounds have cost this share of the plain
-# decode's time more than plain steps would have: the prompt's agreement can mislead (a prompt of real text
-# agreed 100%, the model's own repetitive continuation 32%), and this bounds what finding out costs
+LOSS_BUDGET = 0.02  # auto's rounds may cost at most this share of the plain decode's time more than plain
+# steps would have: it starts a round only if the round's worst outcome (one token) keeps the loss within it,
+# shortening γ to fit, and otherwise decodes plainly for good. The prompt's agreement can mislead (a prompt of
+# real text agreed 100%, the model's own repetitive continuation 32%): this bounds what finding out costs
 EXPLORE_TOKENS, EXPLORE_GAMMA = 8, 2  # until a K_d has drafted this many tokens, auto drafts at most 2 per
-# round: a round that turns out to lose then loses little (the budget is checked between rounds)
+# round: a round that turns out to lose then loses little, and a first look fits in a small budget
 KEEP_GAIN = 1.1  # and keeps speculating while it predicts this much: one unlucky round (a rejection right
 # after a fully accepted one) must not end speculation for good where it pays (1.36x, measured)
+PLAIN_SAMPLES = 3  # plain steps timed before the first round: their median is the plain token's cost
 
 
 # -- what to do ---------------------------------------------------------------------------------------------
@@ -181,8 +183,10 @@ class Costs:
 
     @property
     def measured(self) -> bool:
-        """A one-token forward has been timed (the prefill alone times many tokens at once)."""
-        return ("enter", 1) in self.seen
+        """PLAIN_SAMPLES plain steps have been timed: the first decode step after the prefill runs ~15-20%
+        slower than the later ones (new shapes), and a plain token's cost is what every gain and loss is
+        counted against."""
+        return len(self.seen.get(("plain-overhead", 1), ())) >= PLAIN_SAMPLES
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -262,19 +266,25 @@ class Planner:
     def _settle(self) -> tuple[int, int] | None:
         """Re-decided every round, from the acceptance measured so far (the prompt's, then the rounds')."""
         scored = [(*self.best(k_d, self.alpha(k_d)), k_d) for k_d in self.candidates if k_d in self.counts]
-        spent = self.auto and self.loss > LOSS_BUDGET * self.new_tokens * self.costs.plain_token()
-        if not scored or spent:  # nothing to draft with, or finding out has cost auto its budget
-            self.choice = None
-        else:
-            gain, gamma, k_d = max(scored)
-            if self.auto and self.drafted.get(k_d, 0) < EXPLORE_TOKENS:
-                gamma = min(gamma, EXPLORE_GAMMA)  # still finding out what this K_d accepts
-            self.stats.predicted_speedup = gain
-            threshold = MIN_GAIN if self.choice is None else KEEP_GAIN  # to start, to carry on
-            self.choice = (k_d, gamma) if not self.auto or gain >= threshold else None
+        self.choice = self._choose(max(scored)) if scored else None  # None: nothing to draft with
         self.plain_for_good = self.choice is None
         self.stats.setting = "plain" if self.choice is None else f"K_d={self.choice[0]} γ={self.choice[1]}"
         return self.choice
+
+    def _choose(self, best: tuple[float, int, int]) -> tuple[int, int] | None:
+        """The round to run from the best-scored (gain, γ, K_d); auto: None where it does not pay enough or
+        even γ = 1 could take its loss past the budget."""
+        gain, gamma, k_d = best
+        self.stats.predicted_speedup = gain
+        if not self.auto:
+            return k_d, gamma
+        if self.drafted.get(k_d, 0) < EXPLORE_TOKENS:
+            gamma = min(gamma, EXPLORE_GAMMA)  # still finding out what this K_d accepts
+        threshold = MIN_GAIN if self.choice is None else KEEP_GAIN  # to start, to carry on
+        plain = self.costs.plain_token()
+        room = LOSS_BUDGET * self.new_tokens * plain - self.loss  # what a round may still lose
+        affordable = [g for g in range(gamma, 0, -1) if self.costs.round(k_d, g) - plain <= room]
+        return (k_d, affordable[0]) if gain >= threshold and affordable else None
 
 
 # -- the decoder --------------------------------------------------------------------------------------------
