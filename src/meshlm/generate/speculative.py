@@ -357,7 +357,10 @@ class Decoder:
             for read in reads if step + 1 in depths else ():
                 h = self.model.scheme.early_exit(run.h, run.ctx, k) if read else run.h
                 exits[(step + 1, read)] = h[:, -last:]
-        p = probabilities(self.model.readout(run, self.schedule, last=last), self.s)  # (B, last, V)
+        # the head on every position (not only the last ones) so that the readout's cost at n tokens is measured:
+        # a verification's cost at γ+1 is interpolated between 1 and n, not extrapolated from a few small rounds
+        logits = self._timed("readout", n, self.model.readout, run, self.schedule)
+        p = probabilities(logits[:, -last:], self.s)  # (B, last, V)
         q = self._draft_readouts(list(exits.values()), n - last)
         real = mask[:, -last:].bool()
         agreement = {key: float(torch.minimum(p, q_key).sum(-1)[real].mean()) for key, q_key in zip(exits, q)}
