@@ -122,12 +122,14 @@ def main() -> None:
                 **{x: x for x in args.settings.split(",") if x}, "auto": "auto"}
     decode(model, prompts, argparse.Namespace(**{**vars(args), "new_tokens": 4}), None, clock)  # warm-up
     times = {name: [] for name in variants}
-    last = {}
+    last, auto_loss = {}, []
     for _ in range(args.rounds):
         for name, speculate in variants.items():
             seconds, out, stats = decode(model, prompts, args, speculate, clock)
             times[name].append(seconds)
             last[name] = (out, stats)
+            if name == "auto":
+                auto_loss.append(stats.planner.loss)
 
     tokens = args.batch * args.new_tokens
     plain_rate = tokens / statistics.median(times["plain"])
@@ -139,7 +141,15 @@ def main() -> None:
         out, stats = last[name]
         same = "" if args.temperature else ("  same tokens" if out == last["plain"][0] else "  DIFFERENT TOKENS")
         extra = "" if stats is None else f"  acceptance {stats.acceptance:6.1%}  setting {stats.setting}"
-        print(f"  {name:<8} {rate:8.1f} tokens/s  {rate / plain_rate:5.2f}x{extra}{same}")
+        paired = sorted(p / t for p, t in zip(times["plain"], times[name]))  # round by round: the noise
+        spread = "" if name == "plain" else f"  (rounds {paired[0]:.2f}-{paired[-1]:.2f}x)"
+        print(f"  {name:<8} {rate:8.1f} tokens/s  {rate / plain_rate:5.2f}x{spread}{extra}{same}")
+    from meshlm.generate.speculative import LOSS_BUDGET
+
+    plain_seconds = statistics.median(times["plain"])
+    print(f"auto's own account: its rounds took {statistics.median(auto_loss) * 1e3:+.1f} ms (median) beyond what "
+          f"plain steps would have for their tokens, {statistics.median(auto_loss) / plain_seconds:+.1%} of the plain "
+          f"decode (its budget: {LOSS_BUDGET:.0%}; negative: the rounds gained)")
     cost_arithmetic(model, prompts, args, k_ds)
     agreement(model, tok, list(range(1, k)), args.loops)
 
