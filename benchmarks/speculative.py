@@ -3,9 +3,11 @@
     .venv/bin/python benchmarks/speculative.py runs/mesh-1+2R8+1 --threads 1 --clock cpu
     .venv/bin/python benchmarks/speculative.py runs/mesh-small-mesh --draft-loops 1 --temperature 0.8
 
-Variants, each run once per round in turn (interleaved, so machine noise hits all alike), medians shown:
-plain cached decoding, `--speculate K_d` for every K_d in --draft-loops (γ chosen from the measured
-acceptance and cost), and `--speculate auto` (K_d and γ chosen, or plain decoding when it would not pay).
+Variants, each run once per round in turn (interleaved, the order flipped every round): plain cached
+decoding, `--speculate K_d` for every K_d in --draft-loops (γ chosen from the measured acceptance and cost),
+and `--speculate auto` (K_d and γ chosen, or plain decoding when it would not pay). Shown: the median
+tokens/s, and the median of the round-by-round ratios to plain with their range (slow drifts of a shared
+machine cancel within a round; the range shows what is left).
 Prompts are the openings of held-out documents of the embedded corpus (validation split), so acceptance is
 measured on real text; EOS is ignored, so every run makes exactly --new-tokens tokens per row (the time
 includes the prompt's prefill and, for auto, the probing rounds). Greedy by default; --temperature > 0
@@ -123,8 +125,8 @@ def main() -> None:
     decode(model, prompts, argparse.Namespace(**{**vars(args), "new_tokens": 4}), None, clock)  # warm-up
     times = {name: [] for name in variants}
     last, auto_loss = {}, []
-    for _ in range(args.rounds):
-        for name, speculate in variants.items():
+    for r in range(args.rounds):
+        for name, speculate in list(variants.items())[::1 if r % 2 == 0 else -1]:  # order flipped every round
             seconds, out, stats = decode(model, prompts, args, speculate, clock)
             times[name].append(seconds)
             last[name] = (out, stats)
@@ -132,18 +134,17 @@ def main() -> None:
                 auto_loss.append(stats.planner.loss)
 
     tokens = args.batch * args.new_tokens
-    plain_rate = tokens / statistics.median(times["plain"])
     print(f"{args.checkpoint}: spec {model.config.spec} (K={k}), d_model {model.config.d_model}, batch {args.batch}, "
           f"prompt {args.prompt}, {args.new_tokens} new tokens, temperature {args.temperature}, "
-          f"{torch.get_num_threads()} threads, {args.clock} clock, {args.rounds} rounds (medians)")
+          f"{torch.get_num_threads()} threads, {args.clock} clock, {args.rounds} rounds")
     for name in variants:
         rate = tokens / statistics.median(times[name])
         out, stats = last[name]
         same = "" if args.temperature else ("  same tokens" if out == last["plain"][0] else "  DIFFERENT TOKENS")
         extra = "" if stats is None else f"  acceptance {stats.acceptance:6.1%}  setting {stats.setting}"
-        paired = sorted(p / t for p, t in zip(times["plain"], times[name]))  # round by round: the noise
+        paired = sorted(p / t for p, t in zip(times["plain"], times[name]))  # round by round: drift cancels
         spread = "" if name == "plain" else f"  (rounds {paired[0]:.2f}-{paired[-1]:.2f}x)"
-        print(f"  {name:<8} {rate:8.1f} tokens/s  {rate / plain_rate:5.2f}x{spread}{extra}{same}")
+        print(f"  {name:<8} {rate:8.1f} tokens/s  {statistics.median(paired):5.2f}x{spread}{extra}{same}")
     from meshlm.generate.speculative import LOSS_BUDGET
 
     plain_seconds = statistics.median(times["plain"])
