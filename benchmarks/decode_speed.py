@@ -6,6 +6,9 @@
 Comparisons (targets from the Hugging Face / generation issue):
   1. cached vs. uncached greedy decoding of 256 new tokens (MeSH): tokens/s ≥ 5× with the cache.
   2. MeSH vs. base at the same spec, both cached: tokens/s ≥ 0.95×.
+  3. (--append) the cache's in-place appends vs. appending by concatenation (each step copying every slot's
+     whole history), MeSH cached; it shows at long contexts:
+         .venv/bin/python benchmarks/decode_speed.py --append --skip-uncached --prompt 1024 --new-tokens 128
 
 Each round runs every variant once, in turn (interleaved, so machine noise hits all alike); the table shows
 medians. `--clock cpu` measures this process's CPU time instead of wall time: on a shared machine it
@@ -33,14 +36,29 @@ def build(scheme: str, args) -> torch.nn.Module:
     return MeshLM(cfg).eval()
 
 
-def decode_seconds(model, prompts, args, cache: bool) -> float:
+def concatenating_cache() -> type:
+    """The KV cache appending by concatenation (meshlm's cache before its in-place appends)."""
+    from meshlm.model.kv_cache import KVCache
+
+    class ConcatenatingCache(KVCache):
+        def write(self, i, key, value):
+            return self.concatenate(i, key, value)
+
+    return ConcatenatingCache
+
+
+def decode_seconds(model, prompts, args, cache: bool, concatenate: bool = False) -> float:
+    import meshlm.generate
     from meshlm.generate import Sampling, generate
+    from meshlm.model.kv_cache import KVCache
 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     s = Sampling(max_new_tokens=args.new_tokens, temperature=0, stop_at_eos=False)
+    meshlm.generate.KVCache = concatenating_cache() if concatenate else KVCache  # the cache generate() decodes into
     start = clock()
     out = generate(model, prompts, s, cache=cache)
     elapsed = clock() - start
+    meshlm.generate.KVCache = KVCache
     assert all(len(row) == args.new_tokens for row in out)
     return elapsed
 
@@ -53,6 +71,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     add_timing_arguments(p, rounds=5)
     p.add_argument("--skip-uncached", action="store_true", help="only MeSH vs. base (uncached is slow at size)")
+    p.add_argument("--append", action="store_true", help="also MeSH cached with appends by concatenation")
     args = p.parse_args()
     timing_setup(args)
 
@@ -62,11 +81,13 @@ def main() -> None:
     variants = {"mesh cached": ("mesh", True), "base cached": ("base", True), "mesh uncached": ("mesh", False)}
     if args.skip_uncached:
         del variants["mesh uncached"]
+    if args.append:
+        variants["mesh cat-append"] = ("mesh", "concatenate")
     decode_seconds(models["mesh"], prompts, argparse.Namespace(**{**vars(args), "new_tokens": 4}), True)  # warm-up
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, (scheme, cache) in variants.items():
-            times[name].append(decode_seconds(models[scheme], prompts, args, cache))
+            times[name].append(decode_seconds(models[scheme], prompts, args, bool(cache), cache == "concatenate"))
 
     tokens = args.batch * args.new_tokens
     rate = {name: tokens / statistics.median(t) for name, t in times.items()}
@@ -78,6 +99,8 @@ def main() -> None:
     if "mesh uncached" in rate:
         speedup = rate["mesh cached"] / rate["mesh uncached"]
         print(f"cache speed-up (MeSH):      {speedup:6.2f}x   target >= 5x    {'ok' if speedup >= 5 else 'MISSED'}")
+    if "mesh cat-append" in rate:
+        print(f"in-place / concatenating appends (MeSH cached): {rate['mesh cached'] / rate['mesh cat-append']:6.3f}x")
     ratio = rate["mesh cached"] / rate["base cached"]
     print(f"MeSH / base (cached):       {ratio:6.3f}x   target >= 0.95x {'ok' if ratio >= 0.95 else 'MISSED'}")
 

@@ -114,3 +114,36 @@ def test_cache_beyond_context_is_a_clear_error():
         model(torch.ones(1, 6, dtype=torch.long), cache=cache)
         with pytest.raises(ConfigError, match="exceeds the model's context_length=6"):
             model(torch.ones(1, 1, dtype=torch.long), cache=cache)
+
+
+def test_appends_write_in_place_and_the_buffers_double_when_full():
+    """A decode step writes its own keys/values into the slot's buffer (no copy of the history) until the
+    buffer is full; then it doubles. The filled views always equal the concatenated history."""
+    cache, history = KVCache(), []
+    pointers = []
+    for t in (3, 1, 1, 1, 1):  # a 3-token prefill, then single tokens: room 3 → 6 → 6 → 6 → 12
+        key = torch.randn(2, 4, t, 8)
+        history.append(key)
+        keys, values = cache.update(key, -key, 0)
+        assert torch.equal(keys, torch.cat(history, -2)) and torch.equal(values, -keys)
+        pointers.append(keys.data_ptr())
+    assert pointers[1] != pointers[0] and pointers[1] == pointers[2] == pointers[3] != pointers[4]
+    assert cache.get_seq_length() == 7
+    cache.crop(5)  # rolled back: the next append overwrites position 5
+    key = torch.randn(2, 4, 1, 8)
+    assert torch.equal(cache.update(key, key, 0)[0], torch.cat([*history[:3], key], -2))
+
+
+def test_a_cache_under_autograd_gives_the_gradients_of_the_whole_sequence():
+    """Chunks run with grad through a cache concatenate (nothing autograd saved is written over): the
+    gradients equal those of one forward over the whole sequence."""
+    model = build(tiny(scheme="mesh"))
+    x = torch.randint(0, model.config.vocab_size, (2, 9))
+    cache = KVCache()
+    # room 4, then 8 (a copy), then the third chunk would be written in place into a buffer autograd saved
+    chunked = torch.cat([model(x[:, a:b], cache=cache).logits for a, b in ((0, 4), (4, 6), (6, 7), (7, 9))], 1)
+    chunked.square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).logits.square().mean().backward()
+    assert all(torch.allclose(g, p.grad, atol=1e-6) for g, p in zip(grads, model.parameters()))

@@ -314,7 +314,7 @@ class Repeated:
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.length == 0:
             return key, value
-        past = (self.cache.keys[layer_idx], self.cache.values[layer_idx])  # (B, H, T_cached, hd)
+        past = self.cache.slot(layer_idx)  # (B, H, T_cached, hd)
         return tuple(torch.cat([t[..., :self.length, :].repeat(self.copies, 1, 1, 1), new], -2)
                      for t, new in zip(past, (key, value)))
 
@@ -498,9 +498,7 @@ class Decoder:
         order = torch.sort(real.long(), dim=1, stable=True).indices  # (B, T): padding first, then real tokens
         drop = int((~real).sum(1).min())
         order = order[:, drop:]
-        for slot, (k, v) in enumerate(zip(self.kv.keys, self.kv.values)):
-            index = order[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
-            self.kv.keys[slot], self.kv.values[slot] = k.gather(2, index), v.gather(2, index)
+        self.kv.reorder(order)
         self.mask = self.mask.gather(1, order)
 
 

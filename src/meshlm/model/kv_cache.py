@@ -33,43 +33,101 @@ class LayerCache(Protocol):
 
 
 class KVCache:
-    """A growing per-slot key/value store. Slots are created on first use, so a `loops` override works."""
+    """A per-slot key/value store that grows in place. Slots are created on first use, so a `loops` override
+    works.
+
+    A slot holds (B, H, capacity, hd) buffers whose first `length` positions are filled. An append writes its
+    positions in place, and the buffers double when full, so a decode step copies only its own keys/values:
+    appending with torch.cat copied the slot's whole history at every step, O(T²) memory traffic over a
+    generation. Under autograd an append concatenates instead, so nothing autograd saved is written over.
+    `keys` and `values` are the filled (B, H, length, hd) views."""
 
     def __init__(self) -> None:
-        self.keys: list[torch.Tensor | None] = []  # per slot: (B, H, T_past, hd)
-        self.values: list[torch.Tensor | None] = []
+        self._keys: list[torch.Tensor | None] = []  # per slot: (B, H, capacity, hd)
+        self._values: list[torch.Tensor | None] = []
+        self._lengths: list[int] = []
+
+    @property
+    def keys(self) -> list[torch.Tensor | None]:
+        return [None if k is None else k[..., :n, :] for k, n in zip(self._keys, self._lengths)]
+
+    @property
+    def values(self) -> list[torch.Tensor | None]:
+        return [None if v is None else v[..., :n, :] for v, n in zip(self._values, self._lengths)]
+
+    def slot(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slot i's filled (B, H, length, hd) keys and values."""
+        n = self._lengths[i]
+        return self._keys[i][..., :n, :], self._values[i][..., :n, :]
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Append this step's (B, H, T, hd) key/value to slot `layer_idx`; return the slot's full history."""
-        while len(self.keys) <= layer_idx:
-            self.keys.append(None)
-            self.values.append(None)
-        if self.keys[layer_idx] is not None:
-            key = torch.cat([self.keys[layer_idx], key], dim=-2)
-            value = torch.cat([self.values[layer_idx], value], dim=-2)
-        self.keys[layer_idx], self.values[layer_idx] = key, value
+        while len(self._keys) <= layer_idx:
+            self._keys.append(None)
+            self._values.append(None)
+            self._lengths.append(0)
+        if torch.is_grad_enabled() and (key.requires_grad or value.requires_grad):
+            return self.concatenate(layer_idx, key, value)
+        return self.write(layer_idx, key, value)
+
+    def write(self, i: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append in place (growing the buffers when full); returns views of slot i's buffers."""
+        n, t = self._lengths[i], key.shape[-2]
+        if self._keys[i] is None or n + t > self._keys[i].shape[-2]:
+            self._grow(i, key, value, n + t)
+        elif self._keys[i].shape[:2] != key.shape[:2]:
+            raise ValueError(f"cache slot {i} holds batch × heads {tuple(self._keys[i].shape[:2])}, the new keys "
+                             f"{tuple(key.shape[:2])}; start a new cache for another batch")
+        self._keys[i][..., n:n + t, :] = key
+        self._values[i][..., n:n + t, :] = value
+        self._lengths[i] = n + t
+        return self.slot(i)
+
+    def concatenate(self, i: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append by concatenation: new tensors, so that nothing autograd saved is written over."""
+        if self._lengths[i]:
+            key, value = (torch.cat([old, new], -2) for old, new in zip(self.slot(i), (key, value)))
+        self._keys[i], self._values[i], self._lengths[i] = key, value, key.shape[-2]
         return key, value
+
+    def _grow(self, i: int, key: torch.Tensor, value: torch.Tensor, needed: int) -> None:
+        """New buffers for slot i with room for at least `needed` positions (twice the old room), the filled
+        positions copied over."""
+        old_k, old_v, n = self._keys[i], self._values[i], self._lengths[i]
+        capacity = max(needed, 2 * (0 if old_k is None else old_k.shape[-2]))
+        self._keys[i] = key.new_empty(*key.shape[:-2], capacity, key.shape[-1])
+        self._values[i] = value.new_empty(*value.shape[:-2], capacity, value.shape[-1])
+        if n:
+            self._keys[i][..., :n, :], self._values[i][..., :n, :] = old_k[..., :n, :], old_v[..., :n, :]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens already cached (every slot holds the same number after a full forward)."""
-        if layer_idx >= len(self.keys) or self.keys[layer_idx] is None:
-            return 0
-        return self.keys[layer_idx].shape[-2]
+        return self._lengths[layer_idx] if layer_idx < len(self._lengths) else 0
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self._keys)
 
     def crop(self, length: int, slots: range | None = None) -> None:
         """Forget every token after the first `length` in `slots` (default: all), as transformers'
         `DynamicCache.crop`; speculative decoding rolls rejected draft tokens back with it."""
-        for i in range(len(self.keys)) if slots is None else slots:
-            if i < len(self.keys) and self.keys[i] is not None:
-                self.keys[i], self.values[i] = self.keys[i][..., :length, :], self.values[i][..., :length, :]
+        for i in range(len(self._keys)) if slots is None else slots:
+            if i < len(self._keys):
+                self._lengths[i] = min(self._lengths[i], length)
 
     def select(self, index: torch.Tensor) -> None:
         """Keep only the batch rows in `index` (e.g. drop finished sequences)."""
-        self.keys = [None if k is None else k[index] for k in self.keys]
-        self.values = [None if v is None else v[index] for v in self.values]
+        self._keys = [None if k is None else k[index] for k in self._keys]
+        self._values = [None if v is None else v[index] for v in self._values]
+
+    def reorder(self, order: torch.Tensor) -> None:
+        """Keep, in every slot, the positions `order` (B, T') of each row, in that order (T' ≤ length)."""
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            if k is None:
+                continue
+            index = order[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
+            k, v = k.gather(2, index), v.gather(2, index)  # new tensors: safe to write back in place
+            self._keys[i][..., :k.shape[-2], :], self._values[i][..., :v.shape[-2], :] = k, v
+            self._lengths[i] = k.shape[-2]
 
 
 def slot_offsets(layout: Layout, schedule: tuple[int, ...]) -> tuple[int, list[int], int, int]:
