@@ -147,3 +147,11 @@ def test_a_cache_under_autograd_gives_the_gradients_of_the_whole_sequence():
     model.zero_grad()
     model(x).logits.square().mean().backward()
     assert all(torch.allclose(g, p.grad, atol=1e-6) for g, p in zip(grads, model.parameters()))
+
+
+def test_another_batch_in_the_same_cache_is_a_clear_error():
+    cache = KVCache()
+    with torch.no_grad():
+        cache.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), 0)
+        with pytest.raises(ValueError, match="start a new cache for another batch"):
+            cache.update(torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4), 0)  # (would broadcast silently)

@@ -73,11 +73,11 @@ class KVCache:
     def write(self, i: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append in place (growing the buffers when full); returns views of slot i's buffers."""
         n, t = self._lengths[i], key.shape[-2]
-        if self._keys[i] is None or n + t > self._keys[i].shape[-2]:
-            self._grow(i, key, value, n + t)
-        elif self._keys[i].shape[:2] != key.shape[:2]:
+        if self._keys[i] is not None and self._keys[i].shape[:2] != key.shape[:2]:
             raise ValueError(f"cache slot {i} holds batch × heads {tuple(self._keys[i].shape[:2])}, the new keys "
                              f"{tuple(key.shape[:2])}; start a new cache for another batch")
+        if self._keys[i] is None or n + t > self._keys[i].shape[-2]:
+            self._grow(i, key, value, n + t)
         self._keys[i][..., n:n + t, :] = key
         self._values[i][..., n:n + t, :] = value
         self._lengths[i] = n + t
