@@ -20,7 +20,7 @@ import torch
 
 from meshlm.errors import ConfigError
 from meshlm.generate import speculative
-from meshlm.generate.sampling import Sampling, draw, left_pad, next_token, probabilities
+from meshlm.generate.sampling import Sampling, draw, left_pad, next_token, padding_if_any, probabilities
 from meshlm.model import MeshLM
 from meshlm.model.kv_cache import KVCache
 
@@ -64,7 +64,8 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
     step_input = ids
     for _ in range(s.max_new_tokens):
-        logits = model(step_input, padding_mask=mask, cache=kv, loops=loops, exit=exit).logits[:, -1]  # (B, V)
+        logits = model(step_input, padding_mask=padding_if_any(mask), cache=kv, loops=loops,
+                       exit=exit).logits[:, -1]  # (B, V)
         token = next_token(logits, s, generator).masked_fill(done, pad_id)  # (B,)
         yield token
         done |= (token == eos_id) & s.stop_at_eos

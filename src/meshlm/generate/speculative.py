@@ -39,7 +39,7 @@ import torch
 
 from meshlm.config import Layout
 from meshlm.errors import ConfigError
-from meshlm.generate.sampling import Sampling, draw, left_pad, next_token, probabilities
+from meshlm.generate.sampling import Sampling, draw, left_pad, next_token, padding_if_any, probabilities
 from meshlm.model import MeshLM
 from meshlm.model.kv_cache import KVCache, slot_offsets
 from meshlm.model.lm import LoopRun
@@ -350,7 +350,7 @@ class Decoder:
         n, k = ids.shape[1], len(self.schedule)
         last = min(PRIOR_TOKENS, n) if depths else 1  # calibrated positions: the prompt's last ones
         reads = (True, False) if type(self.model.scheme).early_exit is not Scheme.early_exit else (False,)
-        run = self._timed("enter", n, self.model.enter, ids, mask, None, self.kv)
+        run = self._timed("enter", n, self.model.enter, ids, padding_if_any(mask), None, self.kv)
         exits = {}  # (K_d, final read) -> (B, last, d): the state a draft there would hand its coda
         for step in range(k):
             self._timed(("step", step), n, self.model.advance, run, self.schedule, step + 1)
@@ -375,7 +375,7 @@ class Decoder:
         if not states:
             return []
         (b, t, _), c = states[0].shape, len(states)
-        rope, mask = self.model.attention_inputs((b, t), past, self.mask, None, states[0].dtype)
+        rope, mask = self.model.attention_inputs((b, t), past, padding_if_any(self.mask), None, states[0].dtype)
         rope = tuple(r.repeat(c, 1, 1) if r.shape[0] > 1 else r for r in rope)  # (C·B or 1, T, r)
         mask = None if mask is None else mask.repeat(c, 1, 1, 1)  # (C·B, 1, T, past + T)
         drafts = LoopRun(h=torch.cat(states), ctx=LoopContext(e=states[0]), rope=rope, mask=mask,
@@ -395,7 +395,7 @@ class Decoder:
         """enter → advance to step `stop` (→ readout: (B, T, V) logits). Stopping early (a draft), the coda
         reads scheme.early_exit of the state; the run keeps the loop's own state for verification."""
         n = tokens.shape[1]
-        run = self._timed("enter", n, self.model.enter, tokens, mask, None, self.kv)
+        run = self._timed("enter", n, self.model.enter, tokens, padding_if_any(mask), None, self.kv)
         for k in range(run.step, stop):
             self._timed(("step", k), n, self.model.advance, run, self.schedule, k + 1)
         if not readout:
@@ -415,14 +415,14 @@ class Decoder:
         start, self.stage_seconds = self.clock(), 0.0
         mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], 1)
         if not timed and keep_limit is None:
-            logits = self.model(self.pending[:, None], padding_mask=mask, cache=self.kv,
+            logits = self.model(self.pending[:, None], padding_mask=padding_if_any(mask), cache=self.kv,
                                 loops=len(self.schedule)).logits
             self.pending, self.mask = next_token(logits[:, -1], self.s, self.generator), mask
             return self.pending[:, None]
         if timed:
             logits = self._forward(self.pending[:, None], mask, len(self.schedule), readout=True)[1]
         else:
-            logits = self.model(self.pending[:, None], padding_mask=mask, cache=self.kv,
+            logits = self.model(self.pending[:, None], padding_mask=padding_if_any(mask), cache=self.kv,
                                 loops=len(self.schedule)).logits
         self.pending = next_token(logits[:, -1], self.s, self.generator)
         self.mask = torch.cat([self.mask, self._new_columns(keep_limit.clamp(max=1), 1)], 1)
@@ -464,7 +464,8 @@ class Decoder:
     def _verify(self, runs: list[LoopRun], mask: torch.Tensor, past: int, k_d: int) -> torch.Tensor:
         """Resume the γ+1 draft runs at step K_d as one run: loops K_d … K, coda, head. (B, γ+1, V) logits."""
         n = len(runs)
-        rope, attn = self.model.attention_inputs((mask.shape[0], n), past, mask, None, runs[0].h.dtype)
+        rope, attn = self.model.attention_inputs((mask.shape[0], n), past, padding_if_any(mask), None,
+                                                 runs[0].h.dtype)
         run = LoopRun(h=torch.cat([r.h for r in runs], 1), ctx=concat_contexts([r.ctx for r in runs]),
                       rope=rope, mask=attn, cache=self.kv, step=k_d)
         for k in range(k_d, len(self.schedule)):
