@@ -414,18 +414,15 @@ class Decoder:
         without keep_limit, it is exactly meshlm.generate's step (one forward, next_token)."""
         start, self.stage_seconds = self.clock(), 0.0
         mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], 1)
-        if not timed and keep_limit is None:
-            logits = self.model(self.pending[:, None], padding_mask=padding_if_any(mask), cache=self.kv,
-                                loops=len(self.schedule)).logits
-            self.pending, self.mask = next_token(logits[:, -1], self.s, self.generator), mask
-            return self.pending[:, None]
         if timed:
             logits = self._forward(self.pending[:, None], mask, len(self.schedule), readout=True)[1]
         else:
             logits = self.model(self.pending[:, None], padding_mask=padding_if_any(mask), cache=self.kv,
                                 loops=len(self.schedule)).logits
         self.pending = next_token(logits[:, -1], self.s, self.generator)
-        self.mask = torch.cat([self.mask, self._new_columns(keep_limit.clamp(max=1), 1)], 1)
+        if keep_limit is not None:  # rows done generating: their new position becomes padding
+            mask = torch.cat([self.mask, self._new_columns(keep_limit.clamp(max=1), 1)], 1)
+        self.mask = mask
         if timed:
             self.costs.add("plain-overhead", 1, max(self.clock() - start - self.stage_seconds, 0.0))
         return self.pending[:, None]
