@@ -280,11 +280,12 @@ class Planner:
             return k_d, gamma
         if self.drafted.get(k_d, 0) < EXPLORE_TOKENS:
             gamma = min(gamma, EXPLORE_GAMMA)  # still finding out what this K_d accepts
-        threshold = MIN_GAIN if self.choice is None else KEEP_GAIN  # to start, to carry on
+        if gain < (MIN_GAIN if self.choice is None else KEEP_GAIN):  # to start, to carry on
+            return None
         plain = self.costs.plain_token()
         room = LOSS_BUDGET * self.new_tokens * plain - self.loss  # what a round may still lose
-        affordable = [g for g in range(gamma, 0, -1) if self.costs.round(k_d, g) - plain <= room]
-        return (k_d, affordable[0]) if gain >= threshold and affordable else None
+        fits = next((g for g in range(gamma, 0, -1) if self.costs.round(k_d, g) - plain <= room), None)
+        return None if fits is None else (k_d, fits)
 
 
 # -- the decoder --------------------------------------------------------------------------------------------
