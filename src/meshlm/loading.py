@@ -44,6 +44,7 @@ from meshlm import checkpoint
 from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.data.prepare import PreparedData, prepare_default
+from meshlm.data.tasks import data_folder
 from meshlm.data.tokenizer import DEFAULT_VOCAB, TextTokenizer, check_vocab, load_tokenizer, resolve_tokenizer_path
 from meshlm.errors import CheckpointError, ConfigError, DataError
 from meshlm.interop.families import BY_MODEL_TYPE, to_meshlm
@@ -221,7 +222,7 @@ class Opened:
         source = str(override or self.folder.data_source())
         if source == "default":
             return prepare_default(tokenizer=self.folder.require_tokenizer(self.tokenizer_override))
-        path = Path(source).expanduser()
+        path = data_folder(source)  # a task: source: the cached task data it was trained on
         if not path.is_dir():
             raise DataError(f"prepared data {path} does not exist; pass --data DIR (a `meshlm prepare` output)")
         return path

@@ -5,6 +5,7 @@ through lm-evaluation-harness (0- and 5-shot by default); writes <run>/eval.json
     meshlm eval runs/mesh-small-mesh --limit 50          # a quick look: 50 items per task, 50 windows
     meshlm eval runs/mesh-small-mesh --tasks piqa,arc_easy --shots 0 --loops 1,2,3,4,6,8
     meshlm eval runs/mesh-small-mesh --tasks none --loops 1,2,4,8,16 --exit state:0.05,kl:1e-4 --exit-loops 8
+    meshlm eval runs/chase --loops 1,2,4,8,16 --exit state:0.1    # a run trained on task data: the reasoning suite
 """
 from __future__ import annotations
 
@@ -57,8 +58,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "loops per token for each)")
     p.add_argument("--exit-loops", type=int, default=None,
                    help="the most loop steps a token may run under --exit (default: the trained K)")
+    p.add_argument("--suite", choices=("auto", "text", "reasoning"), default="auto",
+                   help="reasoning: exact-match accuracy on task data's test set by difficulty x loops (and "
+                        "--exit), instead of the lm-eval tasks; auto (default): reasoning for a run trained on "
+                        "task data (`meshlm prepare task:NAME`)")
     p.add_argument("--limit", type=int, default=None,
-                   help="at most N items per task (each MMLU subject counts as a task) and N validation windows")
+                   help="at most N items per task (each MMLU subject counts as a task; per task and difficulty "
+                        "in the reasoning suite) and N validation windows")
     p.add_argument("--batch-size", type=int, default=8, help="validation windows per forward (default 8)")
     p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per forward when scoring tasks")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
@@ -78,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = open_model(args.checkpoint, args.device, tokenizer=args.tokenizer)
     out = Path(args.out) if args.out else loaded.run_dir / "eval.json"
     options = EvalOptions(data=args.data, loops=args.loops, exits=args.exit, exit_loops=args.exit_loops,
-                          tasks=tasks, shots=args.shots, limit=args.limit,
+                          tasks=tasks, shots=args.shots, limit=args.limit, suite=args.suite,
                           batch_size=args.batch_size, batch_tokens=args.batch_tokens, verbose=args.verbose,
                           samples_dir=out.parent / "eval-samples" if args.log_samples else None)
     device, chosen = precision.for_model(args.dtype, loaded.model)
@@ -97,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
 def check_inputs(args: argparse.Namespace) -> str | None:
     """Every argument, the model folder, the device, the task names and their fetched data, before any compute
     (all problems in one error). Returns the tasks to run (None = none)."""
+    from meshlm.data.tasks import holds_tasks
     from meshlm.errors import Problems
     from meshlm.loading import locate
     from meshlm.runtime.devices import resolve_device
@@ -107,15 +114,17 @@ def check_inputs(args: argparse.Namespace) -> str | None:
     p.need(all(k >= 1 for k in args.loops or []), f"--loops {args.loops}: loop counts must be >= 1")
     p.need(args.exit_loops is None or args.exit_loops >= 1, f"--exit-loops {args.exit_loops} must be >= 1")
     p.check(resolve_device, args.device)
+    reasoning = args.suite == "reasoning"
     if p.need(Path(args.checkpoint).exists(), f"{args.checkpoint} does not exist; pass a run folder, a "
                                               f"step-NNNNNN folder or a model folder"):
         folder = p.check(locate, args.checkpoint)
         if folder is not None:
             p.writable(Path(args.out).parent if args.out else folder.run_dir, "output folder")
+            reasoning = reasoning or (args.suite == "auto" and holds_tasks(args.data or folder.data_source()))
     if args.data is not None:
         p.need(Path(args.data).expanduser().is_dir(),
                f"--data {args.data} does not exist; pass a folder written by `meshlm prepare`")
-    tasks = None if args.tasks.strip().lower() in ("none", "") else args.tasks
+    tasks = None if reasoning or args.tasks.strip().lower() in ("none", "") else args.tasks  # reasoning: its own
     if tasks is not None:
         p.need(bool(args.shots), "--shots none with tasks to run: pass --shots 0,5 or --tasks none")
         check_tasks(tasks, p)

@@ -30,6 +30,7 @@ from meshlm.data.shards import (
     MANIFEST,
     ShardWriter,
     clear_prepared,
+    open_loss_mask,
     open_shards,
     read_manifest,
     token_dtype,
@@ -214,9 +215,13 @@ class PreparedData:
         self.dir, self.split = Path(data_dir), split
         self.manifest = read_manifest(data_dir)
         self.shards = open_shards(data_dir, self.manifest, split)
+        self.masks = open_loss_mask(data_dir, self.manifest, split)  # task data: 1 = answer token; else None
         # offsets[k] = stream position of shard k's first token; offsets[-1] = total
         self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
         self.num_tokens = int(self.offsets[-1])
+        if self.masks is not None and [len(m) for m in self.masks] != [len(s) for s in self.shards]:
+            raise DataError(f"{data_dir}: the answer mask of the {split} split does not line up with its tokens; "
+                            f"run `meshlm prepare` again")
 
     @property
     def vocab_size(self) -> int:
@@ -232,16 +237,32 @@ class PreparedData:
                             f"split; lower seq_len or add data")
         return (self.num_tokens - 1) // seq_len
 
-    def tokens(self, start: int, stop: int) -> np.ndarray:
-        """Stream positions [start, stop) as int64, gathered across shard boundaries."""
+    def tokens(self, start: int, stop: int, shards: list[np.memmap] | None = None) -> np.ndarray:
+        """Stream positions [start, stop) as int64, gathered across shard boundaries (of `shards`, default the
+        tokens'; the answer mask's are aligned with them)."""
+        shards = self.shards if shards is None else shards
         first = int(np.searchsorted(self.offsets, start, side="right")) - 1
         parts, pos, k = [], start, first
         while pos < stop:
             local = pos - int(self.offsets[k])
-            take = min(stop - pos, len(self.shards[k]) - local)
-            parts.append(self.shards[k][local:local + take])
+            take = min(stop - pos, len(shards[k]) - local)
+            parts.append(shards[k][local:local + take])
             pos, k = pos + take, k + 1
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+    def targets(self, i: int, seq_len: int, ignore_index: int = -100) -> np.ndarray:
+        """Window i's seq_len targets (int64): the next tokens, with `ignore_index` where task data's answer mask
+        says the loss does not look (prompts, padding); plain text keeps every target."""
+        window = self.sequence(i, seq_len)[1:]
+        if self.masks is None:
+            return window
+        mask = self.tokens(i * seq_len + 1, i * seq_len + seq_len + 1, self.masks)
+        return np.where(mask > 0, window, ignore_index)
+
+    def inputs_targets(self, indices: list[int], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """Windows `indices` as int64 (len(indices), seq_len) inputs and `targets`."""
+        return (np.stack([self.sequence(i, seq_len)[:-1] for i in indices]),
+                np.stack([self.targets(i, seq_len) for i in indices]))
 
     def sequence(self, i: int, seq_len: int) -> np.ndarray:
         """Window i: seq_len + 1 tokens (int64)."""

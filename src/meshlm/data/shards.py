@@ -89,9 +89,18 @@ def read_manifest(data_dir: str | os.PathLike) -> dict:
 
 def open_shards(data_dir: str | os.PathLike, manifest: dict, split: str) -> list[np.memmap]:
     """Read-only memory maps of one split's shards, after checking each file has its recorded size."""
-    dtype = np.dtype(manifest["dtype"])
+    return open_files(data_dir, manifest["splits"][split]["shards"], np.dtype(manifest["dtype"]))
+
+
+def open_loss_mask(data_dir: str | os.PathLike, manifest: dict, split: str) -> list[np.memmap] | None:
+    """Task data (meshlm.data.tasks): the split's uint8 answer-mask shards, aligned with its tokens; else None."""
+    masks = manifest.get("loss_mask")
+    return None if masks is None else open_files(data_dir, masks[split], np.dtype(np.uint8))
+
+
+def open_files(data_dir: str | os.PathLike, shards: list[dict], dtype: np.dtype) -> list[np.memmap]:
     maps = []
-    for shard in manifest["splits"][split]["shards"]:
+    for shard in shards:
         path = Path(data_dir) / shard["file"]
         expected = shard["tokens"] * dtype.itemsize
         if not path.is_file() or path.stat().st_size != expected:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
 import torch
 
 from meshlm.data.prepare import PreparedData, window_indices
@@ -31,20 +30,21 @@ def mean_loss(model, data: PreparedData, seq_len: int, batch_size: int = 8, max_
     with `exit` (e.g. "state:0.05", meshlm.model.exit) also the average loop steps and coda probes per token."""
     device = next(model.parameters()).device
     indices = window_indices(data.num_sequences(seq_len), max_sequences)
-    total, count, loops_run, probes = 0.0, 0, 0, 0
+    total, count, positions, loops_run, probes = 0.0, 0, 0, 0, 0
     for start in range(0, len(indices), batch_size):
-        windows = [data.sequence(i, seq_len) for i in indices[start:start + batch_size]]
-        batch = torch.from_numpy(np.stack(windows)).to(device)  # (b, seq_len + 1)
-        out = model(batch[:, :-1], targets=batch[:, 1:], loops=loops, exit=exit)
-        total += out.loss.double().item() * batch[:, 1:].numel()
-        count += batch[:, 1:].numel()
-        if exit is not None:
+        chunk = indices[start:start + batch_size]
+        x, y = (torch.from_numpy(a).to(device) for a in data.inputs_targets(chunk, seq_len))  # (b, seq_len)
+        out = model(x, targets=y, loops=loops, exit=exit)
+        scored = int((y != -100).sum())  # every target, or task data's answer tokens
+        total += out.loss.double().item() * scored
+        count, positions = count + scored, positions + y.numel()
+        if exit is not None:  # every position loops, scored or not
             loops_run += int(out.exit_loops.sum())
             probes += int(out.exit_probes.sum())
     loss = total / count
     result = {"loss": loss, "ppl": math.exp(min(loss, 700.0)), "tokens": count, "sequences": len(indices)}
     if exit is not None:
-        result.update(avg_loops=loops_run / count, avg_probes=probes / count)
+        result.update(avg_loops=loops_run / positions, avg_probes=probes / positions)
     return result
 
 

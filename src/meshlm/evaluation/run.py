@@ -8,6 +8,7 @@ The result (also written as eval.json in the run folder) is plain JSON:
      "exit": [{"exit", "max_loops", "loss", "ppl", "avg_loops", "avg_probes", "flops_ratio", ...}],
      "downstream": {"0": {"tasks": {name: {"acc", "acc_norm", "metric", "score", "stderr", "items"}},
                           "average", "items", "seconds", "limit"}, "5": {...}},
+     "reasoning": {...}  (task data only: meshlm.evaluation.reasoning),
      "seconds"}
 """
 from __future__ import annotations
@@ -19,8 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshlm.data.tasks import read_test, task_info, window_length
+from meshlm.errors import ConfigError, MeshlmError
 from meshlm.evaluation.downstream import run_suite
 from meshlm.evaluation.perplexity import default_loop_counts, exit_frontier, loss_vs_loops, mean_loss
+from meshlm.evaluation.reasoning import evaluate_reasoning
 from meshlm.evaluation.tasks import PAPER_TASKS
 from meshlm.loading import Opened
 from meshlm.model.accounting import account
@@ -39,6 +43,7 @@ class EvalOptions:
     batch_tokens: int = 8192  # padded tokens per forward when scoring tasks
     samples_dir: Path | None = None  # write each scored item (requests, loglikelihoods, metrics) here
     verbose: bool = False
+    suite: str = "auto"  # "text", "reasoning" (task data's test set) or "auto": reasoning for task data
 
 
 def evaluate(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = print,
@@ -51,30 +56,65 @@ def evaluate(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = 
                               "model": model.config.to_dict(), "accounting": account(model).to_dict(),
                               "complete": False}
     save = save or (lambda partial: None)
-    data = loaded.held_out(options.data)
+    data = held_out_for(loaded, options.data)
+    seq_len = window_length(data.manifest, 0) or loaded.seq_len  # task data: one example per window
     common = dict(batch_size=options.batch_size, max_sequences=options.limit)
-    result["perplexity"] = {**mean_loss(model, data, loaded.seq_len, **common), "data": str(data.dir),
-                            "split": data.split, "seq_len": loaded.seq_len}
+    result["perplexity"] = {**mean_loss(model, data, seq_len, **common), "data": str(data.dir),
+                            "split": data.split, "seq_len": seq_len}
     log(f"validation perplexity {result['perplexity']['ppl']:.3f} (loss {result['perplexity']['loss']:.4f}, "
-        f"{result['perplexity']['tokens']:,} tokens)")
+        f"{result['perplexity']['tokens']:,} tokens{' (answers only)' if data.masks is not None else ''})")
     save(result)
     counts = default_loop_counts(model) if options.loops is None else options.loops
-    result["loops"] = loss_vs_loops(model, data, loaded.seq_len, counts, **common)
+    result["loops"] = loss_vs_loops(model, data, seq_len, counts, **common)
     for row in result["loops"]:
         log(f"  loops={row['loops']}{' (trained)' if row['trained'] else ''}: loss {row['loss']:.4f}, "
             f"ppl {row['ppl']:.3f}")
-    result["exit"] = exit_frontier(model, data, loaded.seq_len, options.exits, options.exit_loops, **common)
+    result["exit"] = exit_frontier(model, data, seq_len, options.exits, options.exit_loops, **common)
     for row in result["exit"]:
         log(f"  exit {row['exit']} (at most {row['max_loops']} loops): loss {row['loss']:.4f}, avg loops/token "
             f"{row['avg_loops']:.3f}, coda probes/token {row['avg_probes']:.3f}, FLOPs x{row['flops_ratio']:.3f}")
     result["downstream"] = {}
     save(result)
-    if options.tasks:
+    if suite_of(options.suite, data) == "reasoning":
+        log("reasoning suite (exact match, greedy cached decoding):")
+        result["reasoning"] = evaluate_reasoning(
+            model, loaded.tokenizer, read_test(data.dir), data.manifest["task"]["levels"],
+            None if options.loops is None else [k for k in options.loops if k >= 1], options.exits,
+            options.exit_loops, options.limit, log=log)
+        save(result)
+    elif options.tasks:
         downstream(loaded, options, log, into=result["downstream"], save=lambda: save(result))
     result["seconds"] = time.perf_counter() - start
     result["complete"] = True
     save(result)
     return result
+
+
+def suite_of(suite: str, data) -> str:
+    """"auto" -> "reasoning" for task data, else "text"; "reasoning" on text data is a ConfigError."""
+    is_task = "task" in data.manifest
+    if suite == "reasoning" and not is_task:
+        raise ConfigError(f"--suite reasoning needs task data, and {data.dir} holds text; pass --data with a "
+                          f"folder written by `meshlm prepare task:NAME`")
+    return "reasoning" if suite == "reasoning" or (suite == "auto" and is_task) else "text"
+
+
+def held_out_for(loaded: Opened, override: str | None):
+    """The validation split to evaluate on; a task checkpoint refuses task data of tasks it was not trained on."""
+    if override is not None:
+        trained_on, given = task_names(loaded.data_dir()), task_names(Path(override).expanduser())
+        if trained_on and given and not set(given) <= set(trained_on):
+            raise ConfigError(f"{loaded.path} was trained on task(s) {', '.join(trained_on)}, and --data {override} "
+                              f"holds {', '.join(given)}; evaluate on data of the tasks it learned (or train one)")
+    return loaded.held_out(override)
+
+
+def task_names(folder: Path) -> list[str]:
+    try:
+        info = task_info(folder)
+    except MeshlmError:
+        return []
+    return list(info["levels"]) if info else []
 
 
 def downstream(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = print,

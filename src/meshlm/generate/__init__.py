@@ -44,8 +44,11 @@ def check_room(model: MeshLM, prompts: list[list[int]], s: Sampling) -> None:
 @torch.no_grad()
 def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0, pad_id: int = 1,
            cache: bool = True, loops: int | None = None, exit: str | None = None, speculate=None,
-           stats=None) -> Iterator[torch.Tensor]:
+           stats=None, observe=None) -> Iterator[torch.Tensor]:
     """Yield the (B,) next tokens step by step. Rows that reached EOS keep yielding `pad_id`.
+
+    `observe(out, mask)`, if given, sees every forward's LMOutput with the (B, T) padding mask of its new
+    positions (under exit, out.exit_loops says how many loop steps each position ran).
 
     `speculate` ("auto", "K_d", "K_d:γ" or a meshlm.generate.speculative.Speculation) decodes by lossless
     self-speculation (meshlm.generate.speculative): the same tokens when greedy, the same distribution when sampling;
@@ -64,8 +67,10 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
     step_input = ids
     for _ in range(s.max_new_tokens):
-        logits = model(step_input, padding_mask=padding_if_any(mask), cache=kv, loops=loops,
-                       exit=exit).logits[:, -1]  # (B, V)
+        out = model(step_input, padding_mask=padding_if_any(mask), cache=kv, loops=loops, exit=exit)
+        if observe is not None:
+            observe(out, mask[:, -step_input.shape[1]:])
+        logits = out.logits[:, -1]  # (B, V)
         token = next_token(logits, s, generator).masked_fill(done, pad_id)  # (B,)
         yield token
         done |= (token == eos_id) & s.stop_at_eos
@@ -78,12 +83,12 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
 
 def generate(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0, pad_id: int = 1,
              cache: bool = True, loops: int | None = None, exit: str | None = None, speculate=None,
-             stats=None) -> list[list[int]]:
-    """The new tokens of every row, up to and including EOS (when stop_at_eos). `speculate`, `stats`: see
-    `stream`."""
+             stats=None, observe=None) -> list[list[int]]:
+    """The new tokens of every row, up to and including EOS (when stop_at_eos). `speculate`, `stats`,
+    `observe`: see `stream`."""
     out: list[list[int]] = [[] for _ in prompts]
     finished = [False] * len(prompts)
-    for token in stream(model, prompts, s, eos_id, pad_id, cache, loops, exit, speculate, stats):
+    for token in stream(model, prompts, s, eos_id, pad_id, cache, loops, exit, speculate, stats, observe):
         for row, t in enumerate(token.tolist()):
             if not finished[row]:
                 out[row].append(t)

@@ -6,7 +6,6 @@ makes tensors (it is here, not in meshlm.data, so that preparing data never impo
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from meshlm.data.prepare import PreparedData, batch_indices
@@ -27,5 +26,11 @@ def get_batch(data: PreparedData, step: int, global_batch: int, seq_len: int, se
     indices = batch_indices(step, global_batch, seed, data.num_sequences(seq_len))
     per_rank = global_batch // world
     mine = indices[rank * per_rank:(rank + 1) * per_rank]
-    windows = torch.from_numpy(np.stack([data.sequence(i, seq_len) for i in mine]))  # (per_rank, seq_len + 1)
-    return [(chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()) for chunk in windows.chunk(micro_batches)]
+    x, y = windows_xy(data, mine, seq_len)  # (per_rank, seq_len) each
+    return list(zip(x.chunk(micro_batches), y.chunk(micro_batches)))
+
+
+def windows_xy(data: PreparedData, indices: list[int], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows `indices` as (x, y) LongTensors (len(indices), seq_len): inputs and next-token targets, the
+    targets -100 (cross-entropy's ignore_index) where task data's answer mask leaves a token out of the loss."""
+    return tuple(torch.from_numpy(a) for a in data.inputs_targets(indices, seq_len))

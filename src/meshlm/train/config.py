@@ -29,6 +29,7 @@ from typing import Any
 import yaml
 
 from meshlm.config import ModelConfig
+from meshlm.data.tasks import data_tokenizer
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.fields import build, coerce_all, type_problems, with_defaults
 from meshlm.loading import locate
@@ -48,8 +49,10 @@ class TrainConfig:
     name: str = ""  # run name: checkpoints go to <out_dir>/<name>; "" -> "<preset>-<scheme>"
     out_dir: str = "runs"
     model: dict[str, Any] = field(default_factory=lambda: {"preset": DEFAULT_PRESET})  # preset + overrides
-    data: str = "default"  # a prepared-data dir (`meshlm prepare`), or "default" = the embedded corpus
+    data: str = "default"  # a prepared-data dir (`meshlm prepare`), "default" = the embedded corpus, or a
+    # reasoning task source such as task:chase (meshlm.data.tasks: generated once into the cache)
     tokenizer: str = "default"  # "default", "pythia" or a tokenizer.json; must match the prepared data
+    # (task data's own tokenizer.json when left at "default")
     init_from: str = ""  # start from the weights of any folder meshlm.loading opens (a run or step dir, a
     # `meshlm retrofit`/`convert` output, a Hugging Face folder): its model config (plus any model.* overrides)
     # and its tokenizer (meshlm.loading's rule; train.tokenizer other than "default" overrides it); fresh
@@ -141,6 +144,8 @@ class TrainConfig:
         rule of meshlm.loading)."""
         if self.init_from and self.tokenizer == "default":
             return locate(self.init_from).require_tokenizer()
+        if self.tokenizer == "default":  # task data carries its own character tokenizer
+            return data_tokenizer(self.data) or self.tokenizer
         return self.tokenizer
 
     def run_name(self) -> str:

@@ -17,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from meshlm import checkpoint
 from meshlm.backbones import BACKBONES
 from meshlm.data.prepare import PreparedData, prepare_default, validation_batches
+from meshlm.data.tasks import cached_task_data, data_folder, is_task_source, window_length
 from meshlm.data.tokenizer import check_vocab, load_tokenizer, tokenizer_file
 from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError, Problems
 from meshlm.loading import locate, open_model, weight_mismatch
@@ -32,7 +32,7 @@ from meshlm.runtime import allocator
 from meshlm.runtime.devices import device_problem
 from meshlm.runtime.peaks import device_peak
 from meshlm.train import parallel
-from meshlm.train.batches import get_batch
+from meshlm.train.batches import get_batch, windows_xy
 from meshlm.train.config import TrainConfig
 from meshlm.train.interrupt import StopRequest
 from meshlm.train.monitor import Metrics, Progress
@@ -68,6 +68,10 @@ def resolve_data(cfg: TrainConfig, env: parallel.Env, tokenizer: str) -> Path:
         path = prepare_default(tokenizer=tokenizer, progress=env.is_main) if env.is_main else None
         parallel.barrier(env)
         return path or prepare_default(tokenizer=tokenizer)
+    if is_task_source(cfg.data):  # generated once into the cache, rank 0 first
+        path = cached_task_data(cfg.data) if env.is_main else None
+        parallel.barrier(env)
+        return path or cached_task_data(cfg.data)
     path = Path(cfg.data).expanduser()
     if not path.is_dir():
         raise ConfigError(f"train.data={cfg.data}: {path} does not exist; run `meshlm prepare` or set "
@@ -102,6 +106,7 @@ class Trainer:
         if prepared_with["hash"] != tokenizer.hash:
             raise DataError(f"{data_dir} was prepared with tokenizer {prepared_with['name']!r}, not "
                             f"{tokenizer.name!r}; set train.tokenizer to match or prepare the data again")
+        self.seq_len = window_length(self.train_data.manifest, cfg.seq_len) or self.seq_len  # task data: its block
         self.train_data.num_sequences(self.seq_len)  # DataError if the splits are shorter than one sequence
         self.val_data.num_sequences(self.seq_len)
 
@@ -228,13 +233,13 @@ class Trainer:
         count = torch.zeros((), device=env.device, dtype=torch.float64)
         self.model.eval()
         for indices, counted in batches:
-            windows = [self.val_data.sequence(i, self.seq_len) for i in indices]
-            batch = torch.from_numpy(np.stack(windows)).to(env.device)  # (b, seq_len + 1)
+            x, y = (t.to(env.device) for t in windows_xy(self.val_data, indices, self.seq_len))  # (b, seq_len)
             with parallel.autocast(env):
-                loss = self.wrapped(batch[:, :-1], batch[:, 1:]).loss
+                loss = self.wrapped(x, y).loss
             if counted:  # a padding forward only keeps the ranks in step
-                total += loss.double() * batch[:, 1:].numel()
-                count += batch[:, 1:].numel()
+                scored = (y != -100).sum()  # every target, or task data's answer tokens
+                total += loss.double() * scored
+                count += scored
         self.model.train()
         return (parallel.all_sum(total, env) / parallel.all_sum(count, env)).item()
 
@@ -371,12 +376,18 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> None:
     tok = p.check(load_tokenizer, source) if source is not None else None
     if tok is not None:
         p.check(check_vocab, model_cfg.vocab_size, tok)
-    path = Path(cfg.data).expanduser()
-    if cfg.data != "default" and p.need(path.is_dir(), f"train.data={cfg.data}: {path} does not exist; run "
-                                                       f"`meshlm prepare` or set train.data=default"):
+    path = p.check(data_folder, cfg.data)  # a task: source is generated here (once, into the cache)
+    if path is not None and p.need(path.is_dir(), f"train.data={cfg.data}: {path} does not exist; run "
+                                                  f"`meshlm prepare` or set train.data=default"):
+        data = p.check(PreparedData, path, "train")
+        if data is not None:
+            seq_len = p.check(window_length, data.manifest, cfg.seq_len) or seq_len if seq_len else None
+            p.need(seq_len is None or seq_len <= model_cfg.context_length,
+                   f"the task data's examples are {seq_len} tokens but the model's context_length is "
+                   f"{model_cfg.context_length}; set model.context_length={seq_len} or more")
         for split in ("train", "val"):
             data = p.check(PreparedData, path, split)
-            if data is not None:
+            if data is not None and seq_len is not None:
                 p.check(data.num_sequences, seq_len)
         manifest = data.manifest if data is not None else None
         if manifest and tok is not None and manifest["tokenizer"]["hash"] != tok.hash:

@@ -1,0 +1,266 @@
+"""Reasoning-task data (meshlm.reasoning) as ordinary prepared data plus an answer mask and a test set.
+
+    meshlm prepare task:chase --out data/chase             # or train.data=task:chase (prepared into the cache)
+
+A task folder is a prepared folder (meshlm.data.shards) with three additions:
+- every example is one block of `block` tokens, `prompt answer EOS` then padding, so window i (seq_len =
+  block) is example i alone: no example attends to another, and positions start at 0 in each;
+- `<split>-mask-NNNNN.bin` (uint8, aligned with the tokens): 1 where the token is part of the answer (its
+  digits and the EOS after them). Training and validation take the loss on those targets only;
+- test.jsonl: {"task", "prompt", "answer", "difficulty"} per problem, difficulties up to beyond the training
+  range, for exact-match evaluation by greedy decoding (meshlm.evaluation.reasoning). tokenizer.json is the
+  suite's character tokenizer (meshlm.reasoning.vocab), which training picks up from the folder.
+
+Splits never share a problem: each distinct prompt belongs to one split by a hash of its text (test 1/20,
+validation 1/20, train the rest), so a problem space smaller than the request (addition at one digit has 100
+problems) gives fewer test problems instead of overlap. Test and validation problems are distinct within
+their split; training draws may repeat. Training difficulties are drawn uniformly over the training range.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from meshlm.data.cache_dir import cache_dir as resolve_cache
+from meshlm.data.shards import FORMAT, MANIFEST, ShardWriter, clear_prepared, read_manifest, write_manifest
+from meshlm.errors import ConfigError, DataError
+from meshlm.reasoning import Problem, Task, parse_levels, parse_tasks, range_text
+from meshlm.reasoning.vocab import TOKENIZER_FILE, write_tokenizer
+
+PREFIX = "task:"
+GENERATOR_VERSION = 1  # bump when a generator's output changes: cached task data is keyed by it
+TEST_FILE = "test.jsonl"
+BUCKETS = 20  # hash buckets of a prompt: 0 = test, 1 = validation, the rest = train
+TEST_BUCKET, VAL_BUCKET = 0, 1
+MAX_DRAWS = 200  # draws per wanted problem before a small problem space is accepted as exhausted
+
+
+@dataclass
+class TaskData:
+    """What to generate: tasks, difficulty ranges (per task, "LO-HI"; empty = the task's default), sizes."""
+
+    tasks: str = "chase"
+    train_levels: str = ""
+    test_levels: str = ""
+    train_examples: int = 50_000
+    val_examples: int = 512
+    test_per_level: int = 200
+    seed: int = 0
+    disjoint: bool = False  # the test range must not overlap the training range
+
+    def resolved(self) -> list[tuple[Task, range, range]]:
+        """(task, training levels, test levels) per task; ConfigError for an unknown task, a range the generator
+        does not support, or (disjoint) ranges that overlap."""
+        out = []
+        for task in parse_tasks(self.tasks):
+            train = parse_levels(self.train_levels or task.train_levels, task, "training difficulty")
+            test = parse_levels(self.test_levels or task.test_levels, task, "test difficulty")
+            if self.disjoint and set(train) & set(test):
+                raise ConfigError(f"task {task.name}: test difficulties {range_text(test)} overlap the training "
+                                  f"difficulties {range_text(train)}, but disjoint ranges were asked for; start "
+                                  f"the test range above {train.stop - 1} or drop --disjoint")
+            out.append((task, train, test))
+        sizes = {"train_examples": self.train_examples, "val_examples": self.val_examples,
+                 "test_per_level": self.test_per_level}
+        small = [f"{k}={v}" for k, v in sizes.items() if v < 1]
+        if small:
+            raise ConfigError(f"task data sizes {', '.join(small)} must be >= 1")
+        return out
+
+    def key(self) -> str:
+        """Identity of the generated data (the cache folder's name)."""
+        text = json.dumps({**asdict(self), "version": GENERATOR_VERSION}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def bucket(prompt: str) -> int:
+    return int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) % BUCKETS
+
+
+@dataclass
+class Drawn:
+    train: list[Problem] = field(default_factory=list)
+    val: list[Problem] = field(default_factory=list)
+    test: list[tuple[str, Problem]] = field(default_factory=list)  # (task name, problem)
+
+
+def draw_problems(spec: TaskData) -> Drawn:
+    """Every split's problems, deterministic under spec.seed (each task and split has its own stream)."""
+    resolved, drawn = spec.resolved(), Drawn()
+    for i, (task, train, test) in enumerate(resolved):
+        share = [total // len(resolved) + (i < total % len(resolved)) for total in (spec.train_examples,
+                                                                                  spec.val_examples)]
+        drawn.train += _draw_split(task, f"{spec.seed}:{task.name}:train", train, share[0], None)
+        drawn.val += _draw_split(task, f"{spec.seed}:{task.name}:val", train, share[1], VAL_BUCKET)
+        for level in test:
+            drawn.test += [(task.name, p) for p in _draw_split(task, f"{spec.seed}:{task.name}:test:{level}",
+                                                                range(level, level + 1), spec.test_per_level,
+                                                                TEST_BUCKET)]
+    random.Random(f"{spec.seed}:mix").shuffle(drawn.train)  # a mixture's tasks interleave in the token stream
+    return drawn
+
+
+def _draw_split(task: Task, stream: str, levels: range, n: int, want_bucket: int | None) -> list[Problem]:
+    """n problems at difficulties drawn uniformly from `levels`, from the random stream named `stream`, whose
+    prompt hashes into `want_bucket` (None: train, any bucket but test's and validation's); distinct ones for
+    the held-out splits. Fewer when the problem space runs out."""
+    rng, out, seen = random.Random(stream), [], set()
+    for _ in range(n * MAX_DRAWS):
+        if len(out) == n:
+            break
+        problem = task.sample(rng, rng.choice(levels))
+        b = bucket(problem.prompt)
+        if want_bucket is None:
+            if b not in (TEST_BUCKET, VAL_BUCKET):
+                out.append(problem)
+        elif b == want_bucket and problem.prompt not in seen:
+            seen.add(problem.prompt)
+            out.append(problem)
+    return out
+
+
+def prepare_tasks(spec: TaskData, out_dir: str | os.PathLike, overwrite: bool = False) -> dict:
+    """Generate `spec` into out_dir (tokens + answer masks, test.jsonl, tokenizer.json, manifest.json last)."""
+    resolved = spec.resolved()  # bad input fails before the folder is touched
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise DataError(f"output {out} is a file; pass a folder path")
+    if (out / MANIFEST).exists() and not overwrite:
+        raise DataError(f"output folder {out} already holds prepared data; pass --overwrite or another folder")
+    out.mkdir(parents=True, exist_ok=True)
+    clear_prepared(out)
+    try:
+        return _write(spec, resolved, out)
+    except BaseException:
+        clear_prepared(out)
+        raise
+
+
+def _write(spec: TaskData, resolved, out: Path) -> dict:
+    tok = write_tokenizer(out / TOKENIZER_FILE, "".join(task.alphabet for task, _, _ in resolved))
+    drawn = draw_problems(spec)
+    if not drawn.train or not drawn.val:
+        raise DataError(f"task data {spec.tasks}: the training range made no validation problems; widen "
+                        f"--train-difficulty or raise --val-examples")
+    encode = lambda p: (tok.encode(p.prompt), tok.encode(p.answer) + [tok.eos_id])  # noqa: E731
+    block = max(len(q) + len(a) for p in drawn.train + drawn.val for q, a in [encode(p)])
+    splits, masks = {}, {}
+    for split, problems in (("train", drawn.train), ("val", drawn.val)):
+        tokens = ShardWriter(out, split, np.dtype(np.uint16), 1 << 40)
+        mask = ShardWriter(out, f"{split}-mask", np.dtype(np.uint8), 1 << 40)
+        for problem in problems:
+            prompt, answer = encode(problem)
+            pad = block - len(prompt) - len(answer)
+            tokens.write(prompt + answer + [tok.pad_id] * pad)
+            mask.write([0] * len(prompt) + [1] * len(answer) + [0] * pad)
+        tokens.write([tok.pad_id])  # the last window's final target (never in the loss)
+        mask.write([0])
+        tokens.documents = mask.documents = len(problems)
+        splits[split], masks[split] = tokens.close(), mask.close()["shards"]
+    with open(out / TEST_FILE, "w", encoding="utf-8") as f:
+        for name, p in drawn.test:
+            f.write(json.dumps({"task": name, "prompt": p.prompt, "answer": p.answer, "difficulty": p.difficulty})
+                    + "\n")
+    manifest = {
+        "format": FORMAT,
+        "tokenizer": {"name": TOKENIZER_FILE, "hash": tok.hash, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+                      "pad_id": tok.pad_id, "file": TOKENIZER_FILE},
+        "dtype": "uint16", "source": PREFIX + spec.tasks, "val_fraction": 0.0,
+        "documents": len(drawn.train) + len(drawn.val), "replaced_bytes": 0,
+        "splits": splits, "loss_mask": masks,
+        "task": {**asdict(spec), "block": block, "version": GENERATOR_VERSION,
+                 "levels": {task.name: {"train": range_text(train), "test": range_text(test)}
+                            for task, train, test in resolved},
+                 "test_problems": len(drawn.test),
+                 "longest_test": max((len(tok.encode(p.prompt)) + len(tok.encode(p.answer)) + 1
+                                      for _, p in drawn.test), default=0)},
+    }
+    write_manifest(out, manifest)
+    return manifest
+
+
+def task_info(data_dir: str | os.PathLike) -> dict | None:
+    """The manifest's "task" section (None for text data)."""
+    return read_manifest(data_dir).get("task")
+
+
+def read_test(data_dir: str | os.PathLike) -> list[dict]:
+    path = Path(data_dir) / TEST_FILE
+    if not path.is_file():
+        raise DataError(f"{data_dir} holds no reasoning test set ({TEST_FILE}); pass task data written by "
+                        f"`meshlm prepare task:NAME`")
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def is_task_source(data: str) -> bool:
+    return str(data).startswith(PREFIX)
+
+
+def cached_task_data(data: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """`task:chase[,dag]` with the default sizes and ranges, generated once into the cache; returns its folder.
+    Several processes may ask at once: each writes a private folder and renames it into place."""
+    spec = TaskData(tasks=data[len(PREFIX):])
+    spec.resolved()
+    parent = resolve_cache(cache_dir) / "prepared"
+    target = parent / f"task-{spec.key()}"
+    if (target / MANIFEST).is_file():
+        return target
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=parent))
+    tmp.chmod(0o755)
+    try:
+        prepare_tasks(spec, tmp, overwrite=True)
+        os.rename(tmp, target)
+    except OSError:
+        if not (target / MANIFEST).is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def data_folder(data: str) -> Path | None:
+    """The prepared folder `train.data` names: a `task:` source's cache folder (generated on first use), a
+    folder, or None for the embedded corpus."""
+    if data == "default":
+        return None
+    return cached_task_data(data) if is_task_source(data) else Path(data).expanduser()
+
+
+def data_tokenizer(data: str) -> str | None:
+    """The tokenizer.json that task data carries (training uses it unless train.tokenizer says otherwise)."""
+    folder = data_folder(data)
+    if folder is None or not (folder / MANIFEST).is_file():
+        return None
+    name = read_manifest(folder)["tokenizer"].get("file")
+    return str(folder / name) if name else None
+
+
+def window_length(manifest: dict, seq_len: int) -> int:
+    """The training window length: for task data its example block (train.seq_len must be 0 or equal it, since
+    a window is one example), else `seq_len`."""
+    task = manifest.get("task")
+    if task is None or seq_len in (0, task["block"]):
+        return task["block"] if task else seq_len
+    raise ConfigError(f"train.seq_len={seq_len} does not fit the task data: each example is one window of "
+                      f"{task['block']} tokens; set train.seq_len={task['block']} (or 0)")
+
+
+def holds_tasks(data: str | os.PathLike) -> bool:
+    """Whether `data` (a train.data value or a folder) is reasoning-task data; reads only its manifest."""
+    if is_task_source(str(data)):
+        return True
+    path = Path(data).expanduser() / MANIFEST
+    try:
+        return path.is_file() and "task" in json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False

@@ -1,0 +1,198 @@
+"""Exact-match accuracy on the reasoning suite (meshlm.reasoning), by difficulty × loop count and under exit.
+
+Every answer comes from greedy cached decoding (meshlm.generate), prompts batched with left padding (each row
+decodes as it would alone). A problem counts as solved when the generated tokens are exactly the answer's
+followed by EOS: a missing EOS, an early EOS or an extra token is wrong. Accuracy per difficulty comes with
+its binomial standard error sqrt(p(1 − p)/n).
+
+Under adaptive exit (meshlm.model.exit) each problem also records the loop steps its tokens ran:
+`avg_loops` over every token processed (prompt and answer), `answer_loops` over the positions that produced
+an answer token (the last prompt position, then each generated one up to EOS): where the depth is spent on
+the answer. The Spearman rank correlation of a problem's answer loops with its difficulty says whether exit
+spends more depth on harder problems.
+
+The result (eval.json's "reasoning" section):
+
+    {"tasks": {name: {"trained_loops", "train_levels", "test_levels",
+                      "loops": [{"loops", "acc", "stderr", "n", "levels": {d: {"acc", "stderr", "n"}}}],
+                      "exit":  [{"exit", "max_loops", "acc", "stderr", "n", "avg_loops", "answer_loops",
+                                 "spearman", "levels": {d: {"acc", "stderr", "n", "avg_loops",
+                                                            "answer_loops"}}}]}},
+     "seconds"}
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from meshlm.data.tokenizer import TextTokenizer
+from meshlm.errors import ConfigError
+from meshlm.generate import Sampling, generate
+
+
+@dataclass
+class Answer:
+    """One decoded problem: solved or not, and (under exit) the loop steps its tokens ran."""
+
+    correct: bool
+    prompt_loops: int = 0  # summed over the prompt's tokens
+    answer_loops: list[int] = field(default_factory=list)  # per position that produced an answer token
+
+
+def binomial(correct: list[bool]) -> dict:
+    n = len(correct)
+    p = sum(correct) / n if n else math.nan
+    return {"acc": p, "stderr": math.sqrt(p * (1 - p) / n) if n else math.nan, "n": n}
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties); nan when either side is constant."""
+    def ranks(v):
+        v = np.asarray(v, dtype=float)
+        order = v.argsort(kind="stable")
+        r = np.empty(len(v))
+        r[order] = np.arange(len(v), dtype=float)
+        for value in np.unique(v):  # ties share their mean rank
+            r[v == value] = r[v == value].mean()
+        return r
+
+    if len(x) < 2:
+        return math.nan
+    rx, ry = ranks(x), ranks(y)
+    if rx.std() == 0 or ry.std() == 0:
+        return math.nan
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+class LoopRecorder:
+    """`observe` for meshlm.generate: per row, the exit loop steps of the prompt and of each decode step."""
+
+    def __init__(self):
+        self.prompt: torch.Tensor | None = None  # (B,) loops summed over real prompt positions
+        self.steps: list[torch.Tensor] = []  # (B,) loops of the position that produced answer token j
+
+    def __call__(self, out, mask: torch.Tensor) -> None:
+        if out.exit_loops is None:
+            return
+        loops = out.exit_loops * mask  # (B, T), padding positions count nothing
+        if self.prompt is None:
+            self.prompt = loops.sum(-1)
+            self.steps.append(out.exit_loops[:, -1])  # the last prompt position predicts answer token 0
+        else:
+            self.steps.append(out.exit_loops[:, -1])
+
+
+def decode(model, tok: TextTokenizer, problems: list[dict], loops: int | None = None, exit: str | None = None,
+           batch_size: int = 64) -> list[Answer]:
+    """Greedy answers to `problems` ({"prompt", "answer"}), in order."""
+    order = sorted(range(len(problems)), key=lambda i: len(problems[i]["prompt"]))  # similar lengths together
+    result: dict[int, Answer] = {}
+    for start in range(0, len(order), batch_size):
+        chunk = [problems[i] for i in order[start:start + batch_size]]
+        prompts = [tok.encode(p["prompt"]) for p in chunk]
+        wanted = [tok.encode(p["answer"]) + [tok.eos_id] for p in chunk]
+        recorder = LoopRecorder()
+        s = Sampling(max_new_tokens=max(map(len, wanted)), temperature=0)
+        outs = generate(model, prompts, s, tok.eos_id, tok.pad_id, loops=loops, exit=exit, observe=recorder)
+        for row, (i, got, want) in enumerate(zip(order[start:start + batch_size], outs, wanted)):
+            answer = Answer(got == want)
+            if recorder.prompt is not None:
+                answer.prompt_loops = int(recorder.prompt[row])
+                answer.answer_loops = [int(step[row]) for step in recorder.steps[:len(got)]]
+            result[i] = answer
+    return [result[i] for i in range(len(problems))]
+
+
+def check_fits(model, tok: TextTokenizer, problems: list[dict]) -> None:
+    longest = max(len(tok.encode(p["prompt"])) + len(tok.encode(p["answer"])) + 1 for p in problems)
+    if longest > model.config.context_length:
+        raise ConfigError(f"the longest test problem needs {longest} tokens but the model's context_length is "
+                          f"{model.config.context_length}; pass --reasoning-levels to test easier problems, or "
+                          f"train with model.context_length={longest}")
+
+
+def default_loop_counts(trained: int) -> list[int]:
+    """1 … 4× the trained loop count K: every count up to 2K, then 3K and 4K."""
+    return sorted({*range(1, 2 * trained + 1), 3 * trained, 4 * trained})
+
+
+def by_level(problems: list[dict], answers: list[Answer], with_loops: bool) -> dict[str, dict]:
+    groups: dict[int, list[int]] = defaultdict(list)
+    for i, p in enumerate(problems):
+        groups[p["difficulty"]].append(i)
+    out = {}
+    for level in sorted(groups):
+        chosen = [answers[i] for i in groups[level]]
+        row = binomial([a.correct for a in chosen])
+        if with_loops:
+            row.update(_loop_means(problems, groups[level], chosen))
+        out[str(level)] = row
+    return out
+
+
+def _loop_means(problems: list[dict], indices: list[int], chosen: list[Answer]) -> dict:
+    tokens = sum(len(problems[i]["prompt"]) + len(a.answer_loops) for i, a in zip(indices, chosen))
+    loops = sum(a.prompt_loops + sum(a.answer_loops) for a in chosen)
+    answer_steps = [step for a in chosen for step in a.answer_loops]
+    return {"avg_loops": loops / max(tokens, 1), "answer_loops": float(np.mean(answer_steps)) if answer_steps
+            else math.nan}
+
+
+def evaluate_task(model, tok: TextTokenizer, problems: list[dict], loop_counts: list[int], exits: list[str],
+                  exit_loops: int | None, batch_size: int = 64, log: Callable[[str], None] = print) -> dict:
+    """One task's accuracy table: by difficulty at each loop count, and under each exit rule."""
+    check_fits(model, tok, problems)
+    layout = model.config.layout
+    trained = layout.n_steps
+    looped = layout.shares_weights and len(layout.cores) == 1
+    if not looped:  # vanilla: its one depth, no exit (there is no loop to leave)
+        loop_counts, exits = [trained], []
+    out: dict = {"trained_loops": trained, "loops": [], "exit": []}
+    for k in loop_counts:
+        answers = decode(model, tok, problems, loops=k if looped else None, batch_size=batch_size)
+        row = {"loops": k, **binomial([a.correct for a in answers]), "levels": by_level(problems, answers, False)}
+        out["loops"].append(row)
+        log(f"    loops={k}: acc {100 * row['acc']:.1f}%  " + " ".join(
+            f"{d}:{100 * v['acc']:.0f}" for d, v in row["levels"].items()))
+    max_loops = exit_loops or trained
+    for rule in exits:
+        answers = decode(model, tok, problems, loops=max_loops, exit=rule, batch_size=batch_size)
+        row = {"exit": rule, "max_loops": max_loops, **binomial([a.correct for a in answers]),
+               **_loop_means(problems, list(range(len(problems))), answers),
+               "spearman": spearman([p["difficulty"] for p in problems],
+                                    [float(np.mean(a.answer_loops)) for a in answers]),
+               "levels": by_level(problems, answers, True)}
+        out["exit"].append(row)
+        log(f"    exit {rule} (<= {max_loops} loops): acc {100 * row['acc']:.1f}%, loops/token {row['avg_loops']:.2f}, "
+            f"answer loops {row['answer_loops']:.2f}, Spearman vs difficulty {row['spearman']:.2f}")
+    return out
+
+
+@torch.no_grad()
+def evaluate_reasoning(model, tok: TextTokenizer, problems: list[dict], task_levels: dict[str, dict],
+                       loop_counts: list[int] | None = None, exits: list[str] = (), exit_loops: int | None = None,
+                       limit: int | None = None, batch_size: int = 64, log: Callable[[str], None] = print) -> dict:
+    """Every task in `problems` (test.jsonl records), at most `limit` problems per task and difficulty."""
+    start = time.perf_counter()
+    counts = loop_counts if loop_counts is not None else default_loop_counts(model.config.layout.n_steps)
+    tasks: dict[str, list[dict]] = defaultdict(list)
+    taken: dict[tuple[str, int], int] = defaultdict(int)
+    for p in problems:
+        key = (p["task"], p["difficulty"])
+        if limit is None or taken[key] < limit:
+            taken[key] += 1
+            tasks[p["task"]].append(p)
+    result = {"tasks": {}}
+    for name, chosen in tasks.items():
+        log(f"  {name}: {len(chosen)} problems")
+        levels = task_levels.get(name, {})
+        result["tasks"][name] = {"train_levels": levels.get("train"), "test_levels": levels.get("test"),
+                                 **evaluate_task(model, tok, chosen, counts, list(exits), exit_loops, batch_size, log)}
+    result["seconds"] = time.perf_counter() - start
+    return result

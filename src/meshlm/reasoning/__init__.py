@@ -1,0 +1,52 @@
+"""The reasoning suite: synthetic tasks where more loops buy accuracy (docs/reasoning.md).
+
+    TASKS["chase"].sample(random.Random(0), 3)   -> Problem(prompt, answer, difficulty)
+    parse_tasks("chase,dag")                     -> [Chase(), Dag()]
+    parse_levels("1-8", task)                    -> range(1, 9), checked against what the task supports
+
+A new task is one Task subclass in meshlm.reasoning.tasks plus its line in TASKS. Nothing here imports torch:
+the generators are plain Python, deterministic under a seed (meshlm.data.tasks writes them as training data,
+meshlm.evaluation.reasoning scores a model on them).
+"""
+from __future__ import annotations
+
+import re
+
+from meshlm.errors import ConfigError
+from meshlm.reasoning.tasks import Addition, Chase, Dag, ModSum, Problem, Task
+
+TASKS: dict[str, Task] = {task.name: task for task in (Chase(), ModSum(), Addition(), Dag())}
+
+__all__ = ["TASKS", "Problem", "Task", "parse_levels", "parse_tasks", "range_text"]
+
+
+def parse_tasks(text: str) -> list[Task]:
+    """"chase" or "chase,dag" -> the tasks, in that order; ConfigError naming the known ones otherwise."""
+    names = [n.strip().lower() for n in str(text).split(",") if n.strip()]
+    unknown = [n for n in names if n not in TASKS]
+    if unknown or not names:
+        raise ConfigError(f"unknown reasoning task {', '.join(unknown) or repr(text)}; use one or more of "
+                          f"{', '.join(TASKS)}, comma-separated (e.g. task:chase or task:chase,dag)")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"reasoning tasks {text!r} name a task twice; list each once")
+    return [TASKS[n] for n in names]
+
+
+def range_text(levels: range) -> str:
+    return f"{levels.start}-{levels.stop - 1}"
+
+
+def parse_levels(text: str | range, task: Task, what: str = "difficulty") -> range:
+    """"3" or "1-8" -> range(1, 9), inside the task's supported levels (one-line ConfigError otherwise)."""
+    if isinstance(text, range):
+        levels = text
+    else:
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", str(text))
+        if not m:
+            raise ConfigError(f"{what} {text!r} is not N or LO-HI (e.g. 1-8)")
+        low, high = int(m.group(1)), int(m.group(2) or m.group(1))
+        levels = range(low, high + 1)
+    if not levels or levels.start < task.levels.start or levels.stop > task.levels.stop:
+        raise ConfigError(f"{what} {range_text(levels) if levels else text!r} is outside what task {task.name} "
+                          f"makes ({range_text(task.levels)}); pass a range inside it")
+    return levels

@@ -1,0 +1,227 @@
+"""The reasoning suite: generators checked by independent solvers, disjoint splits, the answer mask and its loss,
+the exact-match scorer, bad input, and prepare → train → eval by loops → report end to end."""
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import build, tiny
+
+from meshlm.data.prepare import PreparedData
+from meshlm.data.tasks import TEST_FILE, TaskData, bucket, draw_problems, prepare_tasks, read_test
+from meshlm.data.tokenizer import load_tokenizer
+from meshlm.errors import ConfigError
+from meshlm.evaluation.reasoning import Answer, binomial, by_level, decode, spearman
+from meshlm.reasoning import TASKS, parse_levels, parse_tasks
+from meshlm.train.batches import windows_xy
+
+
+# -- independent solvers: written from the task descriptions, sharing no code with meshlm.reasoning.tasks --------
+def solve_chase(prompt: str) -> tuple[str, int]:
+    body, query = re.fullmatch(r"(.*);([a-z])=", prompt).groups()
+    table = {m[0]: m[1] for m in re.findall(r"([a-z])=([a-z0-9])", body)}
+    hops, name = 1, query
+    while not table[name].isdigit():
+        name, hops = table[name], hops + 1
+    return table[name], hops
+
+
+def solve_modsum(prompt: str) -> tuple[str, int]:
+    digits = [int(c) for c in prompt.rstrip("=")]
+    return str(sum(digits) % 10), len([d for d in digits if d])
+
+
+def solve_addition(prompt: str) -> tuple[str, int]:
+    a, b = prompt.rstrip("=").split("+")
+    return "".join(reversed(str(int("".join(reversed(a))) + int("".join(reversed(b)))))), max(len(a), len(b))
+
+
+def solve_dag(prompt: str) -> tuple[str, int]:
+    body, query = prompt[:-1].split(";")
+    formulas = dict(s.split("=") for s in body.split(","))
+    value, depth = {}, {}
+    while query not in value:  # relax until every variable whose operands are known is known
+        for name, formula in formulas.items():
+            terms = formula.split("+")
+            if name in value or not all(t.isdigit() or t in value for t in terms):
+                continue
+            value[name] = sum(int(t) if t.isdigit() else value[t] for t in terms) % 10
+            depth[name] = 0 if len(terms) == 1 else 1 + max(0 if t.isdigit() else depth[t] for t in terms)
+    return str(value[query]), depth[query]
+
+
+SOLVERS = {"chase": solve_chase, "modsum": solve_modsum, "addition": solve_addition, "dag": solve_dag}
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_every_problem_is_answered_and_labelled_as_an_independent_solver_says(name):
+    task, rng = TASKS[name], random.Random(7)
+    for level in task.test_levels:
+        for _ in range(30):
+            p = task.sample(rng, level)
+            assert p.prompt.endswith("=") and set(p.prompt + p.answer) <= set(task.alphabet)
+            assert (p.answer, p.difficulty) == SOLVERS[name](p.prompt) == (task.solve(p.prompt),
+                                                                           task.difficulty(p.prompt))
+            assert p.difficulty == level
+
+
+@pytest.mark.parametrize("name", ["chase", "modsum", "dag"])
+def test_the_prompt_length_does_not_grow_with_the_difficulty(name):
+    task, rng = TASKS[name], random.Random(0)
+    lengths = {len(task.sample(rng, level).prompt) for level in task.test_levels for _ in range(5)}
+    if name == "dag":  # statements are 3 or 5 characters: bounded, not growing
+        assert max(lengths) - min(lengths) <= 2 * task.statements
+    else:
+        assert len(lengths) == 1
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_generators_are_deterministic_under_a_seed(name):
+    a = [TASKS[name].sample(random.Random(3), 2) for _ in range(3)]
+    b = [TASKS[name].sample(random.Random(3), 2) for _ in range(3)]
+    assert a == b
+    assert TASKS[name].sample(random.Random(4), 2) != a[0] or name == "addition"  # addition at n=2 is tiny
+
+
+def test_splits_share_no_problem_and_fill_the_levels_asked_for():
+    spec = TaskData(tasks="chase,addition", train_examples=2000, val_examples=100, test_per_level=20)
+    drawn = draw_problems(spec)
+    train, val = {p.prompt for p in drawn.train}, {p.prompt for p in drawn.val}
+    test = {p.prompt for _, p in drawn.test}
+    assert not (train & val) and not (train & test) and not (val & test)
+    assert len(val) == len(drawn.val) == 100 and len(test) == len(drawn.test)  # held-out problems are distinct
+    assert {bucket(p) for p in test} == {0} and {bucket(p) for p in val} == {1}
+    levels = {(t, p.difficulty) for t, p in drawn.test}
+    assert levels == {("chase", d) for d in range(1, 13)} | {("addition", d) for d in range(1, 11)}
+    assert {p.difficulty for p in drawn.train} <= set(range(1, 7))
+    ones = [p for t, p in drawn.test if t == "addition" and p.difficulty == 1]
+    assert 0 < len(ones) < 20  # 100 one-digit sums exist, ~1/20 of them hash into test: fewer, never shared
+    assert draw_problems(spec).test == drawn.test
+
+
+@pytest.fixture(scope="module")
+def chase_data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("chase")
+    prepare_tasks(TaskData(tasks="chase", train_examples=300, val_examples=40, test_per_level=4), out)
+    return out
+
+
+def test_task_data_is_one_example_per_window_with_its_answer_masked_in(chase_data):
+    data = PreparedData(chase_data, "train")
+    tok = load_tokenizer(chase_data / "tokenizer.json")
+    block = data.manifest["task"]["block"]
+    assert block == 12 * 4 - 1 + 3 + 2 and data.num_sequences(block) == 300
+    for i in (0, 17, 299):
+        window, targets = data.sequence(i, block), data.targets(i, block)
+        text = tok.decode([t for t in window[:-1] if t != tok.pad_id])
+        prompt, answer = text.split("=")[:-1], text.rsplit("=", 1)[1]
+        scored = targets[targets != -100]
+        assert tok.decode(scored[:-1]) == answer.replace("<|endoftext|>", "") and scored[-1] == tok.eos_id
+        assert solve_chase(text[:text.rindex("=") + 1])[0] == tok.decode(scored[:-1]) and prompt
+    assert read_test(chase_data) == [json.loads(line) for line in (chase_data / TEST_FILE).read_text().splitlines()]
+
+
+def test_answer_only_loss_equals_a_hand_masked_cross_entropy(chase_data):
+    data = PreparedData(chase_data, "train")
+    tok = load_tokenizer(chase_data / "tokenizer.json")
+    block, rows = data.manifest["task"]["block"], [0, 5, 9]
+    x, y = windows_xy(data, rows, block)
+    model = build(tiny(vocab_size=64, context_length=64))
+    loss = model(x, targets=y).loss
+    logits = model(x).logits  # (3, block, vocab)
+    windows = np.stack([data.sequence(i, block) for i in rows])  # (3, block + 1)
+    answer = torch.zeros_like(x, dtype=torch.bool)
+    for row, tokens in enumerate(windows):  # found from the text, not from the mask
+        eos = int(np.flatnonzero(tokens == tok.eos_id)[0])  # EOS ends the answer (no prompt holds one)
+        last_eq = max(j for j in range(eos) if tok.decode([tokens[j]]) == "=")
+        answer[row, last_eq:eos] = True  # inputs whose next token is an answer digit or the EOS
+    hand = F.cross_entropy(logits[answer], torch.from_numpy(windows[:, 1:])[answer])
+    assert loss.item() == pytest.approx(hand.item(), rel=1e-6)
+    assert int((y != -100).sum()) == int(answer.sum()) == 2 * len(rows)  # one digit + EOS each
+
+
+def test_the_scorer_wants_exactly_the_answer_then_eos():
+    class Scripted(torch.nn.Module):  # emits a fixed continuation per prompt, whatever the loops
+        def __init__(self, outputs):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+            self.outputs, self.config = outputs, tiny(vocab_size=64)
+    tok = _tok()
+    problems = [{"prompt": "1+2=", "answer": "3", "difficulty": 1},
+                {"prompt": "55+5=", "answer": "501", "difficulty": 2}]
+    import meshlm.evaluation.reasoning as reasoning
+
+    def fake_generate(model, prompts, s, eos, pad, **kw):
+        return [model.outputs[tok.decode(p)] for p in prompts]
+
+    cases = {  # continuation -> correct?
+        "exact": ([tok.encode("3") + [0], tok.encode("501") + [0]], [True, True]),
+        "no eos": ([tok.encode("3") + [4], tok.encode("501")], [False, False]),
+        "early eos": ([[0], tok.encode("50") + [0]], [False, False]),
+        "padding after": ([tok.encode("3") + [0], tok.encode("5") + [1, 1, 1]], [True, False]),
+    }
+    original = reasoning.generate
+    try:
+        reasoning.generate = fake_generate
+        for continuation, expected in cases.values():
+            model = Scripted({p["prompt"]: c for p, c in zip(problems, continuation)})
+            assert [a.correct for a in decode(model, tok, problems)] == expected
+    finally:
+        reasoning.generate = original
+
+
+def _tok():
+    from meshlm.data.tokenizer import TextTokenizer
+    from meshlm.reasoning.vocab import build_tokenizer
+
+    return TextTokenizer(build_tokenizer(TASKS["addition"].alphabet), "addition", "x")
+
+
+def test_binomial_error_levels_and_rank_correlation():
+    assert binomial([True, False, True, True]) == {"acc": 0.75, "stderr": pytest.approx((0.75 * 0.25 / 4) ** 0.5),
+                                                   "n": 4}
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 25]) == pytest.approx(0.8)
+    assert spearman([1, 1, 2, 2], [1, 2, 3, 4]) == pytest.approx(0.894427, rel=1e-5)  # ties: average ranks
+    problems = [{"prompt": "ab", "difficulty": d} for d in (1, 1, 2)]
+    answers = [Answer(True, 4, [2]), Answer(False, 6, [4, 3]), Answer(True, 2, [1])]
+    levels = by_level(problems, answers, True)
+    assert levels["1"]["acc"] == 0.5 and levels["1"]["answer_loops"] == 3.0
+    assert levels["1"]["avg_loops"] == pytest.approx((4 + 2 + 6 + 7) / (2 + 1 + 2 + 2))
+
+
+def test_greedy_answers_in_a_batch_equal_answers_alone():
+    tok = _tok()
+    model = build(tiny(vocab_size=64, context_length=64, spec="1+1R3+1"))
+    problems = [TASKS["addition"].sample(random.Random(i), 1 + i % 4) for i in range(6)]
+    problems = [{"prompt": p.prompt, "answer": p.answer, "difficulty": p.difficulty} for p in problems]
+    from meshlm.generate import Sampling, generate
+    alone = [generate(model, [tok.encode(p["prompt"])], Sampling(max_new_tokens=6, temperature=0), 0, 1,
+                      loops=2)[0] for p in problems]
+    batched = generate(model, [tok.encode(p["prompt"]) for p in problems], Sampling(max_new_tokens=6, temperature=0),
+                       0, 1, loops=2)
+    assert batched == alone
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(tasks="sudoku"), "unknown reasoning task sudoku"),
+    (dict(tasks="chase", train_levels="0-4"), "outside what task chase makes (1-12)"),
+    (dict(tasks="modsum", test_levels="1-40"), "outside what task modsum makes (1-16)"),
+    (dict(tasks="chase", train_levels="1-6", test_levels="4-12", disjoint=True), "overlap the training"),
+    (dict(tasks="chase", train_examples=0), "train_examples=0 must be >= 1"),
+])
+def test_bad_task_specs_get_one_line_errors(bad, message, tmp_path):
+    with pytest.raises(ConfigError, match=re.escape(message)) as err:
+        prepare_tasks(TaskData(**bad), tmp_path / "out")
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
+
+
+def test_levels_and_task_lists_parse():
+    assert parse_levels("3-5", TASKS["chase"]) == range(3, 6) and parse_levels("2", TASKS["dag"]) == range(2, 3)
+    assert [t.name for t in parse_tasks("dag, chase")] == ["dag", "chase"]
+    with pytest.raises(ConfigError, match="twice"):
+        parse_tasks("chase,chase")
