@@ -68,6 +68,8 @@ def test_every_problem_is_answered_and_labelled_as_an_independent_solver_says(na
             assert (p.answer, p.difficulty) == SOLVERS[name](p.prompt) == (task.solve(p.prompt),
                                                                            task.difficulty(p.prompt))
             assert p.difficulty == level
+            if name == "chase":  # the query's digit is one of distractors + 1, never the only one
+                assert sum(c.isdigit() for c in p.prompt) == task.distractors + 1
 
 
 @pytest.mark.parametrize("name", ["chase", "modsum", "dag"])
@@ -97,8 +99,9 @@ def test_splits_share_no_problem_and_fill_the_levels_asked_for():
     assert len(val) == len(drawn.val) == 100 and len(test) == len(drawn.test)  # held-out problems are distinct
     assert {bucket(p) for p in test} == {0} and {bucket(p) for p in val} == {1}
     levels = {(t, p.difficulty) for t, p in drawn.test}
-    assert levels == {("chase", d) for d in range(1, 13)} | {("addition", d) for d in range(1, 11)}
-    assert {p.difficulty for p in drawn.train} <= set(range(1, 7))
+    assert levels == {("chase", d) for d in range(1, 9)} | {("addition", d) for d in range(1, 11)}
+    assert {p.difficulty for p in drawn.train if ";" in p.prompt} == set(range(1, 5))  # chase's training range
+    assert {p.difficulty for p in drawn.train if "+" in p.prompt} == set(range(1, 7))  # addition's
     ones = [p for t, p in drawn.test if t == "addition" and p.difficulty == 1]
     assert 0 < len(ones) < 20  # 100 one-digit sums exist, ~1/20 of them hash into test: fewer, never shared
     assert draw_problems(spec).test == drawn.test
@@ -209,9 +212,9 @@ def test_greedy_answers_in_a_batch_equal_answers_alone():
 
 @pytest.mark.parametrize("bad, message", [
     (dict(tasks="sudoku"), "unknown reasoning task sudoku"),
-    (dict(tasks="chase", train_levels="0-4"), "outside what task chase makes (1-12)"),
-    (dict(tasks="modsum", test_levels="1-40"), "outside what task modsum makes (1-16)"),
-    (dict(tasks="chase", train_levels="1-6", test_levels="4-12", disjoint=True), "overlap the training"),
+    (dict(tasks="chase", train_levels="0-4"), "outside what task chase makes (1-8)"),
+    (dict(tasks="modsum", test_levels="1-40"), "outside what task modsum makes (1-12)"),
+    (dict(tasks="chase", train_levels="1-4", test_levels="3-8", disjoint=True), "overlap the training"),
     (dict(tasks="chase", train_examples=0), "train_examples=0 must be >= 1"),
 ])
 def test_bad_task_specs_get_one_line_errors(bad, message, tmp_path):

@@ -28,13 +28,13 @@ Run = tuple[str, dict]
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 
 
-def _figure(width: float, height: float) -> Figure:
+def new_figure(width: float, height: float) -> Figure:
     fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
 
 
-def _color(i: int) -> str:
+def color_of(i: int) -> str:
     return COLORS[i % len(COLORS)]
 
 
@@ -44,14 +44,14 @@ def _errorline(ax, x, stat: dict, label: str, color: str, style: str = "-o") -> 
 
 
 def updates(runs: list[Run]) -> Figure:
-    fig = _figure(6.4, 3.6)
+    fig = new_figure(6.4, 3.6)
     ax = fig.add_subplot()
     labels = max((r["blocks"] for _, r in runs), key=len)
     for i, (name, r) in enumerate(runs):
         x = np.arange(len(r["blocks"]))
-        _errorline(ax, x, r["update_core"], f"{name}: h → f(h)", _color(i))
+        _errorline(ax, x, r["update_core"], f"{name}: h → f(h)", color_of(i))
         if not np.allclose(r["update_core"]["mean"], r["update_state"]["mean"]):
-            _errorline(ax, x + 0.08, r["update_state"], f"{name}: h^t → h^(t+1)", _color(i), "--s")
+            _errorline(ax, x + 0.08, r["update_state"], f"{name}: h^t → h^(t+1)", color_of(i), "--s")
     ax.set_xticks(np.arange(len(labels)), labels)
     ax.set_ylabel("relative update  2‖f(h)−h‖ / (‖f(h)‖+‖h‖)")
     ax.set_title("Relative update magnitude per block")
@@ -72,7 +72,7 @@ def _heatmap(ax, matrix, names: list[str], title: str, vmin=0.0, vmax=1.0, cmap=
 
 
 def cka(runs: list[Run]) -> Figure:
-    fig = _figure(8.0, 3.3 * len(runs))
+    fig = new_figure(8.0, 3.3 * len(runs))
     axes = fig.subplots(len(runs), 2, squeeze=False)
     for row, (name, r) in enumerate(runs):
         names = r["stages"]
@@ -92,14 +92,14 @@ def _consecutive(r: dict, kernel: str) -> dict:
 
 
 def cka_steps(runs: list[Run]) -> Figure:
-    fig = _figure(9.0, 3.4)
+    fig = new_figure(9.0, 3.4)
     axes = fig.subplots(1, 2, sharey=True)
     longest = max((r["stages"] for _, r in runs), key=len)
     pairs = [f"{a}→{b}" for a, b in zip(longest, longest[1:])]
     for col, kernel in enumerate(("rbf", "linear")):
         ax = axes[col]
         for i, (name, r) in enumerate(runs):
-            _errorline(ax, np.arange(len(r["stages"]) - 1), _consecutive(r, kernel), name, _color(i))
+            _errorline(ax, np.arange(len(r["stages"]) - 1), _consecutive(r, kernel), name, color_of(i))
         ax.set_xticks(np.arange(len(pairs)), pairs, fontsize=8)
         ax.set_title(f"CKA between consecutive stages ({kernel})", fontsize=9)
         ax.grid(alpha=0.3)
@@ -109,7 +109,7 @@ def cka_steps(runs: list[Run]) -> Figure:
 
 
 def spectrum(runs: list[Run]) -> Figure:
-    fig = _figure(4.2 * len(runs), 3.6)
+    fig = new_figure(4.2 * len(runs), 3.6)
     axes = fig.subplots(1, len(runs), sharey=True, squeeze=False)[0]
     for ax, (name, r) in zip(axes, runs):
         colors = _stage_colors(len(r["stages"]))
@@ -135,11 +135,11 @@ def _stage_colors(n: int) -> list:
 
 
 def rank(runs: list[Run]) -> Figure:
-    fig = _figure(6.0, 3.4)
+    fig = new_figure(6.0, 3.4)
     ax = fig.add_subplot()
     longest = max((r["stages"] for _, r in runs), key=len)
     for i, (name, r) in enumerate(runs):
-        _errorline(ax, np.arange(len(r["stages"])), r["effective_rank"], name, _color(i))
+        _errorline(ax, np.arange(len(r["stages"])), r["effective_rank"], name, color_of(i))
     ax.set_xticks(np.arange(len(longest)), longest)
     ax.set_ylabel("effective rank exp(H(σ/Σσ))")
     ax.set_title("Entropy effective rank of each stage")
@@ -153,7 +153,7 @@ def router(runs: list[Run]) -> Figure | None:
     meshes = [(name, r) for name, r in runs if "write_usage" in r]
     if not meshes:
         return None
-    fig = _figure(12.0, 3.2 * len(meshes))
+    fig = new_figure(12.0, 3.2 * len(meshes))
     axes = fig.subplots(len(meshes), 3, squeeze=False)
     for row, (name, r) in enumerate(meshes):
         pairs = [f"pair {p}" + (" (in)" if p == 0 else f" (loop {p})") for p in range(len(r["write_usage"]["mean"]))]
@@ -164,7 +164,7 @@ def router(runs: list[Run]) -> Figure | None:
             ax.set_yticks(range(len(pairs)), pairs, fontsize=8)
         ax = axes[row][2]
         x = np.arange(len(pairs))
-        for offset, kind, color in ((-0.18, "write", _color(0)), (0.18, "read", _color(1))):
+        for offset, kind, color in ((-0.18, "write", color_of(0)), (0.18, "read", color_of(1))):
             stat = r[f"{kind}_entropy"]
             ax.bar(x + offset, stat["mean"], width=0.36, yerr=stat["std"], color=color, label=kind, capsize=2)
         ax.axhline(r["max_entropy"], color="gray", linestyle=":", label="uniform (log B)")
@@ -180,13 +180,14 @@ def loops_figure(runs: list[tuple[str, list[dict]]]) -> Figure | None:
     runs = [(name, rows) for name, rows in runs if rows]
     if not runs:
         return None
-    fig = _figure(5.6, 3.4)
+    fig = new_figure(5.6, 3.4)
     ax = fig.add_subplot()
     for i, (name, rows) in enumerate(runs):
-        ax.plot([r["loops"] for r in rows], [r["loss"] for r in rows], "-o", color=_color(i), label=name, markersize=4)
+        ax.plot([r["loops"] for r in rows], [r["loss"] for r in rows], "-o", color=color_of(i), label=name,
+                markersize=4)
         trained = [r for r in rows if r["trained"]]
         ax.plot([r["loops"] for r in trained], [r["loss"] for r in trained], "o", markersize=11,
-                markerfacecolor="none", color=_color(i))
+                markerfacecolor="none", color=color_of(i))
     ax.set_xticks(sorted({r["loops"] for _, rows in runs for r in rows}))
     ax.set_xlabel("loop steps K' (circled: as trained)")
     ax.set_ylabel("validation loss (nats/token)")
@@ -205,16 +206,16 @@ def exit_figure(runs: list[tuple[str, list[dict], list[dict]]]) -> Figure | None
     runs = [(name, exits, sweeps) for name, exits, sweeps in runs if any(exits)]
     if not runs:
         return None
-    fig = _figure(5.6, 3.6)
+    fig = new_figure(5.6, 3.6)
     ax = fig.add_subplot()
     for i, (name, exits, sweeps) in enumerate(runs):
         top = max(row["max_loops"] for rows in exits for row in rows)
         fixed = _mean_by(sweeps, "loops", "loops", "loss", lambda row, top=top: row["loops"] <= top)
-        ax.plot(*fixed, "--", color=_color(i), linewidth=1, alpha=0.8)
+        ax.plot(*fixed, "--", color=color_of(i), linewidth=1, alpha=0.8)
         for criterion, style in (("state", "-o"), ("kl", ":^")):
             xs, ys = _mean_by(exits, "exit", "avg_loops", "loss", lambda row, c=criterion: row["exit"].startswith(c))
             if xs:
-                ax.plot(xs, ys, style, color=_color(i), markersize=4, label=f"{name} ({criterion})")
+                ax.plot(xs, ys, style, color=color_of(i), markersize=4, label=f"{name} ({criterion})")
     ax.set_xlabel("average loop steps per token (dashed: fixed depth)")
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title("Adaptive exit: quality vs. average loops")
@@ -237,15 +238,15 @@ def loss_curves_figure(runs: list[tuple[str, dict]]) -> Figure | None:
     runs = [(name, c) for name, c in runs if c.get("train") or c.get("val")]
     if not runs:
         return None
-    fig = _figure(6.4, 3.6)
+    fig = new_figure(6.4, 3.6)
     ax = fig.add_subplot()
     for i, (name, curves) in enumerate(runs):
         if curves.get("train"):
             tokens, loss = zip(*curves["train"])
-            ax.plot(tokens, loss, "-", color=_color(i), linewidth=1.2, alpha=0.85, label=f"{name}: train")
+            ax.plot(tokens, loss, "-", color=color_of(i), linewidth=1.2, alpha=0.85, label=f"{name}: train")
         if curves.get("val"):
             tokens, loss = zip(*curves["val"])
-            ax.plot(tokens, loss, "--o", color=_color(i), markersize=4, linewidth=1.2, label=f"{name}: validation")
+            ax.plot(tokens, loss, "--o", color=color_of(i), markersize=4, linewidth=1.2, label=f"{name}: validation")
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title("Training and validation loss")

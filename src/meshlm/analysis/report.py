@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshlm import checkpoint
-from meshlm.analysis import plots
+from meshlm.analysis import plots, reasoning_report
 from meshlm.config import ModelConfig
 from meshlm.errors import MeshlmError
 from meshlm.evaluation.tasks import PAPER_TASKS
@@ -182,9 +182,29 @@ def report_figures(runs: list[RunResults]) -> dict[str, bytes]:
                                for g in dict.fromkeys(groups.values())])
     if exits is not None:
         figures["exit"] = exits
+    figures.update(reasoning_report.figures(reasoning_groups(runs, groups)))
     probed = [(r.label, r.probe) for r in runs if r.probe]
     figures.update(plots.probe_figures(probed) if probed else {})
     return {name: plots.png_bytes(fig) for name, fig in figures.items()}
+
+
+def reasoning_groups(runs: list[RunResults], groups: dict[str, str]) -> list[tuple[str, list[dict]]]:
+    """(variant, [eval["reasoning"] of each seed]) for the runs evaluated on the reasoning suite."""
+    out: dict[str, list[dict]] = {}
+    for r in runs:
+        if (r.eval or {}).get("reasoning"):
+            out.setdefault(groups[r.name], []).append(r.eval["reasoning"])
+    return list(out.items())
+
+
+def reasoning_section(runs: list[RunResults], figures: dict) -> str:
+    rows = [(r.name, r.eval["reasoning"]) for r in runs if (r.eval or {}).get("reasoning")]
+    if not rows:
+        return "<p>No run was evaluated on the reasoning suite (runs trained on <code>task:</code> data are).</p>"
+    images = "".join(_img(figures[name]) for name in reasoning_report.FIGURES if name in figures)
+    return ("<p>Exact-match accuracy (%) from greedy cached decoding; 'beyond' = test difficulties above the "
+            "training range; ρ = Spearman correlation of exit loops with difficulty.</p>"
+            + reasoning_report.table(rows) + images)
 
 
 def training_section(runs: list[RunResults], figures: dict) -> str:
@@ -275,6 +295,7 @@ def render(runs: list[RunResults], title: str = "meshlm report", figures: dict[s
             f"<h2 id='training'>Training and validation loss</h2>{training_section(runs, figures)}"
             f"<h2 id='loops'>Loss vs. loop count</h2>{loops_section(runs, figures)}"
             f"<h2 id='exit'>Adaptive exit</h2>{exit_section(runs, figures)}"
+            f"<h2 id='reasoning'>Reasoning suite</h2>{reasoning_section(runs, figures)}"
             f"<h2 id='probes'>Probes</h2>{probe_section(runs, figures)}"
             f"<h2 id='notes'>Notes</h2>{notes(runs)}")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import yaml
 
+from meshlm.analysis import reasoning_report
 from meshlm.errors import ConfigError, Interrupted, MeshlmError
 from meshlm.evaluation.tasks import PAPER_TASKS
 from meshlm.model.accounting import describe
@@ -412,6 +413,16 @@ def loops_markdown(study: Study) -> list[str]:
     return lines
 
 
+def reasoning_markdown(study: Study) -> list[str]:
+    """The reasoning suite's tables (meshlm.analysis.reasoning_report), for runs trained on task data."""
+    groups: dict[str, list[dict]] = {}
+    for run in study.runs:
+        path = run.dir / "eval.json"
+        if path.is_file() and (result := json.loads(path.read_text()).get("reasoning")):
+            groups.setdefault(run.variant, []).append(result)
+    return reasoning_report.markdown(list(groups.items()))
+
+
 def results_markdown(study: Study) -> str:
     rows = [r for r in (run_row(run) for run in study.runs) if r is not None]
     by_variant: dict[str, list[dict]] = {}
@@ -435,7 +446,7 @@ def results_markdown(study: Study) -> str:
             rs = [r for r in mesh if r["slots"] == slots]
             label = slots if slots else "K+3 (default)"
             lines.append(f"| {label} | {len(rs)} | {mean_std([r['ppl'] for r in rs])} |")
-    lines += paired_markdown(study) + loops_markdown(study) + probes_markdown(study)
+    lines += paired_markdown(study) + loops_markdown(study) + reasoning_markdown(study) + probes_markdown(study)
     lines += ["", f"Per-run numbers: `{study.dir}/*/eval.json`; probe figures: `{study.dir}/*/probe/`; "
               f"full report with overlaid probes: `{study.dir}/report.html`."]
     return "\n".join(lines) + "\n"

@@ -48,12 +48,15 @@ def mean_loss(model, data: PreparedData, seq_len: int, batch_size: int = 8, max_
     return result
 
 
+def is_looped(model) -> bool:
+    """One weight-shared core: the only layout whose loop count can change at evaluation."""
+    layout = model.config.layout
+    return len(layout.cores) == 1 and layout.shares_weights
+
+
 def default_loop_counts(model) -> list[int]:
     """1 … 2K for a weight-shared single-core model (K = trained steps); nothing for other layouts."""
-    layout = model.config.layout
-    if len(layout.cores) != 1 or not layout.shares_weights:
-        return []
-    return list(range(1, 2 * layout.n_steps + 1))
+    return list(range(1, 2 * model.config.layout.n_steps + 1)) if is_looped(model) else []
 
 
 def exit_frontier(model, data: PreparedData, seq_len: int, rules: list[str], loops: int | None = None,

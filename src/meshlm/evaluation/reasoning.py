@@ -33,6 +33,7 @@ import torch
 
 from meshlm.data.tokenizer import TextTokenizer
 from meshlm.errors import ConfigError
+from meshlm.evaluation.perplexity import is_looped
 from meshlm.generate import Sampling, generate
 
 
@@ -117,7 +118,7 @@ def check_fits(model, tok: TextTokenizer, problems: list[dict]) -> None:
                           f"train with model.context_length={longest}")
 
 
-def default_loop_counts(trained: int) -> list[int]:
+def depth_sweep(trained: int) -> list[int]:
     """1 … 4× the trained loop count K: every count up to 2K, then 3K and 4K."""
     return sorted({*range(1, 2 * trained + 1), 3 * trained, 4 * trained})
 
@@ -148,9 +149,7 @@ def evaluate_task(model, tok: TextTokenizer, problems: list[dict], loop_counts: 
                   exit_loops: int | None, batch_size: int = 64, log: Callable[[str], None] = print) -> dict:
     """One task's accuracy table: by difficulty at each loop count, and under each exit rule."""
     check_fits(model, tok, problems)
-    layout = model.config.layout
-    trained = layout.n_steps
-    looped = layout.shares_weights and len(layout.cores) == 1
+    trained, looped = model.config.layout.n_steps, is_looped(model)
     if not looped:  # vanilla: its one depth, no exit (there is no loop to leave)
         loop_counts, exits = [trained], []
     out: dict = {"trained_loops": trained, "loops": [], "exit": []}
@@ -180,7 +179,7 @@ def evaluate_reasoning(model, tok: TextTokenizer, problems: list[dict], task_lev
                        limit: int | None = None, batch_size: int = 64, log: Callable[[str], None] = print) -> dict:
     """Every task in `problems` (test.jsonl records), at most `limit` problems per task and difficulty."""
     start = time.perf_counter()
-    counts = loop_counts if loop_counts is not None else default_loop_counts(model.config.layout.n_steps)
+    counts = loop_counts if loop_counts is not None else depth_sweep(model.config.layout.n_steps)
     tasks: dict[str, list[dict]] = defaultdict(list)
     taken: dict[tuple[str, int], int] = defaultdict(int)
     for p in problems:

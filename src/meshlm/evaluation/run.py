@@ -23,7 +23,7 @@ from typing import Any
 from meshlm.data.tasks import read_test, task_info, window_length
 from meshlm.errors import ConfigError, MeshlmError
 from meshlm.evaluation.downstream import run_suite
-from meshlm.evaluation.perplexity import default_loop_counts, exit_frontier, loss_vs_loops, mean_loss
+from meshlm.evaluation.perplexity import default_loop_counts, exit_frontier, is_looped, loss_vs_loops, mean_loss
 from meshlm.evaluation.reasoning import evaluate_reasoning
 from meshlm.evaluation.tasks import PAPER_TASKS
 from meshlm.loading import Opened
@@ -64,12 +64,14 @@ def evaluate(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = 
     log(f"validation perplexity {result['perplexity']['ppl']:.3f} (loss {result['perplexity']['loss']:.4f}, "
         f"{result['perplexity']['tokens']:,} tokens{' (answers only)' if data.masks is not None else ''})")
     save(result)
-    counts = default_loop_counts(model) if options.loops is None else options.loops
+    looped = is_looped(model)  # a study's --loops and --exit pass over vanilla runs: they have one depth
+    counts = default_loop_counts(model) if options.loops is None or not looped else options.loops
     result["loops"] = loss_vs_loops(model, data, seq_len, counts, **common)
     for row in result["loops"]:
         log(f"  loops={row['loops']}{' (trained)' if row['trained'] else ''}: loss {row['loss']:.4f}, "
             f"ppl {row['ppl']:.3f}")
-    result["exit"] = exit_frontier(model, data, seq_len, options.exits, options.exit_loops, **common)
+    result["exit"] = exit_frontier(model, data, seq_len, options.exits if looped else [], options.exit_loops,
+                                   **common)
     for row in result["exit"]:
         log(f"  exit {row['exit']} (at most {row['max_loops']} loops): loss {row['loss']:.4f}, avg loops/token "
             f"{row['avg_loops']:.3f}, coda probes/token {row['avg_probes']:.3f}, FLOPs x{row['flops_ratio']:.3f}")
@@ -81,6 +83,7 @@ def evaluate(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = 
             model, loaded.tokenizer, read_test(data.dir), data.manifest["task"]["levels"],
             None if options.loops is None else [k for k in options.loops if k >= 1], options.exits,
             options.exit_loops, options.limit, log=log)
+        result["reasoning"]["train_loops"] = loaded.train.get("loops", "fixed")  # how depth was trained
         save(result)
     elif options.tasks:
         downstream(loaded, options, log, into=result["downstream"], save=lambda: save(result))

@@ -63,25 +63,25 @@ def _statements(prompt: str) -> tuple[dict[str, str], str]:
 
 
 class Chase(Task):
-    """k-hop variable tracking: `statements` single assignments (a digit or another variable), several chains
-    shuffled together; the queried chain has exactly k assignments, the rest are distractor chains."""
+    """k-hop variable tracking: `statements` single assignments (a digit or another variable). The queried chain
+    has exactly k assignments; the other statements form `distractors` chains of random lengths, so every
+    prompt holds distractors + 1 digits whatever k (the answer cannot be read off the only digit)."""
 
     name = "chase"
     summary = "pointer chasing: follow k assignments from the queried variable to its digit"
     alphabet = LETTERS + DIGITS + "=,;"
 
-    def __init__(self, statements: int = 12):
-        self.statements = statements
-        self.levels = range(1, statements + 1)
-        self.train_levels = range(1, statements // 2 + 1)
-        self.test_levels = range(1, statements + 1)
+    def __init__(self, statements: int = 12, distractors: int = 4):
+        self.statements, self.distractors = statements, distractors
+        self.levels = range(1, statements - distractors + 1)
+        self.train_levels = range(1, (statements - distractors) // 2 + 1)
+        self.test_levels = self.levels
 
     def sample(self, rng: random.Random, difficulty: int) -> Problem:
         names = rng.sample(LETTERS, self.statements)
-        chains, left = [difficulty], self.statements - difficulty
-        while left:  # distractor chains of random length fill the remaining statements
-            chains.append(rng.randint(1, left))
-            left -= chains[-1]
+        left = self.statements - difficulty  # >= distractors: split into that many chains of length >= 1
+        cuts = sorted(rng.sample(range(1, left), self.distractors - 1))
+        chains = [difficulty] + [b - a for a, b in zip([0, *cuts], [*cuts, left])]
         statements, used = [], 0
         for length in chains:
             chain = names[used:used + length]
@@ -115,7 +115,7 @@ class ModSum(Task):
     summary = "state tracking: the sum mod 10 of a fixed-width digit string with k non-zero terms"
     alphabet = DIGITS + "="
 
-    def __init__(self, width: int = 16):
+    def __init__(self, width: int = 12):
         self.width = width
         self.levels = range(1, width + 1)
         self.train_levels = range(1, width // 2 + 1)
@@ -172,7 +172,7 @@ class Dag(Task):
     summary = "DAG evaluation mod 10: the queried variable's formula has depth k"
     alphabet = LETTERS + DIGITS + "=+,;"
 
-    def __init__(self, statements: int = 12):
+    def __init__(self, statements: int = 10):
         self.statements = statements
         self.levels = range(1, statements)
         self.train_levels = range(1, statements // 3 + 1)

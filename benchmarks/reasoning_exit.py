@@ -1,0 +1,93 @@
+"""Decode speed of adaptive exit against fixed depth on the reasoning suite, at the accuracy each reaches.
+
+    python benchmarks/reasoning_exit.py RUN --exit state:0.1,state:0.3 --threads 1 --clock cpu --rounds 7
+
+For a run trained on task data: its test problems (--limit per task and difficulty, the trained difficulties
+by default) are answered by greedy cached decoding at fixed depth (the trained K, or --loops) and under each
+exit rule (at most as many loops). Every round times each setting once, in an order that flips every round,
+so machine drift hits them alike; the ratios are the medians of the round-by-round ratios of tokens/s (prompt
+and answer tokens processed) to fixed depth. Each setting's accuracy and loops per answer token print beside
+its ratio: the issue's target reads "at <= 1 point below fixed depth, >= 1.3x the tokens/s".
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from benchkit import timing_setup
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from meshlm.data.tasks import read_test  # noqa: E402
+from meshlm.evaluation.reasoning import decode  # noqa: E402
+from meshlm.loading import open_model  # noqa: E402
+from meshlm.reasoning import (
+    TASKS,  # noqa: E402
+    parse_levels,  # noqa: E402
+)
+
+
+def chosen_problems(loaded, limit: int, beyond: bool) -> list[dict]:
+    data = loaded.data_dir()
+    levels = loaded.held_out().manifest["task"]["levels"]
+    taken: dict = {}
+    out = []
+    for p in read_test(data):
+        train = parse_levels(levels[p["task"]]["train"], TASKS[p["task"]])
+        if (p["difficulty"] in train) == beyond:
+            continue
+        key = (p["task"], p["difficulty"])
+        if taken.setdefault(key, 0) < limit:
+            taken[key] += 1
+            out.append(p)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run")
+    p.add_argument("--exit", default="state:0.1", help="comma-separated exit rules")
+    p.add_argument("--loops", type=int, default=None, help="fixed depth to compare with (default: trained K)")
+    p.add_argument("--limit", type=int, default=50, help="problems per task and difficulty")
+    p.add_argument("--beyond", action="store_true", help="the difficulties beyond the training range instead")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="cpu")
+    p.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    clock = timing_setup(args)
+    loaded = open_model(args.run)
+    model, tok = loaded.model, loaded.tokenizer
+    problems = chosen_problems(loaded, args.limit, args.beyond)
+    k = args.loops or model.config.layout.n_steps
+    settings = {"fixed": None, **{rule: rule for rule in args.exit.split(",") if rule}}
+    tokens = sum(len(tok.encode(q["prompt"])) + len(tok.encode(q["answer"])) + 1 for q in problems)
+    times: dict[str, list[float]] = {name: [] for name in settings}
+    accuracy, loops = {}, {}
+    with torch.no_grad():
+        for r in range(args.rounds + 1):  # round 0 warms up and measures accuracy
+            names = list(settings) if r % 2 else list(reversed(settings))
+            for name in names:
+                start = clock()
+                answers = decode(model, tok, problems, loops=k, exit=settings[name], batch_size=args.batch_size)
+                elapsed = clock() - start
+                if r == 0:
+                    accuracy[name] = sum(a.correct for a in answers) / len(answers)
+                    steps = [s for a in answers for s in a.answer_loops]
+                    loops[name] = statistics.mean(steps) if steps else float(k)
+                else:
+                    times[name].append(elapsed)
+    print(f"{args.run}: {len(problems)} problems ({'beyond' if args.beyond else 'inside'} the training range), "
+          f"{tokens:,} tokens, fixed depth {k}, batch {args.batch_size}, {args.rounds} rounds, {args.clock} clock")
+    for name in settings:
+        ratios = [f / t for f, t in zip(times["fixed"], times[name])]
+        print(f"  {name:<14} acc {100 * accuracy[name]:5.1f}%  loops/answer token {loops[name]:.2f} "
+              f"({100 * loops[name] / k:.0f}% of {k})  tokens/s {tokens / statistics.median(times[name]):8.0f}  "
+              f"x{statistics.median(ratios):.3f} vs fixed (range {min(ratios):.3f}-{max(ratios):.3f})")
+
+
+if __name__ == "__main__":
+    main()
