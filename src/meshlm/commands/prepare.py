@@ -1,7 +1,12 @@
-"""`meshlm prepare`: tokenise text files, folders, JSONL or a save_to_disk dataset into token shards.
+"""`meshlm prepare`: tokenise text files, folders, JSONL or a save_to_disk dataset into token shards, or
+generate reasoning-task data.
 
 Writes <out>/manifest.json plus <split>-NNNNN.bin shards (see meshlm.data.shards) that `meshlm train --data`
 reads. Heavy imports happen in run(), so building the CLI parser stays fast.
+
+    meshlm prepare corpus/ --out data/mine
+    meshlm prepare task:chase --out data/chase --train-difficulty 1-4 --test-difficulty 1-8
+    meshlm prepare task:chase,dag --out data/mix --train-examples 100000      # a mixture, each task's defaults
 """
 from __future__ import annotations
 
@@ -24,11 +29,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-binary", action="store_true",
                         help="read files that look binary (NUL bytes, >30%% invalid UTF-8) as text anyway")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    tasks = parser.add_argument_group("reasoning tasks (input task:NAME[,NAME], meshlm.reasoning; docs/reasoning.md)")
+    tasks.add_argument("--train-difficulty", default="", metavar="LO-HI",
+                       help="difficulties to train on (default: each task's own, e.g. chase 1-4)")
+    tasks.add_argument("--test-difficulty", default="", metavar="LO-HI",
+                       help="difficulties of the test set (default: each task's own, beyond training)")
+    tasks.add_argument("--train-examples", type=int, default=50_000, help="training problems (default 50000)")
+    tasks.add_argument("--val-examples", type=int, default=512, help="validation problems (default 512)")
+    tasks.add_argument("--test-per-level", type=int, default=200, help="test problems per difficulty (default 200)")
+    tasks.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    tasks.add_argument("--disjoint", action="store_true", help="refuse a test range that overlaps the training range")
 
 
 def run(args: argparse.Namespace) -> int:
     from meshlm.data.prepare import prepare, split_warnings
+    from meshlm.data.tasks import is_task_source
 
+    if any(is_task_source(i) for i in args.inputs):
+        return prepare_tasks(args)
     check_inputs(args)
     given = {"val_fraction": args.val_fraction, "shard_tokens": args.shard_tokens}
     manifest = prepare(args.inputs, args.out, args.tokenizer, text_field=args.text_field, overwrite=args.overwrite,
@@ -68,3 +86,27 @@ def check_inputs(args: argparse.Namespace) -> None:
     p.need(bool(args.text_field.strip()), "--text-field must name a JSONL field / dataset column, e.g. text")
     p.check(load_tokenizer, args.tokenizer)
     p.raise_if_any()
+
+
+def prepare_tasks(args: argparse.Namespace) -> int:
+    from meshlm.data.tasks import PREFIX, TaskData
+    from meshlm.data.tasks import prepare_tasks as generate
+    from meshlm.errors import ConfigError
+
+    if len(args.inputs) != 1:
+        raise ConfigError(f"task data is one input, task:NAME[,NAME] (got {' '.join(args.inputs)}); prepare text "
+                          f"and tasks separately")
+    spec = TaskData(tasks=args.inputs[0][len(PREFIX):], train_levels=args.train_difficulty,
+                    test_levels=args.test_difficulty, train_examples=args.train_examples,
+                    val_examples=args.val_examples, test_per_level=args.test_per_level, seed=args.seed,
+                    disjoint=args.disjoint)
+    manifest = generate(spec, args.out, overwrite=args.overwrite)
+    task = manifest["task"]
+    for name, levels in task["levels"].items():
+        print(f"{name}: train difficulties {levels['train']}, test {levels['test']}")
+    splits = manifest["splits"]
+    print(f"train: {splits['train']['documents']:,} problems, val: {splits['val']['documents']:,}, "
+          f"test: {task['test_problems']:,}; one example per window of {task['block']} tokens "
+          f"(train.seq_len={task['block']}, model.context_length >= {max(task['block'], task['longest_test'])})")
+    print(f"wrote {args.out} (character tokenizer, vocab {manifest['tokenizer']['vocab_size']})")
+    return 0
