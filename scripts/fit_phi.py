@@ -1,0 +1,31 @@
+"""Fit the recurrence-equivalence exponent φ per scheme from a finished study (meshlm.analysis.phi).
+
+    meshlm reproduce configs/studies/phi.yaml --jobs 8     # widths x r in {1, 2, 4, 8} x schemes (a GPU study)
+    python scripts/fit_phi.py runs/studies/phi             # φ, α and R² per scheme
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from meshlm.analysis.phi import fit, study_points
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("study_dir")
+    args = p.parse_args()
+    schemes = sorted({json.loads(f.read_text())["model"]["scheme"] for f in Path(args.study_dir).glob("*/eval.json")})
+    for scheme in schemes:
+        points = study_points(args.study_dir, scheme)
+        if len(points) < 5:
+            print(f"{scheme}: {len(points)} runs, too few to fit (need >= 5)")
+            continue
+        f = fit(points)
+        print(f"{scheme}: φ = {f['phi']:.3f}, α = {f['alpha']:.3f}, E = {f['E']:.3f}, R² = {f['r2']:.4f} "
+              f"({f['points']} runs)")
+
+
+if __name__ == "__main__":
+    main()
