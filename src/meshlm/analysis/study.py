@@ -26,6 +26,7 @@ time per run.
 """
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import json
 import os
@@ -44,6 +45,8 @@ import torch
 import yaml
 
 from meshlm.analysis import reasoning_report
+from meshlm.data.shards import read_manifest
+from meshlm.data.tasks import data_folder, holds_tasks, window_length
 from meshlm.errors import ConfigError, Interrupted, MeshlmError
 from meshlm.evaluation.tasks import PAPER_TASKS
 from meshlm.model.accounting import describe
@@ -83,9 +86,9 @@ class Study:
         return self.out_dir / self.name
 
 
-def load_study(path: str | Path, extra_overrides: list[str] = ()) -> Study:
+def load_study(path: str | Path, extra_overrides: list[str] = (), only: str | None = None) -> Study:
     """Parse and check a study file (a path, or a shipped name such as studies/quick.yaml); every problem goes
-    into one ConfigError."""
+    into one ConfigError. `only`: comma-separated variant names or shell patterns ('chase-*') to keep."""
     path = find_config(path, "study file")
     try:
         raw = yaml.safe_load(path.read_text())
@@ -100,6 +103,12 @@ def load_study(path: str | Path, extra_overrides: list[str] = ()) -> Study:
     seeds = raw.get("seeds", [0])
     if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) for s in seeds)):
         problems.append(f"`seeds` must be a non-empty list of integers, not {seeds!r}")
+    if only is not None and variants:
+        patterns = [p.strip() for p in only.split(",") if p.strip()]
+        kept = {v: spec for v, spec in variants.items() if any(fnmatch.fnmatchcase(v, p) for p in patterns)}
+        if not kept:
+            problems.append(f"--only {only!r} matches no variant (variants: {', '.join(variants)})")
+        variants = kept
     if problems:
         raise ConfigError(f"study {path}: " + "; ".join(problems))
     name = str(raw.get("name") or path.stem)
@@ -136,6 +145,8 @@ def estimate(study: Study, run: Run) -> dict[str, Any]:
     cfg = train_config(study, run)
     model_cfg = cfg.model_config()
     seq_len = cfg.sequence_length(model_cfg)
+    if holds_tasks(cfg.data):  # one example per window: the task data's block (generated once, cached)
+        seq_len = window_length(read_manifest(data_folder(cfg.data)), cfg.seq_len)
     steps = cfg.total_steps(model_cfg)
     tokens = steps * cfg.global_batch * seq_len
     acc = describe(model_cfg, seq_len)

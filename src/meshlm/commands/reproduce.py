@@ -5,6 +5,7 @@
     meshlm reproduce configs/studies/paper-410m.yaml --plan    # print runs, tokens, FLOPs, GPU-hours; exit
     meshlm reproduce STUDY.yaml train.steps=50                 # dotted overrides for every run
     meshlm reproduce STUDY.yaml --jobs 8                       # 8 runs at a time (many cores, or GPUs)
+    meshlm reproduce studies/reasoning.yaml --only 'chase-*'   # part of a study: variants by name or pattern
 
 Study files and the train configs they name are paths, or names of the configs shipped inside meshlm
 (meshlm/configs: `studies/…`, `cpu/…`, `paper/…`; the repository's configs/ links there), so this works from
@@ -24,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plan", action="store_true", help="print the plan with token/FLOP/GPU-hour estimates and exit")
     p.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="runs at a time (default 1); each gets cores/N threads, and with several GPUs its own GPU")
+    p.add_argument("--only", metavar="VARIANTS",
+                   help="run only these variants: comma-separated names or patterns, e.g. 'chase-*,dag-mesh-*'")
     p.add_argument("--keep-going", action="store_true",
                    help="after a failed run, start the remaining runs anyway (the failure is still reported)")
 
@@ -38,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("pass a study file or --quick (not both); examples are in configs/studies/")
     if args.jobs < 1:
         raise ConfigError(f"--jobs {args.jobs}: the number of runs at a time must be >= 1")
-    study = load_study("studies/quick.yaml" if args.quick else args.study, args.overrides)  # shipped, or a path
+    study = load_study("studies/quick.yaml" if args.quick else args.study, args.overrides,  # shipped, or a path
+                       only=args.only)
     print(plan_table(study), flush=True)
     if args.plan:
         return 0
