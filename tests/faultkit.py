@@ -159,6 +159,24 @@ def signal_runner(signals: list[int]) -> Callable:
     return run
 
 
+def _task_data(tmp: Path, tasks: str) -> Path:
+    from meshlm.data.tasks import TaskData, prepare_tasks
+
+    prepare_tasks(TaskData(tasks=tasks, train_examples=64, val_examples=16, test_per_level=2), tmp / tasks)
+    return tmp / tasks
+
+
+def _task_run(tmp: Path) -> None:
+    """A 2-step run on chase data, and dag data beside it."""
+    from meshlm.train import TrainConfig, train
+
+    data, _ = _task_data(tmp, "chase"), _task_data(tmp, "dag")
+    cfg = TrainConfig(model={"preset": "tiny", "vocab_size": 64}, data=str(data), out_dir=str(tmp), name="chase-run",
+                      global_batch=4, micro_batch=4, steps=2, eval_every=0, eval_windows=4, save_every=2,
+                      progress=False, tensorboard=False, peak_flops=1e11)
+    train(cfg, log=lambda message: None)
+
+
 def _bin(tmp: Path, world) -> None:
     write(tmp / "blob.txt", bytes(range(256)) * 64)
 
@@ -231,7 +249,18 @@ CASES: list[Case] = [
          "no space left on device",
          patch=lambda mp, tmp: mp.setattr("meshlm.data.shards.open", raise_oserror(errno.ENOSPC), raising=False),
          after=_no_shards_left),
+    Case("prepare", "an unknown reasoning task", ["prepare", "task:sudoku", "-o", "{tmp}/out"], 2,
+         "unknown reasoning task sudoku"),
+    Case("prepare", "a difficulty the task cannot make", ["prepare", "task:chase", "-o", "{tmp}/out",
+                                                          "--test-difficulty", "1-30"], 2,
+         "outside what task chase makes (1-8)"),
+    Case("prepare", "test difficulties overlapping training ones, asked disjoint",
+         ["prepare", "task:chase", "-o", "{tmp}/out", "--train-difficulty", "1-4", "--test-difficulty", "3-8",
+          "--disjoint"], 2, "overlap the training difficulties 1-4"),
     # -- train
+    Case("train", "a seq_len that cuts task examples", ["train", "train.data={tmp}/chase", "model.vocab_size=64",
+                                                         "train.seq_len=20"], 2,
+         "set train.seq_len=52 (or 0)", setup=lambda tmp, world: _task_data(tmp, "chase")),
     Case("train", "seq_len above the context", ["train", "train.data={data}", "model.preset=tiny", "seq_len=512"], 2,
          "exceeds the model's context_length"),
     Case("train", "a vocabulary smaller than the tokenizer's", ["train", "train.data={data}", "model.vocab_size=1000"],
@@ -318,6 +347,10 @@ CASES: list[Case] = [
     Case("eval", "tasks whose data were never fetched", ["eval", "{run}", "--tasks", "piqa"], 1, "meshlm fetch",
          patch=empty_cache),
     Case("eval", "--limit 0", ["eval", "{run}", "--limit", "0"], 2, "--limit 0 must be >= 1"),
+    Case("eval", "a task checkpoint on another task's data", ["eval", "{tmp}/chase-run", "--data", "{tmp}/dag"], 2,
+         "was trained on task(s) chase", setup=lambda tmp, world: _task_run(tmp)),
+    Case("eval", "the reasoning suite on text data", ["eval", "{run}", "--suite", "reasoning", "--loops", "none"], 2,
+         "--suite reasoning needs task data"),
     Case("eval", "--loops 0", ["eval", "{run}", "--loops", "0,2"], 2, "loop counts must be >= 1"),
     Case("eval", "--shots that are not numbers", ["eval", "{run}", "--shots", "zero"], 2,
          "is not a comma-separated list of integers"),

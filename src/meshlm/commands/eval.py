@@ -105,6 +105,7 @@ def check_inputs(args: argparse.Namespace) -> str | None:
     (all problems in one error). Returns the tasks to run (None = none)."""
     from meshlm.data.tasks import holds_tasks
     from meshlm.errors import Problems
+    from meshlm.evaluation.run import check_task_data
     from meshlm.loading import locate
     from meshlm.runtime.devices import resolve_device
 
@@ -121,6 +122,7 @@ def check_inputs(args: argparse.Namespace) -> str | None:
         if folder is not None:
             p.writable(Path(args.out).parent if args.out else folder.run_dir, "output folder")
             reasoning = reasoning or (args.suite == "auto" and holds_tasks(args.data or folder.data_source()))
+            p.check(check_task_data, folder.data_source(), args.data, args.suite)
     if args.data is not None:
         p.need(Path(args.data).expanduser().is_dir(),
                f"--data {args.data} does not exist; pass a folder written by `meshlm prepare`")

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshlm.data.tasks import read_test, task_info, window_length
+from meshlm.data.tasks import data_folder, holds_tasks, read_test, task_info, window_length
 from meshlm.errors import ConfigError, MeshlmError
 from meshlm.evaluation.downstream import run_suite
 from meshlm.evaluation.perplexity import default_loop_counts, exit_frontier, is_looped, loss_vs_loops, mean_loss
@@ -56,7 +56,10 @@ def evaluate(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = 
                               "model": model.config.to_dict(), "accounting": account(model).to_dict(),
                               "complete": False}
     save = save or (lambda partial: None)
-    data = held_out_for(loaded, options.data)
+    check_task_data(loaded.folder.data_source(), options.data, options.suite)
+    data = loaded.held_out(options.data)
+    suite = "reasoning" if options.suite == "reasoning" or (options.suite == "auto" and "task" in data.manifest) \
+        else "text"
     seq_len = window_length(data.manifest, 0) or loaded.seq_len  # task data: one example per window
     common = dict(batch_size=options.batch_size, max_sequences=options.limit)
     result["perplexity"] = {**mean_loss(model, data, seq_len, **common), "data": str(data.dir),
@@ -77,7 +80,7 @@ def evaluate(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = 
             f"{row['avg_loops']:.3f}, coda probes/token {row['avg_probes']:.3f}, FLOPs x{row['flops_ratio']:.3f}")
     result["downstream"] = {}
     save(result)
-    if suite_of(options.suite, data) == "reasoning":
+    if suite == "reasoning":
         log("reasoning suite (exact match, greedy cached decoding):")
         result["reasoning"] = evaluate_reasoning(
             model, loaded.tokenizer, read_test(data.dir), data.manifest["task"]["levels"],
@@ -93,28 +96,25 @@ def evaluate(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = 
     return result
 
 
-def suite_of(suite: str, data) -> str:
-    """"auto" -> "reasoning" for task data, else "text"; "reasoning" on text data is a ConfigError."""
-    is_task = "task" in data.manifest
-    if suite == "reasoning" and not is_task:
-        raise ConfigError(f"--suite reasoning needs task data, and {data.dir} holds text; pass --data with a "
-                          f"folder written by `meshlm prepare task:NAME`")
-    return "reasoning" if suite == "reasoning" or (suite == "auto" and is_task) else "text"
+def check_task_data(trained_on: str, override: str | None, suite: str) -> None:
+    """Before any compute (ConfigError): the reasoning suite asked of text data, or a checkpoint trained on task
+    data evaluated on data of tasks it was not trained on. `trained_on` is the run's train.data."""
+    data = override or trained_on
+    if suite == "reasoning" and not holds_tasks(data):
+        raise ConfigError(f"--suite reasoning needs task data, and {data} holds text; pass --data with a folder "
+                          f"written by `meshlm prepare task:NAME`")
+    learned, given = task_names(trained_on), task_names(data)
+    if learned and given and not set(given) <= set(learned):
+        raise ConfigError(f"this checkpoint was trained on task(s) {', '.join(learned)}, and --data {override} holds "
+                          f"{', '.join(given)}; evaluate on data of the tasks it learned (or train one)")
 
 
-def held_out_for(loaded: Opened, override: str | None):
-    """The validation split to evaluate on; a task checkpoint refuses task data of tasks it was not trained on."""
-    if override is not None:
-        trained_on, given = task_names(loaded.data_dir()), task_names(Path(override).expanduser())
-        if trained_on and given and not set(given) <= set(trained_on):
-            raise ConfigError(f"{loaded.path} was trained on task(s) {', '.join(trained_on)}, and --data {override} "
-                              f"holds {', '.join(given)}; evaluate on data of the tasks it learned (or train one)")
-    return loaded.held_out(override)
-
-
-def task_names(folder: Path) -> list[str]:
+def task_names(data: str) -> list[str]:
+    """The tasks of task data (a train.data value or a folder); [] for text or unreadable data."""
+    if not holds_tasks(data):
+        return []
     try:
-        info = task_info(folder)
+        info = task_info(data_folder(str(data)))
     except MeshlmError:
         return []
     return list(info["levels"]) if info else []
