@@ -228,3 +228,36 @@ def test_levels_and_task_lists_parse():
     assert [t.name for t in parse_tasks("dag, chase")] == ["dag", "chase"]
     with pytest.raises(ConfigError, match="twice"):
         parse_tasks("chase,chase")
+
+
+def test_prepare_train_eval_by_loops_and_report_end_to_end(tmp_path):
+    """The path a user takes, each command in a fresh process: prepare task data, train a few steps with a sampled
+    loop count (answer-only loss), eval by loops and under exit, report."""
+    from trainkit import cli
+
+    data, runs = tmp_path / "chase", tmp_path / "runs"
+    prepared = cli("prepare", "task:chase", "--out", str(data), "--train-examples", "64", "--val-examples", "16",
+                   "--test-per-level", "3")
+    assert prepared.returncode == 0, prepared.stderr
+    assert "one example per window of 52 tokens" in prepared.stdout
+    trained = cli("train", f"train.data={data}", "model.preset=tiny", "model.vocab_size=64", "model.spec=1+1R2+1",
+                  f"train.out_dir={runs}", "train.name=chase", "train.global_batch=8", "train.micro_batch=8",
+                  "train.steps=3", "train.eval_every=0", "train.save_every=3", "train.eval_windows=8",
+                  "train.loops=uniform:1-3", "train.progress=false", "train.tensorboard=false")
+    assert trained.returncode == 0, trained.stderr
+    assert "x 52 tokens" in trained.stderr  # the window is the task's example block (train.seq_len was 0)
+    ppl, unigram = map(float, re.search(r"perplexity ([\d.]+) .*unigram baseline ([\d.]+)", trained.stdout).groups())
+    assert unigram < 12 and ppl > 1  # answers only: 10 digits and EOS (all 43 ids would give ~20)
+    evaluated = cli("eval", str(runs / "chase"), "--loops", "1,2,4", "--exit", "state:0.5", "--limit", "3")
+    assert evaluated.returncode == 0, evaluated.stderr
+    result = json.loads((runs / "chase" / "eval.json").read_text())
+    chase = result["reasoning"]["tasks"]["chase"]
+    assert [row["loops"] for row in chase["loops"]] == [1, 2, 4]
+    assert all(set(row["levels"]) == {str(d) for d in range(1, 9)} and row["n"] == 24 for row in chase["loops"])
+    assert chase["exit"][0]["exit"] == "state:0.5" and 1 <= chase["exit"][0]["avg_loops"] <= 2
+    assert result["reasoning"]["train_loops"] == "uniform:1-3" and result["perplexity"]["tokens"] == 3 * 2  # --limit 3 windows, answer + EOS
+    assert not result["downstream"]  # the character tokenizer's runs take the reasoning suite instead
+    report = cli("report", str(runs / "chase"), "--out", str(tmp_path / "report.html"))
+    assert report.returncode == 0, report.stderr
+    page = (tmp_path / "report.html").read_text()
+    assert "Reasoning suite" in page and page.count("<img") >= 4 and "beyond, best K'" in page

@@ -9,8 +9,15 @@ MAX_TOKENS = 50_000_000  # count at most this many tokens of each split (a prefi
 
 
 def unigram_perplexity(train_data, val_data, vocab_size: int) -> float:
-    """exp(cross-entropy of the validation tokens under add-one-smoothed training unigram frequencies)."""
-    counts = np.bincount(train_data.tokens(0, min(train_data.num_tokens, MAX_TOKENS)), minlength=vocab_size)
+    """exp(cross-entropy of the validation tokens under add-one-smoothed training unigram frequencies). On task
+    data both sides count the answer tokens only, as the loss does."""
+    counts = np.bincount(_scored(train_data), minlength=vocab_size)
     log_p = np.log(counts + 1.0) - math.log(counts.sum() + vocab_size)  # (vocab,)
-    val = val_data.tokens(0, min(val_data.num_tokens, MAX_TOKENS))
-    return float(math.exp(-log_p[val].mean()))
+    return float(math.exp(-log_p[_scored(val_data)].mean()))
+
+
+def _scored(data) -> np.ndarray:
+    """A prefix of the split's tokens, those under the answer mask when it has one."""
+    stop = min(data.num_tokens, MAX_TOKENS)
+    tokens = data.tokens(0, stop)
+    return tokens if data.masks is None else tokens[data.tokens(0, stop, data.masks) > 0]
