@@ -255,7 +255,8 @@ def test_prepare_train_eval_by_loops_and_report_end_to_end(tmp_path):
     assert [row["loops"] for row in chase["loops"]] == [1, 2, 4]
     assert all(set(row["levels"]) == {str(d) for d in range(1, 9)} and row["n"] == 24 for row in chase["loops"])
     assert chase["exit"][0]["exit"] == "state:0.5" and 1 <= chase["exit"][0]["avg_loops"] <= 2
-    assert result["reasoning"]["train_loops"] == "uniform:1-3" and result["perplexity"]["tokens"] == 3 * 2  # --limit 3 windows, answer + EOS
+    assert result["reasoning"]["train_loops"] == "uniform:1-3"
+    assert result["perplexity"]["tokens"] == 3 * 2  # --limit 3 windows, each scoring a digit and EOS
     assert not result["downstream"]  # the character tokenizer's runs take the reasoning suite instead
     report = cli("report", str(runs / "chase"), "--out", str(tmp_path / "report.html"))
     assert report.returncode == 0, report.stderr
