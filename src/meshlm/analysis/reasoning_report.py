@@ -49,7 +49,7 @@ def heatmap(runs: list[Group]):
     tasks = _tasks(runs)
     if not tasks:
         return None
-    fig = new_figure(2.6 * len(tasks) + 0.6, 2.2 * len(runs) + 0.4)
+    fig = new_figure(max(4.2, 2.6 * len(tasks) + 0.6), 2.2 * len(runs) + 0.5)
     axes = fig.subplots(len(runs), len(tasks), squeeze=False)
     for i, (variant, results) in enumerate(runs):
         for j, task in enumerate(tasks):
@@ -71,7 +71,10 @@ def heatmap(runs: list[Group]):
             ax.set_title(f"{variant}: {task}", fontsize=8)
             ax.set_xlabel("loops", fontsize=7)
             ax.set_ylabel("difficulty", fontsize=7)
-    fig.suptitle("Exact-match accuracy (0 … 1), difficulty × loops; dashed: top of the training range", fontsize=9)
+    images = [ax.images[0] for row in axes for ax in row if ax.images]
+    if images:
+        fig.colorbar(images[0], ax=axes, shrink=0.6, label="exact match")
+    fig.suptitle("Accuracy by difficulty × loops\n(dashed: top of the training range)", fontsize=9)
     return fig
 
 
@@ -163,13 +166,14 @@ def table(rows: list[tuple[str, dict]]) -> str:
 
 
 # -- the study's results page (meshlm.analysis.study) ------------------------------------------------------------
-def _mean_std(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
+def _mean_std(values: list[float], scale: float = 100.0, digits: int = 1, signed: bool = False) -> str:
     values = [v * scale for v in values if v is not None and not np.isnan(v)]
+    sign = "+" if signed else ""
     if not values:
         return "–"
     if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{np.mean(values):.{digits}f} ± {np.std(values, ddof=1):.{digits}f}"
+        return f"{values[0]:{sign}.{digits}f}"
+    return f"{np.mean(values):{sign}.{digits}f} ± {np.std(values, ddof=1):.{digits}f}"
 
 
 def run_summary(result: dict, task: str) -> dict:
@@ -182,9 +186,11 @@ def run_summary(result: dict, task: str) -> dict:
     at_hardest = lambda d, t: d == hardest  # noqa: E731
     deeper = [row["loops"] for row in t["loops"] if row["loops"] > k]
     best = max(deeper, key=lambda n: np.nan_to_num(_mean_acc([result], task, n, beyond), nan=-1)) if deeper else None
-    fixed = _mean_acc([result], task, k, lambda d, t: True)
-    exits = [{"exit": row["exit"], "drop": fixed - row["acc"], "share": row["answer_loops"] / row["max_loops"],
-              "rho": row["spearman"]} for row in t.get("exit", [])]
+    def fixed(loops: int) -> float:  # all test problems at fixed depth: what exit with that cap is read against
+        return _mean_acc([result], task, loops, lambda d, t: True)
+
+    exits = [{"exit": row["exit"], "change": row["acc"] - fixed(row["max_loops"]),
+              "share": row["avg_loops"] / row["max_loops"], "rho": row["spearman"]} for row in t.get("exit", [])]
     return {"k": k, "one": _mean_acc([result], task, 1, inside), "trained": _mean_acc([result], task, k, inside),
             "hardest_one": _mean_acc([result], task, 1, at_hardest),
             "hardest_k": _mean_acc([result], task, k, at_hardest),
@@ -200,8 +206,8 @@ def markdown(groups: list[Group]) -> list[str]:
     for task in _tasks(groups):
         lines += ["", f"Reasoning task `{task}`: exact match (%), mean ± std over seeds; 'hardest' = the top trained "
                   "difficulty, 'beyond' = test difficulties above the training range, best K' > K chosen per run; "
-                  "exit: accuracy lost against fixed depth (points), loops per answer token as a share of the most "
-                  "allowed, Spearman ρ of loops with difficulty:", "",
+                  "exit: accuracy against fixed depth at its cap (points), loop steps per token (the compute) as a "
+                  "share of the cap, Spearman ρ of the answer's loops with difficulty:", "",
                   "| variant | seeds | K | trained, 1 loop | trained, K | hardest, 1 loop | hardest, K | beyond, K | "
                   "beyond, best K' | exit |", "|---|---|---|---|---|---|---|---|---|---|"]
         for variant, results in groups:
@@ -220,5 +226,6 @@ def markdown(groups: list[Group]) -> list[str]:
 
 
 def _exit_cell(rule: str, runs: list[dict]) -> str:
-    return (f"{rule}: −{_mean_std([e['drop'] for e in runs])} at {_mean_std([e['share'] for e in runs], 100, 0)}%, "
+    return (f"{rule}: {_mean_std([e['change'] for e in runs], signed=True)} at "
+            f"{_mean_std([e['share'] for e in runs], 100, 0)}%, "
             f"ρ {_mean_std([e['rho'] for e in runs], 1, 2)}")

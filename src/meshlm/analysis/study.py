@@ -86,9 +86,11 @@ class Study:
         return self.out_dir / self.name
 
 
-def load_study(path: str | Path, extra_overrides: list[str] = (), only: str | None = None) -> Study:
+def load_study(path: str | Path, extra_overrides: list[str] = (), only: str | None = None,
+               seeds: list[int] | None = None) -> Study:
     """Parse and check a study file (a path, or a shipped name such as studies/quick.yaml); every problem goes
-    into one ConfigError. `only`: comma-separated variant names or shell patterns ('chase-*') to keep."""
+    into one ConfigError. `only`: comma-separated variant names or shell patterns ('chase-*') to keep; `seeds`:
+    these seeds instead of the file's (for every variant)."""
     path = find_config(path, "study file")
     try:
         raw = yaml.safe_load(path.read_text())
@@ -100,7 +102,8 @@ def load_study(path: str | Path, extra_overrides: list[str] = (), only: str | No
     if not isinstance(variants, dict) or not variants:
         problems.append("`variants` must map at least one variant name to {overrides: [...]}")
         variants = {}
-    seeds = raw.get("seeds", [0])
+    given_seeds = seeds
+    seeds = raw.get("seeds", [0]) if given_seeds is None else given_seeds
     if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) for s in seeds)):
         problems.append(f"`seeds` must be a non-empty list of integers, not {seeds!r}")
     if only is not None and variants:
@@ -117,7 +120,7 @@ def load_study(path: str | Path, extra_overrides: list[str] = (), only: str | No
     runs = []
     for variant, spec in variants.items():
         spec = spec or {}
-        for seed in spec.get("seeds", seeds):
+        for seed in (given_seeds or spec.get("seeds", seeds)):  # --seeds override a variant's own list too
             run_dir = out_dir / name / f"{variant}-s{seed}"
             overrides = [*common, *map(str, spec.get("overrides", [])), f"train.seed={seed}",
                          f"train.out_dir={out_dir / name}", f"train.name={run_dir.name}", "train.progress=false"]

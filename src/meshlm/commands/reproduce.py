@@ -6,6 +6,7 @@
     meshlm reproduce STUDY.yaml train.steps=50                 # dotted overrides for every run
     meshlm reproduce STUDY.yaml --jobs 8                       # 8 runs at a time (many cores, or GPUs)
     meshlm reproduce studies/reasoning.yaml --only 'chase-*'   # part of a study: variants by name or pattern
+    meshlm reproduce studies/reasoning.yaml train.steps=6000 --only chase-mesh-sampled --seeds 0
 
 Study files and the train configs they name are paths, or names of the configs shipped inside meshlm
 (meshlm/configs: `studies/…`, `cpu/…`, `paper/…`; the repository's configs/ links there), so this works from
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 
+from meshlm.commands.eval import int_list
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("study", nargs="?", help="study YAML: a path, or a shipped study such as studies/cpu-12layer.yaml")
@@ -27,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="runs at a time (default 1); each gets cores/N threads, and with several GPUs its own GPU")
     p.add_argument("--only", metavar="VARIANTS",
                    help="run only these variants: comma-separated names or patterns, e.g. 'chase-*,dag-mesh-*'")
+    p.add_argument("--seeds", type=int_list, metavar="S,S",
+                   help="these seeds for every variant instead of the study file's, e.g. 0 or 0,1")
     p.add_argument("--keep-going", action="store_true",
                    help="after a failed run, start the remaining runs anyway (the failure is still reported)")
 
@@ -42,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         raise ConfigError(f"--jobs {args.jobs}: the number of runs at a time must be >= 1")
     study = load_study("studies/quick.yaml" if args.quick else args.study, args.overrides,  # shipped, or a path
-                       only=args.only)
+                       only=args.only, seeds=args.seeds)
     print(plan_table(study), flush=True)
     if args.plan:
         return 0
