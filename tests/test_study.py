@@ -41,6 +41,16 @@ def test_runs_are_variants_times_seeds(tmp_path):
     assert "train.seed=5" in study.runs[-1].overrides
 
 
+def test_only_and_seeds_pick_part_of_a_study(tmp_path):
+    path = write_study(tmp_path, seeds=[0, 1], variants={
+        "chase-a": {"overrides": ["model.scheme=base"]}, "chase-b": {"overrides": ["model.scheme=mesh"], "seeds": [5]},
+        "dag-a": {"overrides": ["model.scheme=base"]}})
+    assert [r.name for r in load_study(path, only="chase-*").runs] == ["chase-a-s0", "chase-a-s1", "chase-b-s5"]
+    assert [r.name for r in load_study(path, only="dag-a,chase-b", seeds=[3]).runs] == ["chase-b-s3", "dag-a-s3"]
+    with pytest.raises(ConfigError, match="--only 'mod\\*' matches no variant"):
+        load_study(path, only="mod*")
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"variants": {}}, "at least one variant"),
     ({"seeds": "zero"}, "`seeds` must be a non-empty list"),
