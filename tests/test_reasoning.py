@@ -262,3 +262,42 @@ def test_prepare_train_eval_by_loops_and_report_end_to_end(tmp_path):
     assert report.returncode == 0, report.stderr
     page = (tmp_path / "report.html").read_text()
     assert "Reasoning suite" in page and page.count("<img") >= 4 and "beyond, best K'" in page
+
+
+@pytest.mark.parametrize("scheme", ["base", "anchor", "mesh"])
+def test_task_training_with_sampled_depth_resumes_bit_exactly(chase_data, tmp_path, scheme):
+    """Answer-only loss, a sampled loop count and truncated backprop on task data, cut after a checkpoint and
+    resumed: the same losses as the uninterrupted run (on CPU in fp32, bit for bit)."""
+    import shutil
+
+    from trainkit import tiny_train, train_losses
+
+    from meshlm.train import train
+
+    common = dict(model={"preset": "tiny", "vocab_size": 64, "scheme": scheme, "spec": "1+1R2+1"}, seq_len=0,
+                  steps=6, save_every=3, loops="uniform:1-4", backprop_loops=2, dtype="fp32")
+    ref = train(tiny_train(chase_data, tmp_path / "ref", **common), log=lambda m: None)
+    cfg = tiny_train(chase_data, tmp_path / "cut", **common)
+    train(cfg, log=lambda m: None)
+    shutil.rmtree(cfg.run_dir() / "step-000006")  # as if killed after the step-3 checkpoint
+    resumed = train(cfg, resume=True, log=lambda m: None)
+    assert resumed.start_step == 3 and train_losses(cfg.run_dir()) == train_losses(ref.run_dir)
+    assert all(0 < loss < 5 for loss in train_losses(ref.run_dir).values())  # ~ln(43) at most: answers only
+
+
+@pytest.mark.parametrize("scheme", ["vanilla", "base", "residual", "anchor", "anchor-emb", "static-mix",
+                                    "dynamic-mix", "mesh"])
+def test_every_scheme_is_scored_by_loops_and_exit(chase_data, scheme):
+    from meshlm.evaluation.reasoning import evaluate_reasoning
+
+    tok = load_tokenizer(chase_data / "tokenizer.json")
+    model = build(tiny(vocab_size=64, scheme=scheme, spec="4" if scheme == "vanilla" else "1+1R2+1"))
+    result = evaluate_reasoning(model, tok, read_test(chase_data), {"chase": {"train": "1-4", "test": "1-8"}},
+                                [1, 3], ["state:0.2"], None, limit=2, log=lambda m: None)
+    chase = result["tasks"]["chase"]
+    if scheme == "vanilla":  # one depth, no loop to leave
+        assert [r["loops"] for r in chase["loops"]] == [1] and chase["exit"] == []
+    else:
+        assert [r["loops"] for r in chase["loops"]] == [1, 3] and chase["exit"][0]["max_loops"] == 2
+        assert 1 <= chase["exit"][0]["avg_loops"] <= 2
+    assert all(r["n"] == 16 and 0 <= r["acc"] <= 1 for r in chase["loops"])
