@@ -190,6 +190,7 @@ def test_binomial_error_levels_and_rank_correlation():
                                                    "n": 4}
     assert spearman([1, 2, 3, 4], [10, 20, 30, 25]) == pytest.approx(0.8)
     assert spearman([1, 1, 2, 2], [1, 2, 3, 4]) == pytest.approx(0.894427, rel=1e-5)  # ties: average ranks
+    assert spearman([1, 2, 3], [4, 4, 4]) is None  # constant loops: no correlation (null in eval.json, not NaN)
     problems = [{"prompt": "ab", "difficulty": d} for d in (1, 1, 2)]
     answers = [Answer(True, 4, [2]), Answer(False, 6, [4, 3]), Answer(True, 2, [1])]
     levels = by_level(problems, answers, True)

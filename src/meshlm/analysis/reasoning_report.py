@@ -78,6 +78,11 @@ def heatmap(runs: list[Group]):
     return fig
 
 
+def _number(value: float | None) -> float:
+    """None (e.g. an undefined correlation) as nan, for averaging and formatting."""
+    return np.nan if value is None else value
+
+
 def _level_acc(result: dict, task: str, loops: int, level: str) -> float:
     t = result["tasks"].get(task) or {}
     row = next((row for row in t.get("loops", []) if row["loops"] == loops), None)
@@ -128,7 +133,7 @@ def exit_levels(runs: list[Group]):
             for k, rule in enumerate(rules):
                 rows = [row for r in results for row in r["tasks"].get(task, {}).get("exit", []) if row["exit"] == rule]
                 levels = sorted({int(d) for row in rows for d in row["levels"]})
-                ys = [np.nanmean([row["levels"].get(str(d), {}).get("answer_loops", np.nan) for row in rows])
+                ys = [np.nanmean([_number(row["levels"].get(str(d), {}).get("answer_loops")) for row in rows])
                       for d in levels]
                 ax.plot(levels, ys, ["-o", "--s", ":^", "-.v"][k % 4], color=color_of(i), markersize=3,
                         label=f"{variant} {rule}")
@@ -154,8 +159,8 @@ def table(rows: list[tuple[str, dict]]) -> str:
     for name, result in rows:
         for task, t in result["tasks"].items():
             s = run_summary(result, task)
-            exits = "; ".join(f"{row['exit']}: {100 * row['acc']:.1f}% at {row['answer_loops']:.2f} loops "
-                              f"(ρ={row['spearman']:.2f})" for row in t.get("exit", []))
+            exits = "; ".join(f"{row['exit']}: {100 * row['acc']:.1f}% at {row['avg_loops']:.2f} loops/token "
+                              f"(ρ={_number(row['spearman']):.2f})" for row in t.get("exit", []))
             cells = [100 * s[key] for key in ("one", "trained", "beyond_k", "beyond_best")]
             lines.append(f"<tr><td class='l'>{html.escape(name)}</td><td class='l'>{task}</td><td>{s['k']}</td>"
                          + "".join(f"<td>{c:.1f}</td>" for c in cells[:3])
@@ -190,7 +195,8 @@ def run_summary(result: dict, task: str) -> dict:
         return _mean_acc([result], task, loops, lambda d, t: True)
 
     exits = [{"exit": row["exit"], "change": row["acc"] - fixed(row["max_loops"]),
-              "share": row["avg_loops"] / row["max_loops"], "rho": row["spearman"]} for row in t.get("exit", [])]
+              "share": row["avg_loops"] / row["max_loops"], "rho": _number(row["spearman"])}
+             for row in t.get("exit", [])]
     return {"k": k, "one": _mean_acc([result], task, 1, inside), "trained": _mean_acc([result], task, k, inside),
             "hardest_one": _mean_acc([result], task, 1, at_hardest),
             "hardest_k": _mean_acc([result], task, k, at_hardest),

@@ -47,13 +47,15 @@ class Answer:
 
 
 def binomial(correct: list[bool]) -> dict:
+    """Exact-match rate, its binomial standard error sqrt(p(1 − p)/n), and n (never empty: levels come from
+    the problems)."""
     n = len(correct)
-    p = sum(correct) / n if n else math.nan
-    return {"acc": p, "stderr": math.sqrt(p * (1 - p) / n) if n else math.nan, "n": n}
+    p = sum(correct) / n
+    return {"acc": p, "stderr": math.sqrt(p * (1 - p) / n), "n": n}
 
 
-def spearman(x: list[float], y: list[float]) -> float:
-    """Spearman's rank correlation (average ranks for ties); nan when either side is constant."""
+def spearman(x: list[float], y: list[float]) -> float | None:
+    """Spearman's rank correlation (average ranks for ties); None when either side is constant."""
     def ranks(v):
         v = np.asarray(v, dtype=float)
         order = v.argsort(kind="stable")
@@ -64,10 +66,10 @@ def spearman(x: list[float], y: list[float]) -> float:
         return r
 
     if len(x) < 2:
-        return math.nan
+        return None
     rx, ry = ranks(x), ranks(y)
     if rx.std() == 0 or ry.std() == 0:
-        return math.nan
+        return None
     return float(np.corrcoef(rx, ry)[0, 1])
 
 
@@ -81,12 +83,9 @@ class LoopRecorder:
     def __call__(self, out, mask: torch.Tensor) -> None:
         if out.exit_loops is None:
             return
-        loops = out.exit_loops * mask  # (B, T), padding positions count nothing
-        if self.prompt is None:
-            self.prompt = loops.sum(-1)
-            self.steps.append(out.exit_loops[:, -1])  # the last prompt position predicts answer token 0
-        else:
-            self.steps.append(out.exit_loops[:, -1])
+        if self.prompt is None:  # the prefill: padding positions count nothing
+            self.prompt = (out.exit_loops * mask).sum(-1)
+        self.steps.append(out.exit_loops[:, -1])  # the position that predicts the next answer token
 
 
 def decode(model, tok: TextTokenizer, problems: list[dict], loops: int | None = None, exit: str | None = None,
@@ -142,7 +141,7 @@ def _loop_means(problems: list[dict], indices: list[int], chosen: list[Answer]) 
     loops = sum(a.prompt_loops + sum(a.answer_loops) for a in chosen)
     answer_steps = [step for a in chosen for step in a.answer_loops]
     return {"avg_loops": loops / max(tokens, 1), "answer_loops": float(np.mean(answer_steps)) if answer_steps
-            else math.nan}
+            else None}
 
 
 def evaluate_task(model, tok: TextTokenizer, problems: list[dict], loop_counts: list[int], exits: list[str],
@@ -168,8 +167,9 @@ def evaluate_task(model, tok: TextTokenizer, problems: list[dict], loop_counts: 
                                     [float(np.mean(a.answer_loops)) for a in answers]),
                "levels": by_level(problems, answers, True)}
         out["exit"].append(row)
+        rho = "undefined (constant loops)" if row["spearman"] is None else f"{row['spearman']:.2f}"
         log(f"    exit {rule} (<= {max_loops} loops): acc {100 * row['acc']:.1f}%, loops/token {row['avg_loops']:.2f}, "
-            f"answer loops {row['answer_loops']:.2f}, Spearman vs difficulty {row['spearman']:.2f}")
+            f"answer loops {row['answer_loops']:.2f}, Spearman vs difficulty {rho}")
     return out
 
 
