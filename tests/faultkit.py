@@ -159,6 +159,16 @@ def signal_runner(signals: list[int]) -> Callable:
     return run
 
 
+HELD: dict = {}  # run folder -> the RunOwner a case holds on it (released by the case's `after`)
+
+
+def _hold_run_folder(run: Path) -> None:
+    """Hold the folder's owner lock from this process: another open of it conflicts like another process."""
+    from meshlm.train.ownership import RunOwner
+
+    HELD[run] = RunOwner(run).__enter__()
+
+
 def _task_data(tmp: Path, tasks: str) -> Path:
     from meshlm.data.tasks import TaskData, prepare_tasks
 
@@ -258,6 +268,11 @@ CASES: list[Case] = [
          ["prepare", "task:chase", "-o", "{tmp}/out", "--train-difficulty", "1-4", "--test-difficulty", "3-8",
           "--disjoint"], 2, "overlap the training difficulties 1-4"),
     # -- train
+    Case("train", "a run folder another training holds", ["train", "train.data={data}", "model.preset=tiny",
+                                                           "model.vocab_size=8192", "train.out_dir={tmp}",
+                                                           "train.name=run", "train.seq_len=32"], 2,
+         "is in use by PID", setup=lambda tmp, world: _hold_run_folder(tmp / "run"),
+         after=lambda tmp: HELD.pop(tmp / "run").__exit__(None, None, None)),
     Case("train", "a seq_len that cuts task examples", ["train", "train.data={tmp}/chase", "model.vocab_size=64",
                                                          "train.seq_len=20"], 2,
          "set train.seq_len=52 (or 0)", setup=lambda tmp, world: _task_data(tmp, "chase")),
@@ -472,6 +487,7 @@ def normalise(text: str, tmp: Path, world: dict[str, Path]) -> str:
     text = re.sub(r"\d+(\.\d+)? [KMGT]?B free", "N GB free", text)
     text = re.sub(r"<tmp>/runs/run/step-\d+", "<tmp>/runs/run/step-N", text)
     text = re.sub(r"holds step \d+/500", "holds step N/500", text)
+    text = re.sub(r"in use by PID \d+ on \S+ \(started [\d:T-]+\d", "in use by PID N on HOST (started TIME", text)
     return text
 
 

@@ -10,6 +10,7 @@ skipped steps never touch the weights, no checkpoint can hold a non-finite state
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -37,6 +38,7 @@ from meshlm.train.config import TrainConfig
 from meshlm.train.interrupt import StopRequest
 from meshlm.train.monitor import Metrics, Progress
 from meshlm.train.optim import build_optimizer, build_scheduler, retarget
+from meshlm.train.ownership import RunOwner, owner_problem
 
 
 class NonFiniteLossError(MeshlmError):
@@ -396,8 +398,10 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> None:
     if cfg.init_from:
         p.check(locate, cfg.init_from)  # any model folder meshlm.loading opens
     p.writable(cfg.run_dir(), "run folder")
+    busy = owner_problem(cfg.run_dir())  # another training in this folder: nothing else about it matters
+    p.need(busy is None, busy or "")
     existing = checkpoint.list_checkpoints(cfg.run_dir())
-    p.need(resume or not existing, f"{cfg.run_dir()} already holds checkpoints (newest "
+    p.need(resume or not existing or bool(busy), f"{cfg.run_dir()} already holds checkpoints (newest "
                                    f"{existing[0].name if existing else ''}); pass --resume to continue, or choose "
                                    f"another run with train.name=... or train.out_dir=...")
     p.raise_if_any()
@@ -405,11 +409,12 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> None:
 
 def train(cfg: TrainConfig, resume: bool = False, log: Callable[[str], None] = print) -> TrainResult:
     """Tune malloc (if `meshlm train` has not yet), check every input, set up devices (and the process group
-    under torchrun), train, tear down."""
+    under torchrun), take ownership of the run folder (meshlm.train.ownership), train, tear down."""
     allocator.tune()
     preflight(cfg, resume)
     env = parallel.setup(cfg)
     try:
-        return Trainer(cfg, env, resume=resume, log=log).run()
+        with RunOwner(cfg.run_dir(), log) if env.is_main else contextlib.nullcontext():  # rank 0 owns the folder
+            return Trainer(cfg, env, resume=resume, log=log).run()
     finally:
         parallel.teardown()
