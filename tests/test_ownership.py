@@ -13,7 +13,8 @@ from trainkit import as_overrides, cli, cli_command, tiny_train, train_losses
 
 from meshlm.train.ownership import OWNER_FILE, RunFolderBusy, RunOwner, owner_problem
 
-HOLD = "import sys, time; from meshlm.train.ownership import RunOwner\nwith RunOwner(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)"
+HOLD = ("import sys, time; from meshlm.train.ownership import RunOwner\n"
+        "with RunOwner(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)")
 
 
 def holder(run_dir):
