@@ -259,6 +259,9 @@ def test_prepare_train_eval_by_loops_and_report_end_to_end(tmp_path):
     assert result["reasoning"]["train_loops"] == "uniform:1-3"
     assert result["perplexity"]["tokens"] == 3 * 2  # --limit 3 windows, each scoring a digit and EOS
     assert not result["downstream"]  # the character tokenizer's runs take the reasoning suite instead
+    narrower = cli("eval", str(runs / "chase"), "--loops", "1", "--limit", "1")  # a quick look afterwards
+    assert narrower.returncode == 0 and "so it stays; these results go to eval-" in narrower.stdout
+    assert json.loads((runs / "chase" / "eval.json").read_text()) == result  # the wider results are not replaced
     report = cli("report", str(runs / "chase"), "--out", str(tmp_path / "report.html"))
     assert report.returncode == 0, report.stderr
     page = (tmp_path / "report.html").read_text()

@@ -69,7 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per forward when scoring tasks")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     add_dtype_argument(p)
-    p.add_argument("--out", help="where to write the JSON (default: <run>/eval.json)")
+    p.add_argument("--out", help="where to write the JSON (default: <run>/eval.json, unless that holds an evaluation "
+                                 "this one does not cover: then eval-<hash>.json beside it, and a line says so)")
     p.add_argument("--log-samples", action="store_true",
                    help="also write every scored item (requests, answers, metrics) to eval-samples/<k>-shot.jsonl")
     p.add_argument("--verbose", action="store_true", help="show lm-eval's own logging and progress bars")
@@ -77,12 +78,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from meshlm.evaluation.run import EvalOptions, evaluate, write_json
+    from meshlm.evaluation.scope import choose, scope_of
     from meshlm.loading import open_model
     from meshlm.runtime import precision
 
     tasks = check_inputs(args)
     loaded = open_model(args.checkpoint, args.device, tokenizer=args.tokenizer)
-    out = Path(args.out) if args.out else loaded.run_dir / "eval.json"
+    scope = scope_of(args.data, args.suite, tasks, args.shots, args.limit, args.loops, args.exit, args.exit_loops)
+    out, note = (Path(args.out), None) if args.out else choose(loaded.run_dir, scope)  # never narrowed unsaid
+    if note:
+        print(note, flush=True)
     options = EvalOptions(data=args.data, loops=args.loops, exits=args.exit, exit_loops=args.exit_loops,
                           tasks=tasks, shots=args.shots, limit=args.limit, suite=args.suite,
                           batch_size=args.batch_size, batch_tokens=args.batch_tokens, verbose=args.verbose,
@@ -92,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
           f"{chosen.describe()}", flush=True)
 
     def save(partial: dict) -> None:  # after every stage, so what finished is kept
-        write_json({**partial, "dtype": chosen.name}, out)
+        write_json({**partial, "dtype": chosen.name, "scope": scope}, out)
 
     with precision.autocast(device, chosen):
         result = evaluate(loaded, options, save=save)
