@@ -159,6 +159,24 @@ def signal_runner(signals: list[int]) -> Callable:
     return run
 
 
+def _edit_shard(tmp: Path, world, token: int, keep_checksum: bool) -> None:
+    """A copy of the prepared data with one training token overwritten; the manifest keeps its checksums (a
+    shard changed behind its back), or forgets them (data prepared before meshlm recorded any)."""
+    import numpy as np
+
+    shutil.copytree(world["data"], tmp / "data")
+    shard = np.memmap(tmp / "data" / "train-00000.bin", dtype=np.uint16, mode="r+")
+    shard[100] = token if shard[100] != token else token + 1
+    shard.flush()
+    if not keep_checksum:
+        def forget(manifest):
+            for split in manifest["splits"].values():
+                for entry in split["shards"]:
+                    entry.pop("sha256", None)
+                    entry.pop("max_id", None)
+        edit_json(tmp / "data" / "manifest.json", forget)
+
+
 HELD: dict = {}  # run folder -> the RunOwner a case holds on it (released by the case's `after`)
 
 
@@ -273,6 +291,13 @@ CASES: list[Case] = [
                                                            "train.name=run", "train.seq_len=32"], 2,
          "is in use by PID", setup=lambda tmp, world: _hold_run_folder(tmp / "run"),
          after=lambda tmp: HELD.pop(tmp / "run").__exit__(None, None, None)),
+    Case("train", "a shard changed in place (same size, ids still in the vocabulary)",
+         ["train", "train.data={tmp}/data", "model.preset=tiny", "model.vocab_size=8192", "train.seq_len=32"], 1,
+         "does not match its checksum", setup=lambda tmp, world: _edit_shard(tmp, world, 7, keep_checksum=True)),
+    Case("train", "an id beyond the vocabulary in data without checksums",
+         ["train", "train.data={tmp}/data", "model.preset=tiny", "model.vocab_size=8192", "train.seq_len=32"], 1,
+         "holds token id 9,000, but the model's vocabulary has 8,192 ids",
+         setup=lambda tmp, world: _edit_shard(tmp, world, 9000, keep_checksum=False)),
     Case("train", "a seq_len that cuts task examples", ["train", "train.data={tmp}/chase", "model.vocab_size=64",
                                                          "train.seq_len=20"], 2,
          "set train.seq_len=52 (or 0)", setup=lambda tmp, world: _task_data(tmp, "chase")),

@@ -313,3 +313,19 @@ def test_safe_chunks_cover_the_text_within_the_limit():
         limit = rng.randint(1, 30)
         chunks = list(sources.safe_chunks(pieces, limit))
         assert "".join(chunks) == text and all(0 < len(c) <= limit for c in chunks)
+
+
+def test_shards_record_their_checksum_and_largest_id(tmp_path):
+    import hashlib
+
+    import numpy as np
+
+    from meshlm.data.shards import ShardWriter
+
+    writer = ShardWriter(tmp_path, "train", np.dtype(np.uint16), shard_tokens=5)
+    writer.write([3, 9, 4])
+    writer.write([70, 1, 2, 8])  # crosses into a second shard
+    entry = writer.close()
+    assert [s["tokens"] for s in entry["shards"]] == [5, 2] and [s["max_id"] for s in entry["shards"]] == [70, 8]
+    for shard in entry["shards"]:
+        assert shard["sha256"] == hashlib.sha256((tmp_path / shard["file"]).read_bytes()).hexdigest()

@@ -229,6 +229,7 @@ class Opened:
 
     def held_out(self, override: str | os.PathLike | None = None, split: str = "val") -> PreparedData:
         data = PreparedData(self.data_dir(override), split)
+        data.check_ids(self.model.config.vocab_size)
         prepared_with = data.manifest["tokenizer"]
         if prepared_with["hash"] != self.tokenizer.hash:
             raise ConfigError(f"{data.dir} was tokenised with {prepared_with['name']!r}, not the model's tokenizer "

@@ -30,6 +30,7 @@ from meshlm.data.shards import (
     MANIFEST,
     ShardWriter,
     clear_prepared,
+    max_id,
     open_loss_mask,
     open_shards,
     read_manifest,
@@ -161,7 +162,7 @@ def prepare_default(cache_dir: str | os.PathLike | None = None, tokenizer: str =
     """
     tok = load_tokenizer(tokenizer, cache_dir)
     parent = resolve_cache(cache_dir) / "prepared"
-    target = parent / f"default-{corpus_fingerprint()}-{tok.hash}"
+    target = parent / f"default-v2-{corpus_fingerprint()}-{tok.hash}"  # v2: shards carry checksums
     if (target / MANIFEST).is_file():
         return target
     parent.mkdir(parents=True, exist_ok=True)
@@ -226,6 +227,15 @@ class PreparedData:
     @property
     def vocab_size(self) -> int:
         return self.manifest["tokenizer"]["vocab_size"]
+
+    def check_ids(self, model_vocab_size: int) -> None:
+        """DataError unless every token id fits the model's embedding (an id beyond it would stop training
+        with an IndexError whenever its window came up, possibly hours in)."""
+        largest = max_id(self.dir, self.manifest, self.split)
+        if largest >= model_vocab_size:
+            raise DataError(f"{self.dir} ({self.split} split) holds token id {largest:,}, but the model's vocabulary "
+                            f"has {model_vocab_size:,} ids; prepare the data with the model's tokenizer or set "
+                            f"model.vocab_size to at least {largest + 1:,}")
 
     def num_sequences(self, seq_len: int) -> int:
         """How many windows fit; DataError if not even one does."""

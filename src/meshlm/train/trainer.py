@@ -109,8 +109,9 @@ class Trainer:
             raise DataError(f"{data_dir} was prepared with tokenizer {prepared_with['name']!r}, not "
                             f"{tokenizer.name!r}; set train.tokenizer to match or prepare the data again")
         self.seq_len = window_length(self.train_data.manifest, cfg.seq_len) or self.seq_len  # task data: its block
-        self.train_data.num_sequences(self.seq_len)  # DataError if the splits are shorter than one sequence
-        self.val_data.num_sequences(self.seq_len)
+        for data in (self.train_data, self.val_data):
+            data.num_sequences(self.seq_len)  # DataError if the split is shorter than one sequence
+            data.check_ids(self.model_cfg.vocab_size)
 
         torch.manual_seed(cfg.seed)  # same initial weights on every rank and every resume
         self.model = MeshLM(self.model_cfg).to(env.device)  # the unwrapped handle: state dicts, saving
@@ -381,20 +382,7 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> None:
     path = p.check(data_folder, cfg.data)  # a task: source is generated here (once, into the cache)
     if path is not None and p.need(path.is_dir(), f"train.data={cfg.data}: {path} does not exist; run "
                                                   f"`meshlm prepare` or set train.data=default"):
-        data = p.check(PreparedData, path, "train")
-        if data is not None:
-            seq_len = p.check(window_length, data.manifest, cfg.seq_len) or seq_len if seq_len else None
-            p.need(seq_len is None or seq_len <= model_cfg.context_length,
-                   f"the task data's examples are {seq_len} tokens but the model's context_length is "
-                   f"{model_cfg.context_length}; set model.context_length={seq_len} or more")
-        for split in ("train", "val"):
-            data = p.check(PreparedData, path, split)
-            if data is not None and seq_len is not None:
-                p.check(data.num_sequences, seq_len)
-        manifest = data.manifest if data is not None else None
-        if manifest and tok is not None and manifest["tokenizer"]["hash"] != tok.hash:
-            p.need(False, f"{path} was prepared with tokenizer {manifest['tokenizer']['name']!r}, not "
-                          f"{tok.name!r}; set train.tokenizer to match or prepare the data again")
+        _data_problems(p, path, seq_len, model_cfg, tok, cfg.seq_len)
     if cfg.init_from:
         p.check(locate, cfg.init_from)  # any model folder meshlm.loading opens
     p.writable(cfg.run_dir(), "run folder")
@@ -405,6 +393,27 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> None:
                                    f"{existing[0].name if existing else ''}); pass --resume to continue, or choose "
                                    f"another run with train.name=... or train.out_dir=...")
     p.raise_if_any()
+
+
+def _data_problems(p: Problems, path: Path, seq_len: int, model_cfg, tok, asked_seq_len: int) -> None:
+    """The prepared folder's problems for preflight: each split opens (sizes, checksums), holds a window of the
+    training length (task data: its example block, within the context), has ids within the vocabulary, and was
+    prepared with the run's tokenizer."""
+    splits = [data for split in ("train", "val") if (data := p.check(PreparedData, path, split)) is not None]
+    if not splits:
+        return
+    manifest = splits[0].manifest
+    seq_len = p.check(window_length, manifest, asked_seq_len) or seq_len if seq_len else None
+    p.need(seq_len is None or seq_len <= model_cfg.context_length,
+           f"the task data's examples are {seq_len} tokens but the model's context_length is "
+           f"{model_cfg.context_length}; set model.context_length={seq_len} or more")
+    for data in splits:
+        if seq_len is not None:
+            p.check(data.num_sequences, seq_len)
+        p.check(data.check_ids, model_cfg.vocab_size)
+    if tok is not None and manifest["tokenizer"]["hash"] != tok.hash:
+        p.need(False, f"{path} was prepared with tokenizer {manifest['tokenizer']['name']!r}, not "
+                      f"{tok.name!r}; set train.tokenizer to match or prepare the data again")
 
 
 def train(cfg: TrainConfig, resume: bool = False, log: Callable[[str], None] = print) -> TrainResult:
