@@ -22,7 +22,7 @@ from benchkit import timing_setup
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from meshlm.data.tasks import read_test  # noqa: E402
-from meshlm.evaluation.reasoning import decode  # noqa: E402
+from meshlm.evaluation.reasoning import decode, loop_means  # noqa: E402
 from meshlm.loading import open_model  # noqa: E402
 from meshlm.reasoning import (
     TASKS,  # noqa: E402
@@ -76,16 +76,17 @@ def main() -> None:
                 elapsed = clock() - start
                 if r == 0:
                     accuracy[name] = sum(a.correct for a in answers) / len(answers)
-                    steps = [s for a in answers for s in a.answer_loops]
-                    loops[name] = statistics.mean(steps) if steps else float(k)
+                    means = loop_means(problems, list(range(len(problems))), answers)
+                    loops[name] = (means["avg_loops"], means["answer_loops"]) if settings[name] else (k, k)
                 else:
                     times[name].append(elapsed)
     print(f"{args.run}: {len(problems)} problems ({'beyond' if args.beyond else 'inside'} the training range), "
           f"{tokens:,} tokens, fixed depth {k}, batch {args.batch_size}, {args.rounds} rounds, {args.clock} clock")
     for name in settings:
         ratios = [f / t for f, t in zip(times["fixed"], times[name])]
-        print(f"  {name:<14} acc {100 * accuracy[name]:5.1f}%  loops/answer token {loops[name]:.2f} "
-              f"({100 * loops[name] / k:.0f}% of {k})  tokens/s {tokens / statistics.median(times[name]):8.0f}  "
+        every, answer = loops[name]
+        print(f"  {name:<14} acc {100 * accuracy[name]:5.1f}%  loops/token {every:.2f} ({100 * every / k:.0f}% of "
+              f"{k}; answer tokens {answer:.2f})  tokens/s {tokens / statistics.median(times[name]):7.0f}  "
               f"x{statistics.median(ratios):.3f} vs fixed (range {min(ratios):.3f}-{max(ratios):.3f})")
 
 

@@ -131,12 +131,12 @@ def by_level(problems: list[dict], answers: list[Answer], with_loops: bool) -> d
         chosen = [answers[i] for i in groups[level]]
         row = binomial([a.correct for a in chosen])
         if with_loops:
-            row.update(_loop_means(problems, groups[level], chosen))
+            row.update(loop_means(problems, groups[level], chosen))
         out[str(level)] = row
     return out
 
 
-def _loop_means(problems: list[dict], indices: list[int], chosen: list[Answer]) -> dict:
+def loop_means(problems: list[dict], indices: list[int], chosen: list[Answer]) -> dict:
     tokens = sum(len(problems[i]["prompt"]) + len(a.answer_loops) for i, a in zip(indices, chosen))
     loops = sum(a.prompt_loops + sum(a.answer_loops) for a in chosen)
     answer_steps = [step for a in chosen for step in a.answer_loops]
@@ -162,7 +162,7 @@ def evaluate_task(model, tok: TextTokenizer, problems: list[dict], loop_counts: 
     for rule in exits:
         answers = decode(model, tok, problems, loops=max_loops, exit=rule, batch_size=batch_size)
         row = {"exit": rule, "max_loops": max_loops, **binomial([a.correct for a in answers]),
-               **_loop_means(problems, list(range(len(problems))), answers),
+               **loop_means(problems, list(range(len(problems))), answers),
                "spearman": spearman([p["difficulty"] for p in problems],
                                     [float(np.mean(a.answer_loops)) for a in answers]),
                "levels": by_level(problems, answers, True)}
