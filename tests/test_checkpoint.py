@@ -137,6 +137,30 @@ def test_a_checkpoint_from_before_manifests_is_refused_until_resealed(tmp_path):
     open_model(path)
 
 
+def test_reseal_refuses_to_sign_an_edit_of_a_sealed_checkpoint_unless_forced(tmp_path):
+    """An edited config.json (here: another model width) must not become trusted by running reseal on it."""
+    import subprocess
+    import sys
+
+    from trainkit import cli_command
+
+    path = write(tmp_path, 1)
+    assert checkpoint.reseal(path) == path / "manifest.json"  # sealed and intact: left alone
+    before = (path / "manifest.json").read_bytes()
+    _edit_json(path / "config.json", lambda d: d.update(note="edited"))
+    with pytest.raises(CheckpointError, match="already sealed and no longer matches its manifest.json .*--force"):
+        checkpoint.reseal(path)
+    assert (path / "manifest.json").read_bytes() == before
+    cmd, env = cli_command()
+    refused = subprocess.run([sys.executable, "-m", "meshlm.checkpoint", "reseal", str(path)], capture_output=True,
+                             text=True, env=env)
+    assert refused.returncode == 1 and "pass --force" in refused.stderr
+    forced = subprocess.run([sys.executable, "-m", "meshlm.checkpoint", "reseal", str(path), "--force"],
+                            capture_output=True, text=True, env=env)
+    assert forced.returncode == 0, forced.stderr
+    checkpoint.verify(path)
+
+
 class Payload:
     """Stands for any object whose unpickling could run code."""
 

@@ -317,10 +317,20 @@ def verify(path: str | Path) -> dict[str, Any]:
     return meta
 
 
-def reseal(path: str | Path) -> Path:
+def reseal(path: str | Path, force: bool = False) -> Path:
     """Write manifest.json for a checkpoint from before manifests, after checking the files its config.json
-    lists. Only for checkpoints you trust: config.json itself was never checksummed."""
+    lists. Only for checkpoints you trust: config.json itself was never checksummed. A checkpoint that already
+    has a manifest is left alone when it verifies, and refused when it does not (its files were edited after
+    sealing) unless `force`: resealing would otherwise sign any edit."""
     path = resolve(path)
+    if (path / MANIFEST).is_file() and not force:
+        try:
+            verify(path)
+        except CheckpointError as err:
+            raise CheckpointError(f"{path} is already sealed and no longer matches its {MANIFEST} ({err}); reseal "
+                                  f"only seals checkpoints from before manifests: pass --force to re-sign an edit "
+                                  f"you made and trust") from None
+        return path / MANIFEST
     meta = read_meta(path)
     for name, expected in meta.get("files", {}).items():
         if sha256_file(path / name) != expected["sha256"]:
@@ -361,12 +371,13 @@ def find_resumable(run_dir: str | Path, warn: Callable[[str], None] = print) -> 
     return None
 
 
-if __name__ == "__main__":  # python -m meshlm.checkpoint reseal PATH
+if __name__ == "__main__":  # python -m meshlm.checkpoint reseal PATH [--force]
     import sys
 
-    if len(sys.argv) != 3 or sys.argv[1] != "reseal":
-        sys.exit("usage: python -m meshlm.checkpoint reseal CHECKPOINT_DIR")
+    args = [a for a in sys.argv[1:] if a != "--force"]
+    if len(args) != 2 or args[0] != "reseal":
+        sys.exit("usage: python -m meshlm.checkpoint reseal CHECKPOINT_DIR [--force]")
     try:
-        print(f"wrote {reseal(sys.argv[2])}")
+        print(f"sealed: {reseal(args[1], force='--force' in sys.argv[1:])}")
     except CheckpointError as err:
         sys.exit(f"error: {err}")
