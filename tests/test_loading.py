@@ -134,3 +134,34 @@ def test_results_go_to_the_run_of_a_step_and_to_any_other_folder_itself(tmp_path
     alone = checkpoint.save_model(model, tmp_path / "alone")
     assert locate(alone).run_dir == alone
     assert open_model(alone).tokenizer.name == "default"  # names none, 8,192 ids: rule 4
+
+
+class Gadget:
+    """Stands for any object whose unpickling could run code."""
+
+    def __reduce__(self):
+        return (print, ("unpickled: code ran",))
+
+
+@pytest.mark.parametrize("content, message", [
+    ("gadget", "holds pickled Python objects beyond plain tensors, which meshlm never unpickles"),
+    ("truncated", "is truncated or corrupt"),
+])
+def test_pickle_weights_that_do_not_load_get_one_line_that_never_advises_unsafe_loading(wide, tmp_path, content,
+                                                                                        message):
+    import shutil
+
+    from meshlm.errors import CheckpointError
+
+    folder = tmp_path / "llama"
+    shutil.copytree(wide[0], folder)
+    (folder / "model.safetensors").unlink()
+    if content == "gadget":
+        torch.save({"model.embed_tokens.weight": torch.zeros(2), "x": Gadget()}, folder / "pytorch_model.bin")
+    else:
+        torch.save({"model.embed_tokens.weight": torch.zeros(1000)}, folder / "pytorch_model.bin")
+        data = (folder / "pytorch_model.bin").read_bytes()
+        (folder / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=message) as err:
+        open_model(folder)
+    assert "weights_only" not in str(err.value) and "\n" not in str(err.value)

@@ -34,6 +34,7 @@ import errno
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 from collections.abc import Callable
@@ -356,9 +357,18 @@ def load_checkpoint(path: str | Path, with_state: bool = True, check: bool = Tru
         try:
             state = torch.load(path / STATE, map_location="cpu", weights_only=True)
         except Exception as err:  # pickle/zip errors have no common base class
-            raise CheckpointError(f"{path / STATE} cannot be read ({str(err)[:120]}); "
-                                  f"use an earlier checkpoint") from None
+            raise unreadable_pickle(path / STATE, err, "use an earlier checkpoint") from None
     return Checkpoint(path, meta, weights, state)
+
+
+def unreadable_pickle(file: Path, err: Exception, fix: str) -> CheckpointError:
+    """The one-line error for a torch.load(weights_only=True) that failed. torch's own text advises
+    weights_only=False, which would run whatever code the file holds: it is never shown."""
+    if isinstance(err, pickle.UnpicklingError) or "weights_only" in str(err):
+        return CheckpointError(f"{file} holds pickled Python objects beyond plain tensors, which meshlm never "
+                               f"unpickles (that could run code from the file); {fix}, or save it as safetensors "
+                               f"(transformers: save_pretrained(safe_serialization=True))")
+    return CheckpointError(f"{file} is truncated or corrupt ({type(err).__name__}: {str(err)[:100]}); {fix}")
 
 
 def find_resumable(run_dir: str | Path, warn: Callable[[str], None] = print) -> Checkpoint | None:

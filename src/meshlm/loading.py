@@ -321,11 +321,14 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for name in files:
         file = folder / name
-        try:
-            if name.endswith(".bin"):
+        if name.endswith(".bin"):
+            try:
                 state.update(torch.load(file, map_location="cpu", weights_only=True))
-            else:
-                state.update(load_file(str(file)))
+            except Exception as err:  # pickle/zip errors have no common base class
+                raise checkpoint.unreadable_pickle(file, err, "download it again") from None
+            continue
+        try:
+            state.update(load_file(str(file)))
         except (SafetensorError, OSError, RuntimeError, ValueError) as err:
             raise CheckpointError(f"{file} is missing, truncated or corrupt ({str(err)[:100]}); "
                                   f"download it again") from None
