@@ -306,6 +306,8 @@ CASES: list[Case] = [
     Case("train", "a vocabulary smaller than the tokenizer's", ["train", "train.data={data}", "model.vocab_size=1000"],
          2, "set the model vocab_size to at least 8192"),
     Case("train", "data that does not exist", ["train", "train.data={tmp}/nodata"], 2, "does not exist"),
+    Case("train", "a run name that climbs out of out_dir", ["train", "train.name=.."], 2,
+         "name='..' must be one folder name"),
     Case("train", "neither steps nor tokens", ["train", "steps=0", "tokens=0"], 2, "set steps or tokens"),
     Case("train", "an override without =", ["train", "not-an-override"], 2, "not key=value"),
     Case("train", "a boolean given as 1", ["train", "train.progress=1"], 2, "progress=1 must be true or false"),

@@ -185,6 +185,9 @@ class TrainConfig:
         for name in ("seq_len", "steps", "tokens", "eval_every", "save_every", "seed"):
             need(getattr(self, name) >= 0, f"{name}={getattr(self, name)} must be >= 0")
         need(self.steps > 0 or self.tokens > 0, "set steps or tokens (both are 0)")
+        need(not self.name or (self.name not in (".", "..") and not set(self.name) & {"/", "\\", "\0"}),
+             f"name={self.name!r} must be one folder name (no '/', not '.' or '..'): the run goes to "
+             f"<out_dir>/<name>; put the parent folder in out_dir")
         problems.extend(self._depth_problems())
         need(self.lr > 0, f"lr={self.lr} must be > 0")
         need(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
