@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 
 from meshlm.analysis import reasoning_report
 from meshlm.data.shards import read_manifest
@@ -51,6 +50,7 @@ from meshlm.errors import ConfigError, Interrupted, MeshlmError
 from meshlm.evaluation.tasks import PAPER_TASKS
 from meshlm.model.accounting import describe
 from meshlm.train.config import find_config, load_config
+from meshlm.yaml_files import load_yaml
 
 STUDY_KEYS = {"name", "out_dir", "config", "overrides", "seeds", "variants", "eval", "probe", "launcher",
               "assumed_mfu", "peak_flops", "gpus"}
@@ -92,10 +92,7 @@ def load_study(path: str | Path, extra_overrides: list[str] = (), only: str | No
     into one ConfigError. `only`: comma-separated variant names or shell patterns ('chase-*') to keep; `seeds`:
     these seeds instead of the file's (for every variant)."""
     path = find_config(path, "study file")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as err:
-        raise ConfigError(f"study file {path} is not valid YAML ({str(err).splitlines()[0]})") from None
+    raw = load_yaml(path, "study file ")
     problems = [f"unknown key {k!r} (valid: {sorted(STUDY_KEYS)})" for k in sorted(set(raw or {}) - STUDY_KEYS)]
     raw = raw or {}
     variants = raw.get("variants") or {}

@@ -34,6 +34,7 @@ from meshlm.errors import CheckpointError, ConfigError
 from meshlm.fields import build, coerce_all, type_problems, with_defaults
 from meshlm.loading import locate
 from meshlm.train.depth import LoopDistribution, parse_loops
+from meshlm.yaml_files import load_yaml
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # cpu/, paper/, studies/: package data
 DISTRIBUTED = ("ddp", "fsdp")
@@ -299,10 +300,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
     data: dict[str, Any] = {}
     if path is not None:
         path = find_config(path)
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path} is not valid YAML: {str(err).splitlines()[0]}") from None
+        data = load_yaml(path) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"{path} must hold a mapping with `model:` and `train:` sections")
     return TrainConfig.from_file_dict(data, list(overrides))
