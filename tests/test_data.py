@@ -81,6 +81,13 @@ def test_folder_is_read_recursively(tmp_path, tok):
     assert documents_in(tmp_path / "out", tok) == sorted(DOCS[:4])
 
 
+def test_an_input_named_twice_or_also_inside_a_folder_given_is_read_once(tmp_path, tok):
+    root = tmp_path / "corpus"
+    a, b = write(root / "a.txt", DOCS[0]), write(root / "sub/b.txt", DOCS[1])
+    m = run_prepare([a, root, tmp_path / "corpus" / "." / "a.txt", b, root], tmp_path / "out")
+    assert m["documents"] == 2 and documents_in(tmp_path / "out", tok) == sorted(DOCS[:2])
+
+
 def test_jsonl_with_text_field_blank_lines_and_nulls(tmp_path, tok):
     lines = [json.dumps({"body": d, "n": i}) for i, d in enumerate(DOCS)] + ["", json.dumps({"body": None})]
     path = write(tmp_path / "data.jsonl", "\n".join(lines) + "\n")

@@ -261,7 +261,12 @@ class FileCorpus:
         return path_documents(path, doc_id, self.text_field, stats)
 
     def documents(self, stats: ReadStats) -> Documents:
+        """Every input's documents once: a file named twice, or also inside a folder given, is read once."""
+        read: set[Path] = set()
         for path in self.inputs:
+            if path.resolve() in read:
+                continue
+            read.add(path.resolve())
             if path.is_dir() and is_dataset_dir(path):
                 yield from dataset_documents(path, path.name, self.text_field, stats)
             elif path.is_dir():
@@ -269,9 +274,9 @@ class FileCorpus:
                 if not files:
                     raise DataError(f"folder {path} holds no {'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files; "
                                     f"point at the text files")
-                for file in files:
-                    doc_id = f"{path.name}/{file.relative_to(path).as_posix()}"
-                    yield from self._file_documents(file, doc_id, stats)
+                for file in (f for f in files if f.resolve() not in read):
+                    read.add(file.resolve())
+                    yield from self._file_documents(file, f"{path.name}/{file.relative_to(path).as_posix()}", stats)
             else:
                 yield from self._file_documents(path, path.name, stats)
 
