@@ -225,3 +225,11 @@ def test_write_failures_reported_by_safetensors_or_torch_are_storage_errors(tmp_
         with pytest.raises(StorageError, match="no space left on device"):
             write(tmp_path, 2)
     assert not list(tmp_path.glob(".t*")) and [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-000001"]
+
+
+def test_every_checkpoint_file_gets_the_same_permissions(tmp_path):
+    """model.safetensors came out 0600 (safetensors' own default) beside 0644 files: unreadable to a group that
+    could read the rest of the checkpoint."""
+    path = write(tmp_path, 1)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in path.iterdir()}
+    assert len(set(modes.values())) == 1, modes

@@ -85,6 +85,7 @@ def write_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], meta:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        os.chmod(tmp / WEIGHTS, 0o666 & ~_umask())  # safetensors writes 0600; the others follow the umask
         names = [WEIGHTS]
         if state is not None:
             _save_state(state, tmp / STATE)
@@ -101,6 +102,12 @@ def write_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], meta:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; after a failure, the partial write
     return folder
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def save_model(model, folder: str | Path, meta: dict[str, Any] | None = None,
