@@ -85,7 +85,7 @@ def write_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], meta:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        os.chmod(tmp / WEIGHTS, 0o666 & ~_umask())  # safetensors writes 0600; the others follow the umask
+        os.chmod(tmp / WEIGHTS, 0o666 & ~UMASK)  # safetensors writes 0600; the others follow the umask
         names = [WEIGHTS]
         if state is not None:
             _save_state(state, tmp / STATE)
@@ -104,10 +104,13 @@ def write_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], meta:
     return folder
 
 
-def _umask() -> int:
-    mask = os.umask(0)
+def _read_umask() -> int:
+    mask = os.umask(0)  # the only way to read it: set and restore, once at import (before any thread writes)
     os.umask(mask)
     return mask
+
+
+UMASK = _read_umask()
 
 
 def save_model(model, folder: str | Path, meta: dict[str, Any] | None = None,
