@@ -89,14 +89,18 @@ def _level_acc(result: dict, task: str, loops: int, level: str) -> float:
     return row["levels"].get(level, {}).get("acc", np.nan) if row else np.nan
 
 
+def _panels(tasks: list[str]):
+    """A figure with one panel per task, side by side: (figure, [(task, axes)])."""
+    fig = new_figure(3.4 * len(tasks), 3.2)
+    return fig, list(zip(tasks, fig.subplots(1, len(tasks), squeeze=False)[0]))
+
+
 def acc_loops(runs: list[Group]):
     tasks = _tasks(runs)
     if not tasks:
         return None
-    fig = new_figure(3.4 * len(tasks), 3.2)
-    axes = fig.subplots(1, len(tasks), squeeze=False)[0]
-    for j, task in enumerate(tasks):
-        ax = axes[j]
+    fig, panels = _panels(tasks)
+    for task, ax in panels:
         for i, (variant, results) in enumerate(runs):
             first = next((r["tasks"][task] for r in results if task in r["tasks"]), None)
             if first is None:
@@ -115,7 +119,7 @@ def acc_loops(runs: list[Group]):
         ax.set_xlabel("loops (dotted: trained)")
         ax.set_ylabel("exact match")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=6)
+    panels[0][1].legend(fontsize=6)
     return fig
 
 
@@ -123,10 +127,8 @@ def exit_levels(runs: list[Group]):
     tasks = [t for t in _tasks(runs) if any(r["tasks"].get(t, {}).get("exit") for _, rs in runs for r in rs)]
     if not tasks:
         return None
-    fig = new_figure(3.4 * len(tasks), 3.2)
-    axes = fig.subplots(1, len(tasks), squeeze=False)[0]
-    for j, task in enumerate(tasks):
-        ax = axes[j]
+    fig, panels = _panels(tasks)
+    for task, ax in panels:
         for i, (variant, results) in enumerate(runs):
             rules = list(dict.fromkeys(row["exit"] for r in results
                                        for row in r["tasks"].get(task, {}).get("exit", [])))
