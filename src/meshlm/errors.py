@@ -119,6 +119,8 @@ class Problems:
         existing = Path(path).expanduser().absolute()
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
+        if existing.is_file():  # the folder, or one it would be made in, is a file: not a permission problem
+            return self.need(False, f"{setting} {path}: {existing} is a file, not a folder; choose a folder path")
         return self.need(os.access(existing, os.W_OK | os.X_OK),
                          f"{setting} {path}: cannot write to {existing} (read-only or no permission); choose a "
                          f"folder you can write to")

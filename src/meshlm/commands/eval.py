@@ -125,6 +125,8 @@ def check_inputs(args: argparse.Namespace) -> str | None:
                                               f"step-NNNNNN folder or a model folder"):
         folder = p.check(locate, args.checkpoint)
         if folder is not None:
+            p.need(not (args.out and Path(args.out).is_dir()), f"--out {args.out} is a folder; name the JSON file to "
+                                                               f"write, e.g. {Path(args.out or '.') / 'eval.json'}")
             p.writable(Path(args.out).parent if args.out else folder.run_dir, "output folder")
             reasoning = reasoning or (args.suite == "auto" and holds_tasks(args.data or folder.data_source()))
             p.check(check_task_data, folder.data_source(), args.data, args.suite)
