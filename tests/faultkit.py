@@ -159,6 +159,12 @@ def signal_runner(signals: list[int]) -> Callable:
     return run
 
 
+def _prepare_without_validation(tmp: Path, world) -> None:
+    from meshlm.data.prepare import prepare
+
+    prepare(sorted(world["corpus"].glob("*.txt")), tmp / "out", "default", val_fraction=0.0, progress=False)
+
+
 def _edit_shard(tmp: Path, world, token: int, keep_checksum: bool) -> None:
     """A copy of the prepared data with one training token overwritten; the manifest keeps its checksums (a
     shard changed behind its back), or forgets them (data prepared before meshlm recorded any)."""
@@ -310,6 +316,10 @@ CASES: list[Case] = [
          "name='..' must be one folder name"),
     Case("train", "an out_dir that is a file", ["train", "train.data={data}", "train.out_dir={tmp}/file"], 2,
          "is a file, not a folder", setup=lambda tmp, w: write(tmp / "file", "x")),
+    Case("train", "an empty validation split", ["train", "train.data={tmp}/out", "model.preset=tiny",
+                                                 "model.vocab_size=8192", "train.seq_len=32"], 1,
+         "the validation split of <tmp>/out is empty; prepare the data again with --val-fraction 0.02",
+         setup=lambda tmp, w: _prepare_without_validation(tmp, w)),
     Case("train", "neither steps nor tokens", ["train", "steps=0", "tokens=0"], 2, "set steps or tokens"),
     Case("train", "an override without =", ["train", "not-an-override"], 2, "not key=value"),
     Case("train", "a boolean given as 1", ["train", "train.progress=1"], 2, "progress=1 must be true or false"),

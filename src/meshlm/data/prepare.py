@@ -241,8 +241,11 @@ class PreparedData:
         """How many windows fit; DataError if not even one does."""
         if seq_len < 1:
             raise ConfigError(f"sequence length {seq_len} is below 1")
+        name = "validation" if self.split == VAL else "training"
+        if self.num_tokens < 2:  # no window at any length: lowering seq_len cannot help
+            fix = "prepare the data again with --val-fraction 0.02" if self.split == VAL else "add documents"
+            raise DataError(f"the {name} split of {self.dir} is empty; {fix}")
         if self.num_tokens < seq_len + 1:
-            name = "validation" if self.split == VAL else "training"
             raise DataError(f"sequence length {seq_len} exceeds the {self.num_tokens} tokens of the {name} "
                             f"split; lower seq_len or add data")
         return (self.num_tokens - 1) // seq_len
