@@ -318,7 +318,7 @@ CASES: list[Case] = [
          "is a file, not a folder", setup=lambda tmp, w: write(tmp / "file", "x")),
     Case("train", "an empty validation split", ["train", "train.data={tmp}/out", "model.preset=tiny",
                                                  "model.vocab_size=8192", "train.seq_len=32"], 1,
-         "the validation split of <tmp>/out is empty; prepare the data again with --val-fraction 0.02",
+         "is empty; prepare the data again with --val-fraction 0.02",
          setup=lambda tmp, w: _prepare_without_validation(tmp, w)),
     Case("train", "neither steps nor tokens", ["train", "steps=0", "tokens=0"], 2, "set steps or tokens"),
     Case("train", "an override without =", ["train", "not-an-override"], 2, "not key=value"),

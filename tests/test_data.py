@@ -240,7 +240,8 @@ def test_too_short_split_and_damaged_folders(sharded, tmp_path):
                                         "the training split; lower seq_len or add data"):
         d.num_sequences(d.num_tokens)
     val = PreparedData(sharded, "val")  # val_fraction 0: empty
-    with pytest.raises(DataError, match="sequence length 8 exceeds the 0 tokens of the validation split"):
+    with pytest.raises(DataError, match="the validation split of .* is empty; prepare the data again with "
+                                        "--val-fraction 0.02"):
         get_batch(val, 0, 2, 8, seed=0)
     with pytest.raises(DataError, match="manifest.json missing"):
         PreparedData(tmp_path / "nowhere")
