@@ -231,6 +231,7 @@ def test_levels_and_task_lists_parse():
         parse_tasks("chase,chase")
 
 
+@pytest.mark.slow
 def test_prepare_train_eval_by_loops_and_report_end_to_end(tmp_path):
     """The path a user takes, each command in a fresh process: prepare task data, train a few steps with a sampled
     loop count (answer-only loss), eval by loops and under exit, report."""
