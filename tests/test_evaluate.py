@@ -142,7 +142,7 @@ def test_lm_eval_runs_every_task_offline_and_matches_our_loglikelihoods(tmp_path
            "HF_DATASETS_CACHE": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
     no_net = ["unshare", "--net"] if shutil.which("unshare") and os.geteuid() == 0 else []
     command = [*no_net, sys.executable, "-m", "meshlm.cli", "eval", str(run), "--limit", "2", "--shots", "0,5",
-               "--loops", "1,3", "--log-samples"]
+               "--loops", "1,3", "--log-samples", "--dtype", "fp32"]  # compared below with fp32 losses
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((run / "eval.json").read_text())

@@ -60,7 +60,8 @@ def test_lm_eval_cli_runs_the_exported_tasks_offline_with_meshlm_evals_numbers(t
            "HF_HOME": str(tmp_path / "hf-home"), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
            "OMP_NUM_THREADS": "1"}
     ours = subprocess.run([*no_net, sys.executable, "-m", "meshlm.cli", "eval", str(run), "--limit", "2",
-                           "--shots", "5", "--loops", "none", "--log-samples"],
+                           "--shots", "5", "--loops", "none", "--log-samples",
+                           "--dtype", "fp32"],  # lm_eval --model hf computes in fp32
                           capture_output=True, text=True, env={**env, "PYTHONPATH": str(ROOT / "src")}, timeout=900)
     assert ours.returncode == 0, ours.stderr[-3000:]
     theirs = subprocess.run(  # a process that never sees meshlm's sources: the export and the YAMLs suffice
