@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="read files that look binary (NUL bytes, >30%% invalid UTF-8) as text anyway")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     tasks = parser.add_argument_group("reasoning tasks (input task:NAME[,NAME], meshlm.reasoning; docs/reasoning.md)")
+    tasks.add_argument("--task-option", action="append", default=[], metavar="TASK.KNOB=N",
+                       help="a generator's size knob, e.g. chase.statements=8 or modsum.width=8 (repeatable)")
     tasks.add_argument("--train-difficulty", default="", metavar="LO-HI",
                        help="difficulties to train on (default: each task's own, e.g. chase 1-4)")
     tasks.add_argument("--test-difficulty", default="", metavar="LO-HI",
@@ -96,7 +98,8 @@ def prepare_tasks(args: argparse.Namespace) -> int:
     if len(args.inputs) != 1:
         raise ConfigError(f"task data is one input, task:NAME[,NAME] (got {' '.join(args.inputs)}); prepare text "
                           f"and tasks separately")
-    spec = TaskData(tasks=args.inputs[0][len(PREFIX):], train_levels=args.train_difficulty,
+    spec = TaskData(tasks=args.inputs[0][len(PREFIX):], options=",".join(args.task_option),
+                    train_levels=args.train_difficulty,
                     test_levels=args.test_difficulty, train_examples=args.train_examples,
                     val_examples=args.val_examples, test_per_level=args.test_per_level, seed=args.seed,
                     disjoint=args.disjoint)

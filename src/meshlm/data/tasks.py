@@ -48,6 +48,7 @@ class TaskData:
     """What to generate: tasks, difficulty ranges (per task, "LO-HI"; empty = the task's default), sizes."""
 
     tasks: str = "chase"
+    options: str = ""  # generator knobs, "chase.statements=8,chase.distractors=3" (meshlm.reasoning.parse_tasks)
     train_levels: str = ""
     test_levels: str = ""
     train_examples: int = 50_000
@@ -60,7 +61,7 @@ class TaskData:
         """(task, training levels, test levels) per task; ConfigError for an unknown task, a range the generator
         does not support, or (disjoint) ranges that overlap."""
         out = []
-        for task in parse_tasks(self.tasks):
+        for task in parse_tasks(self.tasks, self.options):
             train = parse_levels(self.train_levels or task.train_levels, task, "training difficulty")
             test = parse_levels(self.test_levels or task.test_levels, task, "test difficulty")
             if self.disjoint and set(train) & set(test):

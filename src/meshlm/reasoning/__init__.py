@@ -10,6 +10,7 @@ meshlm.evaluation.reasoning scores a model on them).
 """
 from __future__ import annotations
 
+import inspect
 import re
 
 from meshlm.errors import ConfigError
@@ -20,8 +21,9 @@ TASKS: dict[str, Task] = {task.name: task for task in (Chase(), ModSum(), Additi
 __all__ = ["TASKS", "Problem", "Task", "parse_levels", "parse_tasks", "range_text"]
 
 
-def parse_tasks(text: str) -> list[Task]:
-    """"chase" or "chase,dag" -> the tasks, in that order; ConfigError naming the known ones otherwise."""
+def parse_tasks(text: str, options: str = "") -> list[Task]:
+    """"chase" or "chase,dag" -> the tasks, in that order, each built with its `options` ("chase.statements=8,
+    chase.distractors=3": a generator's size knobs); ConfigError naming what is valid otherwise."""
     names = [n.strip().lower() for n in str(text).split(",") if n.strip()]
     unknown = [n for n in names if n not in TASKS]
     if unknown or not names:
@@ -29,7 +31,34 @@ def parse_tasks(text: str) -> list[Task]:
                           f"{', '.join(TASKS)}, comma-separated (e.g. task:chase or task:chase,dag)")
     if len(set(names)) != len(names):
         raise ConfigError(f"reasoning tasks {text!r} name a task twice; list each once")
-    return [TASKS[n] for n in names]
+    given = parse_options(options, names)
+    return [_build(name, given.get(name, {})) for name in names]
+
+
+def parse_options(text: str, names: list[str]) -> dict[str, dict[str, int]]:
+    """"chase.statements=8,chase.distractors=3" -> {"chase": {"statements": 8, "distractors": 3}}."""
+    out: dict[str, dict[str, int]] = {}
+    for item in (i.strip() for i in str(text or "").split(",") if i.strip()):
+        m = re.fullmatch(r"([a-z]+)\.([a-z_]+)=(\d+)", item)
+        if not m or m.group(1) not in names:
+            raise ConfigError(f"task option {item!r} is not TASK.KNOB=N for a task given ({', '.join(names)}), "
+                              f"e.g. chase.statements=8")
+        out.setdefault(m.group(1), {})[m.group(2)] = int(m.group(3))
+    return out
+
+
+def _build(name: str, knobs: dict[str, int]) -> Task:
+    if not knobs:
+        return TASKS[name]
+    cls = type(TASKS[name])
+    accepted = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    wrong = sorted(set(knobs) - set(accepted))
+    if wrong:
+        raise ConfigError(f"task {name} has no option {', '.join(wrong)}; its options: {', '.join(accepted) or 'none'}")
+    try:
+        return cls(**knobs)
+    except ValueError as err:
+        raise ConfigError(f"task {name} with {knobs}: {err}") from None
 
 
 def range_text(levels: range) -> str:

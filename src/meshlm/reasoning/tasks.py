@@ -72,6 +72,8 @@ class Chase(Task):
     alphabet = LETTERS + DIGITS + "=,;"
 
     def __init__(self, statements: int = 12, distractors: int = 4):
+        if not 1 <= distractors < statements <= len(LETTERS):
+            raise ValueError(f"need 1 <= distractors < statements <= {len(LETTERS)} (one letter per variable)")
         self.statements, self.distractors = statements, distractors
         self.levels = range(1, statements - distractors + 1)
         self.train_levels = range(1, (statements - distractors) // 2 + 1)
@@ -116,6 +118,8 @@ class ModSum(Task):
     alphabet = DIGITS + "="
 
     def __init__(self, width: int = 12):
+        if width < 1:
+            raise ValueError("need width >= 1")
         self.width = width
         self.levels = range(1, width + 1)
         self.train_levels = range(1, width // 2 + 1)
@@ -173,6 +177,8 @@ class Dag(Task):
     alphabet = LETTERS + DIGITS + "=+,;"
 
     def __init__(self, statements: int = 10):
+        if not 3 <= statements <= len(LETTERS):
+            raise ValueError(f"need 3 <= statements <= {len(LETTERS)} (one letter per variable)")
         self.statements = statements
         self.levels = range(1, statements)
         self.train_levels = range(1, statements // 3 + 1)
