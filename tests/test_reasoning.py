@@ -306,3 +306,18 @@ def test_every_scheme_is_scored_by_loops_and_exit(chase_data, scheme):
         assert [r["loops"] for r in chase["loops"]] == [1, 3] and chase["exit"][0]["max_loops"] == 2
         assert 1 <= chase["exit"][0]["avg_loops"] <= 2
     assert all(r["n"] == 16 and 0 <= r["acc"] <= 1 for r in chase["loops"])
+
+
+def test_task_options_resize_a_generator_and_bad_ones_are_named():
+    [chase] = parse_tasks("chase", "chase.statements=8,chase.distractors=3")
+    assert (chase.statements, chase.distractors, chase.levels) == (8, 3, range(1, 6))
+    p = chase.sample(random.Random(0), 5)
+    assert len(p.prompt) == 8 * 4 - 1 + 3 and solve_chase(p.prompt) == (p.answer, 5)
+    assert parse_tasks("chase")[0] is TASKS["chase"]  # no options: the registered defaults
+    for options, message in [("chase.size=8", "task chase has no option size; its options: statements, distractors"),
+                             ("dag.statements=8", "not TASK.KNOB=N for a task given (chase)"),
+                             ("chase.statements=2", "need 1 <= distractors < statements")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            parse_tasks("chase", options)
+    a, b = TaskData(tasks="chase"), TaskData(tasks="chase", options="chase.statements=8,chase.distractors=3")
+    assert a.key() != b.key()  # other data: another cache folder
