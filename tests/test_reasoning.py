@@ -195,7 +195,8 @@ def test_binomial_error_levels_and_rank_correlation():
     answers = [Answer(True, 4, [2]), Answer(False, 6, [4, 3]), Answer(True, 2, [1])]
     levels = by_level(problems, answers, True)
     assert levels["1"]["acc"] == 0.5 and levels["1"]["answer_loops"] == 3.0
-    assert levels["1"]["avg_loops"] == pytest.approx((4 + 2 + 6 + 7) / (2 + 1 + 2 + 2))
+    # positions: 2 prompt tokens each (answer_loops[0] is the last of them), then the fed answer tokens
+    assert levels["1"]["avg_loops"] == pytest.approx((4 + 6 + 3) / (2 + 2 + 1))
 
 
 def test_greedy_answers_in_a_batch_equal_answers_alone():

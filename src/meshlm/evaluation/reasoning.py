@@ -113,8 +113,8 @@ def check_fits(model, tok: TextTokenizer, problems: list[dict]) -> None:
     longest = max(len(tok.encode(p["prompt"])) + len(tok.encode(p["answer"])) + 1 for p in problems)
     if longest > model.config.context_length:
         raise ConfigError(f"the longest test problem needs {longest} tokens but the model's context_length is "
-                          f"{model.config.context_length}; pass --reasoning-levels to test easier problems, or "
-                          f"train with model.context_length={longest}")
+                          f"{model.config.context_length}; evaluate on --data prepared with a lower --test-difficulty, "
+                          f"or train with model.context_length={longest}")
 
 
 def depth_sweep(trained: int) -> list[int]:
@@ -123,6 +123,7 @@ def depth_sweep(trained: int) -> list[int]:
 
 
 def by_level(problems: list[dict], answers: list[Answer], with_loops: bool) -> dict[str, dict]:
+    """{difficulty: accuracy (and, with_loops, the loop means)} over the problems of each difficulty."""
     groups: dict[int, list[int]] = defaultdict(list)
     for i, p in enumerate(problems):
         groups[p["difficulty"]].append(i)
@@ -137,8 +138,11 @@ def by_level(problems: list[dict], answers: list[Answer], with_loops: bool) -> d
 
 
 def loop_means(problems: list[dict], indices: list[int], chosen: list[Answer]) -> dict:
-    tokens = sum(len(problems[i]["prompt"]) + len(a.answer_loops) for i, a in zip(indices, chosen))
-    loops = sum(a.prompt_loops + sum(a.answer_loops) for a in chosen)
+    """Loop steps per token over prompts and answers (one character is one token), and per answer token."""
+    # positions processed: the prompt's (prefill), then each fed answer token; answer_loops[0] is the last prompt
+    # position's (it predicts answer token 0), already in prompt_loops
+    tokens = sum(len(problems[i]["prompt"]) + len(a.answer_loops[1:]) for i, a in zip(indices, chosen))
+    loops = sum(a.prompt_loops + sum(a.answer_loops[1:]) for a in chosen)
     answer_steps = [step for a in chosen for step in a.answer_loops]
     return {"avg_loops": loops / max(tokens, 1), "answer_loops": float(np.mean(answer_steps)) if answer_steps
             else None}
