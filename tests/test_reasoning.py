@@ -120,7 +120,7 @@ def test_task_data_is_one_example_per_window_with_its_answer_masked_in(chase_dat
     block = data.manifest["task"]["block"]
     assert block == 12 * 4 - 1 + 3 + 2 and data.num_sequences(block) == 300
     for i in (0, 17, 299):
-        window, targets = data.sequence(i, block), data.targets(i, block)
+        window, targets = data.sequence(i, block), data.inputs_targets([i], block)[1][0]
         text = tok.decode([t for t in window[:-1] if t != tok.pad_id])
         prompt, answer = text.split("=")[:-1], text.rsplit("=", 1)[1]
         scored = targets[targets != -100]

@@ -231,7 +231,7 @@ class PreparedData:
     def check_ids(self, model_vocab_size: int) -> None:
         """DataError unless every token id fits the model's embedding (an id beyond it would stop training
         with an IndexError whenever its window came up, possibly hours in)."""
-        largest = max_id(self.dir, self.manifest, self.split)
+        largest = max_id(self.manifest, self.split, self.shards)
         if largest >= model_vocab_size:
             raise DataError(f"{self.dir} ({self.split} split) holds token id {largest:,}, but the model's vocabulary "
                             f"has {model_vocab_size:,} ids; prepare the data with the model's tokenizer or set "
@@ -263,19 +263,17 @@ class PreparedData:
             pos, k = pos + take, k + 1
         return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
 
-    def targets(self, i: int, seq_len: int, ignore_index: int = -100) -> np.ndarray:
-        """Window i's seq_len targets (int64): the next tokens, with `ignore_index` where task data's answer mask
-        says the loss does not look (prompts, padding); plain text keeps every target."""
-        window = self.sequence(i, seq_len)[1:]
-        if self.masks is None:
-            return window
-        mask = self.tokens(i * seq_len + 1, i * seq_len + seq_len + 1, self.masks)
-        return np.where(mask > 0, window, ignore_index)
-
-    def inputs_targets(self, indices: list[int], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-        """Windows `indices` as int64 (len(indices), seq_len) inputs and `targets`."""
-        return (np.stack([self.sequence(i, seq_len)[:-1] for i in indices]),
-                np.stack([self.targets(i, seq_len) for i in indices]))
+    def inputs_targets(self, indices: list[int], seq_len: int, ignore_index: int = -100
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """Windows `indices` as int64 (len(indices), seq_len) inputs and next-token targets, the targets
+        `ignore_index` where task data's answer mask says the loss does not look (prompts, padding); plain text
+        keeps every target. Each window is read once."""
+        windows = np.stack([self.sequence(i, seq_len) for i in indices])  # (n, seq_len + 1)
+        targets = windows[:, 1:]
+        if self.masks is not None:
+            masks = np.stack([self.tokens(i * seq_len + 1, (i + 1) * seq_len + 1, self.masks) for i in indices])
+            targets = np.where(masks > 0, targets, ignore_index)
+        return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(targets)
 
     def sequence(self, i: int, seq_len: int) -> np.ndarray:
         """Window i: seq_len + 1 tokens (int64)."""

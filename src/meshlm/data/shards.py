@@ -116,9 +116,9 @@ def open_files(data_dir: str | os.PathLike, shards: list[dict], dtype: np.dtype)
     for shard in shards:
         path = Path(data_dir) / shard["file"]
         expected = shard["tokens"] * dtype.itemsize
-        if not path.is_file() or path.stat().st_size != expected:
+        stat = path.stat() if path.is_file() else None
+        if stat is None or stat.st_size != expected:
             raise DataError(f"shard {path} is missing or not {expected} bytes long; run `meshlm prepare` again")
-        stat = path.stat()
         if shard.get("sha256") and _sha256(str(path.resolve()), stat.st_size, stat.st_mtime_ns) != shard["sha256"]:
             raise DataError(f"shard {path} does not match its checksum in {MANIFEST} (changed or corrupt since it "
                             f"was prepared); run `meshlm prepare` again")
@@ -136,13 +136,13 @@ def _sha256(path: str, size: int, mtime_ns: int) -> str:
     return digest.hexdigest()
 
 
-def max_id(data_dir: str | os.PathLike, manifest: dict, split: str) -> int:
-    """The largest token id of a split: from the manifest, or read off the shards for data prepared before
-    meshlm recorded it."""
+def max_id(manifest: dict, split: str, maps: list[np.memmap]) -> int:
+    """The largest token id of a split: from the manifest, or read off its open shards `maps` for data prepared
+    before meshlm recorded it."""
     shards = manifest["splits"][split]["shards"]
     if all("max_id" in s for s in shards):
         return max((s["max_id"] for s in shards if s["tokens"]), default=0)
-    return max((int(m.max()) for m in open_shards(data_dir, manifest, split) if len(m)), default=0)
+    return max((int(m.max()) for m in maps if len(m)), default=0)
 
 
 def clear_prepared(out_dir: Path) -> None:
