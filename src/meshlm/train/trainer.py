@@ -67,18 +67,21 @@ def resolve_data(cfg: TrainConfig, env: parallel.Env, tokenizer: str) -> Path:
     """The prepared-data dir: the embedded corpus (prepared once with `tokenizer`, rank 0 first) or the user's
     folder."""
     if cfg.data == "default":
-        path = prepare_default(tokenizer=tokenizer, progress=env.is_main) if env.is_main else None
-        parallel.barrier(env)
-        return path or prepare_default(tokenizer=tokenizer)
-    if is_task_source(cfg.data):  # generated once into the cache, rank 0 first
-        path = cached_task_data(cfg.data) if env.is_main else None
-        parallel.barrier(env)
-        return path or cached_task_data(cfg.data)
+        return _main_rank_first(env, lambda main: prepare_default(tokenizer=tokenizer, progress=main))
+    if is_task_source(cfg.data):  # generated once into the cache
+        return _main_rank_first(env, lambda main: cached_task_data(cfg.data))
     path = Path(cfg.data).expanduser()
     if not path.is_dir():
         raise ConfigError(f"train.data={cfg.data}: {path} does not exist; run `meshlm prepare` or set "
                           f"train.data=default")
     return path
+
+
+def _main_rank_first(env: parallel.Env, make: Callable[[bool], Path]) -> Path:
+    """Cached data: rank 0 makes it (`make(True)`: with progress) while the others wait, then they find it."""
+    path = make(True) if env.is_main else None
+    parallel.barrier(env)
+    return path or make(False)
 
 
 LOSS_PARTS = ("lm_loss", "aux_loss", "z_loss")  # with MoE layers, logged next to the loss they make up
@@ -403,13 +406,12 @@ def _data_problems(p: Problems, path: Path, seq_len: int, model_cfg, tok, asked_
     if not splits:
         return
     manifest = splits[0].manifest
-    seq_len = p.check(window_length, manifest, asked_seq_len) or seq_len if seq_len else None
-    p.need(seq_len is None or seq_len <= model_cfg.context_length,
+    seq_len = p.check(window_length, manifest, asked_seq_len) or seq_len  # task data: its example block
+    p.need(seq_len <= model_cfg.context_length,
            f"the task data's examples are {seq_len} tokens but the model's context_length is "
            f"{model_cfg.context_length}; set model.context_length={seq_len} or more")
     for data in splits:
-        if seq_len is not None:
-            p.check(data.num_sequences, seq_len)
+        p.check(data.num_sequences, seq_len)
         p.check(data.check_ids, model_cfg.vocab_size)
     if tok is not None and manifest["tokenizer"]["hash"] != tok.hash:
         p.need(False, f"{path} was prepared with tokenizer {manifest['tokenizer']['name']!r}, not "
