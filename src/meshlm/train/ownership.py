@@ -39,6 +39,11 @@ def describe(record: dict) -> str:
             f"{record.get('command', '?')})")
 
 
+def busy(run_dir: Path, record: dict) -> str:
+    return (f"run folder {run_dir} is in use by {describe(record)}; wait for it to finish or stop it, or train "
+            f"under another name (train.name=...)")
+
+
 class RunOwner:
     """Context manager: hold the run folder's lock (creating the folder), or raise RunFolderBusy."""
 
@@ -55,9 +60,9 @@ class RunOwner:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            record = _read(fd)
             os.close(fd)
-            raise RunFolderBusy(owner_problem(self.path.parent) or f"run folder {self.path.parent} is in use; "
-                                f"train under another name (train.name=...)") from None
+            raise RunFolderBusy(busy(self.path.parent, record)) from None
         previous = _read(fd)
         if previous.get("pid"):  # locked by nobody, yet a record: its owner died without cleaning up
             self.warn(f"warning: taking over run folder {self.path.parent} from {describe(previous)}, which is no "
@@ -110,7 +115,6 @@ def owner_problem(run_dir: str | Path) -> str | None:
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     except BlockingIOError:
-        return (f"run folder {path.parent} is in use by {describe(_read(fd))}; wait for it to finish or stop it, "
-                f"or train under another name (train.name=...)")
+        return busy(path.parent, _read(fd))
     finally:
         os.close(fd)
