@@ -108,9 +108,8 @@ def run(args: argparse.Namespace) -> int:
 def check_inputs(args: argparse.Namespace) -> str | None:
     """Every argument, the model folder, the device, the task names and their fetched data, before any compute
     (all problems in one error). Returns the tasks to run (None = none)."""
-    from meshlm.data.tasks import holds_tasks
     from meshlm.errors import Problems
-    from meshlm.evaluation.run import check_task_data
+    from meshlm.evaluation.run import check_task_data, suite_for
     from meshlm.loading import locate
     from meshlm.runtime.devices import resolve_device
 
@@ -128,7 +127,7 @@ def check_inputs(args: argparse.Namespace) -> str | None:
             p.need(not (args.out and Path(args.out).is_dir()), f"--out {args.out} is a folder; name the JSON file to "
                                                                f"write, e.g. {Path(args.out or '.') / 'eval.json'}")
             p.writable(Path(args.out).parent if args.out else folder.run_dir, "output folder")
-            reasoning = reasoning or (args.suite == "auto" and holds_tasks(args.data or folder.data_source()))
+            reasoning = suite_for(args.suite, args.data or folder.data_source()) == "reasoning"
             p.check(check_task_data, folder.data_source(), args.data, args.suite)
     if args.data is not None:
         p.need(Path(args.data).expanduser().is_dir(),

@@ -260,6 +260,8 @@ def holds_tasks(data: str | os.PathLike) -> bool:
     """Whether `data` (a train.data value or a folder) is reasoning-task data; reads only its manifest."""
     if is_task_source(str(data)):
         return True
+    if str(data) == "default":  # the embedded corpus, not a folder of that name
+        return False
     path = Path(data).expanduser() / MANIFEST
     try:
         return path.is_file() and "task" in json.loads(path.read_text(encoding="utf-8"))

@@ -58,8 +58,7 @@ def evaluate(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = 
     save = save or (lambda partial: None)
     check_task_data(loaded.folder.data_source(), options.data, options.suite)
     data = loaded.held_out(options.data)
-    suite = "reasoning" if options.suite == "reasoning" or (options.suite == "auto" and "task" in data.manifest) \
-        else "text"
+    suite = suite_for(options.suite, options.data or loaded.folder.data_source())
     seq_len = window_length(data.manifest, 0) or loaded.seq_len  # task data: one example per window
     common = dict(batch_size=options.batch_size, max_sequences=options.limit)
     result["perplexity"] = {**mean_loss(model, data, seq_len, **common), "data": str(data.dir),
@@ -94,6 +93,12 @@ def evaluate(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = 
     result["complete"] = True
     save(result)
     return result
+
+
+def suite_for(suite: str, data: str) -> str:
+    """--suite resolved for the data evaluated on (a folder or a train.data value): "reasoning" when asked, or
+    under "auto" for task data; else "text"."""
+    return "reasoning" if suite == "reasoning" or (suite == "auto" and holds_tasks(data)) else "text"
 
 
 def check_task_data(trained_on: str, override: str | None, suite: str) -> None:
