@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import random
 import string
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 LETTERS = string.ascii_lowercase
@@ -36,7 +37,7 @@ class Problem:
     difficulty: int
 
 
-class Task:
+class Task(ABC):
     """One generator: `sample(rng, difficulty)` -> Problem; `levels` are the difficulties it can make."""
 
     name: str = ""
@@ -46,14 +47,17 @@ class Task:
     train_levels: range = range(1, 2)  # the default training range
     test_levels: range = range(1, 2)  # the default test range (beyond training)
 
+    @abstractmethod
     def sample(self, rng: random.Random, difficulty: int) -> Problem:
-        raise NotImplementedError
+        """One problem of exactly `difficulty`, drawn from `rng` alone (deterministic under its seed)."""
 
+    @abstractmethod
     def solve(self, prompt: str) -> str:
-        raise NotImplementedError
+        """The answer, recomputed from the prompt alone."""
 
+    @abstractmethod
     def difficulty(self, prompt: str) -> int:
-        raise NotImplementedError
+        """The difficulty label, recomputed from the prompt alone."""
 
 
 def _statements(prompt: str) -> tuple[dict[str, str], str]:
