@@ -557,22 +557,27 @@ def _decode_more(decoder: Decoder, planner: Planner, stats: SpeculationStats, ma
         return
     active = torch.tensor([not d and m < s.max_new_tokens for d, m in zip(done, made)])
     keep = torch.tensor([s.max_new_tokens - m for m in made]).clamp(min=0) * active
-    need = int(keep.max())  # tokens still to generate for the furthest-behind row
+    decoder.emitted = decode_round(decoder, planner, stats, keep, active, context)
+
+
+def decode_round(decoder: Decoder, planner: Planner, stats: SpeculationStats, keep: torch.Tensor,
+                 active: torch.Tensor, context: int) -> tuple[list[list[int]], list[int]]:
+    """One plain step or one speculative round for a batch whose row r may still emit keep[r] tokens (0 for
+    rows done; `active` (B,) bool marks the others). Returns (B, n) tokens and (B,) counts: row r emitted
+    tokens[r][:counts[r]]. Also what continuous batching (meshlm.serve) runs at every token boundary."""
     choice = planner.next()
-    gamma = 0 if choice is None else min(choice[1], need - 1)
+    gamma = 0 if choice is None else min(choice[1], int(keep.max()) - 1)
     if decoder.cached + gamma + 1 > context:  # rollback holes took the room: squeeze them out
         decoder.compact()
         gamma = max(min(gamma, context - decoder.cached - 1), 0)
     device = decoder.mask.device
     if gamma < 1:
-        decoder.emitted = (decoder.plain_step(keep.to(device), timed=not planner.plain_for_good).tolist(),
-                           [1] * len(made))
         stats.plain_steps += 1
-        return
+        return decoder.plain_step(keep.to(device), timed=not planner.plain_for_good).tolist(), [1] * len(keep)
     tokens, counts = decoder.round(choice[0], gamma, keep.to(device), planner.final_read[choice[0]])
     accepted = (counts - 1).cpu()[active]
     planner.observe(choice[0], accepted, gamma, decoder.round_seconds)
     stats.rounds += 1
     stats.drafted += gamma * int(active.sum())
     stats.accepted += int(accepted.sum())
-    decoder.emitted = (tokens.tolist(), counts.tolist())
+    return tokens.tolist(), counts.tolist()

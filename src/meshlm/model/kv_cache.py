@@ -119,6 +119,30 @@ class KVCache:
         self._keys = [None if k is None else k[index] for k in self._keys]
         self._values = [None if v is None else v[index] for v in self._values]
 
+    def drop_front(self, n: int) -> None:
+        """Forget the first `n` positions of every slot (columns that are padding in every row): views of the
+        same buffers, so later appends still write in place."""
+        if n <= 0:
+            return
+        self._keys = [None if k is None else k[..., n:, :] for k in self._keys]
+        self._values = [None if v is None else v[..., n:, :] for v in self._values]
+        self._lengths = [max(length - n, 0) for length in self._lengths]
+
+    @classmethod
+    def stack(cls, caches: list[KVCache], room: int = 0) -> KVCache:
+        """The rows of `caches` (each filled to its own length in every slot) in one cache, right-aligned:
+        a shorter cache's rows are left-padded with zeros, which the batch's padding mask must cover. Buffers
+        get `room` spare positions, so the next appends write in place. Continuous batching joins a prefilled
+        request to a running batch with it (meshlm.serve.batcher)."""
+        width = max(c.get_seq_length() for c in caches)
+        out = cls()
+        for i in range(max(len(c) for c in caches)):
+            keys, values = zip(*(c.slot(i) for c in caches))
+            out._keys.append(_left_padded(keys, width, room))
+            out._values.append(_left_padded(values, width, room))
+            out._lengths.append(width)
+        return out
+
     def reorder(self, order: torch.Tensor) -> None:
         """Keep, in every slot, the positions `order` (B, T') of each row, in that order (T' ≤ length)."""
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
@@ -128,6 +152,18 @@ class KVCache:
             k, v = k.gather(2, index), v.gather(2, index)  # new tensors: safe to write back in place
             self._keys[i][..., :k.shape[-2], :], self._values[i][..., :v.shape[-2], :] = k, v
             self._lengths[i] = k.shape[-2]
+
+
+def _left_padded(parts: tuple[torch.Tensor, ...], width: int, room: int) -> torch.Tensor:
+    """(B_i, H, T_i, hd) tensors -> one (ΣB_i, H, width + room, hd) buffer, each part's positions ending at
+    `width`, zeros before them and in the spare room."""
+    first = parts[0]
+    out = first.new_zeros(sum(p.shape[0] for p in parts), first.shape[1], width + room, first.shape[-1])
+    row = 0
+    for p in parts:
+        out[row:row + p.shape[0], :, width - p.shape[-2]:width] = p
+        row += p.shape[0]
+    return out
 
 
 def slot_offsets(layout: Layout, schedule: tuple[int, ...]) -> tuple[int, list[int], int, int]:

@@ -1,0 +1,246 @@
+"""Continuous batching without HTTP: requests join running batches at token boundaries and leave when done.
+
+    batcher = Batcher(model, eos_id=0, pad_id=1, max_batch=16, max_queue=64)
+    batcher.submit(Request(prompt_ids, Sampling(max_new_tokens=32, temperature=0), on_tokens=...))
+    while batcher.step(): ...            # or batcher.serve(stop_event) in a thread of its own
+
+Every `step` is one token boundary: requests that were cancelled, timed out or finished leave (their rows, and
+the cache columns no one else needs, are freed at once); waiting requests are admitted while fewer than
+`max_batch` rows decode (prefilled alone, then joined: meshlm.serve.cohorts); then every running cohort
+decodes once. Requests with the same `loops`, `exit` and `speculate` share a cohort; different settings decode
+in separate cohorts, one after the other within the step. `submit` refuses work past `max_queue` waiting
+requests (QueueFull: the server's 429).
+
+A row's tokens do not depend on its neighbours: it is prefilled alone, its padding is masked and its positions
+count its own tokens only, and it samples with its own generator (seeded per request). Greedy output equals
+`meshlm.generate` of the same request alone, up to floating-point differences between batch shapes, which at
+fp32 never changed a token in the tests (docs/serve.md states what holds at bf16).
+
+`on_tokens(request, tokens)` and `on_done(request)` are called from the thread running `step`.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from meshlm.errors import ConfigError, MeshlmError
+from meshlm.generate import Sampling, check_room
+from meshlm.generate.speculative import Speculation
+from meshlm.model import MeshLM
+from meshlm.model.exit import ExitRule
+from meshlm.serve.cohorts import Cohort, PlainCohort, SpeculativeCohort
+
+FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error")
+_ids = itertools.count()
+
+
+class QueueFull(MeshlmError):
+    """The waiting queue holds max_queue requests: try again later (HTTP 429)."""
+
+
+@dataclass(eq=False)
+class Request:
+    prompt: list[int]
+    sampling: Sampling
+    loops: int | None = None  # core passes (single-core specs); None = the trained count
+    exit: str | None = None  # per-token exit rule, e.g. "state:0.05" (meshlm.model.exit)
+    speculate: str | None = None  # "auto", "K_d" or "K_d:γ" (meshlm.generate.speculative)
+    timeout: float | None = None  # seconds from submission until it is stopped with finish "timeout"
+    on_tokens: Callable[[Request, list[int]], None] | None = None
+    on_done: Callable[[Request], None] | None = None
+    tokens: list[int] = field(default_factory=list)  # generated so far (EOS included when it stopped there)
+    finish: str | None = None  # one of FINISH_REASONS once done
+    error: str | None = None  # with finish "error": what went wrong
+    id: int = field(default_factory=lambda: next(_ids))
+    submitted: float = field(default_factory=time.monotonic)
+    generator: torch.Generator | None = None  # its own random stream, seeded from sampling.seed
+    stop_requested: str | None = None  # set by `Batcher.cancel` (any thread); acted on at the next boundary
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def key(self) -> tuple:
+        """Requests with equal keys decode in one cohort. Speculative sampling draws from its decoder's one
+        generator, so a sampled speculative request decodes in a cohort of its own."""
+        if self.speculate is None:
+            return ("plain", self.loops, self.exit)
+        s = self.sampling
+        alone = self.id if s.temperature > 0 else None
+        return ("speculate", self.loops, self.speculate, s.temperature, s.top_k, s.top_p, alone)
+
+
+@dataclass
+class BatcherStats:
+    """Counters for /metrics; read from any thread."""
+
+    admitted: int = 0
+    finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
+    tokens: int = 0  # delivered
+    steps: int = 0  # cohort decode steps
+    step_rows: int = 0  # rows summed over those steps (mean batch = step_rows / steps)
+    loop_steps: int = 0  # core passes per decoded token, summed (exit and loops change it)
+    decoded: int = 0  # tokens decoded by steps
+
+
+class Batcher:
+    def __init__(self, model: MeshLM, eos_id: int, pad_id: int, max_batch: int = 16, max_queue: int = 64):
+        if max_batch < 1 or max_queue < 0:
+            raise ConfigError(f"max_batch={max_batch} must be >= 1 and max_queue={max_queue} >= 0")
+        self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
+        self.max_batch, self.max_queue = max_batch, max_queue
+        self.waiting: deque[Request] = deque()
+        self.cohorts: dict[tuple, Cohort] = {}
+        self.stats = BatcherStats()
+        self._wake = threading.Condition()
+
+    # -- any thread ---------------------------------------------------------------------------------------
+    def check(self, r: Request) -> None:
+        """ConfigError (one line, naming the fix) unless the model can serve r as asked."""
+        check_room(self.model, [r.prompt], r.sampling)
+        if any(not 0 <= t < self.model.config.vocab_size for t in r.prompt):
+            raise ConfigError(f"prompt token ids must be in 0 … {self.model.config.vocab_size - 1}")
+        schedule = self.model.schedule(r.loops)
+        if r.exit is not None:
+            r.exit = str(ExitRule.parse(r.exit))
+        if r.speculate is not None:
+            if r.exit is not None:
+                raise ConfigError("speculate decodes at the full depth: it cannot be combined with exit; drop one")
+            Speculation.parse(r.speculate).check(self.model, schedule)
+
+    def submit(self, r: Request) -> None:
+        """Queue r (after `check`); QueueFull when max_queue requests already wait."""
+        self.check(r)
+        with self._wake:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting (max_queue={self.max_queue}); "
+                                f"retry later")
+            self.waiting.append(r)
+            self._wake.notify()
+
+    def cancel(self, r: Request, reason: str = "cancelled") -> None:
+        """Stop r at the next token boundary (its slot is freed then) with finish `reason`."""
+        r.stop_requested = reason
+        with self._wake:
+            self._wake.notify()
+
+    @property
+    def running(self) -> int:
+        return sum(len(c) for c in self.cohorts.values())
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting)
+
+    # -- the decoding thread -----------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """One token boundary: retire, admit, decode every cohort once. False when there was nothing to do."""
+        self._retire_stopped()
+        self._admit()
+        for key, cohort in list(self.cohorts.items()):
+            self._leave(cohort)  # requests done at admission (one token, or EOS first)
+            if len(cohort):
+                self._decode_or_fail(cohort)
+            if not len(cohort):
+                del self.cohorts[key]
+        return bool(self.cohorts or self.waiting)
+
+    def serve(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
+        """Decode until `stop` is set, sleeping while there is no work."""
+        while not stop.is_set():
+            if not self.step():
+                with self._wake:
+                    if not self.waiting and not stop.is_set():
+                        self._wake.wait(idle_wait)
+
+    def _admit(self) -> None:
+        while self.waiting and self.running < self.max_batch:
+            with self._wake:
+                r = self.waiting.popleft()
+            if self._stopped(r):
+                self._finish(r, r.stop_requested)
+                continue
+            try:
+                self._start(r)
+            except Exception as err:  # noqa: BLE001 - a failure of one request must not stop the others
+                r.error = f"{type(err).__name__}: {err}"
+                self._finish(r, "error")
+
+    def _start(self, r: Request) -> None:
+        s = r.sampling
+        r.generator = None if s.seed is None else torch.Generator(self.model.embed_in.weight.device).manual_seed(
+            s.seed)
+        key = r.key()
+        cohort = self.cohorts.get(key)
+        if cohort is None:
+            cohort = PlainCohort(self.model, r.loops, r.exit) if r.speculate is None else \
+                SpeculativeCohort(self.model, r.loops, r.speculate, s.max_new_tokens)
+        first = cohort.admit(r)  # only now part of the cohort: a failed prefill leaves the batch as it was
+        self.cohorts[key] = cohort
+        self.stats.admitted += 1
+        self._deliver(r, first)
+
+    def _decode_or_fail(self, cohort: Cohort) -> None:
+        """Decode the cohort once; if that fails, its requests end with finish "error" (the others go on)."""
+        try:
+            self._decode(cohort)
+        except Exception as err:  # noqa: BLE001 - one broken batch must not stop the server
+            for r in cohort.requests:
+                if r.finish is None:
+                    r.error = f"{type(err).__name__}: {err}"
+                    self._finish(r, "error")
+            cohort.requests.clear()
+
+    def _decode(self, cohort: Cohort) -> None:
+        steps_before, tokens_before = cohort.loop_steps, cohort.tokens
+        emitted = cohort.step()
+        self.stats.steps += 1
+        self.stats.step_rows += len(cohort)
+        self.stats.loop_steps += cohort.loop_steps - steps_before
+        self.stats.decoded += cohort.tokens - tokens_before
+        for r, tokens in zip(list(cohort.requests), emitted):
+            if r.finish is None:
+                self._deliver(r, tokens)
+        self._leave(cohort)
+
+    def _deliver(self, r: Request, tokens: list[int]) -> None:
+        """Give r its new tokens (no more than max_new_tokens, none after EOS); finish it when done."""
+        s = r.sampling
+        new = tokens[:s.max_new_tokens - len(r.tokens)]
+        if s.stop_at_eos and self.eos_id in new:
+            new = new[:new.index(self.eos_id) + 1]
+        r.tokens.extend(new)
+        self.stats.tokens += len(new)
+        if r.on_tokens is not None and new:
+            r.on_tokens(r, new)
+        if s.stop_at_eos and new and new[-1] == self.eos_id:
+            self._finish(r, "stop")
+        elif len(r.tokens) >= s.max_new_tokens:
+            self._finish(r, "length")
+
+    def _stopped(self, r: Request) -> bool:
+        if r.stop_requested is None and r.timeout is not None and time.monotonic() - r.submitted > r.timeout:
+            r.stop_requested = "timeout"
+        return r.stop_requested is not None
+
+    def _retire_stopped(self) -> None:
+        for cohort in self.cohorts.values():
+            for r in cohort.requests:
+                if r.finish is None and self._stopped(r):
+                    self._finish(r, r.stop_requested)
+            self._leave(cohort)
+
+    def _leave(self, cohort: Cohort) -> None:
+        """Free the rows of finished requests."""
+        if any(r.finish is not None for r in cohort.requests):
+            cohort.keep([i for i, r in enumerate(cohort.requests) if r.finish is None])
+
+    def _finish(self, r: Request, reason: str) -> None:
+        r.finish = reason
+        self.stats.finished[reason] += 1
+        r.done.set()
+        if r.on_done is not None:
+            r.on_done(r)

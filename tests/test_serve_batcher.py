@@ -1,0 +1,143 @@
+"""Continuous batching on its own (no HTTP): requests that join and leave a running batch decode exactly what
+they decode alone and what meshlm.generate decodes, for every scheme, with exit and with speculation."""
+import pytest
+import torch
+from conftest import build, tiny
+
+from meshlm.errors import ConfigError
+from meshlm.generate import Sampling, generate
+from meshlm.serve.batcher import Batcher, QueueFull, Request
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [3], [20, 21, 22, 23]]
+LENGTHS = [9, 14, 5, 12, 7]  # max_new_tokens per request: rows leave at different steps
+
+
+def greedy(n, **kw):
+    return Sampling(max_new_tokens=n, temperature=0, stop_at_eos=False, **kw)
+
+
+def reference(model, r: Request) -> list[int]:
+    """What meshlm.generate decodes for the request alone (speculation is lossless: plain greedy)."""
+    return generate(model, [r.prompt], r.sampling, loops=r.loops, exit=r.exit)[0]
+
+
+def staggered(batcher: Batcher, requests: list[Request], every: int = 2) -> None:
+    """Submit one request every `every` token boundaries, then decode until all are done."""
+    pending = list(requests)
+    steps = 0
+    while pending or batcher.step():
+        if pending and steps % every == 0:
+            batcher.submit(pending.pop(0))
+        batcher.step()
+        steps += 1
+    assert all(r.done.is_set() for r in requests)
+
+
+def requests(**kw) -> list[Request]:
+    return [Request(p, greedy(n), **kw) for p, n in zip(PROMPTS, LENGTHS)]
+
+
+@pytest.mark.parametrize("scheme", ["mesh", "base", "anchor", "residual", "dynamic-mix", "vanilla"])
+def test_joining_and_leaving_rows_decode_as_alone(scheme):
+    model = build(tiny(scheme=scheme, spec="1+2+1+1" if scheme == "vanilla" else "1+1R3+1"))
+    batcher = Batcher(model, eos_id=0, pad_id=1, max_batch=4)
+    rs = requests()
+    staggered(batcher, rs)
+    assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
+    assert [r.finish for r in rs] == ["length"] * len(rs)
+    assert batcher.stats.step_rows > batcher.stats.steps  # they did share batches
+
+
+@pytest.mark.parametrize("rule", ["state:0.2", "kl:0.002"])
+def test_exit_inside_a_batch_decodes_as_alone_and_skips_loops(rule):
+    model = build(tiny(spec="1+1R4+1"))
+    batcher = Batcher(model, eos_id=0, pad_id=1)
+    rs = requests(exit=rule)
+    staggered(batcher, rs, every=1)
+    assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
+    stats = batcher.stats
+    assert stats.loop_steps < 4 * stats.decoded  # some tokens exited early, in a batch
+
+
+@pytest.mark.parametrize("scheme", ["mesh", "anchor"])
+@pytest.mark.parametrize("speculate", ["1:2", "2:3", "auto"])
+def test_speculation_inside_a_batch_is_plain_greedy(scheme, speculate):
+    model = build(tiny(scheme=scheme, spec="1+1R4+1"))
+    batcher = Batcher(model, eos_id=0, pad_id=1)
+    rs = requests(speculate=speculate)
+    staggered(batcher, rs, every=1)
+    assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
+    if speculate != "auto":
+        assert batcher.stats.decoded > batcher.stats.steps  # rounds emitted several tokens per step
+
+
+def test_mixed_settings_loops_and_seeded_sampling_decode_as_alone():
+    model = build(tiny(spec="1+1R3+1"))
+    rs = [Request(PROMPTS[0], greedy(8), loops=2), Request(PROMPTS[1], greedy(8), exit="state:0.2"),
+          Request(PROMPTS[2], greedy(8), speculate="1:2"), Request(PROMPTS[3], greedy(8)),
+          Request(PROMPTS[4], Sampling(max_new_tokens=8, temperature=0.9, top_k=20, seed=3, stop_at_eos=False)),
+          Request(PROMPTS[0], Sampling(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=4, stop_at_eos=False))]
+    staggered(Batcher(model, eos_id=0, pad_id=1), rs, every=1)
+    assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
+
+
+def test_slots_are_freed_and_reused_and_the_cache_holds_live_rows_only():
+    model = build(tiny(spec="1+1R2+1"))
+    batcher = Batcher(model, eos_id=0, pad_id=1, max_batch=2)
+    rs = requests()
+    for r in rs:
+        batcher.submit(r)
+    widths = []
+    while batcher.step():
+        assert batcher.running <= 2
+        for cohort in batcher.cohorts.values():
+            live = [len(r.prompt) + len(r.tokens) - 1 for r in cohort.requests]  # fed positions per row
+            assert cohort.state.kv.get_seq_length() == cohort.state.mask.shape[1] == max(live)
+            widths.append(len(cohort))
+    assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
+    assert batcher.cohorts == {} and 2 in widths and batcher.stats.admitted == 5
+
+
+def test_cancel_and_timeout_free_the_slot_at_the_next_boundary():
+    model = build(tiny())
+    batcher = Batcher(model, eos_id=0, pad_id=1)
+    slow, other = Request(PROMPTS[0], greedy(40)), Request(PROMPTS[1], greedy(6))
+    late = Request(PROMPTS[2], greedy(40), timeout=0.0)
+    for r in (slow, other, late):
+        batcher.submit(r)
+    batcher.step()
+    assert late.finish == "timeout" and not late.tokens  # timed out while queued: never prefilled
+    batcher.cancel(slow)
+    batcher.step()
+    assert slow.finish == "cancelled" and batcher.running == 1 and len(slow.tokens) == 2
+    while batcher.step():
+        pass
+    assert other.tokens == reference(model, other)
+    assert batcher.stats.finished == {"stop": 0, "length": 1, "cancelled": 1, "timeout": 1, "error": 0}
+
+
+def test_eos_ends_a_row_and_one_token_requests_never_join():
+    model = build(tiny())
+    with torch.no_grad():
+        model.embed_out.weight[0] += 10.0 * model.embed_out.weight[7]  # token 0 (EOS) often wins
+    batcher = Batcher(model, eos_id=0, pad_id=1)
+    rs = [Request(p, Sampling(max_new_tokens=n, temperature=0)) for p, n in zip(PROMPTS, [1, 12, 12, 12, 12])]
+    staggered(batcher, rs, every=1)
+    assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
+    assert all(r.finish == ("stop" if r.tokens[-1] == 0 else "length") for r in rs)
+
+
+def test_bounded_queue_and_bad_requests_are_refused_before_any_work():
+    model = build(tiny(context_length=16))
+    batcher = Batcher(model, eos_id=0, pad_id=1, max_queue=2)
+    batcher.submit(Request([5], greedy(3)))
+    batcher.submit(Request([6], greedy(3)))
+    with pytest.raises(QueueFull, match="max_queue=2"):
+        batcher.submit(Request([7], greedy(3)))
+    for bad, message in [(Request(list(range(2, 17)), greedy(4)), "exceeds context_length=16"),
+                         (Request([5], greedy(3), exit="state"), "is not CRITERION:THRESHOLD"),
+                         (Request([5], greedy(3), speculate="9"), "must be in 1"),
+                         (Request([5], greedy(3), speculate="1", exit="state:0.1"), "cannot be combined"),
+                         (Request([500], greedy(3)), "token ids must be in 0")]:
+        with pytest.raises(ConfigError, match=message):
+            batcher.check(bad)
