@@ -28,7 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None,
                    help="override the folder's tokenizer ('default', 'pythia' or a tokenizer.json)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    add_dtype_argument(p)
+    add_dtype_argument(p, decoding=True)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (slow)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past <|endoftext|>")
     p.add_argument("--speculate", default=None, metavar="auto|K_d[:γ]",
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     model, tok = opened.model, opened.tokenizer
     prompts = [tok.encode(text) for text in texts]
     check_room(model, prompts, s)  # before anything is written to stdout
-    device, chosen = precision.for_model(args.dtype, model)
+    device, chosen = precision.for_decoding(args.dtype, model)
     with precision.autocast(device, chosen):
         code = _generate(args, model, tok, s, texts, prompts)
     # after the text, on stderr: stdout holds only the text, and an error stays the only line on stderr

@@ -10,6 +10,13 @@ the hardware multiplies bf16 natively, and plain fp32 everywhere else:
         the units, a build without the kernels) falls back to fp32.
 
 `fp32` and `bf16` are always honoured as given.
+
+Decoding (`meshlm generate`, `meshlm serve`: `for_decoding`) resolves `auto` to fp32 everywhere. Under bf16
+autocast greedy output depends on the path: a batch's shape, the cache, speculation's draft-verify split all
+round differently, and with top logits within a bf16 step of each other the argmax flips (measured in
+docs/serve.md). In fp32 it does not, so speculation is lossless and a batched request decodes as it would
+alone. It costs little: autocast keeps the weights in fp32 and casts them at every op, and decoding one
+token per row is bound by reading those weights, not by multiplying (docs/serve.md has the measured ratio).
 """
 from __future__ import annotations
 
@@ -90,6 +97,15 @@ def autocast(device: torch.device, precision: Precision):
     if precision.dtype is None:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=precision.dtype)
+
+
+DECODING_FP32 = "auto: decoding in fp32, where greedy output does not depend on batching or speculation"
+
+
+def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, Precision]:
+    """(the model's device, the precision to decode in): `auto` is fp32 (see the module docstring)."""
+    device = next(model.parameters()).device
+    return device, Precision(None, DECODING_FP32) if requested == "auto" else choose(requested, device)
 
 
 def for_model(requested: str, model: torch.nn.Module) -> tuple[torch.device, Precision]:

@@ -123,7 +123,8 @@ class Batcher:
 
     def cancel(self, r: Request, reason: str = "cancelled") -> None:
         """Stop r at the next token boundary (its slot is freed then) with finish `reason`."""
-        r.stop_requested = reason
+        if r.stop_requested is None:  # the first reason given is the one recorded
+            r.stop_requested = reason
         with self._wake:
             self._wake.notify()
 
