@@ -1,0 +1,209 @@
+"""`meshlm serve` end to end: a fresh subprocess on a free loopback port, driven by the real openai client."""
+import asyncio
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+import torch
+from conftest import build, tiny
+from servekit import Server
+from trainkit import cli
+
+from meshlm.checkpoint import save_model
+from meshlm.generate import Sampling, generate
+from meshlm.loading import open_model
+from meshlm.serve.text import DEFAULT_CHAT_TEMPLATE, render_chat
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve") / "tiny"
+    save_model(build(tiny(spec="1+1R3+1", d_model=64, vocab_size=8192, context_length=256)), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(folder):
+    s = Server(folder, "--max-batch", "4")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def opened(folder):
+    return open_model(folder)
+
+
+def solo(opened, text: str, n: int, **kw) -> str:
+    """What meshlm.generate decodes for the request alone (greedy, fp32), as text without EOS."""
+    tok = opened.tokenizer
+    s = Sampling(max_new_tokens=n, temperature=0)
+    with torch.no_grad():
+        new = generate(opened.model, [tok.encode(text)], s, eos_id=tok.eos_id, pad_id=tok.pad_id, **kw)[0]
+    return tok.decode(t for t in new if t != tok.eos_id)
+
+
+def complete(server, prompt=PROMPT, n=12, **extra):
+    async def go():
+        async with server.client() as c:
+            r = await c.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, **extra)
+            return r.choices[0]
+    return asyncio.run(go())
+
+
+def test_completion_equals_meshlm_generate(server, folder, opened):
+    choice = complete(server)
+    printed = cli("generate", str(folder), PROMPT, "-t", "0", "-n", "12", timeout=120)
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == PROMPT + choice.text + "\n"
+    assert choice.text == solo(opened, PROMPT, 12) and choice.finish_reason in ("length", "stop")
+
+
+def test_chat_uses_the_default_template(server, opened):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
+
+    async def go():
+        async with server.client() as c:
+            return await c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+    reply = asyncio.run(go())
+    rendered = render_chat(DEFAULT_CHAT_TEMPLATE, messages, bos_token="", eos_token="")
+    assert rendered == "System: Be brief.\nUser: Say hello\nAssistant:"
+    assert reply.choices[0].message.content == solo(opened, rendered, 10).split("\nUser:")[0]
+    assert reply.choices[0].message.role == "assistant" and reply.usage.completion_tokens <= 10
+
+
+def test_streaming_sends_the_same_text_in_pieces(server):
+    whole = complete(server, n=20).text
+
+    async def go():
+        async with server.client() as c:
+            pieces, finish = [], None
+            async for chunk in await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
+                                                          stream=True):
+                pieces.append(chunk.choices[0].text)
+                finish = chunk.choices[0].finish_reason or finish
+            return pieces, finish
+    pieces, finish = asyncio.run(go())
+    assert "".join(pieces) == whole and len([p for p in pieces if p]) >= 5 and finish in ("length", "stop")
+
+
+def test_stop_strings_cut_the_text_before_them(server):
+    whole = complete(server, n=20).text
+    stop = whole[len(whole) // 2:len(whole) // 2 + 3]
+    choice = complete(server, n=20, stop=[stop, "\u2603never"])
+    assert choice.text == whole[:whole.index(stop)] and choice.finish_reason == "stop"
+
+
+def test_concurrent_requests_equal_solo_ones(server, opened):
+    prompts = ["To be, or not to be", "The king", "Once", "A long time ago in a land far", "And"]
+    settings = [{}, {"exit": "state:0.3"}, {"speculate": "1:2"}, {"loops": 2}, {}, {"speculate": "auto"}]
+
+    async def go():
+        async with server.client() as c:
+            calls = [c.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0, extra_body=kw)
+                     for kw in settings for p in prompts]
+            return [r.choices[0].text for r in await asyncio.gather(*calls)]
+    texts = asyncio.run(go())
+    expected = [solo(opened, p, 16, **{k: v for k, v in kw.items() if k != "speculate"})
+                for kw in settings for p in prompts]
+    assert texts == expected
+    assert server.metric("meshlm_batch_rows_mean") > 1  # they were batched
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"model": "tiny", "prompt": "x", "bogus": 1}, "bogus: Extra inputs are not permitted"),
+    ({"model": "tiny", "prompt": "x", "temperature": -1}, "temperature: Input should be greater than or equal to 0"),
+    ({"model": "tiny", "prompt": "x", "top_p": 0}, "top_p: Input should be greater than 0"),
+    ({"model": "other", "prompt": "x"}, "model 'other' is not served here"),
+    ({"model": "tiny", "prompt": "x " * 300}, "shorten it to at most 255 tokens"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 300}, "ask for max_tokens <= 255"),
+    ({"model": "tiny", "prompt": "x", "exit": "state"}, "is not CRITERION:THRESHOLD"),
+    ({"model": "tiny", "prompt": "x", "speculate": "7"}, "must be in 1 … 2"),
+    ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+])
+def test_bad_requests_are_400_with_an_openai_error_body(server, body, message):
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = server.post(path, json=body)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_invalid_json_is_400_and_the_server_keeps_serving(server):
+    r = server.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError):
+        complete(server, n=300)
+    assert complete(server).text  # still serving
+    assert server.get("/health").json()["status"] == "ok"
+    models = server.get("/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["tiny"] and models[0]["meshlm"]["precision"] == "fp32"
+
+
+def test_full_queue_is_429_and_a_disconnect_frees_its_slot(folder):
+    server = Server(folder, "--max-batch", "1", "--max-queue", "1")
+    try:
+        async def one(c):
+            try:
+                r = await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=240, temperature=0,
+                                               extra_body={"ignore_eos": True})
+                return r.choices[0].text
+            except openai.RateLimitError as err:
+                assert err.status_code == 429 and "max_queue=1" in err.message
+                return 429
+
+        async def crowd():
+            async with server.client() as c:
+                return await asyncio.gather(*[one(c) for _ in range(6)])
+        results = asyncio.run(crowd())
+        served = [r for r in results if r != 429]
+        assert results.count(429) >= 3 and len(served) >= 1 and len(set(served)) == 1
+
+        async def leave_early():
+            async with server.client() as c:
+                stream = await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=240, stream=True,
+                                                    extra_body={"ignore_eos": True})
+                got = 0
+                async for _ in stream:
+                    got += 1
+                    if got == 3:
+                        break
+                await stream.close()
+        asyncio.run(leave_early())
+        deadline = time.monotonic() + 5
+        while server.get("/health").json()["running"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.get("/health").json()["running"] == 0
+        assert server.metric('meshlm_requests_finished_total{reason="cancelled"}') == 1
+        assert server.metric('meshlm_requests_refused_total{status="429"}') == results.count(429)
+    finally:
+        server.stop()
+
+
+def test_sigterm_stops_admitting_drains_running_requests_and_exits_0(folder):
+    server = Server(folder, "--max-batch", "2", "--grace", "30")
+    try:
+        async def drained():
+            async with server.client() as c:
+                streams = [await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=200, stream=True,
+                                                      temperature=0, extra_body={"ignore_eos": True})
+                           for _ in range(2)]
+                firsts = [await s.__anext__() for s in streams]
+                server.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.2)
+                with pytest.raises((httpx.HTTPError, openai.APIError)):  # no longer admitted
+                    await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
+                rest = []
+                for s in streams:
+                    rest.append([chunk async for chunk in s])
+                return firsts, rest
+        firsts, rest = asyncio.run(drained())
+        for chunks in rest:
+            assert chunks[-1].choices[0].finish_reason == "length"
+        code, err = server.proc.wait(timeout=60), server.proc.stderr.read()
+        assert code == 0, err
+    finally:
+        server.stop()
