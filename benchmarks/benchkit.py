@@ -45,3 +45,29 @@ def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, clock
             step()
             times[name].append(clock() - start)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def corpus_prompts(tok, count: int, length: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens: the openings of held-out documents of the embedded corpus
+    (validation split), so decoding is measured on real text."""
+    from meshlm.data.corpus import split_documents
+
+    prompts = []
+    for doc in split_documents("val"):
+        ids = tok.encode(doc["text"][5000:20000])
+        if not ids:  # a document shorter than 5,000 characters
+            continue
+        prompts.append(ids[:length])
+        if len(prompts) == count:
+            return prompts
+    return prompts
+
+
+def corpus_windows(tok, count: int, length: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens cut at evenly spaced places of the held-out documents (validation
+    split, joined): more prompts than `corpus_prompts` finds documents for."""
+    from meshlm.data.corpus import split_documents
+
+    ids = [t for doc in split_documents("val") for t in tok.encode(doc["text"])]
+    stride = max((len(ids) - length) // max(count, 1), 1)
+    return [ids[i * stride:i * stride + length] for i in range(count) if i * stride + length <= len(ids)]

@@ -24,19 +24,7 @@ import argparse
 import statistics
 
 import torch
-from benchkit import add_timing_arguments, timing_setup
-
-
-def corpus_prompts(tok, count: int, length: int) -> list[list[int]]:
-    from meshlm.data.corpus import split_documents
-
-    prompts = []
-    for doc in split_documents("val"):
-        ids = tok.encode(doc["text"][5000:20000])
-        prompts.append(ids[:length])
-        if len(prompts) == count:
-            return prompts
-    return prompts
+from benchkit import add_timing_arguments, corpus_prompts, timing_setup
 
 
 def decode(model, prompts, args, speculate, clock):
