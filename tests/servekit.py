@@ -78,3 +78,15 @@ class Server:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.communicate(timeout=30)
+
+
+async def hang_up(client, model: str, prompt: str, tokens: int, after: int) -> None:
+    """Stream a long completion and close the connection after `after` chunks (a client that leaves)."""
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=tokens, stream=True,
+                                             extra_body={"ignore_eos": True})
+    seen = 0
+    async for _ in stream:
+        seen += 1
+        if seen == after:
+            break
+    await stream.close()

@@ -8,7 +8,7 @@ import openai
 import pytest
 import torch
 from conftest import build, tiny
-from servekit import Server
+from servekit import Server, hang_up
 from trainkit import cli
 
 from meshlm.checkpoint import save_model
@@ -164,14 +164,7 @@ def test_full_queue_is_429_and_a_disconnect_frees_its_slot(folder):
 
         async def leave_early():
             async with server.client() as c:
-                stream = await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=240, stream=True,
-                                                    extra_body={"ignore_eos": True})
-                got = 0
-                async for _ in stream:
-                    got += 1
-                    if got == 3:
-                        break
-                await stream.close()
+                await hang_up(c, "tiny", PROMPT, 240, after=3)
         asyncio.run(leave_early())
         deadline = time.monotonic() + 5
         while server.get("/health").json()["running"] and time.monotonic() < deadline:

@@ -141,3 +141,18 @@ def test_bounded_queue_and_bad_requests_are_refused_before_any_work():
                          (Request([500], greedy(3)), "token ids must be in 0")]:
         with pytest.raises(ConfigError, match=message):
             batcher.check(bad)
+
+
+@pytest.mark.parametrize("settings", [{}, {"exit": "state:0.2"}, {"exit": "kl:0.002"}, {"speculate": "2:2"},
+                                      {"speculate": "auto"}, {"loops": 2}])
+def test_newcomers_prefilled_together_decode_as_alone(settings):
+    model = build(tiny(spec="1+1R4+1"))
+    batcher = Batcher(model, eos_id=0, pad_id=1)
+    rs = requests(**settings)
+    for r in rs:  # all waiting at the first boundary: one left-padded prefill
+        batcher.submit(r)
+    batcher.step()
+    assert batcher.running == len(rs) and batcher.stats.steps == 1
+    while batcher.step():
+        pass
+    assert [r.tokens for r in rs] == [reference(model, r) for r in rs]

@@ -6,13 +6,13 @@
 
 Every `step` is one token boundary: requests that were cancelled, timed out or finished leave (their rows, and
 the cache columns no one else needs, are freed at once); waiting requests are admitted while fewer than
-`max_batch` rows decode (prefilled alone, then joined: meshlm.serve.cohorts); then every running cohort
-decodes once. Requests with the same `loops`, `exit` and `speculate` share a cohort; different settings decode
-in separate cohorts, one after the other within the step. `submit` refuses work past `max_queue` waiting
-requests (QueueFull: the server's 429).
+`max_batch` rows decode (a cohort's newcomers prefilled together, then joined: meshlm.serve.cohorts); then
+every running cohort decodes once. Requests with the same `loops`, `exit` and `speculate` share a cohort;
+different settings decode in separate cohorts, one after the other within the step. `submit` refuses work
+past `max_queue` waiting requests (QueueFull: the server's 429).
 
-A row's tokens do not depend on its neighbours: it is prefilled alone, its padding is masked and its positions
-count its own tokens only, and it samples with its own generator (seeded per request). Greedy output equals
+A row's tokens do not depend on its neighbours: its padding is masked and its positions count its own tokens
+only, and it samples with its own generator (seeded per request). Greedy output equals
 `meshlm.generate` of the same request alone, up to floating-point differences between batch shapes, which at
 fp32 never changed a token in the tests (docs/serve.md states what holds at bf16).
 
@@ -158,31 +158,38 @@ class Batcher:
                         self._wake.wait(idle_wait)
 
     def _admit(self) -> None:
-        while self.waiting and self.running < self.max_batch:
-            with self._wake:
+        """Take waiting requests while rows are free; each cohort prefills its newcomers in one batch."""
+        joining: dict[tuple, list[Request]] = {}
+        with self._wake:
+            while self.waiting and self.running + sum(map(len, joining.values())) < self.max_batch:
                 r = self.waiting.popleft()
-            if self._stopped(r):
-                self._finish(r, r.stop_requested)
-                continue
+                if self._stopped(r):
+                    self._finish(r, r.stop_requested)
+                else:
+                    joining.setdefault(r.key(), []).append(r)
+        for key, group in joining.items():
             try:
-                self._start(r)
-            except Exception as err:  # noqa: BLE001 - a failure of one request must not stop the others
-                r.error = f"{type(err).__name__}: {err}"
-                self._finish(r, "error")
+                self._start(key, group)
+            except Exception as err:  # noqa: BLE001 - a failure of some requests must not stop the others
+                for r in group:
+                    r.error = f"{type(err).__name__}: {err}"
+                    self._finish(r, "error")
 
-    def _start(self, r: Request) -> None:
-        s = r.sampling
-        r.generator = None if s.seed is None else torch.Generator(self.model.embed_in.weight.device).manual_seed(
-            s.seed)
-        key = r.key()
+    def _start(self, key: tuple, group: list[Request]) -> None:
+        device = self.model.embed_in.weight.device
+        for r in group:
+            seed = r.sampling.seed
+            r.generator = None if seed is None else torch.Generator(device).manual_seed(seed)
         cohort = self.cohorts.get(key)
         if cohort is None:
-            cohort = PlainCohort(self.model, r.loops, r.exit) if r.speculate is None else \
-                SpeculativeCohort(self.model, r.loops, r.speculate, s.max_new_tokens)
-        first = cohort.admit(r)  # only now part of the cohort: a failed prefill leaves the batch as it was
+            first = group[0]
+            cohort = PlainCohort(self.model, first.loops, first.exit, self.pad_id) if first.speculate is None else \
+                SpeculativeCohort(self.model, first.loops, first.speculate, first.sampling.max_new_tokens, self.pad_id)
+        tokens = cohort.admit(group)  # only now part of the cohort: a failed prefill leaves the batch as it was
         self.cohorts[key] = cohort
-        self.stats.admitted += 1
-        self._deliver(r, first)
+        self.stats.admitted += len(group)
+        for r, token in zip(group, tokens):
+            self._deliver(r, [token])
 
     def _decode_or_fail(self, cohort: Cohort) -> None:
         """Decode the cohort once; if that fails, its requests end with finish "error" (the others go on)."""

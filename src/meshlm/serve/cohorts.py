@@ -4,9 +4,10 @@ A cohort holds the requests that share one compute setting (`loops`, `exit`, `sp
 line up, so one forward serves them all. Its state is the batch's looped KV cache, the (B, W) padding mask over
 it and each row's pending token (sampled, not yet fed):
 
-    join    prefill the new prompt alone (its own cache, no padding: exactly `meshlm.generate` at batch 1),
-            then stack its rows under the batch's, right-aligned (KVCache.stack): the shorter side is
-            left-padded, mask 0, which every query ignores and default positions skip
+    join    prefill the prompts admitted at this boundary as one left-padded batch in a cache of their own
+            (exactly what `meshlm.generate` does with several prompts), then stack their rows under the
+            batch's, right-aligned (KVCache.stack): the shorter side is left-padded, mask 0, which every query
+            ignores and default positions skip
     step    feed every row's pending token in one forward; each row samples its next token with its own
             settings and random generator
     leave   drop finished rows (KVCache.select), then the leading columns no row still needs (drop_front),
@@ -22,7 +23,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from meshlm.generate.sampling import next_token, padding_if_any
+from meshlm.generate.sampling import left_pad, next_token, padding_if_any
 from meshlm.generate.speculative import Decoder, Planner, Speculation, SpeculationStats, decode_round
 from meshlm.model import MeshLM
 from meshlm.model.kv_cache import KVCache
@@ -49,8 +50,8 @@ def pick(logits: torch.Tensor, requests: list) -> torch.Tensor:
 class Cohort(ABC):
     """Rows of requests with one compute setting. Subclasses prefill (`admit`) and decode (`step`)."""
 
-    def __init__(self, model: MeshLM, loops: int | None):
-        self.model, self.loops = model, loops
+    def __init__(self, model: MeshLM, loops: int | None, pad_id: int):
+        self.model, self.loops, self.pad_id = model, loops, pad_id
         self.schedule = model.schedule(loops)
         self.requests: list = []  # row r decodes requests[r]
         self.state: Rows | Decoder | None = None
@@ -60,10 +61,15 @@ class Cohort(ABC):
     def __len__(self) -> int:
         return len(self.requests)
 
-    def join(self, request, kv: KVCache, mask: torch.Tensor, pending: torch.Tensor) -> None:
-        """Add one prefilled request's rows below the batch's (right-aligned)."""
-        self.requests.append(request)
-        if len(self.requests) == 1:  # the first row (a speculative cohort's state is already its decoder)
+    def prompts(self, requests: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The requests' prompts as (N, T) left-padded ids and their padding mask."""
+        return left_pad([r.prompt for r in requests], self.pad_id, self.model.embed_in.weight.device)
+
+    def join(self, requests: list, kv: KVCache, mask: torch.Tensor, pending: torch.Tensor) -> None:
+        """Add prefilled requests' rows below the batch's (right-aligned)."""
+        first = not self.requests
+        self.requests.extend(requests)
+        if first:  # the first rows (a speculative cohort's state is already its decoder)
             self.state = self.state or Rows(kv, mask, pending)
             self.state.kv, self.state.mask, self.state.pending = kv, mask, pending
             return
@@ -86,8 +92,9 @@ class Cohort(ABC):
             s.mask = s.mask[:, unused:]
 
     @abstractmethod
-    def admit(self, request) -> list[int]:
-        """Prefill the request's prompt alone and join its row to the batch; returns its first token(s)."""
+    def admit(self, requests: list) -> list[int]:
+        """Prefill the requests' prompts together and join their rows to the batch; returns each one's first
+        token."""
 
     @abstractmethod
     def step(self) -> list[list[int]]:
@@ -101,19 +108,18 @@ def _pad_left(mask: torch.Tensor, width: int) -> torch.Tensor:
 class PlainCohort(Cohort):
     """Plain decoding at the full depth, or with per-token exit (`exit`, e.g. "state:0.05")."""
 
-    def __init__(self, model: MeshLM, loops: int | None, exit: str | None):
-        super().__init__(model, loops)
+    def __init__(self, model: MeshLM, loops: int | None, exit: str | None, pad_id: int):
+        super().__init__(model, loops, pad_id)
         self.exit = exit
 
     @torch.no_grad()
-    def admit(self, request) -> list[int]:
-        """Prefill the prompt alone; join the batch with its first token pending. Returns that token."""
-        device = self.model.embed_in.weight.device
-        ids, kv = torch.tensor([request.prompt], device=device), KVCache()
-        out = self.model(ids, cache=kv, loops=self.loops, exit=self.exit)
-        token = pick(out.logits[:, -1], [request])
-        self.join(request, kv, torch.ones_like(ids), token)
-        return token.tolist()
+    def admit(self, requests: list) -> list[int]:
+        """Prefill the prompts; join the batch with each one's first token pending. Returns those tokens."""
+        (ids, mask), kv = self.prompts(requests), KVCache()
+        out = self.model(ids, padding_mask=padding_if_any(mask), cache=kv, loops=self.loops, exit=self.exit)
+        tokens = pick(out.logits[:, -1], requests)
+        self.join(requests, kv, mask, tokens)
+        return tokens.tolist()
 
     @torch.no_grad()
     def step(self) -> list[list[int]]:
@@ -134,26 +140,25 @@ class SpeculativeCohort(Cohort):
     share the sampling filters (greedy cohorts batch; a sampled request gets its own cohort, as its draws come
     from the decoder's one generator)."""
 
-    def __init__(self, model: MeshLM, loops: int | None, speculate: str, new_tokens: int):
-        super().__init__(model, loops)
+    def __init__(self, model: MeshLM, loops: int | None, speculate: str, new_tokens: int, pad_id: int):
+        super().__init__(model, loops, pad_id)
         self.spec = Speculation.parse(speculate)
         self.spec.check(model, self.schedule)
         self.stats = SpeculationStats()
         self.planner = Planner(self.spec, model.config.layout, self.schedule, self.stats, new_tokens)
 
     @torch.no_grad()
-    def admit(self, request) -> list[int]:
-        device = self.model.embed_in.weight.device
-        ids = torch.tensor([request.prompt], device=device)
-        decoder = Decoder(self.model, self.schedule, request.sampling, request.generator, self.planner.costs)
+    def admit(self, requests: list) -> list[int]:
+        ids, mask = self.prompts(requests)
+        lead = requests[0]  # the cohort's requests share sampling filters; a sampled one is alone
+        decoder = Decoder(self.model, self.schedule, lead.sampling, lead.generator, self.planner.costs)
         first = self.state is None
         calibrate = first and not (self.spec.final_read is not None and self.planner.fixed)
-        pending, agreement, positions = decoder.prefill(ids, torch.ones_like(ids),
-                                                        self.planner.candidates if calibrate else [])
+        pending, agreement, positions = decoder.prefill(ids, mask, self.planner.candidates if calibrate else [])
         if first:
             self.planner.calibrate(agreement, positions)
             self.state = decoder  # the cohort decodes through the first request's decoder; later ones join it
-        self.join(request, decoder.kv, decoder.mask, pending)
+        self.join(requests, decoder.kv, decoder.mask, pending)
         return pending.tolist()
 
     @torch.no_grad()
