@@ -88,16 +88,19 @@ async def level(server: Server, prompts: list[str], concurrency: int, extra: dic
                 failures.append(f"{type(err).__name__}: {err}")
                 return None
 
+    before = [server.metric(m) for m in ("meshlm_loop_steps_total", "meshlm_decoded_tokens_total")]
     async with server.client() as client:
         start = time.perf_counter()
         results = await asyncio.gather(*(guarded(p) for p in prompts[:args.requests]),
                                        bad_and_disconnect(client, prompts[0], args))
         wall = time.perf_counter() - start
+    after = [server.metric(m) for m in ("meshlm_loop_steps_total", "meshlm_decoded_tokens_total")]
+    loops = (after[0] - before[0]) / max(after[1] - before[1], 1)
     done, wrong = [r for r in results[:-1] if r is not None], results[-1]
     ttfts, gaps = [r[0] for r in done], [g for r in done for g in r[1]]
     tokens = sum(r[2] for r in done)
     short = sum(r[2] != args.tokens for r in done)
-    return {"tokens/s": tokens / wall, "requests": len(done), "failed": len(failures) + short,
+    return {"tokens/s": tokens / wall, "loops/token": loops, "requests": len(done), "failed": len(failures) + short,
             "bad not 400": wrong, "ttft p50": percentile(ttfts, 50), "ttft p99": percentile(ttfts, 99),
             "itl p50": percentile(gaps, 50), "itl p99": percentile(gaps, 99), "errors": failures[:3]}
 
@@ -117,8 +120,8 @@ def report(name: str, c: int, runs: list[dict], base: float | None) -> float:
     ms = {k: med[k] * 1e3 for k in ("ttft p50", "ttft p99", "itl p50", "itl p99")}
     print(f"{name:>20} c={c:<3} {med['tokens/s']:7.1f} tokens/s{ratio} | TTFT p50 {ms['ttft p50']:6.1f} ms "
           f"p99 {ms['ttft p99']:6.1f} ms | ITL p50 {ms['itl p50']:6.1f} ms p99 {ms['itl p99']:6.1f}"
-          f" ms | {med['requests']:.0f} req, failed {sum(r['failed'] for r in runs)}, bad not 400 "
-          f"{sum(r['bad not 400'] for r in runs)}", flush=True)
+          f" ms | {med['loops/token']:.2f} loops/token | {med['requests']:.0f} req, failed "
+          f"{sum(r['failed'] for r in runs)}, bad not 400 {sum(r['bad not 400'] for r in runs)}", flush=True)
     for r in runs:
         for e in r["errors"]:
             print(f"    failed: {e}", flush=True)
@@ -162,8 +165,6 @@ def main() -> None:
         plain = {c: statistics.median(r["tokens/s"] for r in results[("plain", c)]) for c in levels}
         for c in levels[1:]:
             print(f"plain: concurrency {c} / one at a time: {plain[c] / plain[levels[0]]:.2f}x tokens/s")
-        print(f"server: mean batch rows {server.metric('meshlm_batch_rows_mean'):.2f}, loop steps per token "
-              f"{server.metric('meshlm_loop_steps_per_token_mean'):.2f} (all modes)")
     finally:
         server.stop()
 

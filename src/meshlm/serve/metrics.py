@@ -6,6 +6,7 @@
     meshlm_requests_running / _queued        rows decoding now / requests waiting for a row
     meshlm_batch_rows_mean                   rows per decode step, averaged over all steps so far
     meshlm_loop_steps_per_token_mean         core passes per decoded token (exit and `loops` move it)
+    meshlm_loop_steps_total / _decoded_tokens_total   its numerator and denominator
     meshlm_time_to_first_token_seconds       histogram, from submission to the first token
     meshlm_inter_token_latency_seconds       histogram, between deliveries (a speculative round's several
                                              tokens arrive together: the gap is shared among them)
@@ -39,6 +40,8 @@ class _BatcherCollector:
                                 value=st.step_rows / st.steps if st.steps else 0.0)
         yield GaugeMetricFamily("meshlm_loop_steps_per_token_mean", "core passes per decoded token, mean",
                                 value=st.loop_steps / st.decoded if st.decoded else 0.0)
+        yield CounterMetricFamily("meshlm_loop_steps", "core passes of decoded tokens, summed", value=st.loop_steps)
+        yield CounterMetricFamily("meshlm_decoded_tokens", "tokens decoded by batch steps", value=st.decoded)
 
 
 class Metrics:
