@@ -55,8 +55,8 @@ class Server:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
                                   http_client=httpx.AsyncClient(trust_env=False, timeout=60))
 
-    def post(self, path: str, **kw) -> httpx.Response:
-        return httpx.post(self.url + path, trust_env=False, timeout=30, **kw)
+    def post(self, path: str, timeout: float = 30, **kw) -> httpx.Response:
+        return httpx.post(self.url + path, trust_env=False, timeout=timeout, **kw)
 
     def get(self, path: str) -> httpx.Response:
         return httpx.get(self.url + path, trust_env=False, timeout=30)

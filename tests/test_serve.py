@@ -1,6 +1,7 @@
 """`meshlm serve` end to end: a fresh subprocess on a free loopback port, driven by the real openai client."""
 import asyncio
 import signal
+import socket
 import time
 
 import httpx
@@ -171,6 +172,13 @@ def test_full_queue_is_429_and_a_disconnect_frees_its_slot(folder):
             time.sleep(0.02)
         assert server.get("/health").json()["running"] == 0
         assert server.metric('meshlm_requests_finished_total{reason="cancelled"}') == 1
+        with pytest.raises(httpx.TimeoutException):  # a whole (not streamed) request whose client gives up
+            server.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 240,
+                                                 "ignore_eos": True}, timeout=0.1)
+        deadline = time.monotonic() + 5
+        while server.metric('meshlm_requests_finished_total{reason="cancelled"}') < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.metric('meshlm_requests_finished_total{reason="cancelled"}') == 2
         assert server.metric('meshlm_requests_refused_total{status="429"}') == results.count(429)
     finally:
         server.stop()
@@ -200,3 +208,12 @@ def test_sigterm_stops_admitting_drains_running_requests_and_exits_0(folder):
         assert code == 0, err
     finally:
         server.stop()
+
+
+def test_a_port_in_use_is_a_one_line_error(folder):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        done = cli("serve", str(folder), "--port", str(taken.getsockname()[1]), timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
+    assert "meshlm serve: error: cannot listen on 127.0.0.1:" in done.stderr and "pass another --port" in done.stderr

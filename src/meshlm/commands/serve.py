@@ -99,10 +99,29 @@ def run(args: argparse.Namespace) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=int(args.grace + 0.999) or None, lifespan="on")
     server = draining_server(config, engine)
-    print(f"meshlm serve: {name} ({cfg.spec} {cfg.scheme}) on http://{args.host}:{args.port}/v1 in "
+    sock = listening_socket(args.host, args.port)  # a port in use is a one-line error here, not uvicorn's exit
+    port = sock.getsockname()[1]  # --port 0: the one the system chose
+    print(f"meshlm serve: {name} ({cfg.spec} {cfg.scheme}) on http://{args.host}:{port}/v1 in "
           f"{chosen.describe()}; max batch {args.max_batch}, queue {args.max_queue}", file=sys.stderr, flush=True)
-    server.run()
+    server.run(sockets=[sock])
     return 0
+
+
+def listening_socket(host: str, port: int):
+    """A bound TCP socket for host:port; OSError (EADDRINUSE …) reworded with the fix."""
+    import socket
+
+    from meshlm.errors import ConfigError
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise ConfigError(f"cannot listen on {host}:{port} ({err.strerror}); pass another --port (0: any free "
+                          f"one) or stop what holds it") from err
+    return sock
 
 
 def draining_server(config, engine):

@@ -18,7 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions (or what the context leaves)
 CHAT_DEFAULT_TOKENS = 256  # chat: up to this many, or what the context leaves
 
 

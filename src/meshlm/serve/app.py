@@ -126,7 +126,7 @@ def _job(served: Served, body: api.Body, ids: list[int], chat: bool) -> Job:
         raise ApiError(400, f"the prompt is {len(ids)} tokens but the model's context is {served.context_length}; "
                             f"shorten it to at most {served.context_length - 1} tokens", param="prompt",
                        code="context_length_exceeded")
-    wanted = body.max_tokens or (min(api.CHAT_DEFAULT_TOKENS, room) if chat else api.COMPLETION_DEFAULT_TOKENS)
+    wanted = body.max_tokens or min(api.CHAT_DEFAULT_TOKENS if chat else api.COMPLETION_DEFAULT_TOKENS, room)
     if wanted > room:
         raise ApiError(400, f"the prompt ({len(ids)} tokens) plus max_tokens={wanted} exceeds the model's context "
                             f"of {served.context_length}; ask for max_tokens <= {room} or shorten the prompt",
