@@ -3,11 +3,14 @@ they decode alone and what meshlm.generate decodes, for every scheme, with exit 
 import pytest
 import torch
 from conftest import build, tiny
+from test_exit import LOOPS, mid_threshold, x_batch
 
 from meshlm.errors import ConfigError
 from meshlm.generate import Sampling, generate
+from meshlm.model.schemes import SCHEMES
 from meshlm.serve.batcher import Batcher, QueueFull, Request
 
+LOOPED = sorted(name for name in SCHEMES if name != "vanilla")  # every scheme the registry has
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [3], [20, 21, 22, 23]]
 LENGTHS = [9, 14, 5, 12, 7]  # max_new_tokens per request: rows leave at different steps
 
@@ -37,7 +40,7 @@ def requests(**kw) -> list[Request]:
     return [Request(p, greedy(n), **kw) for p, n in zip(PROMPTS, LENGTHS)]
 
 
-@pytest.mark.parametrize("scheme", ["mesh", "base", "anchor", "residual", "dynamic-mix", "vanilla"])
+@pytest.mark.parametrize("scheme", [*LOOPED, "vanilla"])
 def test_joining_and_leaving_rows_decode_as_alone(scheme):
     model = build(tiny(scheme=scheme, spec="1+2+1+1" if scheme == "vanilla" else "1+1R3+1"))
     batcher = Batcher(model, eos_id=0, pad_id=1, max_batch=4)
@@ -48,18 +51,20 @@ def test_joining_and_leaving_rows_decode_as_alone(scheme):
     assert batcher.stats.step_rows > batcher.stats.steps  # they did share batches
 
 
-@pytest.mark.parametrize("rule", ["state:0.2", "kl:0.002"])
-def test_exit_inside_a_batch_decodes_as_alone_and_skips_loops(rule):
-    model = build(tiny(spec="1+1R4+1"))
+@pytest.mark.parametrize("scheme", LOOPED)
+@pytest.mark.parametrize("criterion", ["state", "kl"])
+def test_exit_inside_a_batch_decodes_as_alone_and_skips_loops(scheme, criterion):
+    model = build(tiny(scheme=scheme, spec=f"1+1R{LOOPS}+1"))
+    rule = f"{criterion}:{mid_threshold(model, x_batch(), criterion)}"  # splits tokens after the first step
     batcher = Batcher(model, eos_id=0, pad_id=1)
     rs = requests(exit=rule)
     staggered(batcher, rs, every=1)
     assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
     stats = batcher.stats
-    assert stats.loop_steps < 4 * stats.decoded  # some tokens exited early, in a batch
+    assert stats.loop_steps < LOOPS * stats.decoded  # some tokens exited early, in a batch
 
 
-@pytest.mark.parametrize("scheme", ["mesh", "anchor"])
+@pytest.mark.parametrize("scheme", LOOPED)
 @pytest.mark.parametrize("speculate", ["1:2", "2:3", "auto"])
 def test_speculation_inside_a_batch_is_plain_greedy(scheme, speculate):
     model = build(tiny(scheme=scheme, spec="1+1R4+1"))
