@@ -1,5 +1,6 @@
 """`meshlm serve` end to end: a fresh subprocess on a free loopback port, driven by the real openai client."""
 import asyncio
+import json
 import signal
 import socket
 import time
@@ -217,3 +218,24 @@ def test_a_port_in_use_is_a_one_line_error(folder):
         done = cli("serve", str(folder), "--port", str(taken.getsockname()[1]), timeout=120)
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
     assert "meshlm serve: error: cannot listen on 127.0.0.1:" in done.stderr and "pass another --port" in done.stderr
+
+
+def test_a_hugging_face_folder_is_served_with_its_own_chat_template(folder, tmp_path):
+    from meshlm.hf import save_hf
+
+    opened = open_model(folder)
+    save_hf(opened.model, tmp_path / "hf")
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    server = Server(tmp_path / "hf")
+    try:
+        messages = [{"role": "user", "content": "Say hello"}]
+
+        async def go():
+            async with server.client() as c:
+                return await c.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+        reply = asyncio.run(go())
+        assert server.get("/v1/models").json()["data"][0]["meshlm"]["chat_template"] == "folder"
+        assert reply.choices[0].message.content == solo(opened, "[user] Say hello\n[assistant]", 8)
+    finally:
+        server.stop()

@@ -161,3 +161,24 @@ def test_newcomers_prefilled_together_decode_as_alone(settings):
     while batcher.step():
         pass
     assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
+
+
+def test_a_failing_batch_ends_its_own_requests_and_the_others_go_on(monkeypatch):
+    from meshlm.serve import cohorts
+
+    model = build(tiny(spec="1+1R3+1"))
+    batcher = Batcher(model, eos_id=0, pad_id=1)
+    broken, fine = Request(PROMPTS[0], greedy(6), exit="state:0.1"), Request(PROMPTS[1], greedy(6))
+    real_step = cohorts.PlainCohort.step
+
+    def step(self):
+        if self.exit is not None:
+            raise RuntimeError("out of memory")
+        return real_step(self)
+    monkeypatch.setattr(cohorts.PlainCohort, "step", step)
+    batcher.submit(broken)
+    batcher.submit(fine)
+    while batcher.step():
+        pass
+    assert broken.finish == "error" and "out of memory" in broken.error and broken.done.is_set()
+    assert fine.finish == "length" and fine.tokens == reference(model, fine)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -150,12 +151,30 @@ class Batcher:
         return bool(self.cohorts or self.waiting)
 
     def serve(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
-        """Decode until `stop` is set, sleeping while there is no work."""
+        """Decode until `stop` is set, sleeping while there is no work. A bug that escapes a step ends the
+        running requests with finish "error" (its traceback on stderr) and decoding goes on."""
         while not stop.is_set():
-            if not self.step():
+            try:
+                busy = self.step()
+            except Exception as err:  # noqa: BLE001 - the thread must outlive one bad step
+                traceback.print_exc()
+                self._fail_running(err)
+                busy = True
+            if not busy:
                 with self._wake:
                     if not self.waiting and not stop.is_set():
                         self._wake.wait(idle_wait)
+
+    def _fail_running(self, err: Exception) -> None:
+        for cohort in self.cohorts.values():
+            self._fail(cohort.requests, err)
+        self.cohorts.clear()
+
+    def _fail(self, requests: list[Request], err: Exception) -> None:
+        for r in requests:
+            if r.finish is None:
+                r.error = f"{type(err).__name__}: {err}"
+                self._finish(r, "error")
 
     def _admit(self) -> None:
         """Take waiting requests while rows are free; each cohort prefills its newcomers in one batch."""
@@ -171,9 +190,7 @@ class Batcher:
             try:
                 self._start(key, group)
             except Exception as err:  # noqa: BLE001 - a failure of some requests must not stop the others
-                for r in group:
-                    r.error = f"{type(err).__name__}: {err}"
-                    self._finish(r, "error")
+                self._fail(group, err)
 
     def _start(self, key: tuple, group: list[Request]) -> None:
         device = self.model.embed_in.weight.device
@@ -196,10 +213,7 @@ class Batcher:
         try:
             self._decode(cohort)
         except Exception as err:  # noqa: BLE001 - one broken batch must not stop the server
-            for r in cohort.requests:
-                if r.finish is None:
-                    r.error = f"{type(err).__name__}: {err}"
-                    self._finish(r, "error")
+            self._fail(cohort.requests, err)
             cohort.requests.clear()
 
     def _decode(self, cohort: Cohort) -> None:
