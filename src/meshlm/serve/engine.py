@@ -12,6 +12,8 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 
+import torch
+
 from meshlm.serve.batcher import Batcher, Request
 
 
@@ -28,9 +30,7 @@ class Engine:
         self._thread.start()
 
     def _run(self) -> None:
-        import torch
-
-        torch.set_grad_enabled(False)
+        torch.set_grad_enabled(False)  # per thread, like autocast
         with self._autocast():
             self.batcher.serve(self._stop)
 

@@ -20,6 +20,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 from meshlm.errors import ConfigError
 
 DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
@@ -95,9 +98,6 @@ def chat_template(folder: Path | None) -> tuple[str, bool]:
 def render_chat(template: str, messages: list[dict], **tokens: str) -> str:
     """The prompt text for `messages` ([{"role", "content"}]), rendered in a sandbox (templates cannot reach
     Python objects or files). ConfigError when the template fails (a role it refuses, a bad template)."""
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
     def raise_exception(message: str):
         raise TemplateError(message)
 
