@@ -41,7 +41,7 @@ from meshlm.model.lm import MeshLM
 # generate() arguments the speculative path understands; any other one is refused with its name
 SPECULATIVE_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",
                       "eos_token_id", "pad_token_id", "assistant_early_exit", "num_assistant_tokens", "speculate",
-                      "speculation_stats"}
+                      "speculation_stats", "generation_config"}
 
 # the output field that carries the cache: "cache" in recent transformers, "past_key_values" before
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -111,14 +111,19 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
         assistant knobs: `assistant_early_exit=K_d` (loop passes here, not layers) and `num_assistant_tokens=γ`.
         transformers' own early-exit assistant cannot share the looped cache slots, so it would recompute the
         shallow loops; this path reuses them. It takes input_ids, attention_mask (left padding), max_new_tokens,
-        do_sample, temperature, top_k, top_p, eos/pad ids (the generation config supplies what is not passed);
+        do_sample, temperature, top_k, top_p, eos/pad ids and a `generation_config` (which, else the model's
+        own generation config, supplies what is not passed, the assistant knobs included);
         any other argument is refused. `speculation_stats` (a SpeculationStats) receives acceptance and speed.
         Returns (B, T + new) ids, finished rows padded with pad_token_id, as generate() does."""
-        cfg = self.generation_config
-        speculate = kwargs.get("speculate")
-        early = kwargs.get("assistant_early_exit", getattr(cfg, "assistant_early_exit", None))
+        configs = [kwargs.get("generation_config"), self.generation_config]  # a passed one wins, field by field
+
+        def get(name):
+            values = [kwargs.get(name)] + [getattr(cfg, name, None) for cfg in configs]
+            return next((value for value in values if value is not None), None)
+
+        speculate, early = kwargs.get("speculate"), get("assistant_early_exit")
         if speculate is None and early is not None:
-            gamma = kwargs.get("num_assistant_tokens")
+            gamma = get("num_assistant_tokens")
             speculate = f"{early}:{gamma}" if gamma else f"{early}"
         if speculate is None:
             return super().generate(inputs, **{k: v for k, v in kwargs.items() if k != "speculation_stats"})
@@ -129,9 +134,6 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
         ids = inputs if inputs is not None else kwargs["input_ids"]
         mask = kwargs.get("attention_mask")
         prompts = [row[m.bool()].tolist() for row, m in zip(ids, torch.ones_like(ids) if mask is None else mask)]
-        def get(name):
-            return kwargs[name] if kwargs.get(name) is not None else getattr(cfg, name, None)
-
         eos, pad = get("eos_token_id"), get("pad_token_id")
         eos = eos[0] if isinstance(eos, (list, tuple)) else eos
         sampled = bool(get("do_sample"))
