@@ -108,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
 def check_inputs(args: argparse.Namespace) -> str | None:
     """Every argument, the model folder, the device, the task names and their fetched data, before any compute
     (all problems in one error). Returns the tasks to run (None = none)."""
+    from meshlm import hub
     from meshlm.errors import Problems
     from meshlm.evaluation.run import check_task_data, suite_for
     from meshlm.loading import locate
@@ -120,8 +121,8 @@ def check_inputs(args: argparse.Namespace) -> str | None:
     p.need(args.exit_loops is None or args.exit_loops >= 1, f"--exit-loops {args.exit_loops} must be >= 1")
     p.check(resolve_device, args.device)
     reasoning = args.suite == "reasoning"
-    if p.need(Path(args.checkpoint).exists(), f"{args.checkpoint} does not exist; pass a run folder, a "
-                                              f"step-NNNNNN folder or a model folder"):
+    if p.need(hub.exists(args.checkpoint), f"{args.checkpoint} does not exist; pass a run folder, a step-NNNNNN "
+                                           f"folder, a model folder or a Hugging Face Hub name org/name[@revision]"):
         folder = p.check(locate, args.checkpoint)
         if folder is not None:
             p.need(not (args.out and Path(args.out).is_dir()), f"--out {args.out} is a folder; name the JSON file to "

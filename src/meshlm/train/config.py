@@ -55,9 +55,9 @@ class TrainConfig:
     tokenizer: str = "default"  # "default", "pythia" or a tokenizer.json; must match the prepared data
     # (task data's own tokenizer.json when left at "default")
     init_from: str = ""  # start from the weights of any folder meshlm.loading opens (a run or step dir, a
-    # `meshlm retrofit`/`convert` output, a Hugging Face folder): its model config (plus any model.* overrides)
-    # and its tokenizer (meshlm.loading's rule; train.tokenizer other than "default" overrides it); fresh
-    # optimizer and schedule
+    # `meshlm retrofit`/`convert` output, a Hugging Face folder or Hub name org/name[@revision]): its model
+    # config (plus any model.* overrides) and its tokenizer (meshlm.loading's rule; train.tokenizer other than
+    # "default" overrides it); fresh optimizer and schedule
     # -- batch and length ---------------------------------------------------------------------------------
     seq_len: int = 0  # tokens per sequence; 0 -> the model's context_length
     global_batch: int = 8  # sequences per optimizer step, summed over every rank (8: best at CPU scale)
