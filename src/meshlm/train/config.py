@@ -48,8 +48,9 @@ PREFIX = "invalid training config: "
 class TrainConfig:
     # -- what to train on ---------------------------------------------------------------------------------
     name: str = ""  # run name: checkpoints go to <out_dir>/<name>; "" -> "<preset>-<scheme>"
-    out_dir: str = "runs"
+    out_dir: str = "runs"  # where run folders go: <out_dir>/<name>
     model: dict[str, Any] = field(default_factory=lambda: {"preset": DEFAULT_PRESET})  # preset + overrides
+    # (the model fields above)
     data: str = "default"  # a prepared-data dir (`meshlm prepare`), "default" = the embedded corpus, or a
     # reasoning task source such as task:chase (meshlm.data.tasks: generated once into the cache)
     tokenizer: str = "default"  # "default", "pythia" or a tokenizer.json; must match the prepared data
