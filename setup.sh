@@ -11,7 +11,7 @@ cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip
-.venv/bin/python -m pip install --quiet -c constraints.txt -e '.[dev,hf,tensorboard]'
+.venv/bin/python -m pip install --quiet -c constraints.txt -e '.[dev,hf,tensorboard,trackers]'
 .venv/bin/meshlm fetch > /dev/null
 if ! command -v chromium > /dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get > /dev/null; then

@@ -32,7 +32,7 @@ from meshlm.model.accounting import describe
 from meshlm.runtime import allocator
 from meshlm.runtime.devices import device_problem
 from meshlm.runtime.peaks import device_peak
-from meshlm.train import parallel
+from meshlm.train import parallel, trackers
 from meshlm.train.batches import get_batch, windows_xy
 from meshlm.train.config import TrainConfig
 from meshlm.train.interrupt import StopRequest
@@ -125,7 +125,7 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.flops_per_token = describe(self.model_cfg, self.seq_len).train_flops_per_token
         self.peak, self.peak_source = device_peak(env.device, env.autocast_dtype, cfg.peak_flops)
-        self.metrics = Metrics(self.run_dir, enabled=env.is_main, tensorboard=cfg.tensorboard)
+        self.metrics = Metrics(self.run_dir, enabled=env.is_main, loggers=cfg.tracker_names(), name=self.run_dir.name)
         self.step, self.best_val, self.nonfinite_in_row = 0, math.inf, 0
         self.loss_parts: dict[str, float] = {}  # the last step's lm/aux/z losses (MoE backbones only)
         self._prepare_run_dir(resume)
@@ -328,11 +328,13 @@ class Trainer:
                  f"{cfg.global_batch} x {self.seq_len} tokens, world {env.world}, {env.device.type} "
                  f"{env.precision.describe()}, {env.compile.describe()}; "
                  f"MFU peak {self.peak / 1e9:,.0f} GFLOP/s per device ({self.peak_source})")
-        self.metrics.log({"kind": "run", "step": self.step, "device": env.device.type, "world": env.world,
-                          "threads": torch.get_num_threads(), "dtype": env.precision.name,
-                          "dtype_reason": env.precision.reason, "compile": env.compile.enabled,
-                          "compile_reason": env.compile.reason, "peak_flops": self.peak,
-                          "peak_source": self.peak_source, "malloc": allocator.tune()})
+        run = {"device": env.device.type, "world": env.world, "threads": torch.get_num_threads(),
+               "dtype": env.precision.name, "dtype_reason": env.precision.reason, "compile": env.compile.enabled,
+               "compile_reason": env.compile.reason, "peak_flops": self.peak, "peak_source": self.peak_source,
+               "malloc": allocator.tune()}
+        self.metrics.log({"kind": "run", "step": self.step, **run})
+        train = {k: v for k, v in cfg.to_dict().items() if k != "model"}  # the model: resolved, beside
+        self.metrics.hparams({"train": train, "model": m.to_dict(), "run": run})
 
     def _record(self, ok: bool, loss: float, norm: float, lr: float, rate: float, elapsed: float,
                 bar: Progress) -> None:
@@ -388,6 +390,8 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> None:
         _data_problems(p, path, seq_len, model_cfg, tok, cfg.seq_len)
     if cfg.init_from:
         p.check(locate, cfg.init_from)  # any model folder meshlm.loading opens
+    for problem in trackers.missing([n for n in cfg.tracker_names() if n != "tensorboard"]):
+        p.need(False, problem)
     p.writable(cfg.run_dir(), "run folder")
     busy = owner_problem(cfg.run_dir())  # another training in this folder: nothing else about it matters
     p.need(busy is None, busy or "")
