@@ -286,3 +286,25 @@ def test_exported_model_takes_depth_and_exit_settings():
     ours = generate(model, prompts, Sampling(max_new_tokens=6, temperature=0, stop_at_eos=False), pad_id=1,
                     loops=4, exit="state:0.3")
     assert out[:, ids.shape[1]:].tolist() == ours
+
+
+def test_hidden_states_are_the_stage_boundaries_and_attention_weights_are_refused():
+    model = build(tiny(spec="1+2R3+1"))
+    hf = from_meshlm(model)
+    ids, mask = left_padded_batch(97)
+    with torch.no_grad():
+        out = hf(ids, attention_mask=mask, output_hidden_states=True)
+        stages = model(ids, padding_mask=mask, return_states=True).stages
+        assert hf(ids, attention_mask=mask).hidden_states is None  # only when asked for
+    expected = (stages.embeddings, stages.prelude, *stages.states[1:], stages.coda)
+    assert len(out.hidden_states) == 2 + 3 + 1 and all(torch.equal(a, b) for a, b in zip(out.hidden_states, expected))
+    with pytest.raises(ValueError, match="returns no attention weights"):
+        hf(ids, attention_mask=mask, output_attentions=True)
+
+
+def test_model_card_states_the_sequence_length_a_default_seq_len_trained_at():
+    from meshlm.hf.card import model_card
+
+    cfg = tiny(context_length=48)
+    assert "sequence length 48)" in model_card(cfg, {"train": {"seq_len": 0}})  # 0: the model's context length
+    assert "sequence length 32)" in model_card(cfg, {"train": {"seq_len": 32}})

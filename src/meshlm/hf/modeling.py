@@ -47,6 +47,13 @@ SPECULATIVE_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sampl
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
+def stage_states(stages) -> tuple[torch.Tensor, ...]:
+    """`output_hidden_states`: the stage boundaries of a looped model, each (B, T, d): the embeddings, the
+    prelude's output, the state after every loop step (h¹ … h^K) and the coda's output (before the final norm).
+    A looped layer has no single output per unrolled layer index, so these are the states a probe reads."""
+    return (stages.embeddings, stages.prelude, *stages.states[1:], stages.coda)
+
+
 class MeshForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = MeshConfig
     base_model_prefix = "model"
@@ -82,10 +89,16 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         loops: int | None = None,  # loop steps (default: config.loops, else the trained K)
         exit: str | None = None,  # adaptive exit rule, e.g. "state:0.05" (default: config.exit, else off)
+        output_hidden_states: bool | None = None,  # the stage boundaries (see hidden_states below)
+        output_attentions: bool | None = None,  # refused: attention runs through SDPA, which returns no weights
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError("meshlm models take input_ids, not inputs_embeds")
+        if output_attentions or (output_attentions is None and self.config.output_attentions):
+            raise ValueError("meshlm attention runs through F.scaled_dot_product_attention, which returns no "
+                             "attention weights; drop output_attentions (meshlm.analysis.probes reads the states)")
+        hidden = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError("meshlm models take a 2D (batch, tokens) attention_mask; use the default dynamic cache")
         cache = cache if cache is not None else past_key_values
@@ -99,9 +112,10 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
         if (loops or exit) and isinstance(cache, DynamicCache) and cache.get_seq_length() == 0:
             cache = DynamicCache()  # grows a slot per use: more loops and kl exit probes need more than the config's
         out = self.model(input_ids, targets=targets, padding_mask=attention_mask, position_ids=position_ids,
-                         cache=cache, loops=loops, exit=exit)
+                         cache=cache, loops=loops, exit=exit, return_states=bool(hidden))
         logits = out.logits[:, -logits_to_keep:] if logits_to_keep else out.logits
-        result = CausalLMOutputWithPast(loss=out.loss, logits=logits, **{CACHE_FIELD: cache})
+        result = CausalLMOutputWithPast(loss=out.loss, logits=logits, **{CACHE_FIELD: cache},
+                                        hidden_states=stage_states(out.stages) if hidden else None)
         return result if return_dict is not False else result.to_tuple()
 
     def generate(self, inputs: torch.Tensor | None = None, **kwargs):

@@ -165,7 +165,7 @@ class Trainer:
         if ckpt.meta["model"] != self.model_cfg.to_dict():
             raise CheckpointError(f"{ckpt.path / checkpoint.CONFIG} was written for a different model config; "
                                   f"resume with the config the run started with")
-        changed = sorted(k for k, v in self.cfg.to_dict().items() if ckpt.meta["train"].get(k, v) != v)
+        changed = changed_settings(ckpt.meta["train"], self.cfg.to_dict(), self.run_dir.name)
         if changed:
             self.log(f"warning: resuming with changed train settings: {', '.join(changed)}")
         state = ckpt.state
@@ -371,6 +371,13 @@ class Trainer:
                 f"loss or gradients were non-finite for {self.nonfinite_in_row} steps in a row (last at step "
                 f"{self.step}); the run diverged: lower train.lr or raise train.warmup, then --resume from the "
                 f"last checkpoint in {self.run_dir}")
+
+
+def changed_settings(saved: dict, current: dict, run_name: str) -> list[str]:
+    """The train fields a resume changes. An unset name means the run folder's name, so `train.name=<that>`
+    (or leaving it unset) is the same run, not a change."""
+    saved, current = {**saved, "name": saved.get("name") or run_name}, {**current, "name": current["name"] or run_name}
+    return sorted(k for k, v in current.items() if saved.get(k, v) != v)
 
 
 def preflight(cfg: TrainConfig, resume: bool = False) -> None:
