@@ -28,7 +28,7 @@ from meshlm.data.tokenizer import check_vocab, load_tokenizer, tokenizer_file
 from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError, Problems
 from meshlm.loading import locate, open_model, weight_mismatch
 from meshlm.model import MeshLM
-from meshlm.model.accounting import describe
+from meshlm.model.accounting import describe, train_flops_per_token
 from meshlm.runtime import allocator
 from meshlm.runtime.devices import device_problem
 from meshlm.runtime.peaks import device_peak
@@ -123,7 +123,9 @@ class Trainer:
         self.step_loops = self.model_cfg.layout.n_steps  # the last step's loop count (logged when sampled)
         self.optimizer = build_optimizer(self.model, cfg, env.device)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
-        self.flops_per_token = describe(self.model_cfg, self.seq_len).train_flops_per_token
+        self.flops_per_token = describe(self.model_cfg, self.seq_len).train_flops_per_token  # the spec's K;
+        # with sampled or truncated depth: the mean over the steps run of their drawn depth (_count_flops)
+        self.flops_seen, self.steps_seen, self._flops_at = 0.0, 0, {}
         self.peak, self.peak_source = device_peak(env.device, env.autocast_dtype, cfg.peak_flops)
         self.metrics = Metrics(self.run_dir, enabled=env.is_main, loggers=cfg.tracker_names(), name=self.run_dir.name)
         self.step, self.best_val, self.nonfinite_in_row = 0, math.inf, 0
@@ -290,6 +292,7 @@ class Trainer:
                     loss, norm, ok = self.train_step(self.step)
                     dt = time.perf_counter() - t0
                     self.step += 1
+                    self._count_flops()
                     train_time += dt
                     rate = self.tokens_per_step / dt if rate == 0 else 0.9 * rate + 0.1 * self.tokens_per_step / dt
                     self._after_step(ok, loss, norm, bar)
@@ -316,6 +319,17 @@ class Trainer:
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.global_batch * self.seq_len
+
+    def _count_flops(self) -> None:
+        """The mean training FLOPs per token over the steps run, each at the loop count it drew."""
+        cfg = self.cfg
+        if not (self.loop_dist.sampled or self.loop_dist.low or cfg.backprop_loops):
+            return  # the spec's K every step: describe's figure
+        loops = self.step_loops
+        if loops not in self._flops_at:
+            self._flops_at[loops] = train_flops_per_token(self.model, loops, cfg.backprop_loops or None, self.seq_len)
+        self.flops_seen, self.steps_seen = self.flops_seen + self._flops_at[loops], self.steps_seen + 1
+        self.flops_per_token = self.flops_seen / self.steps_seen
 
     def mfu(self, tokens_per_s: float) -> float:
         return tokens_per_s * self.flops_per_token / (self.peak * self.env.world)
