@@ -75,3 +75,20 @@ def test_meshlm_eval_of_a_generative_yaml_task_equals_lm_eval_hf_on_the_export(t
     theirs = {s["doc_id"]: s["resps"] for s in raw["samples"]["tiny_gen"]}
     assert {s["doc_id"]: s["resps"] for s in samples} == theirs and len(theirs) == 2
     assert ours["score"] == raw["results"]["tiny_gen"]["exact_match,none"]
+
+
+def test_scoring_and_generation_report_progress_so_a_long_setting_is_not_silent():
+    from meshlm.evaluation.harness import MeshLMEval
+
+    model, tok = build(tiny(spec="1+2R2+1", vocab_size=8192)), load_tokenizer("default")
+    lines = []
+    lm = MeshLMEval(model, tok, batch_tokens=64, log=lines.append, every_s=0.0)
+    from lm_eval.api.instance import Instance
+
+    pairs = [Instance(request_type="loglikelihood", doc={}, arguments=(f"Once upon a time {i}", " there"), idx=0)
+             for i in range(5)]
+    lm.loglikelihood(pairs)
+    lm.generate_until(requests(["Hi", "Hello there"], {"until": STOP, "max_gen_toks": 3, "do_sample": False}))
+    assert any("of 5 loglikelihood requests" in line for line in lines)
+    assert any(line.strip().startswith("5 loglikelihood requests in") for line in lines)
+    assert any(line.strip().startswith("2 generate_until requests in") for line in lines)

@@ -24,6 +24,7 @@ own cross-entropy loss, not the gather used here).
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,25 @@ from meshlm.generate import Sampling, stream
 Pair = tuple[list[int], list[int]]  # (context ids, continuation ids)
 
 
+class Progress:
+    """A line every `every_s` seconds and one at the end, so a long few-shot setting is not minutes of silence."""
+
+    def __init__(self, log, total: int, what: str, every_s: float = 30.0):
+        self.log, self.total, self.what, self.every_s = log, total, what, every_s
+        self.count, self.start = 0, time.monotonic()
+        self.last = self.start
+
+    def add(self, n: int) -> None:
+        self.count += n
+        if self.log is not None and time.monotonic() - self.last >= self.every_s:
+            self.last = time.monotonic()
+            self.log(f"    {self.count:,} of {self.total:,} {self.what} ({self.last - self.start:.0f} s)")
+
+    def done(self) -> None:
+        if self.log is not None and self.total:
+            self.log(f"    {self.total:,} {self.what} in {time.monotonic() - self.start:.0f} s")
+
+
 class MeshLMEval(LM):
     """lm-eval `LM` over a MeshLM and a meshlm TextTokenizer. `loops` evaluates at another loop count, `exit`
     (e.g. "state:0.05") lets each token stop looping early; `speculate` ("auto", "K_d", "K_d:γ") decodes
@@ -45,8 +65,10 @@ class MeshLMEval(LM):
     MAX_GEN_TOKS = 256  # HFLM's default where a task sets no max_gen_toks
 
     def __init__(self, model, tokenizer, batch_tokens: int = 8192, loops: int | None = None,
-                 device: str | torch.device | None = None, exit: str | None = None, speculate: str | None = None):
+                 device: str | torch.device | None = None, exit: str | None = None, speculate: str | None = None,
+                 log=None, every_s: float = 30.0):
         super().__init__()
+        self.log, self.every_s = log, every_s  # progress lines (lm-eval's own bars are silenced by meshlm eval)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.batch_tokens = batch_tokens
@@ -68,7 +90,9 @@ class MeshLMEval(LM):
     # -- lm-eval API --------------------------------------------------------------------------------------
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
         pairs = [self.encode_pair(*req.args) for req in requests]
-        results = self.score(pairs)
+        progress = Progress(self.log, len(pairs), "loglikelihood requests", self.every_s)
+        results = self.score(pairs, progress)
+        progress.done()
         for req, result in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", req.args, result)
         return results
@@ -91,6 +115,7 @@ class MeshLMEval(LM):
         for i, req in enumerate(requests):  # one group per distinct generation setting
             groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
         out: list[str | None] = [None] * len(requests)
+        progress = Progress(self.log, len(requests), "generate_until requests", self.every_s)
         for members in groups.values():
             settings = normalize_gen_kwargs(dict(requests[members[0]].args[1]), self.MAX_GEN_TOKS)
             eos = self.tokenizer.decode([self.tokenizer.eos_id])
@@ -109,6 +134,8 @@ class MeshLMEval(LM):
                 for i, text in zip(batch, texts):
                     out[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                progress.add(len(batch))
+        progress.done()
         return out
 
     def _generate(self, prompts: list[list[int]], until: list[str], n_new: int, settings: dict) -> list[str]:
@@ -137,7 +164,7 @@ class MeshLMEval(LM):
         return self.tokenizer.hf.decode(ids, skip_special_tokens=True)  # as HFLM's tok_decode
 
     # -- batched scoring ----------------------------------------------------------------------------------
-    def score(self, pairs: list[Pair]) -> list[tuple[float, bool]]:
+    def score(self, pairs: list[Pair], progress: Progress | None = None) -> list[tuple[float, bool]]:
         """(sum of continuation log-probs, whether greedy decoding reproduces it) for each pair."""
         windows = [self._window(ctx, cont) for ctx, cont in pairs]
         order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
@@ -145,6 +172,8 @@ class MeshLMEval(LM):
         for batch in self._batches(order, windows):
             for i, result in zip(batch, self._score_batch([windows[i] for i in batch])):
                 results[i] = result
+            if progress is not None:
+                progress.add(len(batch))
         return results
 
     def _window(self, ctx: list[int], cont: list[int]) -> tuple[list[int], int]:

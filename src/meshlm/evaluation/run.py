@@ -136,7 +136,7 @@ def downstream(loaded: Opened, options: EvalOptions, log: Callable[[str], None] 
     from meshlm.evaluation.harness import MeshLMEval  # imports lm-eval: only when downstream tasks run
 
     lm = MeshLMEval(loaded.model, loaded.tokenizer, batch_tokens=options.batch_tokens, loops=options.task_loops,
-                    exit=options.task_exit, speculate=options.speculate)
+                    exit=options.task_exit, speculate=options.speculate, log=log)
     out = {} if into is None else into
     for shots in options.shots:
         log(f"{shots}-shot: running {options.tasks} ...")
