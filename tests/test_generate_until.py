@@ -92,3 +92,18 @@ def test_scoring_and_generation_report_progress_so_a_long_setting_is_not_silent(
     assert any("of 5 loglikelihood requests" in line for line in lines)
     assert any(line.strip().startswith("5 loglikelihood requests in") for line in lines)
     assert any(line.strip().startswith("2 generate_until requests in") for line in lines)
+
+
+def test_a_task_whose_hub_data_are_not_cached_is_one_clear_error(tmp_path):
+    import meshlm.evaluation  # noqa: F401  (switches the Hub off for lm-eval's datasets, as meshlm eval runs)
+    from meshlm.errors import DataError
+    from meshlm.evaluation.downstream import run_suite
+    from meshlm.evaluation.harness import MeshLMEval
+
+    path = task_yaml(tmp_path)
+    spec = yaml.safe_load(path.read_text())
+    spec.update(dataset_path="acme/not-in-the-cache", dataset_kwargs=None)
+    path.write_text(yaml.safe_dump(spec))
+    lm = MeshLMEval(build(tiny(spec="1+2R2+1", vocab_size=8192)), load_tokenizer("default"))
+    with pytest.raises(DataError, match=r"keeps the Hugging Face Hub off, so a task's Hub data must be in the local"):
+        run_suite(lm, [str(path)], limit=1)

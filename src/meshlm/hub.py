@@ -46,6 +46,13 @@ def resolve(source: str | os.PathLike) -> tuple[Path, str | None]:
     return folder, f"{repo}@{folder.name}"  # a snapshot folder is named by its commit
 
 
+def prefetch(source: str | os.PathLike) -> None:
+    """Fetch a Hub name now, under the user's own HF_HUB_OFFLINE: `meshlm eval` and `meshlm probe` import
+    meshlm.evaluation, which switches the Hub off for lm-eval's datasets (huggingface_hub reads it once)."""
+    if is_hub_name(source):
+        resolve(source)
+
+
 def results_dir(hub_id: str) -> Path:
     """Where eval/probe results about a Hub model go: ./<org>--<name> (the cache is not ours to write)."""
     return Path.cwd() / hub_id.partition("@")[0].replace("/", "--")

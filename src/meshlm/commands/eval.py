@@ -86,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshlm import hub
+
+    hub.prefetch(args.checkpoint)  # first: importing meshlm.evaluation switches the Hub off (for lm-eval's data)
     from meshlm.evaluation.run import EvalOptions, evaluate, write_json
     from meshlm.evaluation.scope import choose, scope_of
     from meshlm.loading import open_model

@@ -47,6 +47,9 @@ def held_out_samples(data, n: int, tokens: int):
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from meshlm import hub
+
+    hub.prefetch(args.checkpoint)  # first: importing meshlm.evaluation switches the Hub off (for lm-eval's data)
     from meshlm.analysis import plots
     from meshlm.analysis.probes import probe
     from meshlm.evaluation.run import write_json

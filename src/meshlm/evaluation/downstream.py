@@ -15,6 +15,7 @@ import os
 import time
 from typing import Any
 
+from meshlm.errors import DataError
 from meshlm.evaluation.tasks import (
     MMLU_GROUP,
     PAPER_TASKS,
@@ -47,7 +48,7 @@ def run_suite(lm, task_names: str | list[str] | None = "all", shots: int = 0, li
             raw = _evaluate(lm, task_specs(tasks, cache_dir), task_manager(tasks), common)
             summary, samples = summarise(raw, tasks), raw.get("samples", {})
         if others:
-            raw = _evaluate(lm, *external.task_configs(others, include_path), common)
+            raw = _external(lm, others, include_path, common)
             summary["tasks"].update(external.summarise(raw))
             summary["items"] += sum(t["items"] for t in external.summarise(raw).values())
             samples.update(raw.get("samples", {}))
@@ -55,6 +56,17 @@ def run_suite(lm, task_names: str | list[str] | None = "all", shots: int = 0, li
     if log_samples:
         summary["samples"] = samples
     return summary
+
+
+def _external(lm, refs: list[str], include_path, common: dict) -> dict:
+    """lm-eval's own tasks; data on the Hub must already be in the local datasets cache (the Hub is off)."""
+    try:
+        return _evaluate(lm, *external.task_configs(refs, include_path), common)
+    except ConnectionError as err:
+        raise DataError(f"{', '.join(refs)}: {str(err).splitlines()[0][:160]}; meshlm eval keeps the Hugging Face "
+                        f"Hub off, so a task's Hub data must be in the local datasets cache: run "
+                        f"datasets.load_dataset(...) for it once where the Hub is reachable (or copy that "
+                        f"HF_DATASETS_CACHE here), or pass a task YAML with local data_files") from None
 
 
 def _evaluate(lm, tasks: list, manager, common: dict) -> dict:
