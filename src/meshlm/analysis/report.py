@@ -347,6 +347,10 @@ def write_report(paths: list[str | Path], out: str | Path, title: str = "meshlm 
     out.parent.mkdir(parents=True, exist_ok=True)
     page = render(runs, title, {name: plots.png_bytes(fig) for name, fig in figures.items()})
     tmp = out.with_name(out.name + ".tmp")  # atomic: a failure leaves the old page
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(out)
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        tmp.replace(out)
+    except OSError as err:
+        err.filename = str(out)  # the error names the page asked for, not its temporary file
+        raise
     return out

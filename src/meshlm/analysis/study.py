@@ -49,6 +49,8 @@ from meshlm.data.tasks import data_folder, holds_tasks, window_length
 from meshlm.errors import ConfigError, Interrupted, MeshlmError
 from meshlm.evaluation.tasks import PAPER_TASKS
 from meshlm.model.accounting import describe
+from meshlm.runtime.peaks import device_peak
+from meshlm.runtime.precision import choose
 from meshlm.train.config import find_config, load_config
 from meshlm.yaml_files import load_yaml
 
@@ -145,9 +147,6 @@ def planning_peak(study: Study) -> tuple[float, str]:
     """The per-device peak FLOP/s the estimates divide by, and where it comes from."""
     if study.peak_flops > 0:
         return study.peak_flops, "the study's peak_flops"
-    from meshlm.runtime.peaks import device_peak
-    from meshlm.runtime.precision import choose
-
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return device_peak(device, choose("auto", device).dtype)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from meshlm.errors import ConfigError
+from meshlm.evaluation.tasks import SUITE
 
 YAML_SUFFIXES = (".yaml", ".yml")
 
@@ -56,10 +57,13 @@ def task_configs(refs: list[str], include_path: list[str] | tuple[str, ...] = ()
     manager = task_manager(tuple(str(Path(p).expanduser().resolve()) for p in include_path), defaults=bool(names))
     unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
-        near = sorted({m for n in unknown for m in difflib.get_close_matches(n, manager.all_tasks, n=3)})
-        hint = f"; did you mean {', '.join(near)}?" if near else "; `lm_eval ls tasks` lists them"
-        raise ConfigError(f"unknown task(s) {unknown}: not in meshlm's suite nor among lm-eval's "
-                          f"{len(manager.all_tasks):,} tasks{' and --include-path' if include_path else ''}{hint}")
+        known = ["all", *SUITE, *manager.all_tasks]
+        near = list(dict.fromkeys(m for n in unknown for m in difflib.get_close_matches(n, known, n=3)))
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        raise ConfigError(f"unknown task(s) {unknown}{hint}; "
+                          f"choose from meshlm's suite (all, {', '.join(SUITE)}) or lm-eval's "
+                          f"{len(manager.all_tasks):,} tasks{' and --include-path' if include_path else ''} "
+                          f"(`lm_eval ls tasks` lists them), or pass a task YAML")
     return tasks, manager
 
 
