@@ -12,7 +12,8 @@ from trainkit import tiny_train
 
 from meshlm.errors import ConfigError
 from meshlm.train import trackers
-from meshlm.train.trainer import preflight, train
+from meshlm.train.preflight import preflight
+from meshlm.train.trainer import train
 
 STEPS = 4
 

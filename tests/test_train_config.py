@@ -134,7 +134,7 @@ def test_the_repository_configs_folder_is_the_shipped_one():
 
 
 def test_resume_sees_no_change_in_naming_the_run_it_resumes():
-    from meshlm.train.trainer import changed_settings
+    from meshlm.train.preflight import changed_settings
 
     saved = {"name": "", "lr": 1e-3, "steps": 10}
     assert changed_settings(saved, {"name": "mesh-small-mesh", "lr": 1e-3, "steps": 10}, "mesh-small-mesh") == []
