@@ -107,3 +107,29 @@ def test_a_task_whose_hub_data_are_not_cached_is_one_clear_error(tmp_path):
     lm = MeshLMEval(build(tiny(spec="1+2R2+1", vocab_size=8192)), load_tokenizer("default"))
     with pytest.raises(DataError, match=r"keeps the Hugging Face Hub off, so a task's Hub data must be in the local"):
         run_suite(lm, [str(path)], limit=1)
+
+
+@pytest.mark.slow  # lm-eval's HF model and meshlm eval on the shipped task: ~30 s
+def test_the_shipped_generative_task_runs_offline_with_lm_evals_own_numbers(tmp_path, prepared):
+    """meshlm_recite (meshlm.evaluation.tasks.recite): `meshlm eval --tasks meshlm_recite` and lm-eval's HF
+    model on the export, with lm-eval pointed at meshlm's shipped task folder, decode the same text per item."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from meshlm.evaluation.tasks import recite
+
+    run = tiny_checkpoint(tmp_path, "mesh", prepared)
+    assert main(["convert", str(run), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(run), "--tasks", "meshlm_recite", "--shots", "0", "--loops", "none", "--limit", "3",
+                 "--dtype", "fp32", "--log-samples", "--out", str(out)]) == 0
+    ours = json.loads(out.read_text())["downstream"]["0"]["tasks"]["meshlm_recite"]
+    assert ours["items"] == 3 and ours["metric"] == "exact_match"
+    samples = [json.loads(line) for line in (tmp_path / "eval-samples" / "0-shot.jsonl").read_text().splitlines()]
+    manager = TaskManager(include_defaults=False, include_path=str(recite.FOLDER))
+    raw = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={tmp_path / 'hf'},dtype=float32",
+                                  tasks=["meshlm_recite"], task_manager=manager, limit=3, log_samples=True,
+                                  batch_size=3, device="cpu")
+    theirs = {s["doc_id"]: s["resps"] for s in raw["samples"]["meshlm_recite"]}
+    assert {s["doc_id"]: s["resps"] for s in samples} == theirs and len(theirs) == 3
+    assert ours["score"] == raw["results"]["meshlm_recite"]["exact_match,none"]

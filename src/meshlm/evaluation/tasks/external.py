@@ -1,6 +1,7 @@
 """Any lm-eval task beside the paper's suite, run as lm-eval defines it: a task or group name that lm-eval's
-TaskManager knows (its ~15k registered YAMLs, plus the folders given with --include-path), or a task YAML
-file. Generative (`generate_until`) tasks are decoded by meshlm's cached decoding (meshlm.evaluation.harness).
+TaskManager knows (its ~15k registered YAMLs, meshlm's shipped tasks such as `meshlm_recite`
+(meshlm.evaluation.tasks.recite), and the folders given with --include-path), or a task YAML file.
+Generative (`generate_until`) tasks are decoded by meshlm's cached decoding (meshlm.evaluation.harness).
 
     meshlm eval CKPT --tasks gsm8k,piqa                       # a registered lm-eval task beside a suite task
     meshlm eval CKPT --tasks my_task.yaml                     # a task file (its `include:` resolved by lm-eval)
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from meshlm.errors import ConfigError
-from meshlm.evaluation.tasks import SUITE
+from meshlm.evaluation.tasks import SUITE, recite
 
 YAML_SUFFIXES = (".yaml", ".yml")
 
@@ -54,7 +55,9 @@ def task_configs(refs: list[str], include_path: list[str] | tuple[str, ...] = ()
         else:
             tasks.append(ref)
     names = [t for t in tasks if isinstance(t, str)]
-    manager = task_manager(tuple(str(Path(p).expanduser().resolve()) for p in include_path), defaults=bool(names))
+    folders = (str(recite.FOLDER), *(str(Path(p).expanduser().resolve()) for p in include_path))
+    shipped = {p.stem for p in recite.FOLDER.glob("*.yaml")}  # meshlm's own tasks: no need to index lm-eval's
+    manager = task_manager(folders, defaults=bool(set(names) - shipped))
     unknown = [n for n in names if n not in manager.all_tasks]
     if unknown:
         known = ["all", *SUITE, *manager.all_tasks]
@@ -88,9 +91,10 @@ def summarise(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
             continue
         metric, flt = _primary(values, config)
         stderr = values.get(f"{metric}_stderr,{flt}")
-        out[name] = {"metric": metric if flt == "none" else f"{metric} ({flt})", "score": values[f"{metric},{flt}"],
-                     "stderr": stderr if isinstance(stderr, (int, float)) else None,
+        score = float(values[f"{metric},{flt}"])
+        out[name] = {"metric": metric if flt == "none" else f"{metric} ({flt})", "score": score,
+                     "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
                      "items": int(raw.get("n-samples", {}).get(name, {}).get("effective", 0)),
                      "output_type": config.get("output_type"), "external": True,
-                     "metrics": {k: v for k, v in values.items() if "," in k and isinstance(v, (int, float))}}
+                     "metrics": {k: float(v) for k, v in values.items() if "," in k and isinstance(v, (int, float))}}
     return out
