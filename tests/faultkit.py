@@ -437,7 +437,7 @@ CASES: list[Case] = [
     Case("eval", "Ctrl-C during the tasks, after perplexity", ["eval", "{tmp}/run", "--tasks", "piqa", "--shots",
                                                               "0", "--limit", "2"], 130, "are kept",
          setup=lambda tmp, w: copy_run(tmp, w),
-         patch=lambda mp, tmp: (mp.setattr("meshlm.commands.eval.check_tasks", lambda tasks, p: None),
+         patch=lambda mp, tmp: (mp.setattr("meshlm.commands.eval.check_tasks", lambda tasks, p, *rest: None),
                                 mp.setattr("meshlm.evaluation.run.downstream", _ctrl_c)),
          after=_partial_eval_kept),
     # -- probe

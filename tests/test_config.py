@@ -85,7 +85,7 @@ def test_presets_cover_every_pythia_size_and_paper_split():
         assert ModelConfig.from_preset(name).scheme == "mesh"
     for name in PRESETS:  # every preset validates
         ModelConfig.from_preset(name)
-    with pytest.raises(ConfigError, match="unknown preset 'pythia-3b'; choose one of"):
+    with pytest.raises(ConfigError, match=r"unknown preset 'pythia-3b' \(did you mean 'pythia-1b', .*\); choose"):
         ModelConfig.from_preset("pythia-3b")
 
 

@@ -337,3 +337,21 @@ def test_shards_record_their_checksum_and_largest_id(tmp_path):
     assert [s["tokens"] for s in entry["shards"]] == [5, 2] and [s["max_id"] for s in entry["shards"]] == [70, 8]
     for shard in entry["shards"]:
         assert shard["sha256"] == hashlib.sha256((tmp_path / shard["file"]).read_bytes()).hexdigest()
+
+
+def test_progress_off_a_terminal_is_plain_lines_without_carriage_returns():
+    import io
+
+    from meshlm.data.prepare import progress_bar
+
+    log = io.StringIO()  # not a terminal, as a log file
+    with progress_bar(1000, True, stream=log) as bar:
+        for _ in range(4):
+            bar.update(250)
+    text = log.getvalue()
+    assert "\r" not in text and text.splitlines()[-1] == "tokenizing: 100% (1,000 of 1,000 characters)"
+    assert len(text.splitlines()) == 10
+    quiet = io.StringIO()
+    with progress_bar(1000, False, stream=quiet) as bar:
+        bar.update(1000)
+    assert quiet.getvalue() == ""

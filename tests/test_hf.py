@@ -2,7 +2,6 @@
 import ast
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -103,6 +102,26 @@ def test_generated_modeling_file_is_self_contained():
             assert not any(a.name.startswith("meshlm") for a in node.names)
 
 
+def test_bundler_rewrites_every_meshlm_import_form_and_refuses_the_rest():
+    from meshlm.hf.remote import BundleError, _localize_imports
+
+    source = ("from meshlm.a import x\nfrom meshlm.a import x as y  # noqa\nfrom meshlm.model import llama\n"
+              "import meshlm.model.moe as experts\nimport torch\n\n\ndef f():\n    from meshlm.b import (\n"
+              "        later as z,\n    )\n    return z\n")
+    out = _localize_imports(source, "t.py", earlier={"x"}, everywhere={"x", "later"}).splitlines()
+    assert out[:5] == ["pass", "y = x  # noqa", "llama = _BundledModule('meshlm.model.llama')",
+                       "experts = _BundledModule('meshlm.model.moe')", "import torch"]
+    assert out[8:11] == ["    z = later", "", ""]
+    refused = {"import meshlm.config\n": "import meshlm.config` cannot be bundled",
+               "from .x import y\n": "relative import",
+               "from meshlm.a import nowhere\n": "`nowhere` from meshlm.a is not defined",
+               "from meshlm.a import later\n": "`later` from meshlm.a is not defined by a bundled source before it",
+               "if True: from meshlm.a import x\n": "on a line of its own"}
+    for text, message in refused.items():
+        with pytest.raises(BundleError, match=message):
+            _localize_imports(text, "t.py", earlier={"x"}, everywhere={"x", "later"})
+
+
 def test_generated_code_runs_as_its_own_package(tmp_path):
     """Fast in-process stand-in for the fresh-process test: the generated module alone builds the same model."""
     import importlib
@@ -122,34 +141,65 @@ def test_generated_code_runs_as_its_own_package(tmp_path):
         assert torch.equal(loaded(x).logits, model(x).logits)
 
 
-@pytest.mark.slow  # a fresh interpreter imports torch and transformers: ~5-10 s
-def test_loads_with_trust_remote_code_in_a_process_without_meshlm(tmp_path):
+# Every documented way to call the exported model's generate(), as code both this process (meshlm's own class)
+# and the clean one (the folder's remote code) run: plain greedy, speculation by name, the assistant knobs as
+# arguments and in a GenerationConfig, sampled speculation, and config.loops / config.exit.
+GENERATE_CALLS = """
+import torch
+from transformers import GenerationConfig
+
+
+def generate_calls(model, ids, mask):
+    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    knobs = GenerationConfig(assistant_early_exit=1, num_assistant_tokens=2, max_new_tokens=8, do_sample=False)
+    out = {"greedy": model.generate(**common), "speculate": model.generate(**common, speculate="1:2"),
+           "auto": model.generate(**common, speculate="auto"),
+           "assistant_knobs": model.generate(**common, assistant_early_exit=1, num_assistant_tokens=3),
+           "generation_config": model.generate(ids, attention_mask=mask, generation_config=knobs)}
+    torch.manual_seed(0)
+    out["sampled_speculate"] = model.generate(**{**common, "do_sample": True}, top_k=20, speculate="1:2")
+    model.config.loops, model.config.exit = 3, "state:0.3"
+    out["loops_exit"] = model.generate(**common)
+    model.config.loops = model.config.exit = None
+    return out
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter imports torch and transformers: ~10 s
+def test_exported_folder_runs_every_generate_feature_where_meshlm_cannot_be_imported(tmp_path):
+    """The folder's own code, in a clean process with meshlm blocked, gives meshlm's logits and generate()
+    outputs exactly, for every call in GENERATE_CALLS, in a pipeline, and after saving the remote model again."""
+    from cleanenv import run_without_meshlm
+
     folder = tmp_path / "mesh-model"
-    model = build(tiny(scheme="mesh", spec="1+2R2+1", vocab_size=VOCAB))
+    model = build(tiny(scheme="mesh", spec="1+2R2+1", max_loops=4, vocab_size=VOCAB))
     save_hf(model, folder)
     x, mask = left_padded_batch(VOCAB)
+    namespace = {}
+    exec(GENERATE_CALLS, namespace)
+    ours = namespace["generate_calls"](from_meshlm(model), x, mask)
+    assert all(torch.equal(ours[name], ours["greedy"]) for name in ("speculate", "auto", "assistant_knobs",
+                                                                      "generation_config"))  # lossless
     with torch.no_grad():
-        expected = model(x, padding_mask=mask).logits
-    torch.save({"x": x, "mask": mask, "logits": expected}, tmp_path / "ref.pt")
-    code = f"""
-import sys, torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
-AutoTokenizer.from_pretrained({str(folder)!r}, trust_remote_code=True)
-ref = torch.load({str(tmp_path / "ref.pt")!r})
+        logits = model(x, padding_mask=mask).logits
+    torch.save({"x": x, "mask": mask, "logits": logits, "generated": ours}, tmp_path / "ref.pt")
+    run_without_meshlm(GENERATE_CALLS + f"""
+from transformers import AutoModelForCausalLM, pipeline
+folder, ref = {str(folder)!r}, torch.load({str(tmp_path / "ref.pt")!r})
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+assert type(model).__module__.startswith("transformers_modules."), type(model).__module__  # the folder's code
 with torch.no_grad():
     logits = model(ref["x"], attention_mask=ref["mask"]).logits
-m = ref["mask"].bool()
-assert (logits - ref["logits"])[m].abs().max().item() <= 1e-6
-out = model.generate(ref["x"], attention_mask=ref["mask"], max_new_tokens=3, do_sample=False)
-assert out.shape == (3, 10), out.shape
-assert "meshlm" not in sys.modules, "the remote code imported meshlm"
-print("ok")
-"""
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": ""}  # nothing points the child at meshlm's sources
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+assert (logits - ref["logits"])[ref["mask"].bool()].abs().max().item() <= 1e-6
+for name, out in generate_calls(model, ref["x"], ref["mask"]).items():
+    assert torch.equal(out, ref["generated"][name]), name
+text = pipeline("text-generation", model=folder, trust_remote_code=True)("Hi", max_new_tokens=4, do_sample=False)
+assert text[0]["generated_text"].startswith("Hi")
+model.save_pretrained({str(tmp_path / "again")!r})  # the remote code copies itself
+again = AutoModelForCausalLM.from_pretrained({str(tmp_path / "again")!r}, trust_remote_code=True).eval()
+with torch.no_grad():
+    assert torch.equal(again(ref["x"], attention_mask=ref["mask"]).logits, logits)
+""", tmp_path)
 
 
 def test_dynamic_cache_gets_one_entry_per_unrolled_layer():
@@ -236,3 +286,25 @@ def test_exported_model_takes_depth_and_exit_settings():
     ours = generate(model, prompts, Sampling(max_new_tokens=6, temperature=0, stop_at_eos=False), pad_id=1,
                     loops=4, exit="state:0.3")
     assert out[:, ids.shape[1]:].tolist() == ours
+
+
+def test_hidden_states_are_the_stage_boundaries_and_attention_weights_are_refused():
+    model = build(tiny(spec="1+2R3+1"))
+    hf = from_meshlm(model)
+    ids, mask = left_padded_batch(97)
+    with torch.no_grad():
+        out = hf(ids, attention_mask=mask, output_hidden_states=True)
+        stages = model(ids, padding_mask=mask, return_states=True).stages
+        assert hf(ids, attention_mask=mask).hidden_states is None  # only when asked for
+    expected = (stages.embeddings, stages.prelude, *stages.states[1:], stages.coda)
+    assert len(out.hidden_states) == 2 + 3 + 1 and all(torch.equal(a, b) for a, b in zip(out.hidden_states, expected))
+    with pytest.raises(ValueError, match="returns no attention weights"):
+        hf(ids, attention_mask=mask, output_attentions=True)
+
+
+def test_model_card_states_the_sequence_length_a_default_seq_len_trained_at():
+    from meshlm.hf.card import model_card
+
+    cfg = tiny(context_length=48)
+    assert "sequence length 48)" in model_card(cfg, {"train": {"seq_len": 0}})  # 0: the model's context length
+    assert "sequence length 32)" in model_card(cfg, {"train": {"seq_len": 32}})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,12 +20,22 @@ from meshlm.evaluation.tasks import SUITE, resolve_tasks
 from meshlm.evaluation.tasks.export import PREFIX, export_tasks, exported_name
 
 
-def test_exported_yamls_include_lm_evals_own_and_point_at_absolute_copies(tmp_path):
+def test_exported_yamls_hold_lm_evals_own_and_point_at_absolute_copies(tmp_path):
+    import lm_eval.tasks
+    from lm_eval.tasks import TaskManager, get_task_dict
+
     cache = wheel_cache(tmp_path / "cache")
-    names = export_tasks(tmp_path / "tasks", resolve_tasks("piqa,mmlu"), cache)
-    assert names == ["meshlm_piqa", "meshlm_mmlu"]
+    names = export_tasks(tmp_path / "tasks", resolve_tasks("piqa,hellaswag,mmlu"), cache)
+    assert names == ["meshlm_piqa", "meshlm_hellaswag", "meshlm_mmlu"]
     piqa = yaml.safe_load((tmp_path / "tasks" / "meshlm_piqa.yaml").read_text())
-    assert piqa["include"].endswith("lm_eval/tasks/piqa/piqa.yaml") and os.path.isabs(piqa["include"])
+    assert "include" not in piqa and piqa["doc_to_choice"] and piqa["output_type"] == "multiple_choice"
+    lm_eval_dir = str(Path(lm_eval.tasks.__file__).resolve().parent)  # inside this venv: never named
+    assert not any(lm_eval_dir in p.read_text() for p in (tmp_path / "tasks").glob("*.yaml"))
+    hellaswag = (tmp_path / "tasks" / "meshlm_hellaswag.yaml").read_text()
+    assert re.search(r"process_docs: !function '?lm_eval\.tasks\.hellaswag\.utils\.process_docs", hellaswag)
+    task = get_task_dict(["meshlm_hellaswag"], TaskManager(include_defaults=False,
+                                                           include_path=str(tmp_path / "tasks")))["meshlm_hellaswag"]
+    assert callable(task.config.process_docs) and len(task.eval_docs) == 10042
     data = piqa["dataset_kwargs"]["data_files"]["validation"]
     assert os.path.isabs(data) and Path(data).is_relative_to(tmp_path / "tasks" / "data")
     assert Path(data).read_bytes() == (cache / "evals").glob("*/piqa/validation.jsonl").__next__().read_bytes()

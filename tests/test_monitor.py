@@ -46,7 +46,7 @@ def test_on_a_terminal_progress_is_a_tqdm_bar():
 
 
 def test_tensorboard_events_are_written(tmp_path):
-    metrics = Metrics(tmp_path, enabled=True, tensorboard=True)
+    metrics = Metrics(tmp_path, enabled=True, loggers=["tensorboard"])
     metrics.log({"kind": "train", "step": 1, "loss": 2.5})
     metrics.close()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
@@ -54,7 +54,7 @@ def test_tensorboard_events_are_written(tmp_path):
 
 def test_tensorboard_asked_for_but_missing_says_so(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if the package were not installed
-    metrics = Metrics(tmp_path, enabled=True, tensorboard=True)
+    metrics = Metrics(tmp_path, enabled=True, loggers=["tensorboard"])
     metrics.log({"kind": "train", "step": 1, "loss": 2.5})
     assert metrics.tb is None and (tmp_path / "metrics.jsonl").is_file()
     assert "tensorboard package is not installed" in capsys.readouterr().err

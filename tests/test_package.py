@@ -33,6 +33,7 @@ def test_a_wheel_installed_outside_the_checkout_runs_the_shipped_studies_and_con
     names = zipfile.ZipFile(wheel).namelist()
     shipped = sorted(p.relative_to(ROOT / "src").as_posix() for p in (ROOT / "src/meshlm/configs").rglob("*.yaml"))
     assert shipped and set(shipped) <= set(names), "the wheel lacks shipped configs"
+    assert "meshlm/evaluation/tasks/local/meshlm_recite.yaml" in names  # the shipped lm-eval task
     site = tmp_path / "site"
     run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(wheel)], tmp_path, env)
     elsewhere = tmp_path / "elsewhere"

@@ -62,10 +62,13 @@ def write_metrics(run_dir, offset: float = 0.0, steps: int = 20, tokens_per_step
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"kind": "tr')
 
 
-def test_report_renders_every_section_for_two_runs(runs, tmp_path):
+def test_report_renders_every_section_for_two_runs(runs, tmp_path, capsys):
     out = tmp_path / "report.html"
     assert main(["report", *map(str, runs), "--out", str(out), "--title", "two tiny runs",
                  "--figures", str(tmp_path / "figures")]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.startswith("report: ") and "meshlm report: note: tiny-mesh: tasks scored with --limit 10" \
+        in printed.err  # what the notes say goes to stderr too, the result alone to stdout
     page = out.read_text()
     for section in ("id='table'", "id='training'", "id='loops'", "id='exit'", "id='probes'", "id='notes'",
                     "<h3>0-shot</h3>", "<h3>5-shot</h3>", f"avg<br><small>{len(SUITE)} of 9 tasks</small>"):
@@ -80,7 +83,13 @@ def test_report_renders_every_section_for_two_runs(runs, tmp_path):
     assert "--limit 10" in page  # the fake suites were "limited": the note says so
     saved = sorted(p.name for p in (tmp_path / "figures").iterdir())
     names = ("curves", "loops", "exit", "updates", "cka", "cka_steps", "spectrum", "rank", "router")
-    assert saved == sorted(f"{n}.png" for n in names)
+    assert saved == sorted(f"{n}.{fmt}" for n in names for fmt in ("png", "svg", "pdf"))
+    assert (tmp_path / "figures" / "loops.svg").read_text().lstrip().startswith("<?xml")
+    assert (tmp_path / "figures" / "loops.pdf").read_bytes().startswith(b"%PDF")
+    # every task score with its standard error (1.00 points), the 8-task average with sqrt(8 x 0.01²) / 8
+    table = page[page.index("id='table'"):page.index("id='training'")]
+    assert table.count("<small>± 1.00</small>") == 2 * 2 * len(SUITE)
+    assert table.count(f"<small>± {100 * math.sqrt(len(SUITE) * 1e-4) / len(SUITE):.2f}</small>") == 2 * 2
     assert "10,240 tokens, final training loss 4.0000, validation loss 4.1000" in page
 
 

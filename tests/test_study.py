@@ -2,6 +2,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from meshlm.analysis.study import Run, load_study, plan_table, probe_row, results_markdown
@@ -32,6 +33,22 @@ def test_shipped_studies_parse_and_estimate(path):
     assert study.runs
     table = plan_table(study)
     assert "GPU-hours in all" in table and all(run.name in table for run in study.runs)
+
+
+def test_plans_give_durations_in_units_that_show_them_at_this_machines_peak():
+    from meshlm.analysis.study import duration, planning_peak
+    from meshlm.runtime.peaks import device_peak
+    from meshlm.runtime.precision import choose
+
+    assert (duration(2.54), duration(0.5), duration(40 / 3600)) == ("2.5 h", "30 min", "40 s")
+    quick = load_study(STUDIES / "quick.yaml")  # no peak_flops: this machine's device
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    assert planning_peak(quick) == device_peak(device, choose("auto", device).dtype)
+    table = plan_table(quick)
+    assert "0.0" not in table.split("\n")[2]  # not "wall h 0.0": minutes or seconds where runs are short
+    assert device.type != "cpu" or " min" in table
+    paper = load_study(STUDIES / "paper-160m.yaml")
+    assert planning_peak(paper) == (989e12, "the study's peak_flops")
 
 
 def test_runs_are_variants_times_seeds(tmp_path):

@@ -131,3 +131,12 @@ def test_shipped_configs_resolve_by_name_from_any_directory(tmp_path, monkeypatc
 def test_the_repository_configs_folder_is_the_shipped_one():
     root = Path(__file__).resolve().parents[1]
     assert (root / "configs").resolve() == SHIPPED_CONFIGS.resolve()
+
+
+def test_resume_sees_no_change_in_naming_the_run_it_resumes():
+    from meshlm.train.preflight import changed_settings
+
+    saved = {"name": "", "lr": 1e-3, "steps": 10}
+    assert changed_settings(saved, {"name": "mesh-small-mesh", "lr": 1e-3, "steps": 10}, "mesh-small-mesh") == []
+    assert changed_settings({**saved, "name": "mesh-small-mesh"}, {**saved}, "mesh-small-mesh") == []
+    assert changed_settings(saved, {"name": "", "lr": 2e-3, "steps": 20}, "run") == ["lr", "steps"]

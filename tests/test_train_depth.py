@@ -82,6 +82,24 @@ def test_sampling_gives_per_step_parameters_up_to_the_distributions_95th_percent
 
 
 # -- training with sampled counts ------------------------------------------------------------------------------
+def test_mfu_of_sampled_and_truncated_depth_counts_the_drawn_loops(prepared, tmp_path):
+    """MFU = tokens/s x the mean training FLOPs per token of the steps run, each at its drawn loop count
+    (forward at the drawn count, backward over the last backprop_loops passes), not at the spec's K."""
+    from meshlm.model import MeshLM
+    from meshlm.model.accounting import describe, train_flops_per_token
+
+    cfg = tiny_train(prepared, tmp_path, steps=6, save_every=0, loops="uniform:1-6", backprop_loops=2,
+                     peak_flops=1e11)
+    result = train(cfg, log=lambda m: None)
+    drawn = [parse_loops(cfg.loops).draw(0, s) for s in range(6)]
+    with torch.device("meta"):
+        model = MeshLM(cfg.model_config())
+    mean = np.mean([train_flops_per_token(model, k, 2, cfg.seq_len) for k in drawn])
+    assert result.mfu == pytest.approx(result.tokens_per_s * mean / 1e11, rel=1e-9)
+    spec_k = describe(cfg.model_config(), cfg.seq_len).train_flops_per_token
+    assert mean != pytest.approx(spec_k)  # the figure the MFU used to divide by
+
+
 def test_sampled_training_logs_the_drawn_counts_and_resumes_bit_exactly(prepared, tmp_path):
     common = dict(steps=8, save_every=4, loops="poisson-lognormal:mean=2,cap=5", backprop_loops=2)
     ref = train(tiny_train(prepared, tmp_path / "ref", **common), log=lambda m: None)

@@ -8,18 +8,23 @@ Failures the user can act on are one line on stderr, `meshlm <command>: error: <
 and an exit code: 2 for usage (argparse errors, `ConfigError`), 1 for runtime (missing data, a corrupt
 checkpoint, a full disk: any other `MeshlmError` or `OSError`), 130 / 143 after Ctrl-C / SIGTERM. Anything
 else is a bug and keeps its traceback. `--debug` (or MESHLM_DEBUG=1) shows the traceback of every failure.
+A misspelt command or choice gets the nearest valid ones ("did you mean ...?").
+
+Shell completion (argcomplete, imported only while completing): `eval "$(register-python-argcomplete meshlm)"`
+in bash or zsh completes commands, options, and `meshlm train`'s model.* / train.* overrides.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
+import re
 import sys
 import traceback
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as installed
 
+import meshlm
 from meshlm.errors import MeshlmError, describe_os_error
+from meshlm.fields import did_you_mean
 from meshlm.runtime import allocator
 
 LONG_RUNNING = ("train", "eval", "probe", "generate", "reproduce", "serve")  # malloc tuned before they start
@@ -44,21 +49,28 @@ USAGE, RUNTIME = 2, 1
 
 
 def version() -> str:
-    try:
-        return installed("meshlm")
-    except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
-        return "unknown (not installed)"
+    return meshlm.__version__
 
 
 class Parser(argparse.ArgumentParser):
     """argparse with advice: a command sets `parser.hints = {fragment: advice}`, added to a usage error
-    whose message contains the fragment."""
+    whose message contains the fragment; an invalid choice gets the nearest valid ones. `epilog_factory`,
+    if a command sets one, builds the epilog only when help is shown (it may import what --help must not)."""
 
     hints: dict[str, str] = {}
+    epilog_factory = None
 
     def error(self, message: str):
         advice = [text for fragment, text in self.hints.items() if fragment in message]
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            message += did_you_mean([choice[1]], re.findall(r"'([^']*)'", choice[2]))
         super().error("; ".join([message, *advice[:1]]))
+
+    def format_help(self) -> str:
+        if self.epilog_factory is not None:
+            self.epilog = self.epilog_factory()
+        return super().format_help()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,8 +93,21 @@ def debugging(args: argparse.Namespace | None = None) -> bool:
     return bool(getattr(args, "debug", False)) or os.environ.get("MESHLM_DEBUG", "").strip() not in ("", "0")
 
 
+def complete(parser: argparse.ArgumentParser) -> None:
+    """Answer the shell's completion request and exit, when there is one (argcomplete's environment)."""
+    if "_ARGCOMPLETE" not in os.environ:
+        return
+    try:
+        import argcomplete
+    except ImportError:  # completion is optional: without argcomplete the shell just offers nothing
+        return
+    argcomplete.autocomplete(parser)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)  # usage errors: argparse prints one line and exits 2
+    parser = build_parser()
+    complete(parser)
+    args = parser.parse_args(argv)  # usage errors: argparse prints one line and exits 2
     if args.command in LONG_RUNNING:
         allocator.tune()
     try:

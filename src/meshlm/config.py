@@ -30,7 +30,7 @@ from typing import Any
 
 from meshlm.backbones import BACKBONES
 from meshlm.errors import ConfigError
-from meshlm.fields import build, coerce_all, type_problems, with_defaults
+from meshlm.fields import build, coerce_all, did_you_mean, type_problems, with_defaults
 
 _CORE = re.compile(r"^(\d+)(?:[rR](\d+))?$")
 PREFIX = "invalid model config: "
@@ -95,14 +95,14 @@ def parse_spec(spec: str) -> Layout:
 class ModelConfig:
     """Everything that defines a meshlm model. Plain values only, so it round-trips through JSON."""
 
-    spec: str = "2+4R2+2"
-    d_model: int = 256
-    n_heads: int = 8
-    vocab_size: int = 8192
-    context_length: int = 512
+    spec: str = "2+4R2+2"  # layers: prelude + core (R = loop steps K) + coda, e.g. 4+8R2+4 (parse_spec)
+    d_model: int = 256  # hidden width
+    n_heads: int = 8  # attention heads (head dim = d_model / n_heads)
+    vocab_size: int = 8192  # token ids: the tokenizer's vocabulary (the shipped one has 8,192)
+    context_length: int = 512  # the longest sequence, in tokens
     backbone: str = "neox"  # a name in meshlm.backbones.BACKBONES
     rotary_pct: float | None = None  # None -> 0.25 for neox (Pythia), 1.0 (every head dim) for llama/olmoe
-    rotary_base: float = 10000.0
+    rotary_base: float = 10000.0  # RoPE base frequency
     layer_norm_eps: float = 1e-5  # eps of every norm: LayerNorm (neox) or RMSNorm (llama, olmoe)
     mlp_ratio: int = 4  # sets the MLP width when mlp_hidden is None (see `mlp_width`)
     mlp_hidden: int | None = None  # MLP width (per expert for olmoe); None -> the backbone's rule
@@ -119,7 +119,7 @@ class ModelConfig:
     max_loops: int | None = None  # deepest loop count with its own per-step parameters (MeSH: one router pair
     # per step up to it, the last pair beyond); None -> the spec's K. Set by train.loops sampling to its cap
     scale_embeddings: bool = True  # MeSH paper: embeddings × √d (Pythia: off)
-    init_std: float = 0.02
+    init_std: float = 0.02  # std of the normal weight init (meshlm.model.init)
     scale_output_init: bool = True  # output projections × 1/√(2·unrolled depth) (MeSH paper)
     router_init_std: float = 0.02  # routers start near-uniform (spec §8)
 
@@ -261,7 +261,8 @@ class ModelConfig:
     @classmethod
     def from_preset(cls, name: str, /, **overrides: Any) -> ModelConfig:
         if name not in PRESETS:
-            raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+            raise ConfigError(f"unknown preset {name!r}{did_you_mean([name], PRESETS)}; choose one of: "
+                              f"{', '.join(PRESETS)}")
         return cls.from_dict({**PRESETS[name], **overrides})
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import math
 from typing import Any
 
@@ -115,13 +116,20 @@ def kinds(cls) -> dict[str, str]:
     return {f.name: str(f.type) for f in dataclasses.fields(cls)}
 
 
+def did_you_mean(wrong: list, valid) -> str:
+    """" (did you mean 'lr'?)" for the valid names nearest to misspelt ones, or "" when none is near."""
+    near = [m for w in wrong for m in difflib.get_close_matches(str(w), [str(v) for v in valid], n=2)]
+    return f" (did you mean {', '.join(repr(m) for m in dict.fromkeys(near))}?)" if near else ""
+
+
 def coerce_all(cls, data: dict[str, Any], what: str) -> tuple[dict[str, Any], list[str]]:
     """Coerce every known field of `data`; (values that fit, problems incl. unknown fields)."""
     types = kinds(cls)
     problems: list[str] = []
     unknown = sorted(set(data) - set(types), key=str)
     if unknown:
-        problems.append(f"unknown {what} field(s) {unknown}; valid fields: {sorted(types)}")
+        problems.append(f"unknown {what} field(s) {unknown}{did_you_mean(unknown, types)}; valid fields: "
+                        f"{sorted(types)}")
     values = {}
     for key, value in data.items():
         if key in types:

@@ -6,6 +6,7 @@
     `meshlm convert`/`meshlm retrofit` output          meshlm   the folder itself
     `meshlm convert --to hf` output (MeshForCausalLM)  hf       the folder itself
     Hugging Face GPT-NeoX (Pythia) / Llama / OLMoE     neox | llama | olmoe (meshlm.interop.families)
+    org/name[@revision] on the Hugging Face Hub        any above ./org--name (meshlm.hub; cached snapshot)
 
 The format is recognised from config.json alone. `locate(path)` reads only that (a `ModelFolder`: the model
 config, the tokenizer and data the folder names); `open_model` also loads the weights into a `MeshLM`
@@ -31,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from meshlm import checkpoint
+from meshlm import checkpoint, hub
 from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.data.prepare import PreparedData, prepare_default
@@ -65,10 +66,14 @@ class ModelFolder:
     path: Path  # the folder holding config.json; a run dir is resolved to its checkpoint
     format: str  # "meshlm", "hf" or a family name
     config: dict[str, Any]  # its config.json
+    hub: str | None = None  # "org/name@commit" for a Hugging Face Hub snapshot (meshlm.hub)
 
     @property
     def run_dir(self) -> Path:
-        """Where results about this model go: the run of a step-NNNNNN checkpoint, else the folder itself."""
+        """Where results about this model go: the run of a step-NNNNNN checkpoint, ./<org>--<name> for a Hub
+        snapshot (the cache is not ours to write), else the folder itself."""
+        if self.hub:
+            return hub.results_dir(self.hub)
         return self.path.parent if self.format == "meshlm" and _STEP_DIR.match(self.path.name) else self.path
 
     @property
@@ -81,8 +86,8 @@ class ModelFolder:
         """A meshlm checkpoint's config.json; for other folders the same keys that apply (format, model)."""
         if self.format == "meshlm":
             return self.config
-        return {"format": self.format, "model": self.model_config().to_dict(),
-                "source": {"format": self.format, "path": str(self.path)}}
+        source = {"format": self.format, "path": str(self.path), **({"hub": self.hub} if self.hub else {})}
+        return {"format": self.format, "model": self.model_config().to_dict(), "source": source}
 
     def model_config(self) -> ModelConfig:
         if self.format == "meshlm":
@@ -132,10 +137,17 @@ class ModelFolder:
 
 
 def locate(path: str | os.PathLike) -> ModelFolder:
-    """Recognise a folder (a run dir means its newest complete checkpoint); CheckpointError if it is none."""
-    path = Path(path).expanduser()
+    """Recognise a folder (a run dir means its newest complete checkpoint) or a Hugging Face Hub name
+    (meshlm.hub: fetched, or read from its cache); CheckpointError if it is none."""
+    path, hub_id = hub.resolve(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path} is not a directory; pass a checkpoint, run or model folder")
+        raise CheckpointError(f"{path} is not a directory; pass a checkpoint, run or model folder, or a Hugging "
+                              f"Face Hub name org/name[@revision]")
+    found = _recognise(path)
+    return replace(found, hub=hub_id) if hub_id else found
+
+
+def _recognise(path: Path) -> ModelFolder:
     config = path / checkpoint.CONFIG
     if not config.is_file():
         if (path / "latest").is_file() or checkpoint.list_checkpoints(path):

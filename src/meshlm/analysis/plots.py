@@ -277,17 +277,26 @@ def probe_figures(runs: list[Run]) -> dict[str, Figure]:
     return {name: fig for name, fig in figures.items() if fig is not None}
 
 
-def png_bytes(fig: Figure) -> bytes:
+FORMATS = ("png", "svg", "pdf")  # raster for pages, vector for papers
+
+
+def figure_bytes(fig: Figure, fmt: str = "png") -> bytes:
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
+    fig.savefig(buffer, format=fmt)
     return buffer.getvalue()
 
 
-def save(figures: dict[str, Figure], folder: str | Path) -> list[Path]:
+def png_bytes(fig: Figure) -> bytes:
+    return figure_bytes(fig, "png")
+
+
+def save(figures: dict[str, Figure], folder: str | Path, formats: tuple[str, ...] = FORMATS) -> list[Path]:
+    """Each figure as <name>.png, .svg and .pdf in `folder`; the paths written."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, fig in figures.items():
-        paths.append(folder / f"{name}.png")
-        paths[-1].write_bytes(png_bytes(fig))
+        for fmt in formats:
+            paths.append(folder / f"{name}.{fmt}")
+            paths[-1].write_bytes(figure_bytes(fig, fmt))
     return paths

@@ -24,6 +24,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
 from meshlm import checkpoint
 from meshlm.analysis import plots, reasoning_report
 from meshlm.config import ModelConfig
@@ -125,11 +127,26 @@ def non_embedding_params(model: dict) -> int:
 
 
 # -- sections ---------------------------------------------------------------------------------------------------
-def _cells(values: list[float | None], lower_is_better: bool, fmt: str) -> list[str]:
+def _cells(values: list[float | None], lower_is_better: bool, fmt: str,
+           errors: list[float | None] | None = None) -> list[str]:
+    """One <td> per value, the best in bold, each with its standard error (± e) where `errors` has one."""
     present = [v for v in values if v is not None]
     best = (min if lower_is_better else max)(present) if len(present) > 1 else None
+    errors = errors or [None] * len(values)
     return ["<td>—</td>" if v is None else f"<td>{'<b>' if v == best else ''}{fmt.format(v)}"
-            f"{'</b>' if v == best else ''}</td>" for v in values]
+            f"{'</b>' if v == best else ''}{'' if e is None else f' <small>± {fmt.format(e)}</small>'}</td>"
+            for v, e in zip(values, errors)]
+
+
+def _percent(values: list[float | None]) -> list[float | None]:
+    return [None if v is None else 100 * v for v in values]
+
+
+def mean_stderr(errors: list[float | None]) -> float | None:
+    """The standard error of a mean of independent scores: sqrt(Σ se²) / n (None if one is unknown)."""
+    if not errors or any(e is None for e in errors):
+        return None
+    return math.sqrt(sum(e * e for e in errors)) / len(errors)
 
 
 def _table(header: list[str], columns: list[list[str]], n_rows: int) -> str:
@@ -151,24 +168,32 @@ def table_one(runs: list[RunResults], shots: str | None) -> str:
     ppl_cells = _cells(list(ppl), True, "{:.2f}")
     ppl_cells = [c.replace("</td>", "<sup>†</sup></td>") if src == "train" else c for c, src in zip(ppl_cells, sources)]
     columns = left + [ppl_cells]
+    def task_field(task: str, name: str) -> list[float | None]:
+        return [(s["tasks"].get(task) or {}).get(name) if s else None for s in suites]
+
     for task in tasks:
-        scores = [(s["tasks"].get(task) or {}).get("score") if s else None for s in suites]
-        columns.append(_cells([None if v is None else 100 * v for v in scores], False, "{:.2f}"))
+        columns.append(_cells(_percent(task_field(task, "score")), False, "{:.2f}",
+                              _percent(task_field(task, "stderr"))))
     header = ["run", "variant", "spec", "non-emb. params", "val PPL"]
     if tasks:
         complete = [s is not None and all(t in s["tasks"] for t in tasks) for s in suites]  # same tasks averaged
         averages = [s["average"] if ok else None for s, ok in zip(suites, complete)]
-        columns.append(_cells([None if v is None else 100 * v for v in averages], False, "{:.2f}"))
+        errors = [mean_stderr([s["tasks"][t].get("stderr") for t in tasks]) if ok else None
+                  for s, ok in zip(suites, complete)]
+        columns.append(_cells(_percent(averages), False, "{:.2f}", _percent(errors)))
         metric = {t: next(s["tasks"][t]["metric"] for s in suites if s and t in s["tasks"]) for t in tasks}
         header += [*(f"{TASK_TITLES[t]}<br><small>{metric[t]}</small>" for t in tasks),
                    f"avg<br><small>{len(tasks)} of {PAPER_TASKS} tasks</small>"]
-    foot = ("<p class='foot'><sup>†</sup> the trainer's last validation (train.eval_windows windows); "
-            "<code>meshlm eval RUN</code> scores the whole validation split.</p>" if "train" in sources else "")
+    foot = ("<p class='foot'>± one standard error (lm-eval's, per task; the average's assumes independent "
+            "tasks).</p>" if tasks else "")
+    foot += ("<p class='foot'><sup>†</sup> the trainer's last validation (train.eval_windows windows); "
+             "<code>meshlm eval RUN</code> scores the whole validation split.</p>" if "train" in sources else "")
     return (f"<h3>{shots}-shot</h3>" if shots else "") + _table(header, columns, len(runs)) + foot
 
 
-def report_figures(runs: list[RunResults]) -> dict[str, bytes]:
-    """The page's figures as PNG bytes by name: "loops" (if any run has a sweep) and the overlaid probes."""
+def report_figures(runs: list[RunResults]) -> dict[str, Figure]:
+    """The page's figures by name: "curves", "loops", "exit" (where runs have them), the reasoning figures
+    and the overlaid probes."""
     figures = {}
     curves = plots.loss_curves_figure([(r.label, r.curves) for r in runs])
     if curves is not None:
@@ -185,7 +210,7 @@ def report_figures(runs: list[RunResults]) -> dict[str, bytes]:
     figures.update(reasoning_report.figures(reasoning_groups(runs, groups)))
     probed = [(r.label, r.probe) for r in runs if r.probe]
     figures.update(plots.probe_figures(probed) if probed else {})
-    return {name: plots.png_bytes(fig) for name, fig in figures.items()}
+    return figures
 
 
 def reasoning_groups(runs: list[RunResults], groups: dict[str, str]) -> list[tuple[str, list[dict]]]:
@@ -258,21 +283,26 @@ def probe_section(runs: list[RunResults], figures: dict) -> str:
     return "".join(parts)
 
 
-def notes(runs: list[RunResults]) -> str:
+def gaps(runs: list[RunResults]) -> list[str]:
+    """What each run lacks or qualifies, as plain text (`code` in backticks): the page's notes, and what
+    `meshlm report` prints on stderr."""
     items = []
     for r in runs:
-        name, path = html.escape(r.name), html.escape(str(r.path))
         if r.eval is None:
-            items.append(f"{name}: no eval.json — run <code>meshlm eval {path}</code>")
+            items.append(f"{r.name}: no eval.json — run `meshlm eval {r.path}`")
         if r.probe is None:
-            items.append(f"{name}: no probe — run <code>meshlm probe {path}</code>")
+            items.append(f"{r.name}: no probe — run `meshlm probe {r.path}`")
         if not r.curves:
-            items.append(f"{name}: no metrics.jsonl, so no loss curves (the run folder of <code>meshlm train</code> "
-                         f"has one)")
+            items.append(f"{r.name}: no metrics.jsonl, so no loss curves (the run folder of `meshlm train` has one)")
         limits = {s.get("limit") for s in ((r.eval or {}).get("downstream") or {}).values()} - {None}
         if limits:
-            items.append(f"{name}: tasks scored with --limit {', '.join(map(str, sorted(limits)))} "
+            items.append(f"{r.name}: tasks scored with --limit {', '.join(map(str, sorted(limits)))} "
                          f"items per task (not comparable with full-set numbers)")
+    return items
+
+
+def notes(runs: list[RunResults]) -> str:
+    items = [re.sub(r"`([^`]*)`", r"<code>\1</code>", html.escape(item)) for item in gaps(runs)]
     return "<ul class='note'>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>" if items else "<p>None.</p>"
 
 
@@ -282,7 +312,9 @@ def _img(png: bytes) -> str:
 
 # -- the page -------------------------------------------------------------------------------------------------
 def render(runs: list[RunResults], title: str = "meshlm report", figures: dict[str, bytes] | None = None) -> str:
-    figures = report_figures(runs) if figures is None else figures
+    """The page; `figures`: PNG bytes by name (default: report_figures, rendered)."""
+    if figures is None:
+        figures = {name: plots.png_bytes(fig) for name, fig in report_figures(runs).items()}
     shots = sorted({k for r in runs for k in ((r.eval or {}).get("downstream") or {})}, key=int)
     tables = "".join(table_one(runs, s) for s in shots) if shots else (
         table_one(runs, None) + "<p>No downstream results yet: <code>meshlm eval RUN</code> scores the tasks.</p>")
@@ -303,15 +335,22 @@ def render(runs: list[RunResults], title: str = "meshlm report", figures: dict[s
 
 
 def write_report(paths: list[str | Path], out: str | Path, title: str = "meshlm report",
-                 figures_dir: str | Path | None = None) -> Path:
-    """Write the HTML page; with `figures_dir`, also its figures as PNG files there."""
+                 figures_dir: str | Path | None = None, note=lambda message: None) -> Path:
+    """Write the HTML page; with `figures_dir`, also its figures there as PNG, SVG and PDF files."""
     runs = [collect(p) for p in paths]
+    for gap in gaps(runs):  # what the page's notes say, for the terminal too
+        note(gap)
     figures = report_figures(runs)
     if figures_dir is not None:
-        Path(figures_dir).mkdir(parents=True, exist_ok=True)
-        for name, png in figures.items():
-            (Path(figures_dir) / f"{name}.png").write_bytes(png)
+        plots.save(figures, figures_dir)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(runs, title, figures), encoding="utf-8")
+    page = render(runs, title, {name: plots.png_bytes(fig) for name, fig in figures.items()})
+    tmp = out.with_name(out.name + ".tmp")  # atomic: a failure leaves the old page
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        tmp.replace(out)
+    except OSError as err:
+        err.filename = str(out)  # the error names the page asked for, not its temporary file
+        raise
     return out

@@ -49,6 +49,8 @@ from meshlm.data.tasks import data_folder, holds_tasks, window_length
 from meshlm.errors import ConfigError, Interrupted, MeshlmError
 from meshlm.evaluation.tasks import PAPER_TASKS
 from meshlm.model.accounting import describe
+from meshlm.runtime.peaks import device_peak
+from meshlm.runtime.precision import choose
 from meshlm.train.config import find_config, load_config
 from meshlm.yaml_files import load_yaml
 
@@ -78,7 +80,8 @@ class Study:
     probe_args: list[str] = field(default_factory=list)
     launcher: list[str] = field(default_factory=list)
     assumed_mfu: float = 0.4  # for the GPU-hours estimate
-    peak_flops: float = 989e12  # one GPU's peak (default: H100 dense bf16); set per study
+    peak_flops: float = 0.0  # one device's peak FLOP/s; 0: this machine's (meshlm.runtime.peaks: a GPU's
+    # datasheet bf16 peak, or the CPU's measured one), so a CPU study's plan is in CPU time
     gpus: int = 1  # GPUs per run (what the launcher starts)
 
     @property
@@ -130,7 +133,7 @@ def load_study(path: str | Path, extra_overrides: list[str] = (), only: str | No
             raise ConfigError(f"study {path}: {err}") from None
     study = Study(name, out_dir, config, runs, list(map(str, raw.get("eval", []))),
                   list(map(str, raw.get("probe", []))), shlex.split(raw.get("launcher", "")),
-                  float(raw.get("assumed_mfu", 0.4)), float(raw.get("peak_flops", 989e12)), int(raw.get("gpus", 1)))
+                  float(raw.get("assumed_mfu", 0.4)), float(raw.get("peak_flops", 0.0)), int(raw.get("gpus", 1)))
     for run in runs:
         train_config(study, run)  # fail now, not after hours of training, if any run's config is invalid
     return study
@@ -140,8 +143,16 @@ def train_config(study: Study, run: Run):
     return load_config(study.config, run.overrides)
 
 
-def estimate(study: Study, run: Run) -> dict[str, Any]:
-    """Tokens, training FLOPs and accelerator-hours of one run (at the study's assumed MFU)."""
+def planning_peak(study: Study) -> tuple[float, str]:
+    """The per-device peak FLOP/s the estimates divide by, and where it comes from."""
+    if study.peak_flops > 0:
+        return study.peak_flops, "the study's peak_flops"
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return device_peak(device, choose("auto", device).dtype)
+
+
+def estimate(study: Study, run: Run, peak: float | None = None) -> dict[str, Any]:
+    """Tokens, training FLOPs and device-hours of one run (at the study's assumed MFU of `peak`)."""
     cfg = train_config(study, run)
     model_cfg = cfg.model_config()
     seq_len = cfg.sequence_length(model_cfg)
@@ -153,22 +164,30 @@ def estimate(study: Study, run: Run) -> dict[str, Any]:
     flops = tokens * acc.train_flops_per_token
     return {"run": run.name, "steps": steps, "tokens": tokens, "non_embedding_params": acc.non_embedding_params,
             "unrolled_layers": acc.unrolled_layers, "train_flops": flops,
-            "gpu_hours": flops / (study.peak_flops * study.assumed_mfu) / 3600}
+            "gpu_hours": flops / ((peak or planning_peak(study)[0]) * study.assumed_mfu) / 3600}
+
+
+def duration(hours: float) -> str:
+    """Hours as a reader wants them: "2.5 h", "14 min" or "40 s" (a CPU study's runs take minutes, not 0.0 h)."""
+    if hours >= 1:
+        return f"{hours:.1f} h"
+    return f"{hours * 60:.0f} min" if hours * 60 >= 1 else f"{hours * 3600:.0f} s"
 
 
 def plan_table(study: Study) -> str:
-    rows = [estimate(study, run) for run in study.runs]
+    peak, source = planning_peak(study)
+    rows = [estimate(study, run, peak) for run in study.runs]
     lines = [f"study {study.name}: {len(rows)} runs -> {study.dir}",
              f"{'run':<28} {'non-emb params':>15} {'layers':>6} {'steps':>7} {'tokens':>14} {'train FLOPs':>12} "
-             f"{'GPU-hours':>9} {'wall h':>7}"]
+             f"{'GPU time':>9} {'wall':>8}"]
     for r in rows:
         lines.append(f"{r['run']:<28} {r['non_embedding_params']:>15,} {r['unrolled_layers']:>6} {r['steps']:>7,} "
-                     f"{r['tokens']:>14,} {r['train_flops']:>12.3e} {r['gpu_hours']:>9.1f} "
-                     f"{r['gpu_hours'] / study.gpus:>7.1f}")
+                     f"{r['tokens']:>14,} {r['train_flops']:>12.3e} {duration(r['gpu_hours']):>9} "
+                     f"{duration(r['gpu_hours'] / study.gpus):>8}")
     total = sum(r["gpu_hours"] for r in rows)
-    lines.append(f"GPU-hours in all: {total:.1f} ({total / study.gpus:.1f} h on {study.gpus} GPU(s)) at "
-                 f"{study.assumed_mfu:.0%} MFU of {study.peak_flops:.3g} FLOP/s per GPU (set peak_flops, gpus and "
-                 "assumed_mfu in the study file)")
+    lines.append(f"GPU-hours in all: {total:.3g} ({duration(total / study.gpus)} on {study.gpus} GPU(s)) at "
+                 f"{study.assumed_mfu:.0%} MFU of {peak:.3g} FLOP/s per device ({source}; set peak_flops, gpus "
+                 "and assumed_mfu in the study file)")
     return "\n".join(lines)
 
 

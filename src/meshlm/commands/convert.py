@@ -25,14 +25,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    from meshlm import hub
     from meshlm.errors import ConfigError
     from meshlm.interop.convert import convert
     from meshlm.loading import locate
 
-    if not Path(args.source).exists():
-        raise ConfigError(f"source {args.source} does not exist; pass a model folder or a meshlm run/checkpoint")
+    if not hub.exists(args.source):
+        raise ConfigError(f"source {args.source} does not exist; pass a model folder, a meshlm run/checkpoint or "
+                          f"a Hugging Face Hub name org/name[@revision]")
     out = convert(args.source, args.out, args.to, args.tokenizer)
     print(f"wrote {out} ({locate(out).format} format)")
     return 0

@@ -47,9 +47,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                        "the one its training config names)")
     p.add_argument("--data", help="prepared-data folder for perplexity (default: what the model was trained on)")
     p.add_argument("--tasks", default="all",
-                   help="comma-separated tasks, 'all' (default) or 'none': lambada_openai, piqa, hellaswag, "
-                        "winogrande, arc_easy, arc_challenge, sciq, mmlu, lambada_standard (only from the local "
-                        "HF datasets cache; 'all' includes it when it is there)")
+                   help="comma-separated tasks, 'all' (default) or 'none': the paper's suite (lambada_openai, piqa, "
+                        "hellaswag, winogrande, arc_easy, arc_challenge, sciq, mmlu, lambada_standard: only from the "
+                        "local HF datasets cache; 'all' includes it when it is there), and any other lm-eval task "
+                        "or group name, or task YAML file, generative ones included")
+    p.add_argument("--include-path", action="append", default=[], metavar="DIR",
+                   help="a folder of lm-eval task YAMLs whose names --tasks may use (as lm_eval --include_path)")
+    p.add_argument("--task-loops", type=int, default=None,
+                   help="loop steps while scoring and decoding the tasks (default: the trained K)")
+    p.add_argument("--task-exit", default=None,
+                   help="per-token adaptive exit while scoring and decoding the tasks, e.g. state:0.05")
+    p.add_argument("--speculate", default=None,
+                   help="decode generative tasks by lossless self-speculation: auto, K_d or K_d:γ (same tokens)")
     p.add_argument("--shots", type=int_list, default=[0, 5], help="few-shot settings, e.g. 0,5 (default)")
     p.add_argument("--loops", type=int_list, default=None,
                    help="loop counts for loss vs. depth, e.g. 1,2,3,4, or none (default: 1 … 2K for looped models)")
@@ -77,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshlm import hub
+
+    hub.prefetch(args.checkpoint)  # first: importing meshlm.evaluation switches the Hub off (for lm-eval's data)
     from meshlm.evaluation.run import EvalOptions, evaluate, write_json
     from meshlm.evaluation.scope import choose, scope_of
     from meshlm.loading import open_model
@@ -91,10 +103,13 @@ def run(args: argparse.Namespace) -> int:
     options = EvalOptions(data=args.data, loops=args.loops, exits=args.exit, exit_loops=args.exit_loops,
                           tasks=tasks, shots=args.shots, limit=args.limit, suite=args.suite,
                           batch_size=args.batch_size, batch_tokens=args.batch_tokens, verbose=args.verbose,
-                          samples_dir=out.parent / "eval-samples" if args.log_samples else None)
+                          samples_dir=out.parent / "eval-samples" if args.log_samples else None,
+                          include_path=args.include_path, task_loops=args.task_loops, task_exit=args.task_exit,
+                          speculate=args.speculate)
     device, chosen = precision.for_model(args.dtype, loaded.model)
+    options.dtype = chosen.name
     print(f"evaluating {loaded.path} ({loaded.model.config.spec} {loaded.model.config.scheme}) in "
-          f"{chosen.describe()}", flush=True)
+          f"{chosen.describe()}{precision_note(chosen.name)}", flush=True)
 
     def save(partial: dict) -> None:  # after every stage, so what finished is kept
         write_json({**partial, "dtype": chosen.name, "scope": scope}, out)
@@ -108,9 +123,12 @@ def run(args: argparse.Namespace) -> int:
 def check_inputs(args: argparse.Namespace) -> str | None:
     """Every argument, the model folder, the device, the task names and their fetched data, before any compute
     (all problems in one error). Returns the tasks to run (None = none)."""
+    from meshlm import hub
     from meshlm.errors import Problems
     from meshlm.evaluation.run import check_task_data, suite_for
+    from meshlm.generate.speculative import Speculation
     from meshlm.loading import locate
+    from meshlm.model.exit import ExitRule
     from meshlm.runtime.devices import resolve_device
 
     p = Problems()
@@ -118,10 +136,15 @@ def check_inputs(args: argparse.Namespace) -> str | None:
     p.need(min(args.batch_size, args.batch_tokens) >= 1, "--batch-size and --batch-tokens must be >= 1")
     p.need(all(k >= 1 for k in args.loops or []), f"--loops {args.loops}: loop counts must be >= 1")
     p.need(args.exit_loops is None or args.exit_loops >= 1, f"--exit-loops {args.exit_loops} must be >= 1")
+    p.need(args.task_loops is None or args.task_loops >= 1, f"--task-loops {args.task_loops} must be >= 1")
+    if args.task_exit:
+        p.check(ExitRule.parse, args.task_exit)
+    if args.speculate:
+        p.check(Speculation.parse, args.speculate)
     p.check(resolve_device, args.device)
     reasoning = args.suite == "reasoning"
-    if p.need(Path(args.checkpoint).exists(), f"{args.checkpoint} does not exist; pass a run folder, a "
-                                              f"step-NNNNNN folder or a model folder"):
+    if p.need(hub.exists(args.checkpoint), f"{args.checkpoint} does not exist; pass a run folder, a step-NNNNNN "
+                                           f"folder, a model folder or a Hugging Face Hub name org/name[@revision]"):
         folder = p.check(locate, args.checkpoint)
         if folder is not None:
             p.need(not (args.out and Path(args.out).is_dir()), f"--out {args.out} is a folder; name the JSON file to "
@@ -135,15 +158,27 @@ def check_inputs(args: argparse.Namespace) -> str | None:
     tasks = None if reasoning or args.tasks.strip().lower() in ("none", "") else args.tasks  # reasoning: its own
     if tasks is not None:
         p.need(bool(args.shots), "--shots none with tasks to run: pass --shots 0,5 or --tasks none")
-        check_tasks(tasks, p)
+        check_tasks(tasks, p, args.include_path)
     p.raise_if_any()
     return tasks
 
 
-def check_tasks(tasks: str, p) -> None:
-    """Known task names, and their evaluation sets fetched (`meshlm fetch`) and extracted."""
-    from meshlm.evaluation.tasks import resolve_tasks, task_specs
+def precision_note(dtype: str) -> str:
+    """What to pass to compare with lm-eval's own runs of an export, which load it in its saved fp32."""
+    if dtype == "fp32":
+        return ""
+    return ("; `lm_eval --model hf` runs a meshlm export in fp32 (up to ~0.1 nats per item apart from bf16): pass "
+            "--dtype fp32 to compare item for item")
 
-    chosen = p.check(resolve_tasks, tasks)
+
+def check_tasks(tasks: str, p, include_path: list[str] = ()) -> None:
+    """Known task names (the suite's, or lm-eval's: meshlm.evaluation.tasks.external), and the suite's
+    evaluation sets fetched (`meshlm fetch`) and extracted."""
+    from meshlm.evaluation.tasks import external, partition, resolve_tasks, task_specs
+
+    ours, others = partition(tasks)
+    chosen = p.check(resolve_tasks, ours) if ours else None
     if chosen:
         p.check(task_specs, chosen)  # DataError naming `meshlm fetch` when the wheel is not in the cache
+    if others:
+        p.check(external.task_configs, others, include_path)

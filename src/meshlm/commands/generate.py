@@ -103,6 +103,7 @@ def check_inputs(args: argparse.Namespace):
     loading anything (every problem in one error). Returns (Sampling, prompts as text)."""
     from pathlib import Path
 
+    from meshlm import hub
     from meshlm.errors import Problems
     from meshlm.generate import Sampling
     from meshlm.model.exit import ExitRule
@@ -116,8 +117,9 @@ def check_inputs(args: argparse.Namespace):
         rule = p.check(ExitRule.parse, args.exit)
         args.exit = None if rule is None else str(rule)
     p.check(resolve_device, args.device)
-    p.need(Path(args.checkpoint).is_dir(), f"{args.checkpoint} is not a folder; pass a meshlm run or step-NNNNNN "
-                                           f"folder, or a Hugging Face folder written by `meshlm convert --to hf`")
+    p.need(Path(args.checkpoint).is_dir() or hub.is_hub_name(args.checkpoint),
+           f"{args.checkpoint} is not a folder; pass a meshlm run or step-NNNNNN folder, a Hugging Face folder "
+           f"(e.g. written by `meshlm convert --to hf`) or a Hub name org/name[@revision]")
     texts = [shell_text(t) for t in args.prompts]
     empty = [i for i, t in enumerate(texts, 1) if not t]
     p.need(not empty, f"prompt {', '.join(map(str, empty))} is empty; pass the text to continue, e.g. "

@@ -47,6 +47,9 @@ def held_out_samples(data, n: int, tokens: int):
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from meshlm import hub
+
+    hub.prefetch(args.checkpoint)  # first: importing meshlm.evaluation switches the Hub off (for lm-eval's data)
     from meshlm.analysis import plots
     from meshlm.analysis.probes import probe
     from meshlm.evaluation.run import write_json
@@ -84,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
 
 def check_inputs(args: argparse.Namespace) -> None:
     """Numbers, device, checkpoint and --data, all before loading anything (every problem in one error)."""
+    from meshlm import hub
     from meshlm.errors import Problems
     from meshlm.loading import locate
     from meshlm.runtime.devices import resolve_device
@@ -93,8 +97,8 @@ def check_inputs(args: argparse.Namespace) -> None:
     p.need(args.tokens is None or args.tokens >= 2, f"--tokens {args.tokens} must be >= 2")
     p.need(args.split in ("train", "val"), f"--split {args.split!r} must be train or val")
     p.check(resolve_device, args.device)
-    if p.need(Path(args.checkpoint).exists(), f"{args.checkpoint} does not exist; pass a run folder or a "
-                                              f"step-NNNNNN folder"):
+    if p.need(hub.exists(args.checkpoint), f"{args.checkpoint} does not exist; pass a run folder, a step-NNNNNN "
+                                           f"folder or a Hugging Face Hub name org/name[@revision]"):
         p.check(locate, args.checkpoint)
     if args.data is not None:
         p.need(Path(args.data).expanduser().is_dir(),

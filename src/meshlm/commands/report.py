@@ -12,12 +12,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("runs", nargs="+", metavar="RUN", help="run folders holding eval.json and/or probe/probe.json")
     p.add_argument("--out", default="report.html", help="HTML file to write (default report.html)")
     p.add_argument("--title", default="meshlm report", help="page title")
-    p.add_argument("--figures", metavar="DIR", help="also save the page's figures as PNG files in DIR")
+    p.add_argument("--figures", metavar="DIR", help="also save the page's figures in DIR as PNG, SVG and PDF files")
 
 
 def run(args: argparse.Namespace) -> int:
+    import sys
+
     from meshlm.analysis.report import write_report
 
-    path = write_report(args.runs, args.out, args.title, args.figures)
+    def note(message: str) -> None:  # what a run lacks: on stderr, beside the page's notes
+        print(f"meshlm report: note: {message}", file=sys.stderr)
+
+    path = write_report(args.runs, args.out, args.title, args.figures, note=note)
     print(f"report: {path} ({path.stat().st_size / 1024:.0f} KiB)")
     return 0

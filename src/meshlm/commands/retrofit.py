@@ -28,14 +28,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
+    from meshlm import hub
     from meshlm.errors import Problems
     from meshlm.interop.retrofit import retrofit_folder
 
     p = Problems()
-    p.need(Path(args.source).exists(), f"source {args.source} does not exist; pass a GPT-NeoX, Llama or OLMoE "
-                                       f"folder or a vanilla meshlm checkpoint")
+    p.need(hub.exists(args.source), f"source {args.source} does not exist; pass a GPT-NeoX, Llama or OLMoE folder, "
+                                    f"a vanilla meshlm checkpoint or a Hugging Face Hub name org/name[@revision]")
     options = p.check(_json, args.scheme_options)
     p.raise_if_any()
     out = retrofit_folder(args.source, args.out, args.spec, scheme=args.scheme, core_init=args.core_init,

@@ -14,13 +14,43 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="dotted overrides applied after the config file, e.g. model.d_model=128 train.lr=1e-3")
+    overrides = p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                               help="dotted overrides applied after the config file, e.g. model.d_model=128 "
+                                    "train.lr=1e-3 (every field is listed below)")
+    overrides.completer = complete_override  # argcomplete (shell completion)
+    p.formatter_class = argparse.RawDescriptionHelpFormatter  # the field list keeps its layout
+    p.epilog_factory = fields_help
     p.add_argument("--config", help="YAML config with `model:` and `train:` sections: a path, or a shipped config "
                                     "such as cpu/small-mesh.yaml or paper/410m-4+8R2+4-mesh.yaml")
     p.add_argument("--resume", action="store_true",
                    help="continue the run from its newest good checkpoint (start fresh if it has none)")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config as YAML and exit: the model with every field its preset (or "
+                        "init_from) and the overrides give, and every train field")
+
+
+def fields_help() -> str:
+    """Every model and train field with its type, default and meaning (from the dataclasses themselves)."""
+    from meshlm.config import PRESETS, ModelConfig
+    from meshlm.fielddocs import describe
+    from meshlm.train.config import TrainConfig
+
+    model = describe(ModelConfig, f"model fields (model.KEY=VALUE; `model:` in a config file), on top of "
+                                  f"model.preset, one of: {', '.join(PRESETS)}:")
+    train = describe(TrainConfig, "train fields (train.KEY=VALUE or KEY=VALUE; `train:` in a config file):")
+    return f"{model}\n\n{train}"
+
+
+def complete_override(prefix: str, **_) -> list[str]:
+    """model.FIELD= and train.FIELD= (and model.preset=NAME) for the shell."""
+    from dataclasses import fields
+
+    from meshlm.config import PRESETS, ModelConfig
+    from meshlm.train.config import TrainConfig
+
+    names = [f"model.{f.name}=" for f in fields(ModelConfig)] + [f"model.preset={name}" for name in PRESETS]
+    names += [f"train.{f.name}=" for f in fields(TrainConfig) if f.name != "model"]
+    return [n for n in names if n.startswith(prefix)]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
-        print(yaml.safe_dump(cfg.to_file_dict(), sort_keys=False), end="")
+        print(yaml.safe_dump(resolved(cfg), sort_keys=False), end="")
         return 0
     from meshlm.train.trainer import train
 
@@ -51,6 +81,14 @@ def run(args: argparse.Namespace) -> int:
           f"unigram baseline {_unigram(result, cfg):.2f}")
     print(f"checkpoint: {result.checkpoint}")
     return 0
+
+
+def resolved(cfg) -> dict:
+    """The config file that trains exactly this: the model section expanded to every ModelConfig field."""
+    data = cfg.to_file_dict()
+    preset = {"preset": data["model"]["preset"]} if "preset" in data["model"] else {}
+    data["model"] = {**preset, **cfg.model_config().to_dict()}
+    return data
 
 
 def resume_command(args: argparse.Namespace) -> str:

@@ -16,6 +16,7 @@ import functools
 import math
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -71,13 +72,42 @@ def prepare(inputs, out_dir: str | os.PathLike, tokenizer: str | TextTokenizer =
         raise
 
 
+class _PlainProgress:
+    """Off a terminal (a log file, a batch job) a tqdm bar's carriage returns pile up into one line: one plain
+    line per tenth of the characters instead."""
+
+    def __init__(self, total: int, stream):
+        self.total, self.done, self.tenths, self.stream = max(total, 1), 0, 0, stream
+
+    def update(self, n: int) -> None:
+        self.done += n
+        while self.tenths < min(10, self.done * 10 // self.total):
+            self.tenths += 1
+            print(f"tokenizing: {10 * self.tenths}% ({self.done:,} of {self.total:,} characters)",
+                  file=self.stream, flush=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+def progress_bar(n_chars: int, progress: bool, stream=None):
+    """tqdm on a terminal, plain lines elsewhere, nothing without `progress`."""
+    stream = stream or sys.stderr
+    if progress and not stream.isatty():
+        return _PlainProgress(n_chars, stream)
+    return tqdm(total=n_chars, unit="char", unit_scale=True, desc="tokenizing", disable=not progress, file=stream)
+
+
 def write_prepared(corpus, plan: SplitPlan, n_chars: int, out: Path, tok: TextTokenizer, val_fraction: float,
                    shard_tokens: int, progress: bool, batch_chars: int) -> dict:
     """Second pass: tokenise every document into its split's shards, then write the manifest."""
     dtype = token_dtype(tok.vocab_size)
     writers = {split: ShardWriter(out, split, dtype, shard_tokens) for split in SPLITS}
     stats = ReadStats()
-    with tqdm(total=n_chars, unit="char", unit_scale=True, desc="tokenizing", disable=not progress) as bar:
+    with progress_bar(n_chars, progress) as bar:
         batch: list[tuple[ShardWriter, str, bool]] = []  # (writer, text, last chunk of its document)
         batch_len = 0
         for doc_id, chunks in corpus.documents(stats):

@@ -15,29 +15,64 @@ import os
 import time
 from typing import Any
 
-from meshlm.evaluation.tasks import MMLU_GROUP, PAPER_TASKS, SUITE_GROUP, resolve_tasks, task_manager, task_specs
+from meshlm.errors import DataError
+from meshlm.evaluation.tasks import (
+    MMLU_GROUP,
+    PAPER_TASKS,
+    SUITE_GROUP,
+    external,
+    partition,
+    resolve_tasks,
+    task_manager,
+    task_specs,
+)
 
 BOOTSTRAP_ITERS = 1000  # only LAMBADA's perplexity is bootstrapped; accuracies have a closed-form stderr
 
 
 def run_suite(lm, task_names: str | list[str] | None = "all", shots: int = 0, limit: int | None = None,
               cache_dir: str | os.PathLike | None = None, log_samples: bool = False,
-              seed: int = 1234, verbose: bool = False) -> dict[str, Any]:
-    """Evaluate `lm` (an lm_eval LM) on the suite at `shots` few-shot examples; `limit` items per task."""
-    import lm_eval
-
-    tasks = resolve_tasks(task_names)
+              seed: int = 1234, verbose: bool = False, include_path: list[str] | tuple[str, ...] = ()
+              ) -> dict[str, Any]:
+    """Evaluate `lm` (an lm_eval LM) at `shots` few-shot examples, `limit` items per task: the suite's tasks
+    among `task_names`, then any other lm-eval task (meshlm.evaluation.tasks.external), each run as lm-eval
+    defines it. Only the suite's tasks enter the paper average."""
+    ours, others = partition(task_names)
+    tasks = resolve_tasks(ours) if ours else []
     start = time.perf_counter()
+    common = dict(num_fewshot=shots, limit=limit, bootstrap_iters=BOOTSTRAP_ITERS, log_samples=log_samples,
+                  random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+    summary, samples = summarise([], []), {}
     with contextlib.nullcontext() if verbose else quiet():
-        raw = lm_eval.simple_evaluate(
-            model=lm, tasks=task_specs(tasks, cache_dir), task_manager=task_manager(tasks), num_fewshot=shots,
-            limit=limit, bootstrap_iters=BOOTSTRAP_ITERS, log_samples=log_samples, random_seed=seed,
-            numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
-    summary = summarise(raw, tasks)
+        if tasks:
+            raw = _evaluate(lm, task_specs(tasks, cache_dir), task_manager(tasks), common)
+            summary, samples = summarise(raw, tasks), raw.get("samples", {})
+        if others:
+            raw = _external(lm, others, include_path, common)
+            summary["tasks"].update(external.summarise(raw))
+            summary["items"] += sum(t["items"] for t in external.summarise(raw).values())
+            samples.update(raw.get("samples", {}))
     summary.update(shots=shots, limit=limit, seconds=time.perf_counter() - start)
     if log_samples:
-        summary["samples"] = raw["samples"]
+        summary["samples"] = samples
     return summary
+
+
+def _external(lm, refs: list[str], include_path, common: dict) -> dict:
+    """lm-eval's own tasks; data on the Hub must already be in the local datasets cache (the Hub is off)."""
+    try:
+        return _evaluate(lm, *external.task_configs(refs, include_path), common)
+    except ConnectionError as err:
+        raise DataError(f"{', '.join(refs)}: {str(err).splitlines()[0][:160]}; meshlm eval keeps the Hugging Face "
+                        f"Hub off, so a task's Hub data must be in the local datasets cache: run "
+                        f"datasets.load_dataset(...) for it once where the Hub is reachable (or copy that "
+                        f"HF_DATASETS_CACHE here), or pass a task YAML with local data_files") from None
+
+
+def _evaluate(lm, tasks: list, manager, common: dict) -> dict:
+    import lm_eval
+
+    return lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, **common)
 
 
 @contextlib.contextmanager

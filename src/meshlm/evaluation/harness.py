@@ -12,29 +12,67 @@ up to `batch_tokens` padded tokens, right-padded with the pad id and run without
 model is causal and everything is per token (MeSH included), so padding after a sequence cannot change its
 logits. Results come back in the caller's order.
 
+Generation (`generate_until`, lm-eval's generative tasks) runs meshlm's own cached decoding
+(meshlm.generate.stream: the looped KV cache, `loops`, per-token `exit`, lossless `speculate`) and follows
+HFLM's rules through lm-eval's own helpers: requests grouped by their generation settings, longest context
+first; the context left-truncated to leave room for `max_gen_toks`; the stop strings plus the decoded EOS;
+each text cut at the first stop string. A batch stops once every row has ended (EOS or a stop string).
+
 `continuation_logprob` is the unbatched reference the tests compare against (it goes through the model's
 own cross-entropy loss, not the gather used here).
 """
 from __future__ import annotations
 
+import json
+import time
+
 import torch
 import torch.nn.functional as F
 from lm_eval.api.model import LM
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from meshlm.errors import ConfigError
+from meshlm.generate import Sampling, stream
 
 Pair = tuple[list[int], list[int]]  # (context ids, continuation ids)
 
 
+class Progress:
+    """A line every `every_s` seconds and one at the end, so a long few-shot setting is not minutes of silence."""
+
+    def __init__(self, log, total: int, what: str, every_s: float = 30.0):
+        self.log, self.total, self.what, self.every_s = log, total, what, every_s
+        self.count, self.start = 0, time.monotonic()
+        self.last = self.start
+
+    def add(self, n: int) -> None:
+        self.count += n
+        if self.log is not None and time.monotonic() - self.last >= self.every_s:
+            self.last = time.monotonic()
+            self.log(f"    {self.count:,} of {self.total:,} {self.what} ({self.last - self.start:.0f} s)")
+
+    def done(self) -> None:
+        if self.log is not None and self.total:
+            self.log(f"    {self.total:,} {self.what} in {time.monotonic() - self.start:.0f} s")
+
+
 class MeshLMEval(LM):
-    """lm-eval `LM` over a MeshLM and a meshlm TextTokenizer. `loops` evaluates at another loop count."""
+    """lm-eval `LM` over a MeshLM and a meshlm TextTokenizer. `loops` evaluates at another loop count, `exit`
+    (e.g. "state:0.05") lets each token stop looping early; `speculate` ("auto", "K_d", "K_d:γ") decodes
+    generative tasks by lossless self-speculation (the same tokens when greedy)."""
+
+    MAX_GEN_TOKS = 256  # HFLM's default where a task sets no max_gen_toks
 
     def __init__(self, model, tokenizer, batch_tokens: int = 8192, loops: int | None = None,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, exit: str | None = None, speculate: str | None = None,
+                 log=None, every_s: float = 30.0):
         super().__init__()
+        self.log, self.every_s = log, every_s  # progress lines (lm-eval's own bars are silenced by meshlm eval)
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.batch_tokens = batch_tokens
-        self.loops = loops
+        self.loops, self.exit, self.speculate = loops, exit, speculate
         self.max_length = model.config.context_length
         self.torch_device = torch.device(device) if device else next(model.parameters()).device
 
@@ -52,7 +90,9 @@ class MeshLMEval(LM):
     # -- lm-eval API --------------------------------------------------------------------------------------
     def loglikelihood(self, requests) -> list[tuple[float, bool]]:
         pairs = [self.encode_pair(*req.args) for req in requests]
-        results = self.score(pairs)
+        progress = Progress(self.log, len(pairs), "loglikelihood requests", self.every_s)
+        results = self.score(pairs, progress)
+        progress.done()
         for req, result in zip(requests, results):
             self.cache_hook.add_partial("loglikelihood", req.args, result)
         return results
@@ -69,12 +109,62 @@ class MeshLMEval(LM):
             out.append(total)
         return out
 
-    def generate_until(self, requests):
-        raise NotImplementedError("meshlm's lm-eval adapter scores loglikelihoods only; the paper's suite needs "
-                                  "no generation (use `meshlm generate` for text)")
+    def generate_until(self, requests) -> list[str]:
+        """Each request's continuation (see the module docstring), in the caller's order."""
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):  # one group per distinct generation setting
+            groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
+        out: list[str | None] = [None] * len(requests)
+        progress = Progress(self.log, len(requests), "generate_until requests", self.every_s)
+        for members in groups.values():
+            settings = normalize_gen_kwargs(dict(requests[members[0]].args[1]), self.MAX_GEN_TOKS)
+            eos = self.tokenizer.decode([self.tokenizer.eos_id])
+            until, n_new = handle_stop_sequences(settings.pop("until", None), eos), settings.pop("max_gen_toks")
+            room = self.max_length - n_new  # context tokens kept (the left end is cut, as HFLM)
+            if room < 1:
+                raise ConfigError(f"the task asks for max_gen_toks={n_new}, which leaves no room for a prompt in "
+                                  f"context_length={self.max_length}; lower max_gen_toks in its generation_kwargs")
+            prompts = {i: self.tokenizer.encode(requests[i].args[0])[-room:] or [self.tokenizer.eos_id]
+                       for i in members}
+            order = sorted(members, key=lambda i: -len(prompts[i]))
+            per_batch = max(1, self.batch_tokens // (len(prompts[order[0]]) + n_new))
+            for start in range(0, len(order), per_batch):
+                batch = order[start:start + per_batch]
+                texts = self._generate([prompts[i] for i in batch], until, n_new, settings)
+                for i, text in zip(batch, texts):
+                    out[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                progress.add(len(batch))
+        progress.done()
+        return out
+
+    def _generate(self, prompts: list[list[int]], until: list[str], n_new: int, settings: dict) -> list[str]:
+        """Decode a batch until every row has ended (EOS, a stop string or n_new tokens); texts cut at the stop."""
+        sampled = bool(settings.get("do_sample"))
+        s = Sampling(max_new_tokens=n_new, temperature=float(settings.get("temperature") or 0.0) if sampled else 0.0,
+                     top_k=int(settings.get("top_k") or 0), top_p=float(settings.get("top_p") or 1.0))
+        made: list[list[int]] = [[] for _ in prompts]
+        ended = [False] * len(prompts)
+        steps = stream(self.model, prompts, s, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id,
+                       loops=self.loops, exit=self.exit, speculate=self.speculate)
+        for tokens in steps:  # (B,) next tokens
+            for row, token in enumerate(tokens.tolist()):
+                if ended[row]:
+                    continue
+                if token == self.tokenizer.eos_id:
+                    ended[row] = True
+                    continue
+                made[row].append(token)
+                ended[row] = any(t and t in self._text(made[row]) for t in until)
+            if all(ended):
+                break
+        return [postprocess_generated_text(self._text(ids), until, None) for ids in made]
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.hf.decode(ids, skip_special_tokens=True)  # as HFLM's tok_decode
 
     # -- batched scoring ----------------------------------------------------------------------------------
-    def score(self, pairs: list[Pair]) -> list[tuple[float, bool]]:
+    def score(self, pairs: list[Pair], progress: Progress | None = None) -> list[tuple[float, bool]]:
         """(sum of continuation log-probs, whether greedy decoding reproduces it) for each pair."""
         windows = [self._window(ctx, cont) for ctx, cont in pairs]
         order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
@@ -82,6 +172,8 @@ class MeshLMEval(LM):
         for batch in self._batches(order, windows):
             for i, result in zip(batch, self._score_batch([windows[i] for i in batch])):
                 results[i] = result
+            if progress is not None:
+                progress.add(len(batch))
         return results
 
     def _window(self, ctx: list[int], cont: list[int]) -> tuple[list[int], int]:

@@ -44,6 +44,11 @@ class EvalOptions:
     samples_dir: Path | None = None  # write each scored item (requests, loglikelihoods, metrics) here
     verbose: bool = False
     suite: str = "auto"  # "text", "reasoning" (task data's test set) or "auto": reasoning for task data
+    include_path: list[str] = field(default_factory=list)  # folders of lm-eval task YAMLs (--include-path)
+    task_loops: int | None = None  # loop steps while scoring and decoding lm-eval tasks (None: trained K)
+    task_exit: str | None = None  # per-token adaptive exit while scoring and decoding them
+    speculate: str | None = None  # self-speculative decoding for generate_until tasks ("auto", "K_d[:γ]")
+    dtype: str = ""  # the precision scores are computed in (recorded beside them)
 
 
 def evaluate(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = print,
@@ -130,11 +135,14 @@ def downstream(loaded: Opened, options: EvalOptions, log: Callable[[str], None] 
     """{shots: suite summary}, filled into `into` one few-shot setting at a time (`save()` after each)."""
     from meshlm.evaluation.harness import MeshLMEval  # imports lm-eval: only when downstream tasks run
 
-    lm = MeshLMEval(loaded.model, loaded.tokenizer, batch_tokens=options.batch_tokens)
+    lm = MeshLMEval(loaded.model, loaded.tokenizer, batch_tokens=options.batch_tokens, loops=options.task_loops,
+                    exit=options.task_exit, speculate=options.speculate, log=log)
     out = {} if into is None else into
     for shots in options.shots:
+        log(f"{shots}-shot: running {options.tasks} ...")
         summary = run_suite(lm, options.tasks, shots=shots, limit=options.limit, verbose=options.verbose,
-                            log_samples=options.samples_dir is not None)
+                            log_samples=options.samples_dir is not None, include_path=options.include_path)
+        summary["dtype"] = options.dtype
         if options.samples_dir is not None:
             write_samples(summary.pop("samples"), Path(options.samples_dir) / f"{shots}-shot.jsonl")
         out[str(shots)] = summary
@@ -159,12 +167,16 @@ def write_samples(samples: dict[str, list[dict]], path: Path) -> Path:
 
 def format_suite(summary: dict) -> str:
     """A few lines: each task's paper metric (and the other), then the average and the speed."""
+    precision = f", {summary['dtype']}" if summary.get("dtype") else ""
     lines = [f"{summary['shots']}-shot ({summary['items']:,} items, {summary['seconds']:.0f} s, "
-             f"{1000 * summary['seconds'] / max(summary['items'], 1):.1f} s per 1,000 items):"]
+             f"{1000 * summary['seconds'] / max(summary['items'], 1):.1f} s per 1,000 items{precision}):"]
     for name, t in summary["tasks"].items():
+        value = "{:.4f}".format if t.get("external") else "{:6.2f}".format  # lm-eval's own metrics: as it prints
+        scale = 1 if t.get("external") else 100
+        error = f" ± {value(scale * t['stderr']).strip()}" if t.get("stderr") is not None else ""
         other = "acc_norm" if t["metric"] == "acc" else "acc"
         extra = f", {other} {100 * t[other]:.2f}" if t.get(other) is not None else ""
-        lines.append(f"  {name:<15} {t['metric']:<8} {100 * t['score']:6.2f}{extra}  (n={t['items']})")
+        lines.append(f"  {name:<15} {t['metric']:<8} {value(scale * t['score'])}{error}{extra}  (n={t['items']})")
     if summary["average"] is not None:
         lines.append(f"  {'average':<15} {'':<8} {100 * summary['average']:6.2f}  "
                      f"({coverage(summary)})")

@@ -38,14 +38,16 @@ lm_eval --model hf --model_args pretrained={folder},trust_remote_code=True --tas
 """
 
 
-def _training(meta: dict[str, Any] | None) -> list[str]:
-    """Lines on the training data and length, from a meshlm checkpoint's config.json (or 'unknown')."""
+def _training(meta: dict[str, Any] | None, cfg: ModelConfig) -> list[str]:
+    """Lines on the training data and length, from a meshlm checkpoint's config.json (or 'unknown').
+    train.seq_len 0 means the model's context length, which is what the card says."""
     if not meta or "train" not in meta:
         return ["- training: not recorded (this folder was not exported from a meshlm training run)"]
     train = meta["train"]
     data = train.get("data") or "meshlm's embedded public-domain English corpus"
+    seq_len = train.get("seq_len") or cfg.context_length
     lines = [f"- training data: {data} (tokenizer `{train.get('tokenizer', 'default')}`, "
-             f"sequence length {train.get('seq_len', '?')})"]
+             f"sequence length {seq_len})"]
     if meta.get("tokens") is not None:
         lines.append(f"- training tokens: {int(meta['tokens']):,} ({meta.get('step', '?')} steps)")
     if meta.get("val_loss") is not None:
@@ -73,7 +75,7 @@ def model_card(cfg: ModelConfig, meta: dict[str, Any] | None = None, folder: str
         f"context {cfg.context_length}",
         f"- parameters: {acc.total_params:,} ({acc.non_embedding_params:,} non-embedding)",
         f"- forward FLOPs per token: {acc.forward_flops_per_token:,}", "",
-        "## Training", "", *_training(meta), "",
+        "## Training", "", *_training(meta, cfg), "",
         "## Loading", "", _LOADING.format(folder=folder),
     ]
     return "\n".join(lines)

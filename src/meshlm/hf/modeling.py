@@ -41,10 +41,17 @@ from meshlm.model.lm import MeshLM
 # generate() arguments the speculative path understands; any other one is refused with its name
 SPECULATIVE_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",
                       "eos_token_id", "pad_token_id", "assistant_early_exit", "num_assistant_tokens", "speculate",
-                      "speculation_stats"}
+                      "speculation_stats", "generation_config"}
 
 # the output field that carries the cache: "cache" in recent transformers, "past_key_values" before
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def stage_states(stages) -> tuple[torch.Tensor, ...]:
+    """`output_hidden_states`: the stage boundaries of a looped model, each (B, T, d): the embeddings, the
+    prelude's output, the state after every loop step (h¹ … h^K) and the coda's output (before the final norm).
+    A looped layer has no single output per unrolled layer index, so these are the states a probe reads."""
+    return (stages.embeddings, stages.prelude, *stages.states[1:], stages.coda)
 
 
 class MeshForCausalLM(PreTrainedModel, GenerationMixin):
@@ -82,10 +89,16 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
         return_dict: bool | None = None,
         loops: int | None = None,  # loop steps (default: config.loops, else the trained K)
         exit: str | None = None,  # adaptive exit rule, e.g. "state:0.05" (default: config.exit, else off)
+        output_hidden_states: bool | None = None,  # the stage boundaries (see hidden_states below)
+        output_attentions: bool | None = None,  # refused: attention runs through SDPA, which returns no weights
         **kwargs,
     ) -> CausalLMOutputWithPast | tuple:
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError("meshlm models take input_ids, not inputs_embeds")
+        if output_attentions or (output_attentions is None and self.config.output_attentions):
+            raise ValueError("meshlm attention runs through F.scaled_dot_product_attention, which returns no "
+                             "attention weights; drop output_attentions (meshlm.analysis.probes reads the states)")
+        hidden = output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
         if attention_mask is not None and attention_mask.dim() != 2:
             raise ValueError("meshlm models take a 2D (batch, tokens) attention_mask; use the default dynamic cache")
         cache = cache if cache is not None else past_key_values
@@ -99,9 +112,10 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
         if (loops or exit) and isinstance(cache, DynamicCache) and cache.get_seq_length() == 0:
             cache = DynamicCache()  # grows a slot per use: more loops and kl exit probes need more than the config's
         out = self.model(input_ids, targets=targets, padding_mask=attention_mask, position_ids=position_ids,
-                         cache=cache, loops=loops, exit=exit)
+                         cache=cache, loops=loops, exit=exit, return_states=bool(hidden))
         logits = out.logits[:, -logits_to_keep:] if logits_to_keep else out.logits
-        result = CausalLMOutputWithPast(loss=out.loss, logits=logits, **{CACHE_FIELD: cache})
+        result = CausalLMOutputWithPast(loss=out.loss, logits=logits, **{CACHE_FIELD: cache},
+                                        hidden_states=stage_states(out.stages) if hidden else None)
         return result if return_dict is not False else result.to_tuple()
 
     def generate(self, inputs: torch.Tensor | None = None, **kwargs):
@@ -111,14 +125,19 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
         assistant knobs: `assistant_early_exit=K_d` (loop passes here, not layers) and `num_assistant_tokens=γ`.
         transformers' own early-exit assistant cannot share the looped cache slots, so it would recompute the
         shallow loops; this path reuses them. It takes input_ids, attention_mask (left padding), max_new_tokens,
-        do_sample, temperature, top_k, top_p, eos/pad ids (the generation config supplies what is not passed);
+        do_sample, temperature, top_k, top_p, eos/pad ids and a `generation_config` (which, else the model's
+        own generation config, supplies what is not passed, the assistant knobs included);
         any other argument is refused. `speculation_stats` (a SpeculationStats) receives acceptance and speed.
         Returns (B, T + new) ids, finished rows padded with pad_token_id, as generate() does."""
-        cfg = self.generation_config
-        speculate = kwargs.get("speculate")
-        early = kwargs.get("assistant_early_exit", getattr(cfg, "assistant_early_exit", None))
+        configs = [kwargs.get("generation_config"), self.generation_config]  # a passed one wins, field by field
+
+        def get(name):
+            values = [kwargs.get(name)] + [getattr(cfg, name, None) for cfg in configs]
+            return next((value for value in values if value is not None), None)
+
+        speculate, early = kwargs.get("speculate"), get("assistant_early_exit")
         if speculate is None and early is not None:
-            gamma = kwargs.get("num_assistant_tokens")
+            gamma = get("num_assistant_tokens")
             speculate = f"{early}:{gamma}" if gamma else f"{early}"
         if speculate is None:
             return super().generate(inputs, **{k: v for k, v in kwargs.items() if k != "speculation_stats"})
@@ -129,9 +148,6 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
         ids = inputs if inputs is not None else kwargs["input_ids"]
         mask = kwargs.get("attention_mask")
         prompts = [row[m.bool()].tolist() for row, m in zip(ids, torch.ones_like(ids) if mask is None else mask)]
-        def get(name):
-            return kwargs[name] if kwargs.get(name) is not None else getattr(cfg, name, None)
-
         eos, pad = get("eos_token_id"), get("pad_token_id")
         eos = eos[0] if isinstance(eos, (list, tuple)) else eos
         sampled = bool(get("do_sample"))

@@ -1,12 +1,20 @@
 """Writes the self-contained code that lets a saved folder load with `trust_remote_code=True` without meshlm.
 
 `configuration_meshlm.py` is meshlm/hf/configuration.py verbatim. `modeling_meshlm.py` is *generated* from
-meshlm's own model sources, concatenated in dependency order with every `meshlm` import removed (the names
-they imported are then defined earlier in the same file), so the folder always carries exactly the code
-that produced its weights — no hand-maintained copy to drift. Imports are found with `ast`, so multi-line
-and function-local imports are handled; a top-level name defined by two sources is an error, not a silent
-override. The generated file ends with its own `write_remote_code`, which copies the files it came with
-(a remote-loaded model saved again stays loadable).
+meshlm's own model sources, concatenated in dependency order with every `meshlm` import rewritten for the one
+file, so the folder always carries exactly the code that produced its weights — no hand-maintained copy to
+drift. Imports are found with `ast`, so multi-line and function-local imports are handled. Each form becomes:
+
+    from meshlm.m import a              ->  pass                    (a is defined earlier in the same file)
+    from meshlm.m import a as b         ->  b = a
+    from meshlm.pkg import mod          ->  mod = _BundledModule("meshlm.pkg.mod")   (its names: this file's)
+    import meshlm.m as b                ->  b = _BundledModule("meshlm.m")
+    from __future__ import ...          ->  pass                    (the header has it)
+
+and every other form is an error at export time, not a NameError in a user's process: `import meshlm.m`
+(binds the name `meshlm`), relative imports, a name no bundled source defines, a module-level import of a name
+defined only by a later source, or a top-level name defined by two sources. The generated file starts with its
+own `write_remote_code`, which copies the files it came with (a remote-loaded model saved again stays loadable).
 """
 from __future__ import annotations
 
@@ -30,8 +38,19 @@ Sources, in order:
 from __future__ import annotations
 
 from .configuration_meshlm import MeshConfig
-'''
-_SELF_COPY = '''
+
+
+# -- generated: stands in for a meshlm module bound by name; its code is in this file --------------------
+class _BundledModule:
+    def __init__(self, name):
+        self.__name__ = name
+
+    def __getattr__(self, attr):
+        try:
+            return globals()[attr]
+        except KeyError:
+            raise AttributeError(f"module {{self.__name__!r}} (bundled) has no attribute {{attr!r}}") from None
+
 
 # -- generated: the remote copy re-saves the files it was loaded from -------------------------------------
 def write_remote_code(folder):
@@ -43,51 +62,110 @@ def write_remote_code(folder):
         if (here / name).resolve() != (Path(folder) / name).resolve():
             shutil.copyfile(here / name, Path(folder) / name)
 '''
+_HEADER_NAMES = {"MeshConfig", "_BundledModule", "write_remote_code"}
+BUNDLED_MODULES = {"meshlm." + rel.removesuffix(".py").replace("/", ".") for rel in SOURCES}
 
 
-def _strip_meshlm_imports(source: str, name: str) -> str:
-    """Replace every `meshlm` import (and `from __future__`) with `pass` at the same indentation."""
+class BundleError(RuntimeError):
+    """A meshlm source uses an import that the one-file bundle cannot reproduce."""
+
+
+def _is_meshlm(module: str) -> bool:
+    return module == "meshlm" or module.startswith("meshlm.")
+
+
+def _replacement(node: ast.Import | ast.ImportFrom, where: str, defined: set[str]) -> str | None:
+    """The statement that stands for a meshlm import in the bundle ("pass" or assignments), or None when the
+    import is not meshlm's (it stays as written). `defined`: the names the bundle has bound by then."""
+    if isinstance(node, ast.ImportFrom):
+        if node.level:
+            raise BundleError(f"{where}: relative import; use `from meshlm.... import ...`")
+        if node.module == "__future__":
+            return "pass"
+        if not _is_meshlm(node.module or ""):
+            return None
+        binds = []
+        for alias in node.names:
+            submodule = f"{node.module}.{alias.name}"
+            if submodule in BUNDLED_MODULES:
+                value = f"_BundledModule({submodule!r})"
+            elif alias.name in defined:
+                value = alias.name
+            else:
+                raise BundleError(f"{where}: `{alias.name}` from {node.module} is not defined by a bundled source "
+                                  f"before it; add its file to meshlm.hf.remote.SOURCES in dependency order")
+            if (alias.asname or alias.name) != value:
+                binds.append(f"{alias.asname or alias.name} = {value}")
+        return "; ".join(binds) or "pass"
+    if not any(_is_meshlm(alias.name) for alias in node.names):
+        return None
+    binds = []
+    for alias in node.names:
+        if alias.asname is None or alias.name not in BUNDLED_MODULES:
+            raise BundleError(f"{where}: `import {alias.name}` cannot be bundled; write "
+                              f"`from {alias.name.rpartition('.')[0] or 'meshlm'} import ...` instead")
+        binds.append(f"{alias.asname} = _BundledModule({alias.name!r})")
+    return "; ".join(binds)
+
+
+def _localize_imports(source: str, rel: str, earlier: set[str], everywhere: set[str]) -> str:
+    """Rewrite every meshlm import of one source (see the module docstring). Module-level imports may use only
+    names bound `earlier`; imports inside functions or `if` blocks run later and may use any bundled name."""
     lines = source.splitlines()
-    for node in ast.walk(ast.parse(source, filename=name)):
-        if isinstance(node, ast.ImportFrom):
-            modules = [node.module or ""]
-        elif isinstance(node, ast.Import):
-            modules = [alias.name for alias in node.names]
-        else:
+    tree = ast.parse(source, filename=rel)
+    module_level = {id(node) for node in tree.body}
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
-        if any(m == "__future__" or m.split(".")[0] == "meshlm" for m in modules):
-            indent = lines[node.lineno - 1][: node.col_offset]
-            lines[node.lineno - 1] = indent + "pass  # (meshlm import: defined above in this file)"
-            for i in range(node.lineno, node.end_lineno):
-                lines[i] = ""
+        where = f"meshlm/{rel}:{node.lineno}"
+        new = _replacement(node, where, earlier if id(node) in module_level else everywhere)
+        if new is None:
+            continue
+        start, end = lines[node.lineno - 1], lines[node.end_lineno - 1]
+        if start[: node.col_offset].strip():
+            raise BundleError(f"{where}: put the meshlm import on a line of its own")
+        rest = end[node.end_col_offset:]  # a trailing comment or `; more code` stays
+        for i in range(node.lineno - 1, node.end_lineno):
+            lines[i] = ""
+        lines[node.lineno - 1] = start[: node.col_offset] + new + rest
     return "\n".join(lines) + "\n"
 
 
-def _top_level_names(source: str) -> set[str]:
-    names = set()
+def _top_level_names(source: str) -> tuple[set[str], set[str]]:
+    """(names a source defines at top level, names its non-meshlm imports bind there)."""
+    defined, imported = set(), set()
     for node in ast.parse(source).body:
         if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
-            names.add(node.name)
+            defined.add(node.name)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names |= {t.id for t in targets if isinstance(t, ast.Name)}
-    return names
+            for target in targets:
+                defined |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+        elif isinstance(node, ast.Import) and not any(_is_meshlm(a.name) for a in node.names):
+            imported |= {a.asname or a.name.partition(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not _is_meshlm(node.module or "") and node.module != "__future__":
+            imported |= {a.asname or a.name for a in node.names}
+    return defined - {"__all__"}, imported
 
 
 @functools.lru_cache(maxsize=1)
 def modeling_source() -> str:
     """The text of modeling_meshlm.py."""
-    parts, owner = [_HEADER.format(sources="\n".join(f"    meshlm/{rel}" for rel in SOURCES))], {}
+    texts = {rel: (PACKAGE / rel).read_text() for rel in SOURCES}
+    everywhere = set(_HEADER_NAMES).union(*(set().union(*_top_level_names(text)) for text in texts.values()))
+    parts = [_HEADER.format(sources="\n".join(f"    meshlm/{rel}" for rel in SOURCES))]
+    owner, earlier = {}, set(_HEADER_NAMES)
     for rel in SOURCES:
-        text = (PACKAGE / rel).read_text()
-        for defined in _top_level_names(text) - {"__all__"}:
-            if defined in owner:
-                raise RuntimeError(f"meshlm/{rel} and meshlm/{owner[defined]} both define {defined!r}; rename one "
-                                   f"so the generated {MODELING_FILE} stays correct")
-            owner[defined] = rel
+        text = _localize_imports(texts[rel], rel, earlier, everywhere)
+        defined, imported = _top_level_names(text)  # the rewritten text: aliases like `b = a` count as defined
+        for name in defined:
+            if name in owner:
+                raise BundleError(f"meshlm/{rel} and meshlm/{owner[name]} both define {name!r}; rename one so "
+                                  f"the generated {MODELING_FILE} stays correct")
+            owner[name] = rel
         parts.append(f"\n# {'=' * 40} meshlm/{rel} {'=' * 40}\n")
-        parts.append(_strip_meshlm_imports(text, rel))
-    parts.append(_SELF_COPY)
+        parts.append(text)
+        earlier |= defined | imported
     return "".join(parts)
 
 

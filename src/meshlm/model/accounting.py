@@ -10,8 +10,10 @@ drift from the model. Conventions:
   weights a token meets in every *unrolled* layer (for MoE: the expert router and k of E experts),
   + 4·d·T per unrolled layer for attention scores and mixing at context T, + 2·d·V for the unembedding,
   + what the scheme adds (MeSH: counted as in the paper). Training FLOPs per token = 3 × forward.
-- depth: FLOPs are for the spec's K loop steps (the mean when train.loops samples); parameters include every
-  per-step parameter up to `max_loops` (MeSH: `router_pairs` = cap + 1, 0 with uniform routing).
+- depth: FLOPs are for the spec's K loop steps; `train_flops_per_token(model, loops, backprop_loops)` gives a
+  step at another depth (sampled train.loops, truncated backprop: the backward covers only the passes that keep
+  autograd state), which the trainer's MFU averages over the steps run. Parameters include every per-step
+  parameter up to `max_loops` (MeSH: `router_pairs` = cap + 1, 0 with uniform routing).
 """
 from __future__ import annotations
 
@@ -126,3 +128,13 @@ def depth_flops_per_token(model: MeshLM, loops: float, codas: float = 1.0, conte
     coda_and_head = layout.coda * per_layer + 2 * d * cfg.vocab_size
     return (layout.prelude * per_layer + loops * core + codas * coda_and_head
             + model.scheme.flops_per_token(d, max(1, round(loops))))
+
+
+def train_flops_per_token(model: MeshLM, loops: int, backprop_loops: int | None = None,
+                          context_length: int | None = None) -> float:
+    """Training FLOPs per token of one step run at `loops` core passes: the forward at `loops`, and the backward
+    (2× forward, PaLM's convention) of what keeps autograd state, the last `backprop_loops` passes (all when
+    None). What MFU divides by when train.loops samples the depth: the drawn count, not the spec's K."""
+    kept = loops if not backprop_loops else min(loops, backprop_loops)
+    forward = depth_flops_per_token(model, loops, context_length=context_length)
+    return forward + 2 * depth_flops_per_token(model, kept, context_length=context_length)

@@ -31,9 +31,10 @@ import yaml
 from meshlm.config import ModelConfig
 from meshlm.data.tasks import data_tokenizer
 from meshlm.errors import CheckpointError, ConfigError
-from meshlm.fields import build, coerce_all, type_problems, with_defaults
+from meshlm.fields import build, coerce_all, did_you_mean, type_problems, with_defaults
 from meshlm.loading import locate
 from meshlm.train.depth import LoopDistribution, parse_loops
+from meshlm.train.trackers import LOGGERS, parse_loggers
 from meshlm.yaml_files import load_yaml
 
 SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"  # cpu/, paper/, studies/: package data
@@ -48,16 +49,17 @@ PREFIX = "invalid training config: "
 class TrainConfig:
     # -- what to train on ---------------------------------------------------------------------------------
     name: str = ""  # run name: checkpoints go to <out_dir>/<name>; "" -> "<preset>-<scheme>"
-    out_dir: str = "runs"
+    out_dir: str = "runs"  # where run folders go: <out_dir>/<name>
     model: dict[str, Any] = field(default_factory=lambda: {"preset": DEFAULT_PRESET})  # preset + overrides
+    # (the model fields above)
     data: str = "default"  # a prepared-data dir (`meshlm prepare`), "default" = the embedded corpus, or a
     # reasoning task source such as task:chase (meshlm.data.tasks: generated once into the cache)
     tokenizer: str = "default"  # "default", "pythia" or a tokenizer.json; must match the prepared data
     # (task data's own tokenizer.json when left at "default")
     init_from: str = ""  # start from the weights of any folder meshlm.loading opens (a run or step dir, a
-    # `meshlm retrofit`/`convert` output, a Hugging Face folder): its model config (plus any model.* overrides)
-    # and its tokenizer (meshlm.loading's rule; train.tokenizer other than "default" overrides it); fresh
-    # optimizer and schedule
+    # `meshlm retrofit`/`convert` output, a Hugging Face folder or Hub name org/name[@revision]): its model
+    # config (plus any model.* overrides) and its tokenizer (meshlm.loading's rule; train.tokenizer other than
+    # "default" overrides it); fresh optimizer and schedule
     # -- batch and length ---------------------------------------------------------------------------------
     seq_len: int = 0  # tokens per sequence; 0 -> the model's context_length
     global_batch: int = 8  # sequences per optimizer step, summed over every rank (8: best at CPU scale)
@@ -84,7 +86,9 @@ class TrainConfig:
     keep_last: int = 3  # checkpoints kept besides the best; >= 2 keeps a fallback for a corrupt latest
     log_every: int = 1  # steps between metrics lines
     progress: bool = True  # tqdm progress bar on rank 0
-    tensorboard: bool = True  # also write TensorBoard events when `tensorboard` is installed
+    loggers: str = "tensorboard"  # trackers beside metrics.jsonl, comma-separated: tensorboard, wandb, mlflow, csv
+    # (or none); each gets the run's settings as hyperparameters (meshlm.train.trackers)
+    tensorboard: bool = True  # false drops tensorboard from train.loggers (the older switch)
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 -> measured (CPU) or looked up (GPU)
     max_nonfinite: int = 5  # abort after this many non-finite steps in a row
     # -- how to run ---------------------------------------------------------------------------------------
@@ -155,6 +159,11 @@ class TrainConfig:
         cfg = self.model_config()
         return f"{self.model.get('preset', 'custom')}-{cfg.scheme}".replace("*", "-emb")
 
+    def tracker_names(self) -> list[str]:
+        """train.loggers as names, without tensorboard when train.tensorboard is false."""
+        names = parse_loggers(self.loggers)
+        return [n for n in names if self.tensorboard or n != "tensorboard"]
+
     def run_dir(self) -> Path:
         return Path(self.out_dir) / self.run_name()
 
@@ -186,6 +195,9 @@ class TrainConfig:
         for name in ("seq_len", "steps", "tokens", "eval_every", "save_every", "seed"):
             need(getattr(self, name) >= 0, f"{name}={getattr(self, name)} must be >= 0")
         need(self.steps > 0 or self.tokens > 0, "set steps or tokens (both are 0)")
+        unknown = [n for n in parse_loggers(self.loggers) if n not in LOGGERS]
+        need(not unknown, f"loggers={self.loggers!r}: {unknown} unknown{did_you_mean(unknown, LOGGERS)}; choose "
+                          f"from {', '.join(LOGGERS)} (comma-separated) or none")
         need(not self.name or (self.name not in (".", "..") and not set(self.name) & {"/", "\\", "\0"}),
              f"name={self.name!r} must be one folder name (no '/', not '.' or '..'): the run goes to "
              f"<out_dir>/<name>; put the parent folder in out_dir")

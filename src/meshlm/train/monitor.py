@@ -1,5 +1,5 @@
-"""What the trainer reports: metrics as JSON lines (+ TensorBoard) and progress (a bar on a terminal, else
-periodic log lines).
+"""What the trainer reports: metrics as JSON lines (+ the trackers of train.loggers) and progress (a bar on a
+terminal, else periodic log lines).
 
 MFU = achieved training FLOP/s (tokens/s × train FLOPs per token, PaLM convention from
 meshlm.model.accounting) / (peak per device × devices), with the peak of the dtype the run computes in
@@ -8,7 +8,6 @@ meshlm.model.accounting) / (peak per device × devices), with the peak of the dt
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from pathlib import Path
@@ -16,23 +15,42 @@ from typing import Any
 
 from tqdm import tqdm
 
+from meshlm.train import trackers
+
 
 class Metrics:
-    """Appends one JSON object per line to <run>/metrics.jsonl; mirrors scalars to TensorBoard."""
+    """Appends one JSON object per line to <run>/metrics.jsonl; mirrors them to the trackers in `loggers`
+    (meshlm.train.trackers): the run's settings once as hyperparameters (`hparams`), every other record's
+    numbers as metrics at its step."""
 
-    def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
+    def __init__(self, run_dir: Path, enabled: bool, loggers: list[str] = ("tensorboard",), name: str = ""):
         self.path = run_dir / "metrics.jsonl"
         self.enabled = enabled
-        self.tb = None
-        if enabled and tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        self.trackers = [self._open(kind, run_dir, name or run_dir.name) for kind in loggers] if enabled else []
+        self.trackers = [t for t in self.trackers if t is not None]
 
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
-            except ImportError:  # optional (setup.sh installs it): say so once, keep training
-                print("train.tensorboard is on but the tensorboard package is not installed, so no TensorBoard "
-                      "events are written (metrics.jsonl has everything); install it with pip install -c "
-                      "constraints.txt -e '.[tensorboard]' or set train.tensorboard=false", file=sys.stderr)
+    @staticmethod
+    def _open(kind: str, run_dir: Path, name: str):
+        try:
+            return trackers.TRACKERS[kind](run_dir, name)  # other packages: checked by the trainer's preflight
+        except ImportError:
+            if kind != "tensorboard":
+                raise
+        print("train.loggers has tensorboard but the tensorboard package is not installed, so no TensorBoard "
+              "events are written (metrics.jsonl has everything); install it with pip install -c "
+              "constraints.txt -e '.[tensorboard]' or drop it from train.loggers", file=sys.stderr)
+        return None  # the default tracker: say so once, keep training
+
+    @property
+    def tb(self):
+        """The TensorBoard tracker, if one is open."""
+        return next((t for t in self.trackers if isinstance(t, trackers.TensorBoard)), None)
+
+    def hparams(self, params: dict[str, Any]) -> None:
+        """The run's settings, to every tracker (flattened: "train.lr", "model.d_model", ...)."""
+        flat = trackers.flatten(params)
+        for tracker in self.trackers:
+            tracker.hparams(flat)
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop records from steps the killed run did after its last checkpoint."""
@@ -48,21 +66,24 @@ class Metrics:
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text("".join(line + "\n" for line in keep))
         tmp.replace(self.path)
+        for tracker in self.trackers:
+            if hasattr(tracker, "truncate_after"):
+                tracker.truncate_after(step)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record, allow_nan=True) + "\n")
-        if self.tb is not None:
-            kind, step = record.get("kind", "train"), record["step"]
-            for key, value in record.items():
-                if key not in ("kind", "step") and isinstance(value, (int, float)) and math.isfinite(value):
-                    self.tb.add_scalar(f"{kind}/{key}", value, step)
+        if record.get("kind") == "run":  # settings, not curves: they go to the trackers through hparams()
+            return
+        values = trackers.scalars(record)
+        for tracker in self.trackers:
+            tracker.log(record["step"], values)
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def _duration(seconds: float) -> str:

@@ -23,14 +23,13 @@ import torch
 from meshlm import checkpoint
 from meshlm.backbones import BACKBONES
 from meshlm.data.prepare import PreparedData, prepare_default, validation_batches
-from meshlm.data.tasks import cached_task_data, data_folder, is_task_source, window_length
+from meshlm.data.tasks import cached_task_data, is_task_source, window_length
 from meshlm.data.tokenizer import check_vocab, load_tokenizer, tokenizer_file
-from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError, Problems
-from meshlm.loading import locate, open_model, weight_mismatch
+from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError
+from meshlm.loading import open_model, weight_mismatch
 from meshlm.model import MeshLM
-from meshlm.model.accounting import describe
+from meshlm.model.accounting import describe, train_flops_per_token
 from meshlm.runtime import allocator
-from meshlm.runtime.devices import device_problem
 from meshlm.runtime.peaks import device_peak
 from meshlm.train import parallel
 from meshlm.train.batches import get_batch, windows_xy
@@ -38,7 +37,8 @@ from meshlm.train.config import TrainConfig
 from meshlm.train.interrupt import StopRequest
 from meshlm.train.monitor import Metrics, Progress
 from meshlm.train.optim import build_optimizer, build_scheduler, retarget
-from meshlm.train.ownership import RunOwner, owner_problem
+from meshlm.train.ownership import RunOwner
+from meshlm.train.preflight import changed_settings, preflight
 
 
 class NonFiniteLossError(MeshlmError):
@@ -123,9 +123,11 @@ class Trainer:
         self.step_loops = self.model_cfg.layout.n_steps  # the last step's loop count (logged when sampled)
         self.optimizer = build_optimizer(self.model, cfg, env.device)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
-        self.flops_per_token = describe(self.model_cfg, self.seq_len).train_flops_per_token
+        self.flops_per_token = describe(self.model_cfg, self.seq_len).train_flops_per_token  # the spec's K;
+        # with sampled or truncated depth: the mean over the steps run of their drawn depth (_count_flops)
+        self.flops_seen, self.steps_seen, self._flops_at = 0.0, 0, {}
         self.peak, self.peak_source = device_peak(env.device, env.autocast_dtype, cfg.peak_flops)
-        self.metrics = Metrics(self.run_dir, enabled=env.is_main, tensorboard=cfg.tensorboard)
+        self.metrics = Metrics(self.run_dir, enabled=env.is_main, loggers=cfg.tracker_names(), name=self.run_dir.name)
         self.step, self.best_val, self.nonfinite_in_row = 0, math.inf, 0
         self.loss_parts: dict[str, float] = {}  # the last step's lm/aux/z losses (MoE backbones only)
         self._prepare_run_dir(resume)
@@ -165,7 +167,7 @@ class Trainer:
         if ckpt.meta["model"] != self.model_cfg.to_dict():
             raise CheckpointError(f"{ckpt.path / checkpoint.CONFIG} was written for a different model config; "
                                   f"resume with the config the run started with")
-        changed = sorted(k for k, v in self.cfg.to_dict().items() if ckpt.meta["train"].get(k, v) != v)
+        changed = changed_settings(ckpt.meta["train"], self.cfg.to_dict(), self.run_dir.name)
         if changed:
             self.log(f"warning: resuming with changed train settings: {', '.join(changed)}")
         state = ckpt.state
@@ -290,6 +292,7 @@ class Trainer:
                     loss, norm, ok = self.train_step(self.step)
                     dt = time.perf_counter() - t0
                     self.step += 1
+                    self._count_flops()
                     train_time += dt
                     rate = self.tokens_per_step / dt if rate == 0 else 0.9 * rate + 0.1 * self.tokens_per_step / dt
                     self._after_step(ok, loss, norm, bar)
@@ -317,6 +320,17 @@ class Trainer:
     def tokens_per_step(self) -> int:
         return self.cfg.global_batch * self.seq_len
 
+    def _count_flops(self) -> None:
+        """The mean training FLOPs per token over the steps run, each at the loop count it drew."""
+        cfg = self.cfg
+        if not (self.loop_dist.sampled or self.loop_dist.low or cfg.backprop_loops):
+            return  # the spec's K every step: describe's figure
+        loops = self.step_loops
+        if loops not in self._flops_at:
+            self._flops_at[loops] = train_flops_per_token(self.model, loops, cfg.backprop_loops or None, self.seq_len)
+        self.flops_seen, self.steps_seen = self.flops_seen + self._flops_at[loops], self.steps_seen + 1
+        self.flops_per_token = self.flops_seen / self.steps_seen
+
     def mfu(self, tokens_per_s: float) -> float:
         return tokens_per_s * self.flops_per_token / (self.peak * self.env.world)
 
@@ -328,11 +342,13 @@ class Trainer:
                  f"{cfg.global_batch} x {self.seq_len} tokens, world {env.world}, {env.device.type} "
                  f"{env.precision.describe()}, {env.compile.describe()}; "
                  f"MFU peak {self.peak / 1e9:,.0f} GFLOP/s per device ({self.peak_source})")
-        self.metrics.log({"kind": "run", "step": self.step, "device": env.device.type, "world": env.world,
-                          "threads": torch.get_num_threads(), "dtype": env.precision.name,
-                          "dtype_reason": env.precision.reason, "compile": env.compile.enabled,
-                          "compile_reason": env.compile.reason, "peak_flops": self.peak,
-                          "peak_source": self.peak_source, "malloc": allocator.tune()})
+        run = {"device": env.device.type, "world": env.world, "threads": torch.get_num_threads(),
+               "dtype": env.precision.name, "dtype_reason": env.precision.reason, "compile": env.compile.enabled,
+               "compile_reason": env.compile.reason, "peak_flops": self.peak, "peak_source": self.peak_source,
+               "malloc": allocator.tune()}
+        self.metrics.log({"kind": "run", "step": self.step, **run})
+        train = {k: v for k, v in cfg.to_dict().items() if k != "model"}  # the model: resolved, beside
+        self.metrics.hparams({"train": train, "model": m.to_dict(), "run": run})
 
     def _record(self, ok: bool, loss: float, norm: float, lr: float, rate: float, elapsed: float,
                 bar: Progress) -> None:
@@ -369,53 +385,6 @@ class Trainer:
                 f"loss or gradients were non-finite for {self.nonfinite_in_row} steps in a row (last at step "
                 f"{self.step}); the run diverged: lower train.lr or raise train.warmup, then --resume from the "
                 f"last checkpoint in {self.run_dir}")
-
-
-def preflight(cfg: TrainConfig, resume: bool = False) -> None:
-    """What `train` needs besides a valid config, checked before any compute, every problem in one error:
-    the device, the tokenizer and its vocabulary, the prepared data (tokenizer, length), init_from, the run
-    folder. Read-only: safe on every rank."""
-    p = Problems()
-    p.need(not (problem := device_problem(cfg.device, "train.device")), problem or "")
-    model_cfg, seq_len = cfg.model_config(), cfg.sequence_length()
-    source = p.check(cfg.tokenizer_source)
-    tok = p.check(load_tokenizer, source) if source is not None else None
-    if tok is not None:
-        p.check(check_vocab, model_cfg.vocab_size, tok)
-    path = p.check(data_folder, cfg.data)  # a task: source is generated here (once, into the cache)
-    if path is not None and p.need(path.is_dir(), f"train.data={cfg.data}: {path} does not exist; run "
-                                                  f"`meshlm prepare` or set train.data=default"):
-        _data_problems(p, path, seq_len, model_cfg, tok, cfg.seq_len)
-    if cfg.init_from:
-        p.check(locate, cfg.init_from)  # any model folder meshlm.loading opens
-    p.writable(cfg.run_dir(), "run folder")
-    busy = owner_problem(cfg.run_dir())  # another training in this folder: nothing else about it matters
-    p.need(busy is None, busy or "")
-    existing = checkpoint.list_checkpoints(cfg.run_dir())
-    p.need(resume or not existing or bool(busy), f"{cfg.run_dir()} already holds checkpoints (newest "
-                                   f"{existing[0].name if existing else ''}); pass --resume to continue, or choose "
-                                   f"another run with train.name=... or train.out_dir=...")
-    p.raise_if_any()
-
-
-def _data_problems(p: Problems, path: Path, seq_len: int, model_cfg, tok, asked_seq_len: int) -> None:
-    """The prepared folder's problems for preflight: each split opens (sizes, checksums), holds a window of the
-    training length (task data: its example block, within the context), has ids within the vocabulary, and was
-    prepared with the run's tokenizer."""
-    splits = [data for split in ("train", "val") if (data := p.check(PreparedData, path, split)) is not None]
-    if not splits:
-        return
-    manifest = splits[0].manifest
-    seq_len = p.check(window_length, manifest, asked_seq_len) or seq_len  # task data: its example block
-    p.need(seq_len <= model_cfg.context_length,
-           f"the task data's examples are {seq_len} tokens but the model's context_length is "
-           f"{model_cfg.context_length}; set model.context_length={seq_len} or more")
-    for data in splits:
-        p.check(data.num_sequences, seq_len)
-        p.check(data.check_ids, model_cfg.vocab_size)
-    if tok is not None and manifest["tokenizer"]["hash"] != tok.hash:
-        p.need(False, f"{path} was prepared with tokenizer {manifest['tokenizer']['name']!r}, not "
-                      f"{tok.name!r}; set train.tokenizer to match or prepare the data again")
 
 
 def train(cfg: TrainConfig, resume: bool = False, log: Callable[[str], None] = print) -> TrainResult:

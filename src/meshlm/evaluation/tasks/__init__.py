@@ -80,6 +80,16 @@ def lambada_standard_cached() -> bool:
     return any(Path(config.HF_DATASETS_CACHE).glob("cimec___lambada/*/*/*/dataset_info.json"))
 
 
+def partition(names: str | list[str] | None) -> tuple[str | list[str] | None, list[str]]:
+    """(the suite's part, for resolve_tasks: "all", suite names, or None when none is asked for; every other
+    name, an lm-eval task, group or task YAML: meshlm.evaluation.tasks.external)."""
+    if names is None or names == "all" or names == ["all"]:
+        return "all", []
+    wanted = [n.strip() for n in (names.split(",") if isinstance(names, str) else names) if n.strip()]
+    ours = [n for n in wanted if n in SUITE or n == "all"]
+    return ("all" if "all" in ours else ours or None), [n for n in wanted if n not in ours]
+
+
 def resolve_tasks(names: str | list[str] | None) -> list[Task]:
     """"all" / None -> the whole suite (LAMBADA-standard only when cached); else a comma-separated string or
     list of suite names."""

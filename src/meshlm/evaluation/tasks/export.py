@@ -5,15 +5,17 @@
         --tasks meshlm_suite --num_fewshot 0 --seed 1234
 
 Each YAML is one task of meshlm's suite exactly as `meshlm eval` builds it (meshlm.evaluation.tasks.task_specs):
-it `include`s lm-eval's own YAML for the task by ABSOLUTE path (prompt, choices, metrics, `!function`
-helpers resolved next to that file) and overrides only the data source, `dataset_path: json` with absolute
-`data_files`, and the splits. Names get a `meshlm_` prefix so they never shadow lm-eval's Hub-backed tasks;
+lm-eval's own YAML for the task, its includes merged in (prompt, choices, metrics), with only the data source,
+`dataset_path: json` with absolute `data_files`, and the splits overridden. Its `!function` helpers are named
+as modules of the installed lm-eval (`!function lm_eval.tasks.hellaswag.utils.process_docs`), so the file names
+no path inside the environment that wrote it: removing that venv, or running lm_eval from another one, leaves
+it working. Names get a `meshlm_` prefix so they never shadow lm-eval's Hub-backed tasks;
 the tag lm-eval's YAML carries is replaced for the same reason. Groups: `meshlm_mmlu` (the 57 cloze subjects,
 size-weighted like `meshlm eval`'s MMLU) and `meshlm_suite` (every task; no aggregate, since the paper's
 average mixes acc and acc_norm: `meshlm eval` computes it).
 
-Paths are absolute because lm-eval resolves relative `data_files` against the working directory; moving
-the folder (or upgrading lm-eval) means exporting again.
+Data paths are absolute because lm-eval resolves relative `data_files` against the working directory; moving
+the folder (or upgrading lm-eval, whose task definitions are copied) means exporting again.
 """
 from __future__ import annotations
 
@@ -49,13 +51,43 @@ def _copy_data(spec: dict, data_dir: Path) -> dict:
     return {**spec, "dataset_kwargs": {**spec["dataset_kwargs"], "data_files": copies}}
 
 
-def _task_yaml(spec: dict, include: Path) -> dict:
-    return {"include": str(include), **spec, "task": exported_name(spec["task"]), "tag": [TAG]}
+class _Function(str):
+    """A `!function` reference by importable name, written back with its tag."""
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+_Dumper.add_representer(_Function, lambda dumper, ref: dumper.represent_scalar("!function", str(ref)))
+
+
+def _importable(value, root: Path):
+    """Every `!function` of a loaded lm-eval YAML (a path under lm-eval's task folder `root`, as lm-eval's
+    loader leaves it unresolved) as the dotted name of the installed module: lm_eval.tasks.<folder>.<module>.<fn>."""
+    if isinstance(value, dict):
+        return {key: _importable(v, root) for key, v in value.items()}
+    if isinstance(value, list):
+        return [_importable(v, root) for v in value]
+    if isinstance(value, str) and value.startswith(f"{root}{os.sep}"):
+        module, _, function = value.rpartition(".")
+        return _Function(".".join(("lm_eval", "tasks", *Path(module).relative_to(root).parts, function)))
+    return value
+
+
+def _task_yaml(spec: dict, source: Path) -> dict:
+    """lm-eval's YAML for the task (includes merged) with meshlm's overrides on top, as `include:` would."""
+    import lm_eval.tasks
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    root = Path(lm_eval.tasks.__file__).resolve().parent
+    own = _importable(load_yaml(Path(source).resolve(), resolve_func=False, recursive=True), root)
+    return {**own, **spec, "task": exported_name(spec["task"]), "tag": [TAG]}
 
 
 def _write(path: Path, config: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(yaml.safe_dump(config, sort_keys=False, allow_unicode=True), encoding="utf-8")
+    tmp.write_text(yaml.dump(config, Dumper=_Dumper, sort_keys=False, allow_unicode=True), encoding="utf-8")
     os.replace(tmp, path)
 
 
