@@ -211,6 +211,29 @@ def _task_run(tmp: Path) -> None:
     train(cfg, log=lambda message: None)
 
 
+def _other_tokenizer(tmp: Path, world) -> None:
+    """{tmp}/small.json: a 270-id BPE (fits the 8,192-id model, encodes nothing like its tokenizer)."""
+    from meshlm.data.tokenizer import train_bpe
+
+    train_bpe(["hello world, hello there"] * 10, vocab_size=270).save(str(tmp / "small.json"))
+
+
+def _data_of_other_tokenizer(tmp: Path, world) -> None:
+    """{tmp}/small.json and {tmp}/small-data, the corpus prepared with it."""
+    from meshlm.data.prepare import prepare
+
+    _other_tokenizer(tmp, world)
+    prepare(sorted(world["corpus"].glob("*.txt")), tmp / "small-data", str(tmp / "small.json"), val_fraction=0.2,
+            progress=False)
+
+
+def _reexported_tokenizer(tmp: Path, world) -> None:
+    """{tmp}/copy.json: the run's tokenizer saved again by the library (other bytes, the same ids)."""
+    from meshlm.data.tokenizer import load_tokenizer
+
+    load_tokenizer("default").hf.save(str(tmp / "copy.json"), pretty=False)
+
+
 def _bin(tmp: Path, world) -> None:
     write(tmp / "blob.txt", bytes(range(256)) * 64)
 
@@ -350,6 +373,10 @@ CASES: list[Case] = [
                                                                 "train.name=run", "--resume"], 1,
          "no usable checkpoint",
          setup=lambda tmp, w: (copy_run(tmp, w), write(step_dir(tmp) / "state.pt", b"garbage"))),
+    Case("train", "train.tokenizer unlike init_from's", ["train", "train.init_from={run}",
+                                                        "train.data={tmp}/small-data",
+                                                        "train.tokenizer={tmp}/small.json"], 2,
+         "does not encode like", setup=_data_of_other_tokenizer),
     Case("train", "an unavailable device", ["train", "train.device=cuda"], 2, "no CUDA device is visible",
          patch=no_cuda),
     Case("train", "a device that does not exist", ["train", "train.device=tpu"], 2, "must be auto, cpu or cuda"),
@@ -399,6 +426,13 @@ CASES: list[Case] = [
                                                           lambda d: d["files"]["config.json"].update(bytes=1)))),
     Case("generate", "a manifest that leaves out state.pt", ["generate", "{tmp}/run", "hi"], 1, "does not cover",
          setup=lambda tmp, w: (copy_run(tmp, w), _drop_from_manifest(step_dir(tmp), "state.pt"))),
+    Case("generate", "--tokenizer: the checkpoint's, exported again (other bytes, same ids)",
+         ["generate", "{run}", "hi", "-n", "2", "-t", "0", "--tokenizer", "{tmp}/copy.json"], 0, "",
+         setup=_reexported_tokenizer),
+    Case("generate", "--tokenizer unlike the checkpoint's, forced", ["generate", "{run}", "hi", "-n", "2", "-t", "0",
+                                                                    "--tokenizer", "{tmp}/small.json",
+                                                                    "--force-tokenizer"], 0, "",
+         setup=_other_tokenizer),
     Case("generate", "a prompt that is not UTF-8 (any shell bytes)", ["generate", "{run}", "caf\udce9 \udcff",
                                                                      "-n", "2", "-t", "0"], 0, ""),
     # -- eval
@@ -432,6 +466,9 @@ CASES: list[Case] = [
          patch=lambda mp, tmp: (mp.setattr("meshlm.commands.eval.check_tasks", lambda tasks, p: None),
                                 mp.setattr("meshlm.evaluation.run.downstream", _ctrl_c)),
          after=_partial_eval_kept),
+    Case("eval", "--tokenizer that encodes unlike the checkpoint's", ["eval", "{run}", "--tokenizer",
+                                                                     "{tmp}/small.json", "--tasks", "none"], 2,
+         "does not encode like", setup=_other_tokenizer),
     # -- probe
     Case("probe", "--samples 0", ["probe", "{run}", "--samples", "0"], 2, "--samples and --batch-size must be >= 1"),
     Case("probe", "--tokens 1", ["probe", "{run}", "--tokens", "1"], 2, "--tokens 1 must be >= 2"),

@@ -80,10 +80,14 @@ def fresh_dir(folder: str | Path, create: bool = True) -> Path:
 
 
 # -- one entry point for the CLI ---------------------------------------------------------------------------
-def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: str | None = None) -> Path:
+def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: str | None = None,
+            force_tokenizer: bool = False) -> Path:
     """Convert between formats; `to` defaults to meshlm for family/hf sources and, for meshlm sources, to the
-    family of the model's backbone. The source is opened by meshlm.loading.open_model (its tokenizer rule)."""
-    source = open_model(src, tokenizer=tokenizer)
+    family of the model's backbone. The source is opened by meshlm.loading.open_model (its tokenizer rule; a
+    `tokenizer` that encodes unlike the source's own is refused unless `force_tokenizer`)."""
+    source = open_model(src, tokenizer=tokenizer, force_tokenizer=force_tokenizer)
+    if tokenizer:
+        source.tokenizer  # noqa: B018 (checked before anything is written)
     kind, cfg = source.format, source.model.config
     to = to or (cfg.backbone if kind == "meshlm" else "meshlm")
     if to not in FORMATS or to == kind:

@@ -53,7 +53,8 @@ class TrainConfig:
     data: str = "default"  # a prepared-data dir (`meshlm prepare`), "default" = the embedded corpus, or a
     # reasoning task source such as task:chase (meshlm.data.tasks: generated once into the cache)
     tokenizer: str = "default"  # "default", "pythia" or a tokenizer.json; must match the prepared data
-    # (task data's own tokenizer.json when left at "default")
+    # (task data's own tokenizer.json when left at "default"); with init_from, it must encode like that folder's
+    force_tokenizer: bool = False  # use train.tokenizer even though it encodes unlike init_from's own
     init_from: str = ""  # start from the weights of any folder meshlm.loading opens (a run or step dir, a
     # `meshlm retrofit`/`convert` output, a Hugging Face folder): its model config (plus any model.* overrides)
     # and its tokenizer (meshlm.loading's rule; train.tokenizer other than "default" overrides it); fresh

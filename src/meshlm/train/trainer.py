@@ -108,7 +108,7 @@ class Trainer:
         self.data_dir = data_dir = resolve_data(cfg, env, source)
         self.train_data, self.val_data = PreparedData(data_dir, "train"), PreparedData(data_dir, "val")
         prepared_with = self.train_data.manifest["tokenizer"]
-        if prepared_with["hash"] != tokenizer.hash:
+        if not tokenizer.made(prepared_with):
             raise DataError(f"{data_dir} was prepared with tokenizer {prepared_with['name']!r}, not "
                             f"{tokenizer.name!r}; set train.tokenizer to match or prepare the data again")
         self.seq_len = window_length(self.train_data.manifest, cfg.seq_len) or self.seq_len  # task data: its block
@@ -386,8 +386,9 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> None:
     if path is not None and p.need(path.is_dir(), f"train.data={cfg.data}: {path} does not exist; run "
                                                   f"`meshlm prepare` or set train.data=default"):
         _data_problems(p, path, seq_len, model_cfg, tok, cfg.seq_len)
-    if cfg.init_from:
-        p.check(locate, cfg.init_from)  # any model folder meshlm.loading opens
+    if cfg.init_from and (folder := p.check(locate, cfg.init_from)) and cfg.tokenizer != "default":
+        p.check(folder.chosen_tokenizer, cfg.tokenizer, cfg.force_tokenizer, "train.tokenizer",
+                "train.force_tokenizer=true")  # must encode like the weights' own tokenizer
     p.writable(cfg.run_dir(), "run folder")
     busy = owner_problem(cfg.run_dir())  # another training in this folder: nothing else about it matters
     p.need(busy is None, busy or "")
@@ -413,7 +414,7 @@ def _data_problems(p: Problems, path: Path, seq_len: int, model_cfg, tok, asked_
     for data in splits:
         p.check(data.num_sequences, seq_len)
         p.check(data.check_ids, model_cfg.vocab_size)
-    if tok is not None and manifest["tokenizer"]["hash"] != tok.hash:
+    if tok is not None and not tok.made(manifest["tokenizer"]):
         p.need(False, f"{path} was prepared with tokenizer {manifest['tokenizer']['name']!r}, not "
                       f"{tok.name!r}; set train.tokenizer to match or prepare the data again")
 
