@@ -80,6 +80,19 @@ def raise_oserror(code: int):
     return fail
 
 
+def full_disk(mp: pytest.MonkeyPatch, tmp: Path) -> None:
+    """Every file write through pathlib and safetensors (meshlm's and transformers') fails with ENOSPC."""
+    from safetensors import SafetensorError
+
+    def safetensors_full(tensors, filename, *args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+                              'space left on device" })')
+    mp.setattr(Path, "write_text", raise_oserror(errno.ENOSPC))
+    mp.setattr(Path, "write_bytes", raise_oserror(errno.ENOSPC))
+    mp.setattr("transformers.modeling_utils.safe_save_file", safetensors_full)
+    mp.setattr("meshlm.interop.convert.save_file", safetensors_full)
+
+
 def no_cuda(mp: pytest.MonkeyPatch, tmp: Path) -> None:
     import torch
 
@@ -242,6 +255,39 @@ def _latin(tmp: Path, world) -> None:
     write(tmp / "noise.txt", bytes([0xE9, 0xFF, 0x41, 0xC3]) * 2000)
 
 
+EARLIER = "an earlier result\n"
+
+
+def _earlier_result(path: str) -> Callable[[Path, dict], None]:
+    return lambda tmp, world: write(tmp / path, EARLIER)
+
+
+def _earlier_result_kept(path: str) -> Callable[[Path], None]:
+    def check(tmp: Path) -> None:
+        assert (tmp / path).read_text() == EARLIER
+        assert not [p for p in tmp.rglob(".*") if p.name.endswith((".tmp", ".partial"))]
+    return check
+
+
+def _no_folder_left(path: str) -> Callable[[Path], None]:
+    def check(tmp: Path) -> None:
+        assert not (tmp / path).exists() and not list(tmp.glob(f".{path}.*")), list(tmp.iterdir())
+    return check
+
+
+def _copy_data(tmp: Path, world) -> None:
+    shutil.copytree(world["data"], tmp / "data")
+
+
+def _earlier_data_kept(tmp: Path) -> None:
+    """{tmp}/data still holds the data prepared before, every shard matching its checksum."""
+    from meshlm.data.prepare import PreparedData
+
+    assert not list((tmp / "data").glob(".prepare-*"))
+    for split in ("train", "val"):
+        assert PreparedData(tmp / "data", split).num_sequences(8) > 0
+
+
 # `meshlm train --resume` of the tiny run that copy_run puts under {tmp}/run: the next save is a checkpoint write
 RESUME_COPIED_RUN = ["train", "train.data={data}", "model.preset=tiny", "model.vocab_size=8192", "train.out_dir={tmp}",
                      "train.name=run", "train.seq_len=32", "train.global_batch=4", "train.micro_batch=4",
@@ -306,6 +352,15 @@ CASES: list[Case] = [
          "no space left on device",
          patch=lambda mp, tmp: mp.setattr("meshlm.data.shards.open", raise_oserror(errno.ENOSPC), raising=False),
          after=_no_shards_left),
+    Case("prepare", "Ctrl-C while --overwrite replaces prepared data", ["prepare", "{corpus}", "-o", "{tmp}/data",
+                                                                        "--overwrite", "--quiet"], 130, "are kept",
+         setup=_copy_data, patch=lambda mp, tmp: mp.setattr("meshlm.data.prepare.encode_and_write", _ctrl_c),
+         after=_earlier_data_kept),
+    Case("prepare", "a full disk while --overwrite replaces prepared data",
+         ["prepare", "{corpus}", "-o", "{tmp}/data", "--overwrite", "--quiet"], 1, "no space left on device",
+         setup=_copy_data,
+         patch=lambda mp, tmp: mp.setattr("meshlm.data.shards.open", raise_oserror(errno.ENOSPC), raising=False),
+         after=_earlier_data_kept),
     Case("prepare", "an unknown reasoning task", ["prepare", "task:sudoku", "-o", "{tmp}/out"], 2,
          "unknown reasoning task sudoku"),
     Case("prepare", "a difficulty the task cannot make", ["prepare", "task:chase", "-o", "{tmp}/out",
@@ -388,6 +443,15 @@ CASES: list[Case] = [
          "no space left on device", setup=lambda tmp, w: copy_run(tmp, w),
          patch=lambda mp, tmp: mp.setattr("meshlm.checkpoint.save_file", raise_oserror(errno.ENOSPC)),
          after=_earlier_checkpoint_intact),
+    Case("train", "a full disk under metrics.jsonl", RESUME_COPIED_RUN, 1,
+         "metrics.jsonl: no space left on device", setup=lambda tmp, w: copy_run(tmp, w),
+         patch=lambda mp, tmp: mp.setattr("meshlm.train.monitor.open", raise_oserror(errno.ENOSPC), raising=False)),
+    Case("train", "a full disk under the TensorBoard events (written from a thread)",
+         [a.replace("tensorboard=false", "tensorboard=true") for a in RESUME_COPIED_RUN], 1,
+         "tensorboard: no space left on device",
+         setup=lambda tmp, w: copy_run(tmp, w),
+         patch=lambda mp, tmp: mp.setattr("tensorboard.summary.writer.record_writer.RecordWriter.write",
+                                          raise_oserror(errno.ENOSPC))),
     Case("train", "a read-only run folder", RESUME_COPIED_RUN, 1,
          "read-only file system", setup=lambda tmp, w: copy_run(tmp, w),
          patch=lambda mp, tmp: mp.setattr("meshlm.checkpoint.torch.save", raise_oserror(errno.EROFS)),
@@ -476,6 +540,13 @@ CASES: list[Case] = [
     Case("probe", "--tokens beyond the context", ["probe", "{run}", "--tokens", "4096"], 2,
          "exceeds the model's context_length"),
     Case("probe", "a checkpoint folder that does not exist", ["probe", "{tmp}/nope"], 2, "does not exist"),
+    Case("probe", "an output folder on a full disk (found before probing)", ["probe", "{run}", "--out", "{tmp}/p"], 2,
+         "no space left on device", patch=lambda mp, tmp: mp.setattr("meshlm.errors.shutil.disk_usage",
+                                                                     lambda path: shutil._ntuple_diskusage(1, 1, 0))),
+    Case("eval", "an output folder on a full disk (found before perplexity)", ["eval", "{run}", "--out",
+                                                                              "{tmp}/e.json"], 2,
+         "no space left on device", patch=lambda mp, tmp: mp.setattr("meshlm.errors.shutil.disk_usage",
+                                                                     lambda path: shutil._ntuple_diskusage(1, 1, 0))),
     # -- convert / retrofit
     Case("convert", "a source that does not exist", ["convert", "{tmp}/nope", "{tmp}/out"], 2, "does not exist"),
     Case("convert", "an output folder that is not empty", ["convert", "{run}", "{corpus}", "--to", "hf"], 2,
@@ -484,6 +555,8 @@ CASES: list[Case] = [
          "only a vanilla model converts"),
     Case("convert", "a folder of another model type", ["convert", "{tmp}/bert", "{tmp}/out"], 1, "model_type 'bert'",
          setup=lambda tmp, w: write(tmp / "bert" / "config.json", '{"model_type": "bert"}')),
+    Case("convert", "a full disk while exporting to Hugging Face", ["convert", "{run}", "{tmp}/out", "--to", "hf"], 1,
+         "no space left on device", patch=full_disk, after=_no_folder_left("out")),
     Case("retrofit", "--scheme-options that are not JSON", ["retrofit", "{run}", "{tmp}/out", "--spec", "1+1R2+1",
                                                             "--scheme-options", "slots=4"], 2, "is not JSON"),
     Case("retrofit", "a source that does not exist", ["retrofit", "{tmp}/nope", "{tmp}/out", "--spec", "2+2R2+2"], 2,
@@ -494,6 +567,9 @@ CASES: list[Case] = [
     Case("report", "an output folder that cannot be written", ["report", "{run}", "--out", "{tmp}/r.html"], 1,
          "permission denied",
          patch=lambda mp, tmp: mp.setattr("meshlm.analysis.report.Path.write_text", raise_oserror(errno.EACCES))),
+    Case("report", "a full disk, an earlier report in place", ["report", "{run}", "--out", "{tmp}/r.html"], 1,
+         "no space left on device", setup=_earlier_result("r.html"), patch=full_disk,
+         after=_earlier_result_kept("r.html")),
     Case("reproduce", "neither a study nor --quick", ["reproduce"], 2, "pass a study file or --quick"),
     Case("reproduce", "a study file that does not exist", ["reproduce", "{tmp}/nope.yaml"], 2, "nope.yaml"),
     Case("reproduce", "an override without =", ["reproduce", "--quick", "--plan", "train.lr=fast"], 2,

@@ -46,6 +46,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from meshlm import atomic
+from meshlm.atomic import as_os_error, fsync_path
 from meshlm.data.hashing import sha256_file
 from meshlm.errors import CheckpointError, storage_error
 
@@ -95,7 +97,7 @@ def write_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], meta:
             names.append(TOKENIZER)
             meta = {**meta, "tokenizer": TOKENIZER}
         seal(tmp, meta, names)
-        _replace_dir(tmp, folder)
+        atomic.replace_folder(tmp, folder)
     except (OSError, SafetensorError) as err:
         shutil.rmtree(tmp, ignore_errors=True)  # first, so the message shows the space there really is
         raise storage_error(as_os_error(err), folder, "writing checkpoint") from None
@@ -139,17 +141,6 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
     return final
 
 
-def as_os_error(err: Exception) -> OSError:
-    """The filesystem error behind a failed write: safetensors and torch.save report a full disk as their own
-    errors ("... os error 28", "file write failed"), not as OSError."""
-    if isinstance(err, OSError):
-        return err
-    found = re.search(r"os error (\d+)", str(err))
-    if found:
-        return OSError(int(found.group(1)), os.strerror(int(found.group(1))))
-    return OSError(errno.EIO, f"the write failed ({str(err).splitlines()[0][:80]})")
-
-
 def _save_state(state: dict[str, Any], path: Path) -> None:
     """torch.save, with a failed write (its RuntimeError: "file write failed", "unexpected pos", …) turned
     into the OSError it is: ENOSPC when the disk is (nearly) full."""
@@ -168,25 +159,13 @@ def seal(folder: Path, meta: dict[str, Any], names: list[str]) -> None:
     files = {name: _describe(folder / name) for name in (*names, CONFIG)}
     _write_json(folder / MANIFEST, {"format": MANIFEST_FORMAT, "files": files, "sha256": _digest(files)})
     for name in (*names, CONFIG, MANIFEST):
-        _fsync(folder / name)
-    _fsync(folder)
+        fsync_path(folder / name)
+    fsync_path(folder)
 
 
 def _digest(files: dict[str, Any]) -> str:
     """SHA-256 of the file list itself: a manifest edited by hand no longer matches it."""
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-
-
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Rename `tmp` to `final` (replacing a checkpoint of the same step), then fsync the parent."""
-    if final.exists():  # re-saving a step (e.g. after falling back past a corrupt checkpoint)
-        trash = final.with_name(f".trash-{final.name}-{os.getpid()}")
-        os.rename(final, trash)
-        os.rename(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    _fsync(final.parent)
 
 
 def prune(run_dir: Path, keep_last: int) -> None:
@@ -204,27 +183,12 @@ def _describe(path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _write_pointer(path: Path, target: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        tmp.write_text(target + "\n")
-        _fsync(tmp)
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise storage_error(err, path, "updating") from None
+    atomic.write_text(path, target + "\n", "updating")
 
 
 def _read_pointer(path: Path) -> str | None:

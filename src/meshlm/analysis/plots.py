@@ -24,6 +24,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
+from meshlm import atomic
+
 Run = tuple[str, dict]
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 
@@ -286,8 +288,4 @@ def png_bytes(fig: Figure) -> bytes:
 def save(figures: dict[str, Figure], folder: str | Path) -> list[Path]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, fig in figures.items():
-        paths.append(folder / f"{name}.png")
-        paths[-1].write_bytes(png_bytes(fig))
-    return paths
+    return [atomic.write_bytes(folder / f"{name}.png", png_bytes(fig)) for name, fig in figures.items()]

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshlm import checkpoint
+from meshlm import atomic, checkpoint
 from meshlm.analysis import plots, reasoning_report
 from meshlm.config import ModelConfig
 from meshlm.errors import MeshlmError
@@ -308,10 +308,6 @@ def write_report(paths: list[str | Path], out: str | Path, title: str = "meshlm 
     runs = [collect(p) for p in paths]
     figures = report_figures(runs)
     if figures_dir is not None:
-        Path(figures_dir).mkdir(parents=True, exist_ok=True)
         for name, png in figures.items():
-            (Path(figures_dir) / f"{name}.png").write_bytes(png)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(runs, title, figures), encoding="utf-8")
-    return out
+            atomic.write_bytes(Path(figures_dir) / f"{name}.png", png)
+    return atomic.write_text(out, render(runs, title, figures))  # an existing report stays whole until then

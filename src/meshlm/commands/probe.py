@@ -75,8 +75,10 @@ def run(args: argparse.Namespace) -> int:
     if states is not None:
         from safetensors.torch import save_file
 
-        save_file({"states": torch.stack(states)}, str(out / "states.safetensors"),
-                  metadata={"stages": ",".join(result["stages"])})
+        from meshlm import atomic
+
+        atomic.write_with(out / "states.safetensors", lambda tmp: save_file(
+            {"states": torch.stack(states)}, str(tmp), metadata={"stages": ",".join(result["stages"])}))
     print(summary(result))
     print(f"results: {out / 'probe.json'}; figures: {', '.join(p.name for p in paths)}")
     return 0
@@ -96,6 +98,8 @@ def check_inputs(args: argparse.Namespace) -> None:
     if p.need(Path(args.checkpoint).exists(), f"{args.checkpoint} does not exist; pass a run folder or a "
                                               f"step-NNNNNN folder"):
         folder = p.check(locate, args.checkpoint)
+        if folder is not None:
+            p.writable(args.out or folder.run_dir / "probe", "output folder")  # before any compute
         if folder is not None and args.tokenizer:
             p.check(folder.chosen_tokenizer, args.tokenizer, args.force_tokenizer)
     if args.data is not None:

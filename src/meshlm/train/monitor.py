@@ -10,11 +10,15 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from meshlm import atomic
+from meshlm.errors import storage_error
 
 
 class Metrics:
@@ -23,16 +27,17 @@ class Metrics:
     def __init__(self, run_dir: Path, enabled: bool, tensorboard: bool):
         self.path = run_dir / "metrics.jsonl"
         self.enabled = enabled
-        self.tb = None
+        self.tb, self.tb_dir = None, run_dir / "tensorboard"
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
             except ImportError:  # optional (setup.sh installs it): say so once, keep training
                 print("train.tensorboard is on but the tensorboard package is not installed, so no TensorBoard "
                       "events are written (metrics.jsonl has everything); install it with pip install -c "
                       "constraints.txt -e '.[tensorboard]' or set train.tensorboard=false", file=sys.stderr)
+                return
+            quiet_tensorboard_thread()
+            self.tb = self._tensorboard(lambda _: SummaryWriter(str(self.tb_dir)))
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop records from steps the killed run did after its last checkpoint."""
@@ -45,24 +50,49 @@ class Metrics:
                     keep.append(line)
             except ValueError:  # a line cut short by the kill
                 continue
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        tmp.replace(self.path)
+        atomic.write_text(self.path, "".join(line + "\n" for line in keep))
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record, allow_nan=True) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record, allow_nan=True) + "\n")
+        except OSError as err:  # a failed write names no file: say which, and its filesystem's free space
+            raise storage_error(err, self.path, "appending to") from None
         if self.tb is not None:
             kind, step = record.get("kind", "train"), record["step"]
-            for key, value in record.items():
-                if key not in ("kind", "step") and isinstance(value, (int, float)) and math.isfinite(value):
-                    self.tb.add_scalar(f"{kind}/{key}", value, step)
+            scalars = {f"{kind}/{key}": value for key, value in record.items() if key not in ("kind", "step")
+                       and isinstance(value, (int, float)) and math.isfinite(value)}
+            self._tensorboard(lambda tb: [tb.add_scalar(tag, value, step) for tag, value in scalars.items()])
 
     def close(self) -> None:
         if self.tb is not None:
-            self.tb.close()
+            self._tensorboard(lambda tb: tb.close())
+            self.tb = None
+
+    def _tensorboard(self, use):
+        """`use(writer)`; a failure of the writer (its thread's, raised here) is one StorageError naming the
+        events folder, and TensorBoard is off from then on."""
+        try:
+            return use(self.tb)
+        except OSError as err:
+            self.tb = None
+            raise storage_error(err, self.tb_dir, "writing TensorBoard events to") from None
+
+
+def quiet_tensorboard_thread() -> None:
+    """TensorBoard writes events from a thread that, on a failed write, prints its traceback before the main
+    thread sees the error: silence that thread's filesystem errors (Metrics reports them as one line)."""
+    previous = threading.excepthook
+    if getattr(previous, "meshlm_quiet", False):
+        return
+
+    def hook(args) -> None:
+        if not (type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError)):
+            previous(args)
+    hook.meshlm_quiet = True
+    threading.excepthook = hook
 
 
 def _duration(seconds: float) -> str:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import yaml
 
+from meshlm import atomic
 from meshlm.data.cache_dir import cache_dir as resolve_cache
 from meshlm.evaluation.tasks import MMLU_GROUP, SUITE_GROUP, Task, member_specs, task_manager
 
@@ -54,9 +55,7 @@ def _task_yaml(spec: dict, include: Path) -> dict:
 
 
 def _write(path: Path, config: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(yaml.safe_dump(config, sort_keys=False, allow_unicode=True), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic.write_text(path, yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
 
 
 def export_tasks(out: str | Path, tasks: list[Task], cache_dir: str | os.PathLike | None = None,
