@@ -172,6 +172,16 @@ def signal_runner(signals: list[int]) -> Callable:
     return run
 
 
+def rank_fault_runner(fault: str) -> Callable:
+    """2-rank `meshlm train` under torchrun with rank 1 stopped or killed: what rank 0 says (trainkit)."""
+    def run(tmp: Path, world: dict[str, Path]) -> tuple[int, str, str]:
+        from trainkit import train_with_rank_fault
+
+        code, stderr, _ = train_with_rank_fault(world["data"], tmp, fault)
+        return (1 if code else 0), "", stderr
+    return run
+
+
 def _prepare_without_validation(tmp: Path, world) -> None:
     from meshlm.data.prepare import prepare
 
@@ -459,6 +469,10 @@ CASES: list[Case] = [
     Case("train", "a run folder that cannot be written (found before training)",
          ["train", "train.data={data}", "train.out_dir={tmp}/ro"], 2, "cannot write to",
          patch=lambda mp, tmp: mp.setattr("meshlm.errors.os.access", lambda path, mode: False)),
+    Case("train", "a rank stopped (SIGSTOP) under torchrun", ["train"], 1, "is stopped (SIGSTOP or a debugger)",
+         runner=rank_fault_runner("stopped"), slow=True),
+    Case("train", "a rank killed under torchrun", ["train"], 1, "has exited (killed or crashed)",
+         runner=rank_fault_runner("killed"), slow=True),
     Case("train", "Ctrl-C", ["train"], 130, "--resume", runner=signal_runner([signal.SIGINT]), slow=True),
     Case("train", "SIGTERM", ["train"], 143, "--resume", runner=signal_runner([signal.SIGTERM]), slow=True),
     Case("train", "Ctrl-C twice", ["train"], 130, "interrupted",
@@ -646,6 +660,7 @@ def normalise(text: str, tmp: Path, world: dict[str, Path]) -> str:
     text = re.sub(r"\d+(\.\d+)? [KMGT]?B free", "N GB free", text)
     text = re.sub(r"<tmp>/runs/run/step-\d+", "<tmp>/runs/run/step-N", text)
     text = re.sub(r"holds step \d+/500", "holds step N/500", text)
+    text = re.sub(r"\(PID \d+ on \S+, at step \d+\)", "(PID N on HOST, at step N)", text)
     text = re.sub(r"in use by PID \d+ on \S+ \(started [^)]*\)", "in use by PID N on HOST (started TIME: COMMAND)",
                   text)  # the holder is this test process: its command line depends on how pytest was run
     return text

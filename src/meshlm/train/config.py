@@ -95,6 +95,8 @@ class TrainConfig:
     # (meshlm.runtime.compile: on GPUs for long runs, never on CPU)
     activation_checkpointing: bool = False  # recompute each layer's activations in backward
     distributed: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard per layer)
+    collective_timeout: float = 300.0  # under torchrun: seconds a rank waits for the others before failing with
+    # a line naming the rank that died or hangs (meshlm.train.watchdog); raise it if one checkpoint takes longer
 
     def __post_init__(self) -> None:
         if isinstance(self.compile, bool) or str(self.compile).lower() in ("true", "false"):  # YAML booleans
@@ -200,6 +202,7 @@ class TrainConfig:
         need(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0")
         need(self.grad_clip >= 0, f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
         need(self.peak_flops >= 0, f"peak_flops={self.peak_flops} must be >= 0 (0 = measure)")
+        need(self.collective_timeout > 0, f"collective_timeout={self.collective_timeout} must be > 0 (seconds)")
         need(self.device in ("auto", "cpu", "cuda"), f"device={self.device!r} must be auto, cpu or cuda")
         need(self.dtype in DTYPES, f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
         need(self.compile in COMPILE, f"compile={self.compile!r} must be one of {', '.join(COMPILE)}")

@@ -39,6 +39,7 @@ from meshlm.train.interrupt import StopRequest
 from meshlm.train.monitor import Metrics, Progress
 from meshlm.train.optim import build_optimizer, build_scheduler, retarget
 from meshlm.train.ownership import RunOwner, owner_problem
+from meshlm.train.watchdog import RankWatch
 
 
 class NonFiniteLossError(MeshlmError):
@@ -281,9 +282,11 @@ class Trainer:
         start, train_time, rate = time.perf_counter(), 0.0, 0.0
         if self.step >= self.total_steps:  # resumed a finished run: report it, train nothing
             result.val_loss, result.checkpoint = self.evaluate(), checkpoint.resolve(self.run_dir)
+        watch = RankWatch(self.env, self.cfg.collective_timeout)  # a rank that dies or hangs is named
         try:
-            with StopRequest(self.log) as stop:
+            with StopRequest(self.log) as stop, watch, watch.naming_failures():  # handlers stay while it looks
                 while self.step < self.total_steps:
+                    watch.beat(self.step)
                     if stop.requested(self.env):
                         raise self._stop(stop, result)
                     t0, lr = time.perf_counter(), self.scheduler.get_last_lr()[0]  # the rate this step uses
