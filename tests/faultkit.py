@@ -298,6 +298,20 @@ def _earlier_data_kept(tmp: Path) -> None:
         assert PreparedData(tmp / "data", split).num_sequences(8) > 0
 
 
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _pruned_while_hashing(mp: pytest.MonkeyPatch, tmp: Path) -> None:
+    """The checkpoint folder disappears while its files are being hashed (a running training pruned it)."""
+    def prune_then_hash(path):
+        shutil.rmtree(step_dir(tmp), ignore_errors=True)
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
+    mp.setattr("meshlm.checkpoint.sha256_file", prune_then_hash)
+
+
 # `meshlm train --resume` of the tiny run that copy_run puts under {tmp}/run: the next save is a checkpoint write
 RESUME_COPIED_RUN = ["train", "train.data={data}", "model.preset=tiny", "model.vocab_size=8192", "train.out_dir={tmp}",
                      "train.name=run", "train.seq_len=32", "train.global_batch=4", "train.micro_batch=4",
@@ -442,6 +456,29 @@ CASES: list[Case] = [
                                                         "train.data={tmp}/small-data",
                                                         "train.tokenizer={tmp}/small.json"], 2,
          "does not encode like", setup=_data_of_other_tokenizer),
+    Case("train", "a model whose training cannot fit the free memory",
+         ["train", "train.data={data}", "model.preset=tiny", "model.vocab_size=8192", "model.d_model=4096",
+          "model.n_heads=32", "train.seq_len=32"], 2,
+         "training needs about", patch=lambda mp, tmp: mp.setattr("meshlm.train.footprint.available_bytes",
+                                                                  lambda device: (8e9, "this machine has"))),
+    Case("train", "train.steps=1e12 (the warmup alone is 1e10 steps)", ["train", "train.data={data}",
+                                                                        "model.preset=tiny", "model.vocab_size=8192",
+                                                                        "train.seq_len=32", "train.steps=1e12",
+                                                                        "train.out_dir={tmp}"], 2,
+         "training windows"),
+    Case("train", "save_every beyond the run's steps", ["train", "train.data={data}", "model.preset=tiny",
+                                                        "model.vocab_size=8192", "train.seq_len=32", "train.steps=2",
+                                                        "train.save_every=5", "train.eval_every=0",
+                                                        "train.eval_windows=4", "train.global_batch=4",
+                                                        "train.micro_batch=4", "train.out_dir={tmp}",
+                                                        "train.progress=false", "train.tensorboard=false",
+                                                        "train.peak_flops=1e11"], 0, "save_every=5 exceeds"),
+    Case("train", "init_from a folder that does not exist, with a preset", ["train", "model.preset=tiny",
+                                                                            "train.init_from={tmp}/nope"], 2,
+         "is not a directory"),
+    Case("train", "--resume with a changed train.loops",
+         [*RESUME_COPIED_RUN[:-1], "train.loops=uniform:1-3", "--resume"], 1, "model.max_loops follows train.loops",
+         setup=lambda tmp, w: copy_run(tmp, w)),
     Case("train", "an unavailable device", ["train", "train.device=cuda"], 2, "no CUDA device is visible",
          patch=no_cuda),
     Case("train", "a device that does not exist", ["train", "train.device=tpu"], 2, "must be auto, cpu or cuda"),
@@ -511,6 +548,11 @@ CASES: list[Case] = [
                                                                     "--tokenizer", "{tmp}/small.json",
                                                                     "--force-tokenizer"], 0, "",
          setup=_other_tokenizer),
+    Case("generate", "a checkpoint pruned while being read", ["generate", "{tmp}/run/step-000002", "hi"], 1,
+         "was removed while being read", setup=lambda tmp, w: copy_run(tmp, w), patch=_pruned_while_hashing),
+    Case("generate", "a damaged optimizer state, which generate never reads", ["generate", "{tmp}/run", "hi", "-n",
+                                                                              "2", "-t", "0"], 0, "",
+         setup=lambda tmp, w: (copy_run(tmp, w), _flip_byte(step_dir(tmp) / "state.pt"))),
     Case("generate", "a prompt that is not UTF-8 (any shell bytes)", ["generate", "{run}", "caf\udce9 \udcff",
                                                                      "-n", "2", "-t", "0"], 0, ""),
     # -- eval

@@ -229,7 +229,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     try:
         meta = json.loads(file.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{file} is missing: the checkpoint is incomplete; use an earlier one") from None
+        raise missing(file) from None
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{file} is unreadable or corrupt ({err}); use an earlier checkpoint") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -237,9 +237,20 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+def missing(file: Path) -> CheckpointError:
+    """A checkpoint file that is not there. With its whole folder gone, the checkpoint was pruned while being
+    read (a training still running keeps only its newest ones), not left incomplete."""
+    if not file.parent.is_dir():
+        return CheckpointError(f"checkpoint {file.parent} was removed while being read (a training still running "
+                               f"prunes its older checkpoints); open the run folder again to read its newest one")
+    return CheckpointError(f"{file} is missing: the checkpoint is incomplete; use an earlier one")
+
+
 def read_manifest(path: Path) -> dict[str, dict[str, Any]]:
     """The checked file list of a checkpoint dir; CheckpointError if it is missing, unreadable or edited."""
     file = path / MANIFEST
+    if not path.is_dir():
+        raise missing(file)
     if not file.is_file():
         legacy = (path / CONFIG).is_file() and "files" in _read_json_or_empty(path / CONFIG)
         why = ("it was written by meshlm before checksums covered config.json; if you trust it, seal it with "
@@ -265,21 +276,28 @@ def _read_json_or_empty(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def verify(path: str | Path) -> dict[str, Any]:
+def verify(path: str | Path, unread: tuple[str, ...] = ()) -> dict[str, Any]:
     """Check every file's size and SHA-256 against manifest.json, and that the manifest covers every file
     the checkpoint needs (config.json, the weights, state.pt and tokenizer.json when present or named);
-    returns the metadata."""
+    returns the metadata. Files in `unread` (state.pt for a reader that never loads it) are checked by size
+    only: hashing gigabytes of optimizer state proves nothing about the weights."""
     path = resolve(path)
     files = read_manifest(path)
     for name, expected in files.items():
         file = path / name
         if not file.is_file():
-            raise CheckpointError(f"{file} is missing; the checkpoint is incomplete, use an earlier one")
+            raise missing(file)
         size = file.stat().st_size
         if size != expected["bytes"]:
             raise CheckpointError(f"{file} is truncated or corrupt: {size} bytes, expected {expected['bytes']}; "
                                   f"use an earlier checkpoint")
-        if sha256_file(file) != expected["sha256"]:
+        if name in unread:
+            continue
+        try:
+            digest = sha256_file(file)
+        except FileNotFoundError:
+            raise missing(file) from None
+        if digest != expected["sha256"]:
             raise CheckpointError(f"{file} was edited or is corrupt: its SHA-256 does not match {MANIFEST}; "
                                   f"use an earlier checkpoint")
     meta = read_meta(path)
@@ -321,10 +339,12 @@ def reseal(path: str | Path, force: bool = False) -> Path:
 def load_checkpoint(path: str | Path, with_state: bool = True, check: bool = True) -> Checkpoint:
     """Read (and verify) one checkpoint; every failure is a CheckpointError naming the file."""
     path = resolve(path)
-    meta = verify(path) if check else read_meta(path)
+    meta = verify(path, () if with_state else (STATE,)) if check else read_meta(path)
     try:
         weights = load_file(str(path / WEIGHTS))
     except (SafetensorError, OSError, ValueError) as err:
+        if not path.is_dir():
+            raise missing(path / WEIGHTS) from None
         raise CheckpointError(f"{path / WEIGHTS} cannot be read ({err}); use an earlier checkpoint") from None
     state = None
     if with_state:

@@ -31,6 +31,7 @@ DEFAULT_PATH = Path(__file__).parents[1] / "assets" / "tokenizer-8192.json"
 DEFAULT_VOCAB = 8192
 EOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|padding|>"
 EOS_NAMES = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+_BEHAVIOUR: dict[str, str] = {}  # file hash -> behaviour hash: one tokenizer file is serialised once
 
 
 class TextTokenizer:
@@ -39,7 +40,6 @@ class TextTokenizer:
     def __init__(self, tokenizer: Tokenizer, name: str, file_hash: str):
         self.hf = tokenizer
         self.name = name
-        self.hash = behaviour_hash(tokenizer)  # what it does: equal for re-exported copies of one tokenizer
         self.file_hash = file_hash  # first 16 hex digits of the file's SHA-256 (what data prepared before
         # meshlm recorded behaviour hashes holds)
         self.vocab_size = tokenizer.get_vocab_size()  # with added tokens: the largest id + 1
@@ -59,6 +59,14 @@ class TextTokenizer:
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=False)
+
+    @property
+    def hash(self) -> str:
+        """What it does (behaviour_hash): equal for re-exported copies of one tokenizer. Computed on first use,
+        once per file content in a process (~40 ms for 8,192 ids)."""
+        if self.file_hash not in _BEHAVIOUR:
+            _BEHAVIOUR[self.file_hash] = behaviour_hash(self.hf)
+        return _BEHAVIOUR[self.file_hash]
 
     def made(self, recorded: dict) -> bool:
         """Whether prepared data's manifest entry {"hash": ...} was tokenised by this tokenizer."""

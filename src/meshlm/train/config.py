@@ -134,13 +134,13 @@ class TrainConfig:
     def _init_model_config(self, preset: str | None, overrides: dict[str, Any]) -> ModelConfig:
         """The init_from folder's model config with `overrides` on top (e.g. model.aux_loss_weight);
         a preset other than the default cannot apply: the architecture is the folder's."""
-        if preset not in (None, DEFAULT_PRESET):
-            raise ConfigError(f"train.init_from takes the architecture from {self.init_from}; drop model.preset="
-                              f"{preset} (use `meshlm retrofit` to change a checkpoint's layout)")
-        try:
+        try:  # first: a folder that is not there is the problem, whatever else is set
             saved = locate(self.init_from).model_config().to_dict()
         except CheckpointError as err:
             raise ConfigError(f"train.init_from: {err}") from None
+        if preset not in (None, DEFAULT_PRESET):
+            raise ConfigError(f"train.init_from takes the architecture from {self.init_from}; drop model.preset="
+                              f"{preset} (use `meshlm retrofit` to change a checkpoint's layout)")
         return ModelConfig.from_dict({**saved, **overrides})
 
     def tokenizer_source(self) -> str:

@@ -23,22 +23,23 @@ import torch
 from meshlm import checkpoint
 from meshlm.backbones import BACKBONES
 from meshlm.data.prepare import PreparedData, prepare_default, validation_batches
-from meshlm.data.tasks import cached_task_data, data_folder, is_task_source, window_length
+from meshlm.data.tasks import cached_task_data, is_task_source, window_length
 from meshlm.data.tokenizer import check_vocab, load_tokenizer, tokenizer_file
-from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError, Problems
-from meshlm.loading import locate, open_model, weight_mismatch
+from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError
+from meshlm.loading import open_model, weight_mismatch
 from meshlm.model import MeshLM
 from meshlm.model.accounting import describe
 from meshlm.runtime import allocator
-from meshlm.runtime.devices import device_problem
 from meshlm.runtime.peaks import device_peak
 from meshlm.train import parallel
 from meshlm.train.batches import get_batch, windows_xy
 from meshlm.train.config import TrainConfig
+from meshlm.train.footprint import schedule_problem
 from meshlm.train.interrupt import StopRequest
 from meshlm.train.monitor import Metrics, Progress
 from meshlm.train.optim import build_optimizer, build_scheduler, retarget
-from meshlm.train.ownership import RunOwner, owner_problem
+from meshlm.train.ownership import RunOwner
+from meshlm.train.preflight import preflight, schedule_warnings
 from meshlm.train.watchdog import RankWatch
 
 
@@ -116,6 +117,8 @@ class Trainer:
         for data in (self.train_data, self.val_data):
             data.num_sequences(self.seq_len)  # DataError if the split is shorter than one sequence
             data.check_ids(self.model_cfg.vocab_size)
+        if absurd := schedule_problem(cfg, self.total_steps, self.train_data.num_sequences(self.seq_len)):
+            raise ConfigError(absurd)  # e.g. steps=1e12: its warmup alone is 1e10 steps
 
         torch.manual_seed(cfg.seed)  # same initial weights on every rank and every resume
         self.model = MeshLM(self.model_cfg).to(env.device)  # the unwrapped handle: state dicts, saving
@@ -164,8 +167,7 @@ class Trainer:
 
     def _restore(self, ckpt: checkpoint.Checkpoint) -> None:
         if ckpt.meta["model"] != self.model_cfg.to_dict():
-            raise CheckpointError(f"{ckpt.path / checkpoint.CONFIG} was written for a different model config; "
-                                  f"resume with the config the run started with")
+            raise CheckpointError(model_change(ckpt, self.model_cfg.to_dict(), self.cfg))
         changed = sorted(k for k, v in self.cfg.to_dict().items() if ckpt.meta["train"].get(k, v) != v)
         if changed:
             self.log(f"warning: resuming with changed train settings: {', '.join(changed)}")
@@ -374,52 +376,16 @@ class Trainer:
                 f"last checkpoint in {self.run_dir}")
 
 
-def preflight(cfg: TrainConfig, resume: bool = False) -> None:
-    """What `train` needs besides a valid config, checked before any compute, every problem in one error:
-    the device, the tokenizer and its vocabulary, the prepared data (tokenizer, length), init_from, the run
-    folder. Read-only: safe on every rank."""
-    p = Problems()
-    p.need(not (problem := device_problem(cfg.device, "train.device")), problem or "")
-    model_cfg, seq_len = cfg.model_config(), cfg.sequence_length()
-    source = p.check(cfg.tokenizer_source)
-    tok = p.check(load_tokenizer, source) if source is not None else None
-    if tok is not None:
-        p.check(check_vocab, model_cfg.vocab_size, tok)
-    path = p.check(data_folder, cfg.data)  # a task: source is generated here (once, into the cache)
-    if path is not None and p.need(path.is_dir(), f"train.data={cfg.data}: {path} does not exist; run "
-                                                  f"`meshlm prepare` or set train.data=default"):
-        _data_problems(p, path, seq_len, model_cfg, tok, cfg.seq_len)
-    if cfg.init_from and (folder := p.check(locate, cfg.init_from)) and cfg.tokenizer != "default":
-        p.check(folder.chosen_tokenizer, cfg.tokenizer, cfg.force_tokenizer, "train.tokenizer",
-                "train.force_tokenizer=true")  # must encode like the weights' own tokenizer
-    p.writable(cfg.run_dir(), "run folder")
-    busy = owner_problem(cfg.run_dir())  # another training in this folder: nothing else about it matters
-    p.need(busy is None, busy or "")
-    existing = checkpoint.list_checkpoints(cfg.run_dir())
-    p.need(resume or not existing or bool(busy), f"{cfg.run_dir()} already holds checkpoints (newest "
-                                   f"{existing[0].name if existing else ''}); pass --resume to continue, or choose "
-                                   f"another run with train.name=... or train.out_dir=...")
-    p.raise_if_any()
-
-
-def _data_problems(p: Problems, path: Path, seq_len: int, model_cfg, tok, asked_seq_len: int) -> None:
-    """The prepared folder's problems for preflight: each split opens (sizes, checksums), holds a window of the
-    training length (task data: its example block, within the context), has ids within the vocabulary, and was
-    prepared with the run's tokenizer."""
-    splits = [data for split in ("train", "val") if (data := p.check(PreparedData, path, split)) is not None]
-    if not splits:
-        return
-    manifest = splits[0].manifest
-    seq_len = p.check(window_length, manifest, asked_seq_len) or seq_len  # task data: its example block
-    p.need(seq_len <= model_cfg.context_length,
-           f"the task data's examples are {seq_len} tokens but the model's context_length is "
-           f"{model_cfg.context_length}; set model.context_length={seq_len} or more")
-    for data in splits:
-        p.check(data.num_sequences, seq_len)
-        p.check(data.check_ids, model_cfg.vocab_size)
-    if tok is not None and not tok.made(manifest["tokenizer"]):
-        p.need(False, f"{path} was prepared with tokenizer {manifest['tokenizer']['name']!r}, not "
-                      f"{tok.name!r}; set train.tokenizer to match or prepare the data again")
+def model_change(ckpt: checkpoint.Checkpoint, now: dict, cfg: TrainConfig) -> str:
+    """Why a checkpoint cannot be resumed with this model config: the fields that differ, and the train setting
+    behind a derived one (model.max_loops follows train.loops)."""
+    saved = ckpt.meta["model"]
+    diff = [f"model.{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+            if saved.get(k) != now.get(k)]
+    loops = ckpt.meta.get("train", {}).get("loops", cfg.loops)
+    cause = f" (model.max_loops follows train.loops, {loops!r} -> {cfg.loops!r})" if loops != cfg.loops else ""
+    return (f"{ckpt.path} was written for another model config ({'; '.join(diff)}){cause}; resume with the settings "
+            f"the run started with")
 
 
 def train(cfg: TrainConfig, resume: bool = False, log: Callable[[str], None] = print) -> TrainResult:
@@ -428,6 +394,9 @@ def train(cfg: TrainConfig, resume: bool = False, log: Callable[[str], None] = p
     allocator.tune()
     preflight(cfg, resume)
     env = parallel.setup(cfg)
+    if env.is_main:
+        for warning in schedule_warnings(cfg, cfg.total_steps()):
+            log(f"warning: {warning}")
     try:
         with RunOwner(cfg.run_dir(), log) if env.is_main else contextlib.nullcontext():  # rank 0 owns the folder
             return Trainer(cfg, env, resume=resume, log=log).run()
