@@ -11,7 +11,9 @@ device, so nothing is allocated) and compares it with what the device has free:
                  (fp32, vocabulary-sized);
     ranks sharing a host's RAM (torchrun on CPU) each need their own.
 A run is refused only when the estimate exceeds what is free, so the message is never a false alarm about a
-run that would fit; one that fits the estimate may still run out at the margin (allocator, buffers).
+run that would fit; one that fits the estimate may still run out at the margin (allocator, buffers). Measured
+on this CPU (mesh-small, 256 tokens, 2 steps, peak RSS growth): micro_batch 8 fp32 estimate 472 MB vs 642 MB
+measured, bf16 329 vs 531 MB, micro_batch 16 fp32 892 vs 1,226 MB: the estimate is a lower bound (~60-75%).
 
 `schedule_warnings` lists settings a run accepts but that rarely mean what was intended (a save interval
 longer than the run, `tokens` ignored because `steps` is set); `schedule_problem` refuses a step count that
@@ -70,7 +72,7 @@ def estimate(cfg, model_cfg: ModelConfig, seq_len: int, world: int, bf16: bool) 
 
 def memory_problem(cfg, model_cfg: ModelConfig, seq_len: int, device: torch.device, world: int) -> str | None:
     """A one-line refusal when the run cannot fit `device`'s free memory; None when it may."""
-    bf16 = cfg.dtype == "bf16" or (cfg.dtype == "auto" and device.type == "cuda")
+    bf16 = cfg.dtype != "fp32"  # auto picks bf16 where it is native; elsewhere 2 B undercounts: never a false alarm
     params, state, activations = estimate(cfg, model_cfg, seq_len, world, bf16)
     sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
     need = (state + activations) * sharing
