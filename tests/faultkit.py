@@ -80,6 +80,19 @@ def raise_oserror(code: int):
     return fail
 
 
+def full_disk(mp: pytest.MonkeyPatch, tmp: Path) -> None:
+    """Every file write through pathlib and safetensors (meshlm's and transformers') fails with ENOSPC."""
+    from safetensors import SafetensorError
+
+    def safetensors_full(tensors, filename, *args, **kwargs):
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No '
+                              'space left on device" })')
+    mp.setattr(Path, "write_text", raise_oserror(errno.ENOSPC))
+    mp.setattr(Path, "write_bytes", raise_oserror(errno.ENOSPC))
+    mp.setattr("transformers.modeling_utils.safe_save_file", safetensors_full)
+    mp.setattr("meshlm.interop.convert.save_file", safetensors_full)
+
+
 def no_cuda(mp: pytest.MonkeyPatch, tmp: Path) -> None:
     import torch
 
@@ -159,6 +172,16 @@ def signal_runner(signals: list[int]) -> Callable:
     return run
 
 
+def rank_fault_runner(fault: str) -> Callable:
+    """2-rank `meshlm train` under torchrun with rank 1 stopped or killed: what rank 0 says (trainkit)."""
+    def run(tmp: Path, world: dict[str, Path]) -> tuple[int, str, str]:
+        from trainkit import train_with_rank_fault
+
+        code, stderr, _ = train_with_rank_fault(world["data"], tmp, fault)
+        return (1 if code else 0), "", stderr
+    return run
+
+
 def _prepare_without_validation(tmp: Path, world) -> None:
     from meshlm.data.prepare import prepare
 
@@ -211,12 +234,82 @@ def _task_run(tmp: Path) -> None:
     train(cfg, log=lambda message: None)
 
 
+def _other_tokenizer(tmp: Path, world) -> None:
+    """{tmp}/small.json: a 270-id BPE (fits the 8,192-id model, encodes nothing like its tokenizer)."""
+    from meshlm.data.tokenizer import train_bpe
+
+    train_bpe(["hello world, hello there"] * 10, vocab_size=270).save(str(tmp / "small.json"))
+
+
+def _data_of_other_tokenizer(tmp: Path, world) -> None:
+    """{tmp}/small.json and {tmp}/small-data, the corpus prepared with it."""
+    from meshlm.data.prepare import prepare
+
+    _other_tokenizer(tmp, world)
+    prepare(sorted(world["corpus"].glob("*.txt")), tmp / "small-data", str(tmp / "small.json"), val_fraction=0.2,
+            progress=False)
+
+
+def _reexported_tokenizer(tmp: Path, world) -> None:
+    """{tmp}/copy.json: the run's tokenizer saved again by the library (other bytes, the same ids)."""
+    from meshlm.data.tokenizer import load_tokenizer
+
+    load_tokenizer("default").hf.save(str(tmp / "copy.json"), pretty=False)
+
+
 def _bin(tmp: Path, world) -> None:
     write(tmp / "blob.txt", bytes(range(256)) * 64)
 
 
 def _latin(tmp: Path, world) -> None:
     write(tmp / "noise.txt", bytes([0xE9, 0xFF, 0x41, 0xC3]) * 2000)
+
+
+EARLIER = "an earlier result\n"
+
+
+def _earlier_result(path: str) -> Callable[[Path, dict], None]:
+    return lambda tmp, world: write(tmp / path, EARLIER)
+
+
+def _earlier_result_kept(path: str) -> Callable[[Path], None]:
+    def check(tmp: Path) -> None:
+        assert (tmp / path).read_text() == EARLIER
+        assert not [p for p in tmp.rglob(".*") if p.name.endswith((".tmp", ".partial"))]
+    return check
+
+
+def _no_folder_left(path: str) -> Callable[[Path], None]:
+    def check(tmp: Path) -> None:
+        assert not (tmp / path).exists() and not list(tmp.glob(f".{path}.*")), list(tmp.iterdir())
+    return check
+
+
+def _copy_data(tmp: Path, world) -> None:
+    shutil.copytree(world["data"], tmp / "data")
+
+
+def _earlier_data_kept(tmp: Path) -> None:
+    """{tmp}/data still holds the data prepared before, every shard matching its checksum."""
+    from meshlm.data.prepare import PreparedData
+
+    assert not list((tmp / "data").glob(".prepare-*"))
+    for split in ("train", "val"):
+        assert PreparedData(tmp / "data", split).num_sequences(8) > 0
+
+
+def _flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _pruned_while_hashing(mp: pytest.MonkeyPatch, tmp: Path) -> None:
+    """The checkpoint folder disappears while its files are being hashed (a running training pruned it)."""
+    def prune_then_hash(path):
+        shutil.rmtree(step_dir(tmp), ignore_errors=True)
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
+    mp.setattr("meshlm.checkpoint.sha256_file", prune_then_hash)
 
 
 # `meshlm train --resume` of the tiny run that copy_run puts under {tmp}/run: the next save is a checkpoint write
@@ -283,6 +376,15 @@ CASES: list[Case] = [
          "no space left on device",
          patch=lambda mp, tmp: mp.setattr("meshlm.data.shards.open", raise_oserror(errno.ENOSPC), raising=False),
          after=_no_shards_left),
+    Case("prepare", "Ctrl-C while --overwrite replaces prepared data", ["prepare", "{corpus}", "-o", "{tmp}/data",
+                                                                        "--overwrite", "--quiet"], 130, "are kept",
+         setup=_copy_data, patch=lambda mp, tmp: mp.setattr("meshlm.data.prepare.encode_and_write", _ctrl_c),
+         after=_earlier_data_kept),
+    Case("prepare", "a full disk while --overwrite replaces prepared data",
+         ["prepare", "{corpus}", "-o", "{tmp}/data", "--overwrite", "--quiet"], 1, "no space left on device",
+         setup=_copy_data,
+         patch=lambda mp, tmp: mp.setattr("meshlm.data.shards.open", raise_oserror(errno.ENOSPC), raising=False),
+         after=_earlier_data_kept),
     Case("prepare", "an unknown reasoning task", ["prepare", "task:sudoku", "-o", "{tmp}/out"], 2,
          "unknown reasoning task sudoku"),
     Case("prepare", "a difficulty the task cannot make", ["prepare", "task:chase", "-o", "{tmp}/out",
@@ -350,6 +452,33 @@ CASES: list[Case] = [
                                                                 "train.name=run", "--resume"], 1,
          "no usable checkpoint",
          setup=lambda tmp, w: (copy_run(tmp, w), write(step_dir(tmp) / "state.pt", b"garbage"))),
+    Case("train", "train.tokenizer unlike init_from's", ["train", "train.init_from={run}",
+                                                        "train.data={tmp}/small-data",
+                                                        "train.tokenizer={tmp}/small.json"], 2,
+         "does not encode like", setup=_data_of_other_tokenizer),
+    Case("train", "a model whose training cannot fit the free memory",
+         ["train", "train.data={data}", "model.preset=tiny", "model.vocab_size=8192", "model.d_model=4096",
+          "model.n_heads=32", "train.seq_len=32"], 2,
+         "training needs about", patch=lambda mp, tmp: mp.setattr("meshlm.train.footprint.available_bytes",
+                                                                  lambda device: (8e9, "this machine has"))),
+    Case("train", "train.steps=1e12 (the warmup alone is 1e10 steps)", ["train", "train.data={data}",
+                                                                        "model.preset=tiny", "model.vocab_size=8192",
+                                                                        "train.seq_len=32", "train.steps=1e12",
+                                                                        "train.out_dir={tmp}"], 2,
+         "training windows"),
+    Case("train", "save_every beyond the run's steps", ["train", "train.data={data}", "model.preset=tiny",
+                                                        "model.vocab_size=8192", "train.seq_len=32", "train.steps=2",
+                                                        "train.save_every=5", "train.eval_every=0",
+                                                        "train.eval_windows=4", "train.global_batch=4",
+                                                        "train.micro_batch=4", "train.out_dir={tmp}",
+                                                        "train.progress=false", "train.tensorboard=false",
+                                                        "train.peak_flops=1e11"], 0, "save_every=5 exceeds"),
+    Case("train", "init_from a folder that does not exist, with a preset", ["train", "model.preset=tiny",
+                                                                            "train.init_from={tmp}/nope"], 2,
+         "is not a directory"),
+    Case("train", "--resume with a changed train.loops",
+         [*RESUME_COPIED_RUN[:-1], "train.loops=uniform:1-3", "--resume"], 1, "model.max_loops follows train.loops",
+         setup=lambda tmp, w: copy_run(tmp, w)),
     Case("train", "an unavailable device", ["train", "train.device=cuda"], 2, "no CUDA device is visible",
          patch=no_cuda),
     Case("train", "a device that does not exist", ["train", "train.device=tpu"], 2, "must be auto, cpu or cuda"),
@@ -361,6 +490,15 @@ CASES: list[Case] = [
          "no space left on device", setup=lambda tmp, w: copy_run(tmp, w),
          patch=lambda mp, tmp: mp.setattr("meshlm.checkpoint.save_file", raise_oserror(errno.ENOSPC)),
          after=_earlier_checkpoint_intact),
+    Case("train", "a full disk under metrics.jsonl", RESUME_COPIED_RUN, 1,
+         "metrics.jsonl: no space left on device", setup=lambda tmp, w: copy_run(tmp, w),
+         patch=lambda mp, tmp: mp.setattr("meshlm.train.monitor.open", raise_oserror(errno.ENOSPC), raising=False)),
+    Case("train", "a full disk under the TensorBoard events (written from a thread)",
+         [a.replace("tensorboard=false", "tensorboard=true") for a in RESUME_COPIED_RUN], 1,
+         "tensorboard: no space left on device",
+         setup=lambda tmp, w: copy_run(tmp, w),
+         patch=lambda mp, tmp: mp.setattr("tensorboard.summary.writer.record_writer.RecordWriter.write",
+                                          raise_oserror(errno.ENOSPC))),
     Case("train", "a read-only run folder", RESUME_COPIED_RUN, 1,
          "read-only file system", setup=lambda tmp, w: copy_run(tmp, w),
          patch=lambda mp, tmp: mp.setattr("meshlm.checkpoint.torch.save", raise_oserror(errno.EROFS)),
@@ -368,6 +506,10 @@ CASES: list[Case] = [
     Case("train", "a run folder that cannot be written (found before training)",
          ["train", "train.data={data}", "train.out_dir={tmp}/ro"], 2, "cannot write to",
          patch=lambda mp, tmp: mp.setattr("meshlm.errors.os.access", lambda path, mode: False)),
+    Case("train", "a rank stopped (SIGSTOP) under torchrun", ["train"], 1, "is stopped (SIGSTOP or a debugger)",
+         runner=rank_fault_runner("stopped"), slow=True),
+    Case("train", "a rank killed under torchrun", ["train"], 1, "has exited (killed or crashed)",
+         runner=rank_fault_runner("killed"), slow=True),
     Case("train", "Ctrl-C", ["train"], 130, "--resume", runner=signal_runner([signal.SIGINT]), slow=True),
     Case("train", "SIGTERM", ["train"], 143, "--resume", runner=signal_runner([signal.SIGTERM]), slow=True),
     Case("train", "Ctrl-C twice", ["train"], 130, "interrupted",
@@ -407,6 +549,18 @@ CASES: list[Case] = [
                                                           lambda d: d["files"]["config.json"].update(bytes=1)))),
     Case("generate", "a manifest that leaves out state.pt", ["generate", "{tmp}/run", "hi"], 1, "does not cover",
          setup=lambda tmp, w: (copy_run(tmp, w), _drop_from_manifest(step_dir(tmp), "state.pt"))),
+    Case("generate", "--tokenizer: the checkpoint's, exported again (other bytes, same ids)",
+         ["generate", "{run}", "hi", "-n", "2", "-t", "0", "--tokenizer", "{tmp}/copy.json"], 0, "",
+         setup=_reexported_tokenizer),
+    Case("generate", "--tokenizer unlike the checkpoint's, forced", ["generate", "{run}", "hi", "-n", "2", "-t", "0",
+                                                                    "--tokenizer", "{tmp}/small.json",
+                                                                    "--force-tokenizer"], 0, "",
+         setup=_other_tokenizer),
+    Case("generate", "a checkpoint pruned while being read", ["generate", "{tmp}/run/step-000002", "hi"], 1,
+         "was removed while being read", setup=lambda tmp, w: copy_run(tmp, w), patch=_pruned_while_hashing),
+    Case("generate", "a damaged optimizer state, which generate never reads", ["generate", "{tmp}/run", "hi", "-n",
+                                                                              "2", "-t", "0"], 0, "",
+         setup=lambda tmp, w: (copy_run(tmp, w), _flip_byte(step_dir(tmp) / "state.pt"))),
     Case("generate", "a prompt that is not UTF-8 (any shell bytes)", ["generate", "{run}", "caf\udce9 \udcff",
                                                                      "-n", "2", "-t", "0"], 0, ""),
     # -- eval
@@ -440,6 +594,9 @@ CASES: list[Case] = [
          patch=lambda mp, tmp: (mp.setattr("meshlm.commands.eval.check_tasks", lambda tasks, p, *rest: None),
                                 mp.setattr("meshlm.evaluation.run.downstream", _ctrl_c)),
          after=_partial_eval_kept),
+    Case("eval", "--tokenizer that encodes unlike the checkpoint's", ["eval", "{run}", "--tokenizer",
+                                                                     "{tmp}/small.json", "--tasks", "none"], 2,
+         "does not encode like", setup=_other_tokenizer),
     # -- probe
     Case("probe", "--samples 0", ["probe", "{run}", "--samples", "0"], 2, "--samples and --batch-size must be >= 1"),
     Case("probe", "--tokens 1", ["probe", "{run}", "--tokens", "1"], 2, "--tokens 1 must be >= 2"),
@@ -447,6 +604,13 @@ CASES: list[Case] = [
     Case("probe", "--tokens beyond the context", ["probe", "{run}", "--tokens", "4096"], 2,
          "exceeds the model's context_length"),
     Case("probe", "a checkpoint folder that does not exist", ["probe", "{tmp}/nope"], 2, "does not exist"),
+    Case("probe", "an output folder on a full disk (found before probing)", ["probe", "{run}", "--out", "{tmp}/p"], 2,
+         "no space left on device", patch=lambda mp, tmp: mp.setattr("meshlm.errors.shutil.disk_usage",
+                                                                     lambda path: shutil._ntuple_diskusage(1, 1, 0))),
+    Case("eval", "an output folder on a full disk (found before perplexity)", ["eval", "{run}", "--out",
+                                                                              "{tmp}/e.json"], 2,
+         "no space left on device", patch=lambda mp, tmp: mp.setattr("meshlm.errors.shutil.disk_usage",
+                                                                     lambda path: shutil._ntuple_diskusage(1, 1, 0))),
     # -- convert / retrofit
     Case("convert", "a source that does not exist", ["convert", "{tmp}/nope", "{tmp}/out"], 2, "does not exist"),
     Case("convert", "an output folder that is not empty", ["convert", "{run}", "{corpus}", "--to", "hf"], 2,
@@ -455,6 +619,8 @@ CASES: list[Case] = [
          "only a vanilla model converts"),
     Case("convert", "a folder of another model type", ["convert", "{tmp}/bert", "{tmp}/out"], 1, "model_type 'bert'",
          setup=lambda tmp, w: write(tmp / "bert" / "config.json", '{"model_type": "bert"}')),
+    Case("convert", "a full disk while exporting to Hugging Face", ["convert", "{run}", "{tmp}/out", "--to", "hf"], 1,
+         "no space left on device", patch=full_disk, after=_no_folder_left("out")),
     Case("retrofit", "--scheme-options that are not JSON", ["retrofit", "{run}", "{tmp}/out", "--spec", "1+1R2+1",
                                                             "--scheme-options", "slots=4"], 2, "is not JSON"),
     Case("retrofit", "a source that does not exist", ["retrofit", "{tmp}/nope", "{tmp}/out", "--spec", "2+2R2+2"], 2,
@@ -465,6 +631,9 @@ CASES: list[Case] = [
     Case("report", "an output folder that cannot be written", ["report", "{run}", "--out", "{tmp}/r.html"], 1,
          "permission denied",
          patch=lambda mp, tmp: mp.setattr("meshlm.analysis.report.Path.write_text", raise_oserror(errno.EACCES))),
+    Case("report", "a full disk, an earlier report in place", ["report", "{run}", "--out", "{tmp}/r.html"], 1,
+         "no space left on device", setup=_earlier_result("r.html"), patch=full_disk,
+         after=_earlier_result_kept("r.html")),
     Case("reproduce", "neither a study nor --quick", ["reproduce"], 2, "pass a study file or --quick"),
     Case("reproduce", "a study file that does not exist", ["reproduce", "{tmp}/nope.yaml"], 2, "nope.yaml"),
     Case("reproduce", "an override without =", ["reproduce", "--quick", "--plan", "train.lr=fast"], 2,
@@ -541,6 +710,7 @@ def normalise(text: str, tmp: Path, world: dict[str, Path]) -> str:
     text = re.sub(r"\d+(\.\d+)? [KMGT]?B free", "N GB free", text)
     text = re.sub(r"<tmp>/runs/run/step-\d+", "<tmp>/runs/run/step-N", text)
     text = re.sub(r"holds step \d+/500", "holds step N/500", text)
+    text = re.sub(r"\(PID \d+ on \S+, at step \d+\)", "(PID N on HOST, at step N)", text)
     text = re.sub(r"in use by PID \d+ on \S+ \(started [^)]*\)", "in use by PID N on HOST (started TIME: COMMAND)",
                   text)  # the holder is this test process: its command line depends on how pytest was run
     return text

@@ -2,16 +2,13 @@
 global batch; an FSDP-written checkpoint loads in a single process."""
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
-from trainkit import as_overrides, cli, tiny_train, train_losses
+from trainkit import TORCHRUN, as_overrides, cli, tiny_train, train_losses
 
 from meshlm.loading import open_model
 from meshlm.train import train
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
 STEPS = 5
 
 

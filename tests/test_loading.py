@@ -79,8 +79,12 @@ def test_a_run_initialised_from_a_hf_folder_is_evaluated_and_probed_with_its_tok
     assert main(["probe", str(run), "--samples", "2", "--tokens", "16"]) == 0
     assert (run / "probe" / "probe.json").is_file()
     capsys.readouterr()
-    # forcing the default tokenizer is caught: the run's data were not tokenised with it
+    # the default tokenizer is not the run's: refused before anything runs
     assert main(["eval", str(run), "--tasks", "none", "--loops", "none", "--limit", "4", "--tokenizer", "default"]) == 2
+    assert "does not encode like" in capsys.readouterr().err
+    # forcing it is still caught: the run's data were not tokenised with it
+    assert main(["eval", str(run), "--tasks", "none", "--loops", "none", "--limit", "4", "--tokenizer", "default",
+                 "--force-tokenizer"]) == 2
     assert "was tokenised with" in capsys.readouterr().err
 
 

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, models
+from tokenizers import Tokenizer, models, normalizers
 
 from meshlm.cli import main
 from meshlm.data import fetch
@@ -31,7 +31,36 @@ def test_default_tokenizer_has_8192_ids_with_pythia_specials(tok):
     assert tok.vocab_size == 8192 and tok.name == "default"
     assert tok.hf.id_to_token(0) == "<|endoftext|>" and tok.hf.id_to_token(1) == "<|padding|>"
     assert (tok.eos_id, tok.pad_id) == (0, 1)
-    assert tok.hash == hashlib.sha256(DEFAULT_PATH.read_bytes()).hexdigest()[:16]
+    assert tok.file_hash == hashlib.sha256(DEFAULT_PATH.read_bytes()).hexdigest()[:16]
+
+
+def test_a_reexported_tokenizer_is_the_same_tokenizer(tmp_path, tok):
+    """Other bytes (compact JSON, keys reordered), same behaviour: the same hash, and data prepared with the
+    original (recording either hash) counts as made by the copy."""
+    import json
+
+    spec = json.loads(DEFAULT_PATH.read_text())
+    (tmp_path / "copy.json").write_text(json.dumps(dict(reversed(list(spec.items()))), separators=(",", ":")))
+    copy = load_tokenizer(tmp_path / "copy.json")
+    assert copy.file_hash != tok.file_hash and copy.hash == tok.hash
+    assert copy.encode_batch(SAMPLES) == tok.encode_batch(SAMPLES)
+    assert copy.made({"hash": tok.hash}) and copy.made({"hash": copy.file_hash})
+    assert not copy.made({"hash": tok.file_hash})  # old data recorded the other file's bytes: not provable
+
+
+def test_tokenizers_that_encode_differently_differ_in_hash_and_say_how(tmp_path, tok):
+    from meshlm.data.tokenizer import differences
+
+    small = train_bpe(["hello world, hello there"] * 10, vocab_size=270)
+    small.save(str(tmp_path / "small.json"))
+    other = load_tokenizer(tmp_path / "small.json")
+    assert other.hash != tok.hash and differences(other, tok) == ["vocabulary", "merges"]
+    lowered = Tokenizer.from_file(str(DEFAULT_PATH))
+    lowered.normalizer = normalizers.Lowercase()
+    lowered.save(str(tmp_path / "lower.json"))
+    lower = load_tokenizer(tmp_path / "lower.json")
+    assert lower.hash != tok.hash and differences(lower, tok) == ["normalisation"]
+    assert lower.encode("Hello") != tok.encode("Hello")
 
 
 @pytest.mark.parametrize("text", SAMPLES)

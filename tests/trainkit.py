@@ -4,8 +4,10 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from meshlm.train.config import TrainConfig
@@ -79,3 +81,65 @@ def cli(*args: str, timeout: float = 300, launcher: list[str] | None = None) -> 
     """Run `meshlm <args>` in a fresh interpreter."""
     cmd, env = cli_command(*args, launcher=launcher)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+RANK_TIMEOUT_S = 4  # train.collective_timeout of the rank-fault runs
+
+
+def rank_pids(launcher: int) -> dict[int, int]:
+    """rank -> PID of the training processes torchrun (PID `launcher`) started."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[-1].split()[1])
+            environ = dict(item.split("=", 1) for item in (proc / "environ").read_text().split("\0") if "=" in item)
+        except (OSError, ValueError):
+            continue
+        if parent == launcher and "RANK" in environ:
+            found[int(environ["RANK"])] = int(proc.name)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_until(condition, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.05)
+
+def train_with_rank_fault(data: Path, tmp: Path, fault: str) -> tuple[int, str, dict[int, int]]:
+    """`meshlm train` under torchrun (2 CPU ranks, gloo, collective_timeout=RANK_TIMEOUT_S); once it has logged
+    three steps, rank 1 is stopped (SIGSTOP) or killed. Returns torchrun's exit code, what rank 0 wrote to
+    stderr (its own log file, without torchrun's report), and the ranks' PIDs."""
+    cfg = tiny_train(data, tmp, steps=100_000, save_every=0, collective_timeout=RANK_TIMEOUT_S, dtype="fp32")
+    logs = tmp / "torchrun-logs"
+    cmd, env = cli_command("train", *as_overrides(cfg), launcher=[*TORCHRUN, "--log-dir", str(logs), "-r", "3"])
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    metrics = cfg.run_dir() / "metrics.jsonl"
+    try:
+        wait_until(lambda: metrics.is_file() and len(train_losses(cfg.run_dir())) >= 3, 120, "three steps")
+        ranks = rank_pids(proc.pid)
+        assert sorted(ranks) == [0, 1], ranks
+        os.kill(ranks[1], signal.SIGSTOP if fault == "stopped" else signal.SIGKILL)
+        # the old default left rank 0 waiting 30 minutes; now it ends within the timeout and the watchdog's poll
+        wait_until(lambda: not alive(ranks[0]), RANK_TIMEOUT_S + 30, "rank 0 to fail")
+        if fault == "stopped":
+            os.kill(ranks[1], signal.SIGKILL)  # spare torchrun's grace period for a process that cannot stop
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    (rank0,) = logs.glob("*/attempt_0/0/stderr.log")
+    return proc.returncode, rank0.read_text(), ranks

@@ -46,6 +46,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from meshlm import atomic
+from meshlm.atomic import as_os_error, fsync_path
 from meshlm.data.hashing import sha256_file
 from meshlm.errors import CheckpointError, storage_error
 
@@ -95,7 +97,7 @@ def write_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], meta:
             names.append(TOKENIZER)
             meta = {**meta, "tokenizer": TOKENIZER}
         seal(tmp, meta, names)
-        _replace_dir(tmp, folder)
+        atomic.replace_folder(tmp, folder)
     except (OSError, SafetensorError) as err:
         shutil.rmtree(tmp, ignore_errors=True)  # first, so the message shows the space there really is
         raise storage_error(as_os_error(err), folder, "writing checkpoint") from None
@@ -139,17 +141,6 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
     return final
 
 
-def as_os_error(err: Exception) -> OSError:
-    """The filesystem error behind a failed write: safetensors and torch.save report a full disk as their own
-    errors ("... os error 28", "file write failed"), not as OSError."""
-    if isinstance(err, OSError):
-        return err
-    found = re.search(r"os error (\d+)", str(err))
-    if found:
-        return OSError(int(found.group(1)), os.strerror(int(found.group(1))))
-    return OSError(errno.EIO, f"the write failed ({str(err).splitlines()[0][:80]})")
-
-
 def _save_state(state: dict[str, Any], path: Path) -> None:
     """torch.save, with a failed write (its RuntimeError: "file write failed", "unexpected pos", …) turned
     into the OSError it is: ENOSPC when the disk is (nearly) full."""
@@ -168,25 +159,13 @@ def seal(folder: Path, meta: dict[str, Any], names: list[str]) -> None:
     files = {name: _describe(folder / name) for name in (*names, CONFIG)}
     _write_json(folder / MANIFEST, {"format": MANIFEST_FORMAT, "files": files, "sha256": _digest(files)})
     for name in (*names, CONFIG, MANIFEST):
-        _fsync(folder / name)
-    _fsync(folder)
+        fsync_path(folder / name)
+    fsync_path(folder)
 
 
 def _digest(files: dict[str, Any]) -> str:
     """SHA-256 of the file list itself: a manifest edited by hand no longer matches it."""
     return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
-
-
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Rename `tmp` to `final` (replacing a checkpoint of the same step), then fsync the parent."""
-    if final.exists():  # re-saving a step (e.g. after falling back past a corrupt checkpoint)
-        trash = final.with_name(f".trash-{final.name}-{os.getpid()}")
-        os.rename(final, trash)
-        os.rename(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    _fsync(final.parent)
 
 
 def prune(run_dir: Path, keep_last: int) -> None:
@@ -204,27 +183,12 @@ def _describe(path: Path) -> dict[str, Any]:
     return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def _write_pointer(path: Path, target: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    try:
-        tmp.write_text(target + "\n")
-        _fsync(tmp)
-        os.replace(tmp, path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        raise storage_error(err, path, "updating") from None
+    atomic.write_text(path, target + "\n", "updating")
 
 
 def _read_pointer(path: Path) -> str | None:
@@ -265,7 +229,7 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     try:
         meta = json.loads(file.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{file} is missing: the checkpoint is incomplete; use an earlier one") from None
+        raise missing(file) from None
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{file} is unreadable or corrupt ({err}); use an earlier checkpoint") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
@@ -273,9 +237,20 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+def missing(file: Path) -> CheckpointError:
+    """A checkpoint file that is not there. With its whole folder gone, the checkpoint was pruned while being
+    read (a training still running keeps only its newest ones), not left incomplete."""
+    if not file.parent.is_dir():
+        return CheckpointError(f"checkpoint {file.parent} was removed while being read (a training still running "
+                               f"prunes its older checkpoints); open the run folder again to read its newest one")
+    return CheckpointError(f"{file} is missing: the checkpoint is incomplete; use an earlier one")
+
+
 def read_manifest(path: Path) -> dict[str, dict[str, Any]]:
     """The checked file list of a checkpoint dir; CheckpointError if it is missing, unreadable or edited."""
     file = path / MANIFEST
+    if not path.is_dir():
+        raise missing(file)
     if not file.is_file():
         legacy = (path / CONFIG).is_file() and "files" in _read_json_or_empty(path / CONFIG)
         why = ("it was written by meshlm before checksums covered config.json; if you trust it, seal it with "
@@ -301,21 +276,28 @@ def _read_json_or_empty(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def verify(path: str | Path) -> dict[str, Any]:
+def verify(path: str | Path, unread: tuple[str, ...] = ()) -> dict[str, Any]:
     """Check every file's size and SHA-256 against manifest.json, and that the manifest covers every file
     the checkpoint needs (config.json, the weights, state.pt and tokenizer.json when present or named);
-    returns the metadata."""
+    returns the metadata. Files in `unread` (state.pt for a reader that never loads it) are checked by size
+    only: hashing gigabytes of optimizer state proves nothing about the weights."""
     path = resolve(path)
     files = read_manifest(path)
     for name, expected in files.items():
         file = path / name
         if not file.is_file():
-            raise CheckpointError(f"{file} is missing; the checkpoint is incomplete, use an earlier one")
+            raise missing(file)
         size = file.stat().st_size
         if size != expected["bytes"]:
             raise CheckpointError(f"{file} is truncated or corrupt: {size} bytes, expected {expected['bytes']}; "
                                   f"use an earlier checkpoint")
-        if sha256_file(file) != expected["sha256"]:
+        if name in unread:
+            continue
+        try:
+            digest = sha256_file(file)
+        except FileNotFoundError:
+            raise missing(file) from None
+        if digest != expected["sha256"]:
             raise CheckpointError(f"{file} was edited or is corrupt: its SHA-256 does not match {MANIFEST}; "
                                   f"use an earlier checkpoint")
     meta = read_meta(path)
@@ -357,10 +339,12 @@ def reseal(path: str | Path, force: bool = False) -> Path:
 def load_checkpoint(path: str | Path, with_state: bool = True, check: bool = True) -> Checkpoint:
     """Read (and verify) one checkpoint; every failure is a CheckpointError naming the file."""
     path = resolve(path)
-    meta = verify(path) if check else read_meta(path)
+    meta = verify(path, () if with_state else (STATE,)) if check else read_meta(path)
     try:
         weights = load_file(str(path / WEIGHTS))
     except (SafetensorError, OSError, ValueError) as err:
+        if not path.is_dir():
+            raise missing(path / WEIGHTS) from None
         raise CheckpointError(f"{path / WEIGHTS} cannot be read ({err}); use an earlier checkpoint") from None
     state = None
     if with_state:

@@ -45,14 +45,29 @@ class Interrupted(MeshlmError):
         self.exit_code = 128 + signal_number
 
 
-def free_space(path: str | Path) -> str:
-    """Free space of the filesystem holding `path` (or its nearest existing parent), e.g. "1.2 GB free"."""
-    path = Path(path).absolute()
+MIN_FREE = 1 << 20  # bytes an output folder needs free before a command computes what it will write there
+
+
+def nearest_existing(path: str | Path) -> Path:
+    """`path`, or its nearest parent that exists: the folder whose filesystem a write to `path` lands on."""
+    path = Path(path).expanduser().absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
+    return path
+
+
+def free_bytes(path: str | Path) -> float:
+    """Free bytes on the filesystem holding `path` (infinite when it cannot be asked)."""
     try:
-        free = shutil.disk_usage(path).free
+        return shutil.disk_usage(nearest_existing(path)).free
     except OSError:
+        return float("inf")
+
+
+def free_space(path: str | Path) -> str:
+    """Free space of the filesystem holding `path` (or its nearest existing parent), e.g. "1.2 GB free"."""
+    free = free_bytes(path)
+    if free == float("inf"):
         return "free space unknown"
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if free < 1000 or unit == "TB":
@@ -63,13 +78,16 @@ def free_space(path: str | Path) -> str:
 
 def describe_os_error(err: OSError, path: str | Path | None = None, doing: str = "") -> str:
     """One line for a filesystem failure: what failed, on which path, and what would fix it."""
-    path = path or err.filename or "?"
-    what = f"{doing} {path}" if doing else str(path)
+    path = path or err.filename
+    if path is None:  # a failed write on an open file names none: no free space of an unrelated filesystem
+        what, space = doing or "a file write", "free space unknown: run with --debug to see the file"
+    else:
+        what, space = f"{doing} {path}" if doing else str(path), free_space(path)
     reason = err.strerror or type(err).__name__
     if err.errno == errno.EIO:
-        return f"{what}: {reason}; {free_space(path)}: check the disk and the free space"
+        return f"{what}: {reason}; {space}: check the disk and the free space"
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"{what}: no space left on device ({free_space(path)}); free some space or choose another folder"
+        return f"{what}: no space left on device ({space}); free some space or choose another folder"
     if err.errno in (errno.EACCES, errno.EPERM):
         return f"{what}: permission denied; choose a folder you can write to, or fix its permissions"
     if err.errno == errno.EROFS:
@@ -115,15 +133,18 @@ class Problems:
 
     def writable(self, path: str | os.PathLike, setting: str) -> bool:
         """Records a problem unless `path` (or, if it does not exist yet, its nearest existing parent) can be
-        written: a read-only filesystem or a missing permission is found before any work, not after it."""
-        existing = Path(path).expanduser().absolute()
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
+        written: a read-only filesystem, a missing permission or a full disk (under MIN_FREE left) is found
+        before any work, not after it."""
+        existing = nearest_existing(path)
         if existing.is_file():  # the folder, or one it would be made in, is a file: not a permission problem
             return self.need(False, f"{setting} {path}: {existing} is a file, not a folder; choose a folder path")
-        return self.need(os.access(existing, os.W_OK | os.X_OK),
+        if not self.need(os.access(existing, os.W_OK | os.X_OK),
                          f"{setting} {path}: cannot write to {existing} (read-only or no permission); choose a "
-                         f"folder you can write to")
+                         f"folder you can write to"):
+            return False
+        return self.need(free_bytes(existing) >= MIN_FREE, f"{setting} {path}: no space left on device "
+                                                           f"({free_space(existing)}); free some space or choose "
+                                                           f"another folder")
 
     def raise_if_any(self) -> None:
         """One error: a usage error (exit 2) if any problem is one, else the first problem's kind."""

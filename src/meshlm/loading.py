@@ -21,6 +21,9 @@ The tokenizer rule, the first that applies:
     4. the shipped 8,192-token "default" — only for a folder that names none and whose vocabulary has exactly
        8,192 ids. Any other vocabulary was made with another tokenizer: guessing the default there would pass
        the vocabulary check (8,192 < 50,304) while scoring garbage, so it is an error asking for one.
+An explicit choice must encode like the tokenizer rules 2-4 give (compared by behaviour, so a re-exported
+tokenizer.json is the same one): another tokenizer is a ConfigError unless forced (`--force-tokenizer`,
+train.force_tokenizer), since a model scored through ids it was not trained on gives wrong numbers silently.
 The data rule (held-out data for eval and probe), the first that applies:
     1. an explicit `--data` folder;
     2. the prepared folder the checkpoint's training config names (train.data);
@@ -32,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -46,8 +50,15 @@ from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.data.prepare import PreparedData, prepare_default
 from meshlm.data.tasks import data_folder
-from meshlm.data.tokenizer import DEFAULT_VOCAB, TextTokenizer, check_vocab, load_tokenizer, resolve_tokenizer_path
-from meshlm.errors import CheckpointError, ConfigError, DataError
+from meshlm.data.tokenizer import (
+    DEFAULT_VOCAB,
+    TextTokenizer,
+    check_vocab,
+    differences,
+    load_tokenizer,
+    resolve_tokenizer_path,
+)
+from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError
 from meshlm.interop.families import BY_MODEL_TYPE, to_meshlm
 from meshlm.interop.families import model_config as family_model_config
 from meshlm.model import MeshLM
@@ -123,6 +134,28 @@ class ModelFolder:
                             f"tokenizer.json in the folder or pass --tokenizer (train.tokenizer when training)")
         return source
 
+    def chosen_tokenizer(self, override: str | os.PathLike, force: bool = False, setting: str = "--tokenizer",
+                         forcing: str = "--force-tokenizer") -> TextTokenizer:
+        """The explicitly chosen tokenizer, loaded, once it is known to encode like the folder's own (rules 2-4);
+        a ConfigError naming what differs otherwise, unless `force`. A folder naming none has nothing to
+        compare with; one whose own tokenizer cannot be loaded (e.g. "pythia" before `meshlm fetch`) is warned
+        about and trusted."""
+        chosen = load_tokenizer(override)
+        own = None if force else self.tokenizer_source()
+        if own is None or own == str(override):
+            return chosen
+        try:
+            theirs = load_tokenizer(own)
+        except MeshlmError as err:
+            print(f"warning: {setting} {override} is not compared with {self.path}'s own tokenizer ({err})",
+                  file=sys.stderr)
+            return chosen
+        if chosen.hash != theirs.hash:
+            raise ConfigError(f"{setting} {override} does not encode like {self.path}'s tokenizer {theirs.name} "
+                              f"(different {', '.join(differences(chosen, theirs))}): the model would read ids it "
+                              f"was not trained on; drop {setting}, or pass {forcing} to use it anyway")
+        return chosen
+
     def data_source(self) -> str:
         """Data rules 2 and 3: the prepared folder the training config names, else "default"."""
         return str(self.train.get("data") or "default")
@@ -184,6 +217,7 @@ class Opened:
     model: MeshLM
     folder: ModelFolder
     tokenizer_override: str | None = None
+    force_tokenizer: bool = False  # an override that encodes unlike the folder's own is accepted
 
     @property
     def path(self) -> Path:
@@ -218,7 +252,10 @@ class Opened:
     @cached_property
     def tokenizer(self) -> TextTokenizer:
         """Loaded on first use (conversion may not need one), checked against the model's vocabulary."""
-        tok = load_tokenizer(self.folder.require_tokenizer(self.tokenizer_override))
+        if self.tokenizer_override:
+            tok = self.folder.chosen_tokenizer(self.tokenizer_override, self.force_tokenizer)
+        else:
+            tok = load_tokenizer(self.folder.require_tokenizer())
         check_vocab(self.model.config.vocab_size, tok)
         return tok
 
@@ -243,7 +280,7 @@ class Opened:
         data = PreparedData(self.data_dir(override), split)
         data.check_ids(self.model.config.vocab_size)
         prepared_with = data.manifest["tokenizer"]
-        if prepared_with["hash"] != self.tokenizer.hash:
+        if not self.tokenizer.made(prepared_with):
             raise ConfigError(f"{data.dir} was tokenised with {prepared_with['name']!r}, not the model's tokenizer "
                               f"{self.tokenizer.name!r}; pass --data prepared with it (or --tokenizer)")  # usage: 2
         return data
@@ -266,9 +303,10 @@ def resolve_device(name: str | torch.device = "auto") -> torch.device:
 
 
 def open_model(path: str | os.PathLike, device: str | torch.device = "cpu", tokenizer: str | None = None,
-               check: bool = True) -> Opened:
+               check: bool = True, force_tokenizer: bool = False) -> Opened:
     """Open any model folder (see the module docstring) as an eval-mode MeshLM on `device`.
-    `tokenizer` overrides the tokenizer rule; `check` verifies a meshlm checkpoint's file hashes."""
+    `tokenizer` overrides the tokenizer rule (refused if it encodes unlike the folder's own, unless
+    `force_tokenizer`); `check` verifies a meshlm checkpoint's file hashes."""
     folder = locate(path)
     if folder.format == "hf":
         model = _load_hf_model(folder.path)
@@ -280,7 +318,8 @@ def open_model(path: str | os.PathLike, device: str | torch.device = "cpu", toke
             raise CheckpointError(f"{folder.path}: the weights do not match config.json ({mismatch}); the files "
                                   f"are from another model")
         model.load_state_dict(weights)
-    return Opened(model.to(resolve_device(device)).eval(), folder, str(tokenizer) if tokenizer else None)
+    return Opened(model.to(resolve_device(device)).eval(), folder, str(tokenizer) if tokenizer else None,
+                  force_tokenizer)
 
 
 def _load_hf_model(folder: Path) -> MeshLM:

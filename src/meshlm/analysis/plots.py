@@ -24,6 +24,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
+from meshlm import atomic
+
 Run = tuple[str, dict]
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 
@@ -294,9 +296,5 @@ def save(figures: dict[str, Figure], folder: str | Path, formats: tuple[str, ...
     """Each figure as <name>.png, .svg and .pdf in `folder`; the paths written."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, fig in figures.items():
-        for fmt in formats:
-            paths.append(folder / f"{name}.{fmt}")
-            paths[-1].write_bytes(figure_bytes(fig, fmt))
-    return paths
+    return [atomic.write_bytes(folder / f"{name}.{fmt}", figure_bytes(fig, fmt))
+            for name, fig in figures.items() for fmt in formats]

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from meshlm import checkpoint
+from meshlm import atomic, checkpoint
 from meshlm.analysis import plots, reasoning_report
 from meshlm.config import ModelConfig
 from meshlm.errors import MeshlmError
@@ -343,14 +343,5 @@ def write_report(paths: list[str | Path], out: str | Path, title: str = "meshlm 
     figures = report_figures(runs)
     if figures_dir is not None:
         plots.save(figures, figures_dir)
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     page = render(runs, title, {name: plots.png_bytes(fig) for name, fig in figures.items()})
-    tmp = out.with_name(out.name + ".tmp")  # atomic: a failure leaves the old page
-    try:
-        tmp.write_text(page, encoding="utf-8")
-        tmp.replace(out)
-    except OSError as err:
-        err.filename = str(out)  # the error names the page asked for, not its temporary file
-        raise
-    return out
+    return atomic.write_text(out, page)  # an existing report stays whole until then

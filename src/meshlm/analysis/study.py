@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from meshlm import atomic
 from meshlm.analysis import reasoning_report
 from meshlm.data.shards import read_manifest
 from meshlm.data.tasks import data_folder, holds_tasks, window_length
@@ -332,7 +333,7 @@ def _record_wall_time(run: Run, seconds: float) -> None:
     """Wall time of training, summed over resumed attempts."""
     path = run.dir / "study.json"
     previous = json.loads(path.read_text()).get("train_seconds", 0.0) if path.is_file() else 0.0
-    path.write_text(json.dumps({"variant": run.variant, "seed": run.seed, "train_seconds": previous + seconds}))
+    atomic.write_text(path, json.dumps({"variant": run.variant, "seed": run.seed, "train_seconds": previous + seconds}))
 
 
 # -- results -------------------------------------------------------------------------------------------------
@@ -485,7 +486,7 @@ def results_markdown(study: Study) -> str:
 def write_results(study: Study) -> Path:
     study.dir.mkdir(parents=True, exist_ok=True)
     out = study.dir / "results.md"
-    out.write_text(results_markdown(study))
+    atomic.write_text(out, results_markdown(study))
     finished = [str(run.dir) for run in study.runs if (run.dir / "eval.json").is_file()]
     if finished:
         subprocess.check_call(meshlm_command("report", *finished, "--out", str(study.dir / "report.html")),

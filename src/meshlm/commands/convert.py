@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from meshlm.backbones import BACKBONES
+from meshlm.runtime.options import add_tokenizer_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -20,8 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--to", choices=("meshlm", "hf", *BACKBONES), default=None,
                    help="target format (default: meshlm from a family or hf folder; from meshlm, the family of "
                         "the model's backbone)")
-    p.add_argument("--tokenizer", default=None,
-                   help="tokenizer to carry into the output (default: the source's, by meshlm.loading's rule)")
+    add_tokenizer_arguments(p, "the source's, by meshlm.loading's rule; carried into the output")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -33,6 +33,6 @@ def run(args: argparse.Namespace) -> int:
     if not hub.exists(args.source):
         raise ConfigError(f"source {args.source} does not exist; pass a model folder, a meshlm run/checkpoint or "
                           f"a Hugging Face Hub name org/name[@revision]")
-    out = convert(args.source, args.out, args.to, args.tokenizer)
+    out = convert(args.source, args.out, args.to, args.tokenizer, args.force_tokenizer)
     print(f"wrote {out} ({locate(out).format} format)")
     return 0

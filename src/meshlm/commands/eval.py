@@ -13,7 +13,7 @@ import argparse
 from pathlib import Path
 
 from meshlm.errors import ConfigError
-from meshlm.runtime.options import add_dtype_argument
+from meshlm.runtime.options import add_dtype_argument, add_tokenizer_arguments
 
 
 def int_list(text: str) -> list[int]:
@@ -43,8 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", metavar="CKPT",
                    help="a run folder (its latest checkpoint), a step-NNNNNN folder, a converted or retrofitted "
                         "folder, or a Hugging Face folder (meshlm.loading)")
-    p.add_argument("--tokenizer", help="'default', 'pythia' or a tokenizer.json (default: the folder's own, else "
-                                       "the one its training config names)")
+    add_tokenizer_arguments(p)
     p.add_argument("--data", help="prepared-data folder for perplexity (default: what the model was trained on)")
     p.add_argument("--tasks", default="all",
                    help="comma-separated tasks, 'all' (default) or 'none': the paper's suite (lambada_openai, piqa, "
@@ -95,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     from meshlm.runtime import precision
 
     tasks = check_inputs(args)
-    loaded = open_model(args.checkpoint, args.device, tokenizer=args.tokenizer)
+    loaded = open_model(args.checkpoint, args.device, tokenizer=args.tokenizer,
+                        force_tokenizer=args.force_tokenizer)
     scope = scope_of(args.data, args.suite, tasks, args.shots, args.limit, args.loops, args.exit, args.exit_loops)
     out, note = (Path(args.out), None) if args.out else choose(loaded.run_dir, scope)  # never narrowed unsaid
     if note:
@@ -150,6 +150,8 @@ def check_inputs(args: argparse.Namespace) -> str | None:
             p.need(not (args.out and Path(args.out).is_dir()), f"--out {args.out} is a folder; name the JSON file to "
                                                                f"write, e.g. {Path(args.out or '.') / 'eval.json'}")
             p.writable(Path(args.out).parent if args.out else folder.run_dir, "output folder")
+            if args.tokenizer:
+                p.check(folder.chosen_tokenizer, args.tokenizer, args.force_tokenizer)
             reasoning = suite_for(args.suite, args.data or folder.data_source()) == "reasoning"
             p.check(check_task_data, folder.data_source(), args.data, args.suite)
     if args.data is not None:

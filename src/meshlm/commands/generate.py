@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshlm.runtime.options import add_dtype_argument
+from meshlm.runtime.options import add_dtype_argument, add_tokenizer_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,8 +25,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loops", type=int, default=None, help="run the core this many times (single-core specs)")
     p.add_argument("--exit", default=None,
                    help="per-token adaptive exit, e.g. state:0.05 or kl:1e-4 (a token stops looping once converged)")
-    p.add_argument("--tokenizer", default=None,
-                   help="override the folder's tokenizer ('default', 'pythia' or a tokenizer.json)")
+    add_tokenizer_arguments(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     add_dtype_argument(p, decoding=True)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (slow)")
@@ -45,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     from meshlm.runtime import precision
 
     s, texts = check_inputs(args)
-    opened = open_model(args.checkpoint, args.device, tokenizer=args.tokenizer)
+    opened = open_model(args.checkpoint, args.device, tokenizer=args.tokenizer,
+                        force_tokenizer=args.force_tokenizer)
     model, tok = opened.model, opened.tokenizer
     prompts = [tok.encode(text) for text in texts]
     check_room(model, prompts, s)  # before anything is written to stdout

@@ -12,15 +12,14 @@ import argparse
 from pathlib import Path
 
 from meshlm.errors import ConfigError
-from meshlm.runtime.options import add_dtype_argument
+from meshlm.runtime.options import add_dtype_argument, add_tokenizer_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", metavar="CKPT",
                    help="a run folder (its latest checkpoint), a step-NNNNNN folder, a converted or retrofitted "
                         "folder, or a Hugging Face folder (meshlm.loading)")
-    p.add_argument("--tokenizer", help="'default', 'pythia' or a tokenizer.json (default: the folder's own, else "
-                                       "the one its training config names)")
+    add_tokenizer_arguments(p)
     p.add_argument("--samples", type=int, default=100, help="held-out sequences to probe (default 100)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per sequence (default: the training length)")
     p.add_argument("--data", help="prepared-data folder (default: what the model was trained on)")
@@ -57,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from meshlm.runtime import precision
 
     check_inputs(args)
-    loaded = open_model(args.checkpoint, args.device, tokenizer=args.tokenizer)
+    loaded = open_model(args.checkpoint, args.device, tokenizer=args.tokenizer,
+                        force_tokenizer=args.force_tokenizer)
     tokens = args.tokens or loaded.seq_len
     if tokens > loaded.model.config.context_length:
         raise ConfigError(f"--tokens {tokens} exceeds the model's context_length "
@@ -78,8 +78,10 @@ def run(args: argparse.Namespace) -> int:
     if states is not None:
         from safetensors.torch import save_file
 
-        save_file({"states": torch.stack(states)}, str(out / "states.safetensors"),
-                  metadata={"stages": ",".join(result["stages"])})
+        from meshlm import atomic
+
+        atomic.write_with(out / "states.safetensors", lambda tmp: save_file(
+            {"states": torch.stack(states)}, str(tmp), metadata={"stages": ",".join(result["stages"])}))
     print(summary(result))
     print(f"results: {out / 'probe.json'}; figures: {', '.join(p.name for p in paths)}")
     return 0
@@ -99,7 +101,11 @@ def check_inputs(args: argparse.Namespace) -> None:
     p.check(resolve_device, args.device)
     if p.need(hub.exists(args.checkpoint), f"{args.checkpoint} does not exist; pass a run folder, a step-NNNNNN "
                                            f"folder or a Hugging Face Hub name org/name[@revision]"):
-        p.check(locate, args.checkpoint)
+        folder = p.check(locate, args.checkpoint)
+        if folder is not None:
+            p.writable(args.out or folder.run_dir / "probe", "output folder")  # before any compute
+        if folder is not None and args.tokenizer:
+            p.check(folder.chosen_tokenizer, args.tokenizer, args.force_tokenizer)
     if args.data is not None:
         p.need(Path(args.data).expanduser().is_dir(),
                f"--data {args.data} does not exist; pass a folder written by `meshlm prepare`")

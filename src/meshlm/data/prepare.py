@@ -29,12 +29,13 @@ from meshlm.data.readers import EmbeddedCorpus, FileCorpus, ReadStats
 from meshlm.data.shards import (
     FORMAT,
     MANIFEST,
+    SHARD_GLOB,
     ShardWriter,
-    clear_prepared,
     max_id,
     open_loss_mask,
     open_shards,
     read_manifest,
+    staged,
     token_dtype,
     write_manifest,
 )
@@ -56,8 +57,9 @@ def prepare(inputs, out_dir: str | os.PathLike, tokenizer: str | TextTokenizer =
 
     Returns the manifest (also written to out_dir/manifest.json). Raises DataError on missing inputs,
     no text, a missing text field, binary-looking input files (unless allow_binary), or an out_dir that
-    already holds prepared data (unless overwrite). A failure while writing (a full disk) removes the
-    shards written so far; what the folder held before was already cleared only if overwrite was given.
+    already holds prepared data (unless overwrite). The shards are written into a staging folder inside
+    out_dir and moved in only once complete (shards.install_prepared): a failure (a full disk, Ctrl-C) removes
+    the staging folder and leaves what out_dir held, prepared data included, as it was.
     """
     tok = tokenizer if isinstance(tokenizer, TextTokenizer) else load_tokenizer(tokenizer)
     if isinstance(inputs, (str, os.PathLike)):
@@ -65,11 +67,9 @@ def prepare(inputs, out_dir: str | os.PathLike, tokenizer: str | TextTokenizer =
     corpus = inputs if hasattr(inputs, "documents") else FileCorpus(inputs, text_field, allow_binary)
     plan, n_chars = plan_documents(corpus, val_fraction)
     out = ready_output_dir(Path(out_dir), overwrite)
-    try:
-        return write_prepared(corpus, plan, n_chars, out, tok, val_fraction, shard_tokens, progress, batch_chars)
-    except BaseException:  # a full disk, Ctrl-C: no half-written data set is left looking usable
-        clear_prepared(out)
-        raise
+    with staged(out) as staging:
+        return write_prepared(corpus, plan, n_chars, staging, tok, val_fraction, shard_tokens, progress,
+                              batch_chars)
 
 
 class _PlainProgress:
@@ -155,10 +155,9 @@ def ready_output_dir(out: Path, overwrite: bool) -> Path:
     if out.exists() and not out.is_dir():
         raise DataError(f"output {out} is a file; pass a folder path")
     out.mkdir(parents=True, exist_ok=True)
-    holds_data = (out / MANIFEST).exists() or any(out.glob("*-[0-9][0-9][0-9][0-9][0-9].bin"))
+    holds_data = (out / MANIFEST).exists() or any(out.glob(SHARD_GLOB))
     if holds_data and not overwrite:
         raise DataError(f"output folder {out} already holds prepared data; pass --overwrite or another folder")
-    clear_prepared(out)
     return out
 
 

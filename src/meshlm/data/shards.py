@@ -13,18 +13,24 @@ corpus. Training checks the largest id against the model's vocabulary before ste
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 
-from meshlm.errors import DataError
+from meshlm import atomic
+from meshlm.atomic import fsync_path
+from meshlm.errors import DataError, storage_error
 
 MANIFEST = "manifest.json"
 FORMAT = "meshlm-tokens-v1"
+SHARD_GLOB = "*-[0-9][0-9][0-9][0-9][0-9].bin"  # train-00000.bin, val-mask-00000.bin, ...
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -79,12 +85,7 @@ class ShardWriter:
 
 
 def write_manifest(out_dir: Path, manifest: dict) -> None:
-    tmp = Path(out_dir) / f".{MANIFEST}.tmp"
-    try:
-        tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, Path(out_dir) / MANIFEST)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic.write_text(Path(out_dir) / MANIFEST, json.dumps(manifest, indent=2) + "\n")
 
 
 def read_manifest(data_dir: str | os.PathLike) -> dict:
@@ -145,8 +146,36 @@ def max_id(manifest: dict, split: str, maps: list[np.memmap]) -> int:
     return max((int(m.max()) for m in maps if len(m)), default=0)
 
 
-def clear_prepared(out_dir: Path) -> None:
-    """Remove the manifest (first, so a half-cleared folder never looks prepared) and the shard files."""
+@contextlib.contextmanager
+def staged(out_dir: Path) -> Iterator[Path]:
+    """A staging folder inside `out_dir` (same filesystem) to write a prepared set into; when the block ends it
+    is installed (install_prepared). A failure (a full disk, Ctrl-C) removes it and leaves what `out_dir` held,
+    prepared data included, as it was; a filesystem error names `out_dir` and its free space."""
+    staging = out_dir / f".prepare-{os.getpid()}"
+    try:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+        yield staging
+        install_prepared(staging, out_dir)
+    except OSError as err:
+        shutil.rmtree(staging, ignore_errors=True)  # first, so the message shows the space there really is
+        raise storage_error(err, out_dir, "writing prepared data to") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def install_prepared(staging: Path, out_dir: Path) -> None:
+    """Move a complete prepared set from `staging` into `out_dir`, replacing the prepared data there: the old
+    manifest goes first and the new one comes last, so the folder never looks prepared with a mix of old and
+    new shards. Only renames: an instant, not the tokenising."""
+    new = sorted(path.name for path in staging.iterdir() if path.name != MANIFEST)
+    for name in (*new, MANIFEST):
+        fsync_path(staging / name)
     (out_dir / MANIFEST).unlink(missing_ok=True)
-    for path in out_dir.glob("*-[0-9][0-9][0-9][0-9][0-9].bin"):
-        path.unlink()
+    for name in new:
+        os.replace(staging / name, out_dir / name)
+    for old in out_dir.glob(SHARD_GLOB):
+        if old.name not in new:
+            old.unlink()
+    os.replace(staging / MANIFEST, out_dir / MANIFEST)
+    fsync_path(out_dir)

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from meshlm.data.cache_dir import cache_dir as resolve_cache
-from meshlm.data.shards import FORMAT, MANIFEST, ShardWriter, clear_prepared, read_manifest, write_manifest
+from meshlm.data.shards import FORMAT, MANIFEST, ShardWriter, read_manifest, staged, write_manifest
 from meshlm.errors import ConfigError, DataError
 from meshlm.reasoning import Problem, Task, parse_levels, parse_tasks, range_text
 from meshlm.reasoning.vocab import TOKENIZER_FILE, write_tokenizer
@@ -137,12 +137,8 @@ def prepare_tasks(spec: TaskData, out_dir: str | os.PathLike, overwrite: bool = 
     if (out / MANIFEST).exists() and not overwrite:
         raise DataError(f"output folder {out} already holds prepared data; pass --overwrite or another folder")
     out.mkdir(parents=True, exist_ok=True)
-    clear_prepared(out)
-    try:
-        return _write(spec, resolved, out)
-    except BaseException:
-        clear_prepared(out)
-        raise
+    with staged(out) as staging:  # the old data stay until the new are complete
+        return _write(spec, resolved, staging)
 
 
 def _write(spec: TaskData, resolved, out: Path) -> dict:

@@ -7,13 +7,17 @@ Both named tokenizers follow Pythia's convention: `<|endoftext|>` = id 0 ends ev
 separates documents in the token stream), `<|padding|>` = id 1. A user tokenizer needs an end-of-text
 token under one of EOS_NAMES; its padding id falls back to the EOS id.
 
-`TextTokenizer` wraps the HF object with the few operations meshlm needs and a content hash that keys
-caches of prepared data. `decode` keeps special tokens, so decode(encode(s)) == s for byte-level BPE
-(Pythia's tokenizer also NFC-normalises, so only NFC text round-trips there).
+`TextTokenizer` wraps the HF object with the few operations meshlm needs and a hash of what it does
+(`behaviour_hash`: vocabulary, merges, normalisation, pre-tokenisation, special tokens, decoding, not the
+file's bytes), which prepared data records and which keys caches: a tokenizer.json exported again (other
+formatting, key order or library version) is the same tokenizer; one that encodes differently is not.
+`decode` keeps special tokens, so decode(encode(s)) == s for byte-level BPE (Pythia's tokenizer also
+NFC-normalises, so only NFC text round-trips there).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -27,15 +31,17 @@ DEFAULT_PATH = Path(__file__).parents[1] / "assets" / "tokenizer-8192.json"
 DEFAULT_VOCAB = 8192
 EOS_TOKEN, PAD_TOKEN = "<|endoftext|>", "<|padding|>"
 EOS_NAMES = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+_BEHAVIOUR: dict[str, str] = {}  # file hash -> behaviour hash: one tokenizer file is serialised once
 
 
 class TextTokenizer:
     """A loaded tokenizer: encode/decode plus the ids and identity that data preparation records."""
 
-    def __init__(self, tokenizer: Tokenizer, name: str, content_hash: str):
+    def __init__(self, tokenizer: Tokenizer, name: str, file_hash: str):
         self.hf = tokenizer
         self.name = name
-        self.hash = content_hash  # first 16 hex digits of the tokenizer file's SHA-256
+        self.file_hash = file_hash  # first 16 hex digits of the file's SHA-256 (what data prepared before
+        # meshlm recorded behaviour hashes holds)
         self.vocab_size = tokenizer.get_vocab_size()  # with added tokens: the largest id + 1
         eos = next((tokenizer.token_to_id(t) for t in EOS_NAMES if tokenizer.token_to_id(t) is not None), None)
         if eos is None:
@@ -54,8 +60,53 @@ class TextTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=False)
 
+    @property
+    def hash(self) -> str:
+        """What it does (behaviour_hash): equal for re-exported copies of one tokenizer. Computed on first use,
+        once per file content in a process (~40 ms for 8,192 ids)."""
+        if self.file_hash not in _BEHAVIOUR:
+            _BEHAVIOUR[self.file_hash] = behaviour_hash(self.hf)
+        return _BEHAVIOUR[self.file_hash]
+
+    def made(self, recorded: dict) -> bool:
+        """Whether prepared data's manifest entry {"hash": ...} was tokenised by this tokenizer."""
+        return recorded.get("hash") in (self.hash, self.file_hash)
+
     def __repr__(self) -> str:
         return f"TextTokenizer({self.name!r}, vocab_size={self.vocab_size}, hash={self.hash})"
+
+
+# what a tokenizer.json holds besides its behaviour: the format version, and truncation/padding settings
+# meshlm never uses (it encodes without them)
+_NOT_BEHAVIOUR = ("version", "truncation", "padding")
+_PARTS = {"model.vocab": "vocabulary", "model.merges": "merges", "model": "model settings",
+          "normalizer": "normalisation", "pre_tokenizer": "pre-tokenisation", "added_tokens": "special tokens",
+          "post_processor": "post-processing", "decoder": "decoding"}
+
+
+def behaviour_spec(tokenizer: Tokenizer) -> dict:
+    """The tokenizer as the library serialises it (so any file's formatting is gone), less what does not
+    change encoding or decoding; added tokens in id order."""
+    spec = json.loads(tokenizer.to_str())
+    for key in _NOT_BEHAVIOUR:
+        spec.pop(key, None)
+    spec["added_tokens"] = sorted(spec.get("added_tokens") or [], key=lambda token: token["id"])
+    return spec
+
+
+def behaviour_hash(tokenizer: Tokenizer) -> str:
+    canonical = json.dumps(behaviour_spec(tokenizer), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def differences(a: TextTokenizer, b: TextTokenizer) -> list[str]:
+    """What two tokenizers do differently, in words (e.g. ["vocabulary", "merges"]); [] if nothing."""
+    spec_a, spec_b = behaviour_spec(a.hf), behaviour_spec(b.hf)
+    model_a, model_b = spec_a.pop("model", {}), spec_b.pop("model", {})
+    parts = {f"model.{key}": (model_a.pop(key, None), model_b.pop(key, None)) for key in ("vocab", "merges")}
+    parts["model"] = (model_a, model_b)
+    parts.update({key: (spec_a.get(key), spec_b.get(key)) for key in sorted(set(spec_a) | set(spec_b))})
+    return [_PARTS.get(key, key) for key, (x, y) in parts.items() if x != y]
 
 
 def resolve_tokenizer_path(name_or_path: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Path:

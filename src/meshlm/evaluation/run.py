@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshlm import atomic
 from meshlm.data.tasks import data_folder, holds_tasks, read_test, task_info, window_length
 from meshlm.errors import ConfigError, MeshlmError
 from meshlm.evaluation.downstream import run_suite
@@ -156,13 +157,9 @@ SAMPLE_FIELDS = ("doc_id", "target", "arguments", "resps", "acc", "acc_norm", "p
 
 def write_samples(samples: dict[str, list[dict]], path: Path) -> Path:
     """One JSON line per scored item: its lm-eval task, requests, (loglikelihood, greedy) answers, metrics."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for task, items in samples.items():
-            for item in items:
-                record = {"task": task, **{k: item[k] for k in SAMPLE_FIELDS if k in item}}
-                f.write(json.dumps(record, ensure_ascii=False, default=str) + "\n")
-    return path
+    lines = (json.dumps({"task": task, **{k: item[k] for k in SAMPLE_FIELDS if k in item}}, ensure_ascii=False,
+                        default=str) + "\n" for task, items in samples.items() for item in items)
+    return atomic.write_text(path, "".join(lines))
 
 
 def format_suite(summary: dict) -> str:
@@ -190,12 +187,5 @@ def coverage(summary: dict) -> str:
 
 
 def write_json(result: dict, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_text(json.dumps(result, indent=1, default=float) + "\n")
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    """Atomically (meshlm.atomic): the previous result stays whole until this one is."""
+    return atomic.write_text(path, json.dumps(result, indent=1, default=float) + "\n")

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
+from meshlm import atomic
 from meshlm.config import ModelConfig
 from meshlm.data.tokenizer import TextTokenizer, load_tokenizer
 from meshlm.errors import CheckpointError
@@ -74,13 +75,14 @@ def save_hf(model: MeshLM | MeshForCausalLM, folder: str | Path,
     if isinstance(model, MeshLM):
         model = from_meshlm(model, *((tok.eos_id, tok.pad_id) if tok else (0, 1)))
     folder = Path(folder)
-    model.save_pretrained(folder)
-    if tok is not None:
-        fast = hf_tokenizer(tok)
-        fast.model_max_length = model.config.max_position_embeddings
-        fast.save_pretrained(folder)
-    cfg = model.model.config  # the wrapped MeshLM's ModelConfig
-    (folder / "README.md").write_text(model_card(cfg, meta, str(folder)), encoding="utf-8")
+    with atomic.new_folder(folder, "exporting to") as tmp:  # complete or absent: a failure leaves no half folder
+        model.save_pretrained(tmp)
+        if tok is not None:
+            fast = hf_tokenizer(tok)
+            fast.model_max_length = model.config.max_position_embeddings
+            fast.save_pretrained(tmp)
+        cfg = model.model.config  # the wrapped MeshLM's ModelConfig
+        (tmp / "README.md").write_text(model_card(cfg, meta, str(folder)), encoding="utf-8")
     return folder
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from meshlm import checkpoint
+from meshlm import atomic, checkpoint
 from meshlm.backbones import BACKBONES, Backbone
 from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
@@ -53,19 +53,20 @@ def write_family(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: str |
         state["embed_in.weight"] = state["embed_in.weight"] * math.sqrt(cfg.d_model)
     weights = split_experts(from_meshlm(state, cfg.layout, family))
     weights = {family.file_names.get(k, k): v for k, v in weights.items()}  # e.g. Pythia's embed_out.weight
-    folder = fresh_dir(folder)
-    hf_config(cfg, family, tied, architectures=[family.architecture], bos_token_id=0, eos_token_id=0,
-              pad_token_id=1).save_pretrained(folder)
-    if family.legacy_config(cfg):  # e.g. Pythia's rotary keys, for older transformers
-        raw = read_json(folder / "config.json")
-        raw.update(family.legacy_config(cfg))
-        (folder / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
-    save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"),
-              metadata={"format": "pt"})
-    if tokenizer is not None:
-        from meshlm.hf import hf_tokenizer
+    folder = fresh_dir(folder, create=False)
+    with atomic.new_folder(folder, "exporting to") as tmp:  # no half folder to block a rerun
+        hf_config(cfg, family, tied, architectures=[family.architecture], bos_token_id=0, eos_token_id=0,
+                  pad_token_id=1).save_pretrained(tmp)
+        if family.legacy_config(cfg):  # e.g. Pythia's rotary keys, for older transformers
+            raw = read_json(tmp / "config.json")
+            raw.update(family.legacy_config(cfg))
+            (tmp / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        if tokenizer is not None:
+            from meshlm.hf import hf_tokenizer
 
-        hf_tokenizer(tokenizer).save_pretrained(folder)
+            hf_tokenizer(tokenizer).save_pretrained(tmp)
     return folder
 
 
@@ -80,10 +81,14 @@ def fresh_dir(folder: str | Path, create: bool = True) -> Path:
 
 
 # -- one entry point for the CLI ---------------------------------------------------------------------------
-def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: str | None = None) -> Path:
+def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: str | None = None,
+            force_tokenizer: bool = False) -> Path:
     """Convert between formats; `to` defaults to meshlm for family/hf sources and, for meshlm sources, to the
-    family of the model's backbone. The source is opened by meshlm.loading.open_model (its tokenizer rule)."""
-    source = open_model(src, tokenizer=tokenizer)
+    family of the model's backbone. The source is opened by meshlm.loading.open_model (its tokenizer rule; a
+    `tokenizer` that encodes unlike the source's own is refused unless `force_tokenizer`)."""
+    source = open_model(src, tokenizer=tokenizer, force_tokenizer=force_tokenizer)
+    if tokenizer:
+        source.tokenizer  # noqa: B018 (checked before anything is written)
     kind, cfg = source.format, source.model.config
     to = to or (cfg.backbone if kind == "meshlm" else "meshlm")
     if to not in FORMATS or to == kind:
@@ -97,5 +102,5 @@ def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: 
     if to == "hf":
         from meshlm.hf import save_hf  # transformers' model classes: only for this target
 
-        return save_hf(source.model, fresh_dir(out), tok, source.meta if kind == "meshlm" else None)
+        return save_hf(source.model, fresh_dir(out, create=False), tok, source.meta if kind == "meshlm" else None)
     return write_family(cfg, source.model.state_dict(), out, BACKBONES[to], tok)

@@ -8,10 +8,10 @@ the same alphabet always gives the same file (and so the same hash).
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from meshlm import atomic
 from meshlm.data.tokenizer import EOS_TOKEN, PAD_TOKEN, TextTokenizer, load_tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -30,8 +30,4 @@ def build_tokenizer(alphabet: str) -> Tokenizer:
 
 def write_tokenizer(path: str | os.PathLike, alphabet: str) -> TextTokenizer:
     """Write the alphabet's tokenizer to `path` and load it back (its hash is the file's)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(build_tokenizer(alphabet).to_str(), encoding="utf-8")
-    os.replace(tmp, path)
-    return load_tokenizer(path)
+    return load_tokenizer(atomic.write_text(path, build_tokenizer(alphabet).to_str()))

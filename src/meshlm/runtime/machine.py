@@ -8,15 +8,15 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import platform
-import tempfile
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from meshlm import atomic
 from meshlm.data.cache_dir import cache_dir
+from meshlm.errors import StorageError
 
 FILE = "machine.json"
 
@@ -63,13 +63,8 @@ def lookup(key: str, measure: Callable[[], Any], method: str) -> dict[str, Any]:
     entry = {"value": measure(), "date": datetime.date.today().isoformat(), "method": method}
     data = read()
     data[key] = entry
-    try:
-        target = path()
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".machine.", dir=target.parent)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-        os.replace(tmp, target)  # atomic: ranks measuring at once each leave a whole file
-    except OSError:
+    try:  # atomic, with a temp file per process: ranks measuring at once each leave a whole file
+        atomic.write_text(path(), json.dumps(data, indent=1, sort_keys=True))
+    except StorageError:  # a full or read-only cache: the temp file is gone, the old cache as it was
         pass
     return entry

@@ -12,3 +12,16 @@ def add_dtype_argument(parser: argparse.ArgumentParser, decoding: bool = False) 
     auto = ("fp32, where greedy decoding is exact under batching and speculation; bf16 autocast on request"
             if decoding else "bf16 autocast where the CPU/GPU multiplies bf16 natively, else fp32")
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help=f"auto (default): {auto}")
+
+
+def add_tokenizer_arguments(parser: argparse.ArgumentParser, default: str = "the folder's own, else the one its "
+                                                                             "training config names") -> None:
+    """`--tokenizer` and `--force-tokenizer` of every command that opens a model folder (meshlm.loading): a
+    tokenizer that encodes unlike the folder's own is refused unless forced."""
+    parser.add_argument("--tokenizer", default=None,
+                        help=f"'default', 'pythia' or a tokenizer.json (default: {default}); it must encode like "
+                             f"the folder's own tokenizer (compared by vocabulary, merges, normalisation and "
+                             f"special tokens, not file bytes)")
+    parser.add_argument("--force-tokenizer", action="store_true",
+                        help="use --tokenizer even though it encodes unlike the folder's own (the model then reads "
+                             "ids it was not trained on)")

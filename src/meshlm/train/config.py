@@ -55,7 +55,8 @@ class TrainConfig:
     data: str = "default"  # a prepared-data dir (`meshlm prepare`), "default" = the embedded corpus, or a
     # reasoning task source such as task:chase (meshlm.data.tasks: generated once into the cache)
     tokenizer: str = "default"  # "default", "pythia" or a tokenizer.json; must match the prepared data
-    # (task data's own tokenizer.json when left at "default")
+    # (task data's own tokenizer.json when left at "default"); with init_from, it must encode like that folder's
+    force_tokenizer: bool = False  # use train.tokenizer even though it encodes unlike init_from's own
     init_from: str = ""  # start from the weights of any folder meshlm.loading opens (a run or step dir, a
     # `meshlm retrofit`/`convert` output, a Hugging Face folder or Hub name org/name[@revision]): its model
     # config (plus any model.* overrides) and its tokenizer (meshlm.loading's rule; train.tokenizer other than
@@ -98,6 +99,8 @@ class TrainConfig:
     # (meshlm.runtime.compile: on GPUs for long runs, never on CPU)
     activation_checkpointing: bool = False  # recompute each layer's activations in backward
     distributed: str = "ddp"  # under torchrun: "ddp" or "fsdp" (FSDP2 fully_shard per layer)
+    collective_timeout: float = 300.0  # under torchrun: seconds a rank waits for the others before failing with
+    # a line naming the rank that died or hangs (meshlm.train.watchdog); raise it if one checkpoint takes longer
 
     def __post_init__(self) -> None:
         if isinstance(self.compile, bool) or str(self.compile).lower() in ("true", "false"):  # YAML booleans
@@ -135,13 +138,13 @@ class TrainConfig:
     def _init_model_config(self, preset: str | None, overrides: dict[str, Any]) -> ModelConfig:
         """The init_from folder's model config with `overrides` on top (e.g. model.aux_loss_weight);
         a preset other than the default cannot apply: the architecture is the folder's."""
-        if preset not in (None, DEFAULT_PRESET):
-            raise ConfigError(f"train.init_from takes the architecture from {self.init_from}; drop model.preset="
-                              f"{preset} (use `meshlm retrofit` to change a checkpoint's layout)")
-        try:
+        try:  # first: a folder that is not there is the problem, whatever else is set
             saved = locate(self.init_from).model_config().to_dict()
         except CheckpointError as err:
             raise ConfigError(f"train.init_from: {err}") from None
+        if preset not in (None, DEFAULT_PRESET):
+            raise ConfigError(f"train.init_from takes the architecture from {self.init_from}; drop model.preset="
+                              f"{preset} (use `meshlm retrofit` to change a checkpoint's layout)")
         return ModelConfig.from_dict({**saved, **overrides})
 
     def tokenizer_source(self) -> str:
@@ -211,6 +214,7 @@ class TrainConfig:
         need(self.weight_decay >= 0, f"weight_decay={self.weight_decay} must be >= 0")
         need(self.grad_clip >= 0, f"grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
         need(self.peak_flops >= 0, f"peak_flops={self.peak_flops} must be >= 0 (0 = measure)")
+        need(self.collective_timeout > 0, f"collective_timeout={self.collective_timeout} must be > 0 (seconds)")
         need(self.device in ("auto", "cpu", "cuda"), f"device={self.device!r} must be auto, cpu or cuda")
         need(self.dtype in DTYPES, f"dtype={self.dtype!r} must be one of {', '.join(DTYPES)}")
         need(self.compile in COMPILE, f"compile={self.compile!r} must be one of {', '.join(COMPILE)}")

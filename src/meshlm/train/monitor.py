@@ -15,6 +15,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from meshlm import atomic
+from meshlm.errors import storage_error
 from meshlm.train import trackers
 
 
@@ -31,8 +33,11 @@ class Metrics:
 
     @staticmethod
     def _open(kind: str, run_dir: Path, name: str):
+        tracker = trackers.TRACKERS[kind]
         try:
-            return trackers.TRACKERS[kind](run_dir, name)  # other packages: checked by the trainer's preflight
+            return tracker(run_dir, name)  # other packages: checked by the trainer's preflight
+        except OSError as err:  # e.g. a full disk under the first event record
+            raise storage_error(err, run_dir / tracker.subfolder, f"writing {tracker.what} to") from None
         except ImportError:
             if kind != "tensorboard":
                 raise
@@ -49,8 +54,7 @@ class Metrics:
     def hparams(self, params: dict[str, Any]) -> None:
         """The run's settings, to every tracker (flattened: "train.lr", "model.d_model", ...)."""
         flat = trackers.flatten(params)
-        for tracker in self.trackers:
-            tracker.hparams(flat)
+        self._each(lambda tracker: tracker.hparams(flat))
 
     def truncate_after(self, step: int) -> None:
         """On resume: drop records from steps the killed run did after its last checkpoint."""
@@ -63,27 +67,35 @@ class Metrics:
                     keep.append(line)
             except ValueError:  # a line cut short by the kill
                 continue
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in keep))
-        tmp.replace(self.path)
-        for tracker in self.trackers:
-            if hasattr(tracker, "truncate_after"):
-                tracker.truncate_after(step)
+        atomic.write_text(self.path, "".join(line + "\n" for line in keep))
+        self._each(lambda tracker: getattr(tracker, "truncate_after", lambda _: None)(step))
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record, allow_nan=True) + "\n")
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record, allow_nan=True) + "\n")
+        except OSError as err:  # a failed write names no file: say which, and its filesystem's free space
+            raise storage_error(err, self.path, "appending to") from None
         if record.get("kind") == "run":  # settings, not curves: they go to the trackers through hparams()
             return
         values = trackers.scalars(record)
-        for tracker in self.trackers:
-            tracker.log(record["step"], values)
+        self._each(lambda tracker: tracker.log(record["step"], values))
 
     def close(self) -> None:
-        for tracker in self.trackers:
-            tracker.close()
+        self._each(lambda tracker: tracker.close())
+        self.trackers = []
+
+    def _each(self, use) -> None:
+        """`use(tracker)` for every tracker. A tracker whose writes fail (a full disk; TensorBoard's thread
+        raises it here) is one StorageError naming its folder, and that tracker is off from then on."""
+        for tracker in list(self.trackers):
+            try:
+                use(tracker)
+            except OSError as err:
+                self.trackers.remove(tracker)
+                raise storage_error(err, tracker.folder, f"writing {tracker.what} to") from None
 
 
 def _duration(seconds: float) -> str:

@@ -14,7 +14,6 @@ against a single process in tests/test_distributed.py).
 from __future__ import annotations
 
 import contextlib
-import datetime
 import os
 from dataclasses import dataclass
 
@@ -38,6 +37,7 @@ from meshlm.runtime import compile as compile_policy
 from meshlm.runtime import precision
 from meshlm.runtime.devices import device_problem
 from meshlm.train.config import TrainConfig
+from meshlm.train.watchdog import group_timeout
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets every tensor, on CPU
 
@@ -78,7 +78,7 @@ def setup(cfg: TrainConfig) -> Env:
     else:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if want_cuda else "gloo", timeout=datetime.timedelta(minutes=30))
+        dist.init_process_group("nccl" if want_cuda else "gloo", timeout=group_timeout(cfg.collective_timeout))
     chosen = precision.choose(cfg.dtype, device)
     compiling = compile_policy.choose(cfg.compile, device, cfg.total_steps())
     return Env(rank, world, local_rank, device, chosen, compiling)

@@ -1,8 +1,13 @@
-"""What `meshlm train` checks before any compute, every problem in one error (preflight), and what a resume
-changes (changed_settings). Read-only: safe on every rank."""
+"""What `meshlm train` checks before any compute (every problem in one error), and the warnings it prints:
+the device and the memory the run needs there (meshlm.train.footprint), the tokenizer and its vocabulary, the
+prepared data (tokenizer, length, ids, a step count that repeats it absurdly), init_from, the trackers' packages,
+the run folder; and what a resume changes (changed_settings, model_change). Read-only: safe on every rank."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
 
 from meshlm import checkpoint
 from meshlm.data.prepare import PreparedData
@@ -13,7 +18,10 @@ from meshlm.loading import locate
 from meshlm.runtime.devices import device_problem
 from meshlm.train import trackers
 from meshlm.train.config import TrainConfig
+from meshlm.train.footprint import memory_problem, schedule_warnings
 from meshlm.train.ownership import owner_problem
+
+__all__ = ["changed_settings", "model_change", "preflight", "schedule_warnings"]
 
 
 def changed_settings(saved: dict, current: dict, run_name: str) -> list[str]:
@@ -23,6 +31,18 @@ def changed_settings(saved: dict, current: dict, run_name: str) -> list[str]:
     return sorted(k for k, v in current.items() if saved.get(k, v) != v)
 
 
+def model_change(ckpt: checkpoint.Checkpoint, now: dict, cfg: TrainConfig) -> str:
+    """Why a checkpoint cannot be resumed with this model config: the fields that differ, and the train setting
+    behind a derived one (model.max_loops follows train.loops)."""
+    saved = ckpt.meta["model"]
+    diff = [f"model.{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+            if saved.get(k) != now.get(k)]
+    loops = ckpt.meta.get("train", {}).get("loops", cfg.loops)
+    cause = f" (model.max_loops follows train.loops, {loops!r} -> {cfg.loops!r})" if loops != cfg.loops else ""
+    return (f"{ckpt.path} was written for another model config ({'; '.join(diff)}){cause}; resume with the settings "
+            f"the run started with")
+
+
 def preflight(cfg: TrainConfig, resume: bool = False) -> None:
     """What `train` needs besides a valid config, checked before any compute, every problem in one error:
     the device, the tokenizer and its vocabulary, the prepared data (tokenizer, length), init_from, the run
@@ -30,6 +50,8 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> None:
     p = Problems()
     p.need(not (problem := device_problem(cfg.device, "train.device")), problem or "")
     model_cfg, seq_len = cfg.model_config(), cfg.sequence_length()
+    if not problem:  # an estimate over the free memory is refused before anything is allocated
+        p.need(not (short := memory_problem(cfg, model_cfg, seq_len, planned_device(cfg), world_size())), short or "")
     source = p.check(cfg.tokenizer_source)
     tok = p.check(load_tokenizer, source) if source is not None else None
     if tok is not None:
@@ -38,8 +60,9 @@ def preflight(cfg: TrainConfig, resume: bool = False) -> None:
     if path is not None and p.need(path.is_dir(), f"train.data={cfg.data}: {path} does not exist; run "
                                                   f"`meshlm prepare` or set train.data=default"):
         _data_problems(p, path, seq_len, model_cfg, tok, cfg.seq_len)
-    if cfg.init_from:
-        p.check(locate, cfg.init_from)  # any model folder meshlm.loading opens
+    if cfg.init_from and (folder := p.check(locate, cfg.init_from)) and cfg.tokenizer != "default":
+        p.check(folder.chosen_tokenizer, cfg.tokenizer, cfg.force_tokenizer, "train.tokenizer",
+                "train.force_tokenizer=true")  # must encode like the weights' own tokenizer
     for problem in trackers.missing([n for n in cfg.tracker_names() if n != "tensorboard"]):
         p.need(False, problem)
     p.writable(cfg.run_dir(), "run folder")
@@ -67,6 +90,17 @@ def _data_problems(p: Problems, path: Path, seq_len: int, model_cfg, tok, asked_
     for data in splits:
         p.check(data.num_sequences, seq_len)
         p.check(data.check_ids, model_cfg.vocab_size)
-    if tok is not None and manifest["tokenizer"]["hash"] != tok.hash:
+    if tok is not None and not tok.made(manifest["tokenizer"]):
         p.need(False, f"{path} was prepared with tokenizer {manifest['tokenizer']['name']!r}, not "
                       f"{tok.name!r}; set train.tokenizer to match or prepare the data again")
+
+
+def planned_device(cfg: TrainConfig) -> torch.device:
+    """The device parallel.setup will pick (read-only: nothing is initialised)."""
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))

@@ -22,6 +22,7 @@ import importlib.util
 import json
 import math
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -61,11 +62,31 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
             and isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
+def quiet_tensorboard_thread() -> None:
+    """TensorBoard writes events from a thread that, on a failed write, prints its traceback before the main
+    thread sees the error: silence that thread's filesystem errors (Metrics reports them as one line)."""
+    previous = threading.excepthook
+    if getattr(previous, "meshlm_quiet", False):
+        return
+
+    def hook(args) -> None:
+        if not (type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError)):
+            previous(args)
+    hook.meshlm_quiet = True
+    threading.excepthook = hook
+
+
+# Every tracker names the `subfolder` of the run it writes to and `what` it writes there, for a one-line
+# storage error.
 class TensorBoard:
+    what, subfolder = "TensorBoard events", "tensorboard"
+
     def __init__(self, run_dir: Path, name: str):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        quiet_tensorboard_thread()
+        self.folder = run_dir / self.subfolder
+        self.writer = SummaryWriter(str(self.folder))
 
     def hparams(self, params: dict[str, Any]) -> None:
         """Into the same event file as the scalars, so the HParams tab links them (not add_hparams, which
@@ -85,9 +106,12 @@ class TensorBoard:
 
 
 class Wandb:
+    what, subfolder = "W&B files", "wandb"
+
     def __init__(self, run_dir: Path, name: str):
         import wandb
 
+        self.folder = run_dir / self.subfolder
         # one id per run folder, so --resume continues the same W&B run
         run_id = f"{name}-{hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "meshlm"), name=name, id=run_id,
@@ -104,9 +128,12 @@ class Wandb:
 
 
 class Mlflow:
+    what, subfolder = "MLflow records", "mlruns"
+
     def __init__(self, run_dir: Path, name: str):
         import mlflow
 
+        self.folder = run_dir / self.subfolder
         self.mlflow = mlflow
         if not os.environ.get("MLFLOW_TRACKING_URI"):  # the local default: a file store beside the run
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps it, in maintenance mode
@@ -127,8 +154,10 @@ class Mlflow:
 class Csv:
     """<run>/csv/<kind>.csv with a header from the kind's first record (later fields beyond it are dropped)."""
 
+    what, subfolder = "CSV metrics", "csv"
+
     def __init__(self, run_dir: Path, name: str):
-        self.dir = run_dir / "csv"
+        self.dir = self.folder = run_dir / self.subfolder
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def hparams(self, params: dict[str, Any]) -> None:

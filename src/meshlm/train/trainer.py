@@ -34,11 +34,13 @@ from meshlm.runtime.peaks import device_peak
 from meshlm.train import parallel
 from meshlm.train.batches import get_batch, windows_xy
 from meshlm.train.config import TrainConfig
+from meshlm.train.footprint import schedule_problem
 from meshlm.train.interrupt import StopRequest
 from meshlm.train.monitor import Metrics, Progress
 from meshlm.train.optim import build_optimizer, build_scheduler, retarget
 from meshlm.train.ownership import RunOwner
-from meshlm.train.preflight import changed_settings, preflight
+from meshlm.train.preflight import changed_settings, model_change, preflight, schedule_warnings
+from meshlm.train.watchdog import RankWatch
 
 
 class NonFiniteLossError(MeshlmError):
@@ -108,13 +110,15 @@ class Trainer:
         self.data_dir = data_dir = resolve_data(cfg, env, source)
         self.train_data, self.val_data = PreparedData(data_dir, "train"), PreparedData(data_dir, "val")
         prepared_with = self.train_data.manifest["tokenizer"]
-        if prepared_with["hash"] != tokenizer.hash:
+        if not tokenizer.made(prepared_with):
             raise DataError(f"{data_dir} was prepared with tokenizer {prepared_with['name']!r}, not "
                             f"{tokenizer.name!r}; set train.tokenizer to match or prepare the data again")
         self.seq_len = window_length(self.train_data.manifest, cfg.seq_len) or self.seq_len  # task data: its block
         for data in (self.train_data, self.val_data):
             data.num_sequences(self.seq_len)  # DataError if the split is shorter than one sequence
             data.check_ids(self.model_cfg.vocab_size)
+        if absurd := schedule_problem(cfg, self.total_steps, self.train_data.num_sequences(self.seq_len)):
+            raise ConfigError(absurd)  # e.g. steps=1e12: its warmup alone is 1e10 steps
 
         torch.manual_seed(cfg.seed)  # same initial weights on every rank and every resume
         self.model = MeshLM(self.model_cfg).to(env.device)  # the unwrapped handle: state dicts, saving
@@ -165,8 +169,7 @@ class Trainer:
 
     def _restore(self, ckpt: checkpoint.Checkpoint) -> None:
         if ckpt.meta["model"] != self.model_cfg.to_dict():
-            raise CheckpointError(f"{ckpt.path / checkpoint.CONFIG} was written for a different model config; "
-                                  f"resume with the config the run started with")
+            raise CheckpointError(model_change(ckpt, self.model_cfg.to_dict(), self.cfg))
         changed = changed_settings(ckpt.meta["train"], self.cfg.to_dict(), self.run_dir.name)
         if changed:
             self.log(f"warning: resuming with changed train settings: {', '.join(changed)}")
@@ -283,9 +286,11 @@ class Trainer:
         start, train_time, rate = time.perf_counter(), 0.0, 0.0
         if self.step >= self.total_steps:  # resumed a finished run: report it, train nothing
             result.val_loss, result.checkpoint = self.evaluate(), checkpoint.resolve(self.run_dir)
+        watch = RankWatch(self.env, self.cfg.collective_timeout)  # a rank that dies or hangs is named
         try:
-            with StopRequest(self.log) as stop:
+            with StopRequest(self.log) as stop, watch, watch.naming_failures():  # handlers stay while it looks
                 while self.step < self.total_steps:
+                    watch.beat(self.step)
                     if stop.requested(self.env):
                         raise self._stop(stop, result)
                     t0, lr = time.perf_counter(), self.scheduler.get_last_lr()[0]  # the rate this step uses
@@ -393,6 +398,9 @@ def train(cfg: TrainConfig, resume: bool = False, log: Callable[[str], None] = p
     allocator.tune()
     preflight(cfg, resume)
     env = parallel.setup(cfg)
+    if env.is_main:
+        for warning in schedule_warnings(cfg, cfg.total_steps()):
+            log(f"warning: {warning}")
     try:
         with RunOwner(cfg.run_dir(), log) if env.is_main else contextlib.nullcontext():  # rank 0 owns the folder
             return Trainer(cfg, env, resume=resume, log=log).run()

