@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from meshlm.data.corpus import default_documents
+
 FOLDER = Path(__file__).resolve().parent / "local"  # the shipped task YAMLs (an lm-eval include path)
 ITEMS = 200  # lines, spread evenly over the verse
 
@@ -16,8 +18,6 @@ ITEMS = 200  # lines, spread evenly over the verse
 def verse_items(n: int = ITEMS) -> list[dict[str, str]]:
     """`n` items {"prompt", "target"}, evenly spaced over every verse line of 6 to 14 words that follows a
     non-empty line, in document order."""
-    from meshlm.data.corpus import default_documents
-
     candidates = []
     for doc in default_documents():
         if doc["source"] not in ("shakespeare", "milton"):
