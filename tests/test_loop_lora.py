@@ -162,3 +162,15 @@ def test_bad_settings_are_one_line_errors(overrides, needle):
     with pytest.raises(ConfigError, match=needle) as err:
         build(tiny(**{"loop_lora_rank": RANK, **overrides}))
     assert "\n" not in str(err.value)
+
+
+def test_hugging_face_export_carries_the_deltas(tmp_path):
+    from meshlm.hf import load_hf, save_hf
+    from meshlm.hf.remote import MODELING_FILE
+
+    model = randomise_deltas(lora_model())
+    save_hf(model, tmp_path / "hf")
+    assert "class LoopLoRALinear" in (tmp_path / "hf" / MODELING_FILE).read_text()  # trust_remote_code has it
+    x = x_batch()
+    with torch.no_grad():
+        assert torch.equal(load_hf(tmp_path / "hf").model(x).logits, model(x).logits)

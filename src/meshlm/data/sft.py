@@ -130,8 +130,11 @@ def split_records(records: list, val_fraction: float) -> tuple[list, list]:
 
 
 def prepare_sft(data: str | os.PathLike, out: Path, tokenizer: TextTokenizer, template: str | None = None,
-                context_length: int | None = None, val_fraction: float = DEFAULT_VAL_FRACTION) -> dict:
+                context_length: int | None = None, val_fraction: float = DEFAULT_VAL_FRACTION,
+                overwrite: bool = False) -> dict:
     """Render, tokenise and write `data` (JSONL) into `out` as example data; returns the manifest."""
+    from meshlm.data.prepare import ready_output_dir
+
     path, renderer = Path(data).expanduser(), Renderer(tokenizer, template)
     train, val = split_records(read_records(path), val_fraction)
     rendered = {split: [(where, renderer.example(r, where)) for where, r in records]
@@ -142,6 +145,7 @@ def prepare_sft(data: str | os.PathLike, out: Path, tokenizer: TextTokenizer, te
         raise DataError(f"{where}: the example is {block} tokens, longer than the model's context of "
                         f"{context_length}; shorten or drop it")
     examples = {split: [e for _, e in items] for split, items in rendered.items()}
+    out = ready_output_dir(Path(out), overwrite)
     dtype = token_dtype(tokenizer.vocab_size)
     splits, masks = {}, {}
     for split, items in examples.items():
@@ -170,7 +174,8 @@ def cached_sft_data(data: str | os.PathLike, tokenizer: TextTokenizer, template:
     for part in (path.read_bytes(), tokenizer.hash.encode(), (template or "").encode(), str(VERSION).encode()):
         key.update(hashlib.sha256(part).digest())
     target = resolve_cache(cache_dir) / "prepared" / f"sft-{key.hexdigest()[:16]}"
-    return build_cached(target, lambda folder: prepare_sft(path, folder, tokenizer, template, context_length))
+    return build_cached(target, lambda folder: prepare_sft(path, folder, tokenizer, template, context_length,
+                                                           overwrite=True))
 
 
 def folder_template(folder: str | os.PathLike) -> str | None:
