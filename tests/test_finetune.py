@@ -260,3 +260,26 @@ def test_bad_lora_settings_are_one_line_errors(sft_data, tmp_path):
         tiny_train(sft_data, tmp_path, lora_rank=-1)
     with pytest.raises(ConfigError, match="trainable=.*unknown"):
         tiny_train(sft_data, tmp_path, trainable="everything")
+
+
+def test_peft_with_gradient_checkpointing_on_the_hugging_face_export(tmp_path):
+    """PEFT's get_peft_model on the exported model; gradient_checkpointing_enable() gives the same gradients."""
+    from peft import LoraConfig, get_peft_model
+
+    from meshlm.hf import from_meshlm
+
+    def grads(checkpointed):
+        hf = from_meshlm(build(tiny(spec="1+2R2+1", loop_lora_rank=2))).train()
+        if checkpointed:
+            getattr(hf, "activation_checkpointing_enable", hf.gradient_checkpointing_enable)()
+            assert all("forward" in layer.__dict__ for layer in hf.model.cores[0])  # really checkpointed
+        peft_model = get_peft_model(hf, LoraConfig(r=4, target_modules=["query_key_value", "dense_4h_to_h"]))
+        randomise_lora(peft_model)
+        x = torch.randint(0, 97, (2, 9))
+        peft_model(input_ids=x, labels=x).loss.backward()
+        return {n: p.grad for n, p in peft_model.named_parameters() if p.requires_grad}
+
+    plain, recomputed = grads(False), grads(True)
+    assert plain and plain.keys() == recomputed.keys()
+    for name, g in plain.items():
+        torch.testing.assert_close(recomputed[name], g, rtol=1e-5, atol=1e-6, msg=name)

@@ -228,7 +228,8 @@ def window_length(manifest: dict, seq_len: int) -> int:
     block = example_block(manifest)
     if block is None or seq_len in (0, block):
         return block or seq_len
-    raise ConfigError(f"train.seq_len={seq_len} does not fit the example data: each example is one window of "
+    kind = "task" if "task" in manifest else "fine-tuning"
+    raise ConfigError(f"train.seq_len={seq_len} does not fit the {kind} data: each example is one window of "
                       f"{block} tokens; set train.seq_len={block} (or 0)")
 
 

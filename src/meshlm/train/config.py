@@ -60,7 +60,7 @@ class TrainConfig:
     # optimizer and schedule
     # -- fine-tuning (meshlm.train.lora) ----------------------------------------------------------------------
     lora_rank: int = 0  # PEFT LoRA on the lora_targets Linears, base weights frozen; 0 = no LoRA
-    lora_alpha: float | None = None  # adapters are scaled by alpha / rank; None -> 2 · rank
+    lora_alpha: float = 0.0  # adapters are scaled by alpha / rank; 0 -> 2 · rank
     lora_targets: str = "attention,mlp"  # roles (attention, mlp, prelude, core, coda, routers) or Linear names
     lora_dropout: float = 0.0
     trainable: str = ""  # which parameters train: "all" or roles (lora, loop_lora, routers, scheme, embeddings,
@@ -231,8 +231,8 @@ class TrainConfig:
         out = []
         if self.lora_rank < 0:
             out.append(f"lora_rank={self.lora_rank} must be >= 1 for LoRA (or 0 for none)")
-        if self.lora_alpha is not None and not self.lora_alpha > 0:
-            out.append(f"lora_alpha={self.lora_alpha} must be > 0 (or null: 2 · rank)")
+        if self.lora_alpha < 0:
+            out.append(f"lora_alpha={self.lora_alpha} must be > 0 (or 0: 2 · rank)")
         if not 0 <= self.lora_dropout < 1:
             out.append(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
         if self.lora_rank > 0 and not self.lora_targets.strip(", "):
@@ -275,7 +275,7 @@ class TrainConfig:
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         """Build from flat TrainConfig fields, coercing types (meshlm.fields) and collecting every problem."""
         data = dict(data)
-        for key in ("name", "init_from"):
+        for key in ("name", "init_from", "trainable"):
             if key in data and data[key] is None:  # `name=` / `init_from:` (YAML null) mean "unset"
                 data[key] = ""
         if isinstance(data.get("compile"), bool):  # YAML true/false for the "auto"/"true"/"false" setting

@@ -30,11 +30,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import checkpoint
 
 from meshlm.errors import ConfigError
 from meshlm.model.layers import Layer
-from meshlm.model.loop_lora import recompute_context
+from meshlm.model.recompute import checkpoint_layers
 from meshlm.runtime import compile as compile_policy
 from meshlm.runtime import precision
 from meshlm.runtime.devices import device_problem
@@ -97,19 +96,6 @@ def autocast(env: Env):
 
 def layers(model: nn.Module) -> list[Layer]:
     return [m for m in model.modules() if isinstance(m, Layer)]
-
-
-def checkpoint_layers(model: nn.Module) -> None:
-    """Recompute every layer's activations in backward (non-reentrant), names and weights unchanged. A core
-    layer's per-loop LoRA pass is the one it ran with, restored for the recompute (meshlm.model.loop_lora)."""
-    for layer in layers(model):
-        inner = layer.forward
-
-        def forward(*args, _inner=inner, _layer=layer, **kwargs):
-            return checkpoint(_inner, *args, use_reentrant=False, context_fn=lambda: recompute_context(_layer),
-                              **kwargs)
-
-        layer.forward = forward
 
 
 def compile_layers(model: nn.Module) -> None:
