@@ -283,3 +283,20 @@ def test_peft_with_gradient_checkpointing_on_the_hugging_face_export(tmp_path):
     assert plain and plain.keys() == recomputed.keys()
     for name, g in plain.items():
         torch.testing.assert_close(recomputed[name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_finetune_a_hugging_face_folder_and_its_merged_checkpoint(tmp_path, llama_folder, monkeypatch):
+    """The CLI on a transformers Llama folder (its tokenizer, its architecture); <run>/merged is the merged model."""
+    from meshlm.cli import main
+
+    monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "cache"))
+    data = write_jsonl(tmp_path / "sums.jsonl", records(24))
+    assert main(["finetune", str(llama_folder[0]), str(data), f"train.out_dir={tmp_path}", "train.name=ft",
+                 "train.steps=3", "train.eval_every=0", "train.save_every=0", "train.eval_windows=4",
+                 "train.progress=false", "train.tensorboard=false", "train.lr=1e-2"]) == 0
+    run, merged = open_model(tmp_path / "ft"), open_model(tmp_path / "ft" / "merged")
+    assert run.merged and run.model.config == merged.model.config and run.model.config.backbone == "llama"
+    x = torch.randint(0, 512, (2, 10))
+    with torch.no_grad():
+        assert torch.equal(run.model(x).logits, merged.model(x).logits)
+        assert not torch.equal(run.model(x).logits, open_model(llama_folder[0]).model(x).logits)
