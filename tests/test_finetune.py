@@ -300,3 +300,10 @@ def test_finetune_a_hugging_face_folder_and_its_merged_checkpoint(tmp_path, llam
     with torch.no_grad():
         assert torch.equal(run.model(x).logits, merged.model(x).logits)
         assert not torch.equal(run.model(x).logits, open_model(llama_folder[0]).model(x).logits)
+
+
+def test_activation_checkpointing_with_lora_changes_nothing_but_memory(sft_data, tmp_path):
+    common = dict(lora_rank=4, seq_len=0, steps=3, save_every=0, dtype="fp32")
+    plain = train(tiny_train(sft_data, tmp_path / "plain", **common))
+    checkpointed = train(tiny_train(sft_data, tmp_path / "ckpt", activation_checkpointing=True, **common))
+    assert checkpointed.losses == plain.losses
