@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from meshlm.train.trainer import train
 
     folder = locate(args.source)
-    name = [f"train.name={Path(args.source).resolve().name}-ft"]
+    name = [f"train.name={folder.run_dir.resolve().name}-ft"]  # a step folder: its run's name
     cfg = load_config(args.config, [*FINETUNE_DEFAULTS, *name, f"train.init_from={args.source}", *args.overrides])
     template = folder_template(folder.path)
     if args.chat_template:
