@@ -4,7 +4,7 @@
     .venv/bin/python benchmarks/finetune.py --preset tiny --seq 64 --rounds 1    # a smoke run
 
 Each child builds the model (random weights: cost does not depend on them), applies what `meshlm finetune` applies
-(meshlm.train.lora: PEFT LoRA on attention + MLP, base frozen; or everything trainable), builds AdamW over
+(meshlm.adapters: PEFT LoRA on attention + MLP, base frozen; or everything trainable), builds AdamW over
 the trainable parameters, then runs `--steps` training steps (forward + backward + optimizer step) after one
 warm-up. It reports the trainable share, the median step time (CPU time: other jobs' use of the cores is not
 counted), the peak RSS growth over the process before the model was built (weights + gradients + optimizer
@@ -28,9 +28,9 @@ import torch
 def child(spec: dict) -> None:
     from elastic import LiveHeap
 
+    from meshlm.adapters import adapt
     from meshlm.config import ModelConfig
     from meshlm.model import MeshLM
-    from meshlm.train.lora import adapt
 
     torch.set_num_threads(1)
     torch.manual_seed(0)

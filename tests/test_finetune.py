@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from conftest import build, tiny
 from trainkit import ROOT, tiny_train, train_losses
 
+from meshlm.adapters import LoraSpec, apply_lora, merge_lora, target_names
 from meshlm.data.prepare import PreparedData
 from meshlm.data.sft import DEFAULT_TEMPLATE, Renderer, prepare_sft
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import ConfigError, DataError
 from meshlm.loading import open_model
 from meshlm.train import train
-from meshlm.train.lora import LoraSpec, apply_lora, merge_lora, target_names
 
 CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 plus 3?"},
                      {"role": "assistant", "content": "5."}, {"role": "user", "content": "and 4 plus 4?"},

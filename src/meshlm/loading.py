@@ -5,7 +5,7 @@
     <run>/step-NNNNNN/                                 meshlm   <run>/
     `meshlm convert`/`meshlm retrofit` output          meshlm   the folder itself
     `meshlm convert --to hf` output (MeshForCausalLM)  hf       the folder itself
-    a LoRA run's checkpoint (train.lora_rank > 0)      meshlm   <run>/; adapters merged (meshlm.train.lora)
+    a LoRA run's checkpoint (train.lora_rank > 0)      meshlm   <run>/; adapters merged (meshlm.adapters)
     Hugging Face GPT-NeoX (Pythia) / Llama / OLMoE     neox | llama | olmoe (meshlm.interop.families)
 
 The format is recognised from config.json alone. `locate(path)` reads only that (a `ModelFolder`: the model
@@ -42,6 +42,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from meshlm import checkpoint
+from meshlm.adapters import LoraSpec
 from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.data.prepare import PreparedData, prepare_default
@@ -280,11 +281,9 @@ def open_model(path: str | os.PathLike, device: str | torch.device = "cpu", toke
 
 
 def lora_of(folder: ModelFolder):
-    """The LoraSpec (meshlm.train.lora) of a checkpoint trained with LoRA, else None."""
+    """The LoraSpec (meshlm.adapters) of a checkpoint trained with LoRA, else None."""
     if folder.format != "meshlm" or not int(folder.train.get("lora_rank") or 0):
         return None
-    from meshlm.train.lora import LoraSpec  # peft: imported only for such checkpoints
-
     return LoraSpec.of(folder.train)
 
 

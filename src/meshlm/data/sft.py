@@ -33,6 +33,7 @@ from pathlib import Path
 
 from meshlm.data.cache_dir import cache_dir as resolve_cache
 from meshlm.data.examples import Example, build_cached, write_split
+from meshlm.data.prepare import ready_output_dir
 from meshlm.data.shards import FORMAT, token_dtype, write_manifest
 from meshlm.data.tokenizer import TextTokenizer
 from meshlm.errors import DataError
@@ -133,8 +134,6 @@ def prepare_sft(data: str | os.PathLike, out: Path, tokenizer: TextTokenizer, te
                 context_length: int | None = None, val_fraction: float = DEFAULT_VAL_FRACTION,
                 overwrite: bool = False) -> dict:
     """Render, tokenise and write `data` (JSONL) into `out` as example data; returns the manifest."""
-    from meshlm.data.prepare import ready_output_dir
-
     path, renderer = Path(data).expanduser(), Renderer(tokenizer, template)
     train, val = split_records(read_records(path), val_fraction)
     rendered = {split: [(where, renderer.example(r, where)) for where, r in records]

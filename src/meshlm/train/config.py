@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from meshlm.adapters import trainable_roles
 from meshlm.config import ModelConfig
 from meshlm.data.tasks import data_tokenizer
 from meshlm.errors import CheckpointError, ConfigError
@@ -58,7 +59,7 @@ class TrainConfig:
     # `meshlm retrofit`/`convert` output, a Hugging Face folder): its model config (plus any model.* overrides)
     # and its tokenizer (meshlm.loading's rule; train.tokenizer other than "default" overrides it); fresh
     # optimizer and schedule
-    # -- fine-tuning (meshlm.train.lora) ----------------------------------------------------------------------
+    # -- fine-tuning (meshlm.adapters) ----------------------------------------------------------------------
     lora_rank: int = 0  # PEFT LoRA on the lora_targets Linears, base weights frozen; 0 = no LoRA
     lora_alpha: float = 0.0  # adapters are scaled by alpha / rank; 0 -> 2 · rank
     lora_targets: str = "attention,mlp"  # roles (attention, mlp, prelude, core, coda, routers) or Linear names
@@ -226,8 +227,6 @@ class TrainConfig:
         return problems
 
     def _lora_problems(self) -> list[str]:
-        from meshlm.train.lora import trainable_roles
-
         out = []
         if self.lora_rank < 0:
             out.append(f"lora_rank={self.lora_rank} must be >= 1 for LoRA (or 0 for none)")

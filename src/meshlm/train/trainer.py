@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from meshlm import checkpoint
+from meshlm.adapters import adapt
 from meshlm.backbones import BACKBONES
 from meshlm.data.prepare import PreparedData, prepare_default, validation_batches
 from meshlm.data.tasks import cached_task_data, data_folder, is_task_source, window_length
@@ -36,7 +37,6 @@ from meshlm.train import parallel
 from meshlm.train.batches import get_batch, windows_xy
 from meshlm.train.config import TrainConfig
 from meshlm.train.interrupt import StopRequest
-from meshlm.train.lora import adapt
 from meshlm.train.monitor import Metrics, Progress
 from meshlm.train.optim import build_optimizer, build_scheduler, retarget
 from meshlm.train.ownership import RunOwner, owner_problem
@@ -121,7 +121,7 @@ class Trainer:
         self.model = MeshLM(self.model_cfg).to(env.device)  # the unwrapped handle: state dicts, saving
         if cfg.init_from and not (resume and checkpoint.list_checkpoints(self.run_dir)):
             self._initialise_from(cfg.init_from)  # base weights, before LoRA renames the Linears it wraps
-        self.trainable = adapt(self.model, cfg.to_dict())  # PEFT LoRA and the frozen set (meshlm.train.lora)
+        self.trainable = adapt(self.model, cfg.to_dict())  # PEFT LoRA and the frozen set (meshlm.adapters)
         self.wrapped = parallel.wrap(self.model, cfg, env)  # what forward() goes through
         self.loop_dist = cfg.loop_distribution()  # loop count per step, from (seed, step): same on every rank
         self.step_loops = self.model_cfg.layout.n_steps  # the last step's loop count (logged when sampled)
