@@ -255,6 +255,11 @@ def _reexported_tokenizer(tmp: Path, world) -> None:
     from meshlm.data.tokenizer import load_tokenizer
 
     load_tokenizer("default").hf.save(str(tmp / "copy.json"), pretty=False)
+def _chat_data(tmp: Path) -> None:
+    """Two chat records, and a template that raises (as templates do for turns they do not support)."""
+    record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    write(tmp / "chat.jsonl", (json.dumps(record) + "\n") * 2)
+    write(tmp / "t.jinja", "{{ raise_exception('only user turns here') }}")
 
 
 def _bin(tmp: Path, world) -> None:
@@ -514,6 +519,21 @@ CASES: list[Case] = [
     Case("train", "SIGTERM", ["train"], 143, "--resume", runner=signal_runner([signal.SIGTERM]), slow=True),
     Case("train", "Ctrl-C twice", ["train"], 130, "interrupted",
          runner=signal_runner([signal.SIGINT, signal.SIGINT]), slow=True),
+    # -- finetune
+    Case("finetune", "a record without prompt/completion or messages", ["finetune", "{run}", "{tmp}/bad.jsonl"], 1,
+         "needs string fields \"prompt\" and \"completion\", or \"messages\"",
+         setup=lambda tmp, world: write(tmp / "bad.jsonl", '{"prompt": "a", "completion": "b"}\n{"text": "c"}\n'),
+         patch=empty_cache),
+    Case("finetune", "a chat template that fails to render", ["finetune", "{run}", "{tmp}/chat.jsonl",
+                                                              "--chat-template", "{tmp}/t.jinja"], 1,
+         "the chat template failed to render", setup=lambda tmp, world: _chat_data(tmp), patch=empty_cache),
+    Case("finetune", "LoRA targets that match nothing", ["finetune", "{run}", "{tmp}/chat.jsonl",
+                                                         "train.lora_targets=nothing_like_this"], 2,
+         "matches no Linear", setup=lambda tmp, world: _chat_data(tmp), patch=empty_cache),
+    Case("finetune", "a LoRA rank below 0", ["finetune", "{run}", "{tmp}/chat.jsonl", "train.lora_rank=-1"], 2,
+         "lora_rank=-1 must be >= 1", setup=lambda tmp, world: _chat_data(tmp), patch=empty_cache),
+    Case("describe", "per-loop LoRA without a shared core", ["describe", "--spec", "2+4+2", "--scheme", "base",
+                                                             "--loop-lora-rank", "4"], 2, "needs a shared core"),
     # -- generate
     Case("generate", "no prompt", ["generate", "{run}"], 2, "pass the text to continue"),
     Case("generate", "an empty prompt", ["generate", "{run}", ""], 2, "prompt 1 is empty"),

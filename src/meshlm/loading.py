@@ -5,6 +5,7 @@
     <run>/step-NNNNNN/                                 meshlm   <run>/
     `meshlm convert`/`meshlm retrofit` output          meshlm   the folder itself
     `meshlm convert --to hf` output (MeshForCausalLM)  hf       the folder itself
+    a LoRA run's checkpoint (train.lora_rank > 0)      meshlm   <run>/; adapters merged (meshlm.adapters)
     Hugging Face GPT-NeoX (Pythia) / Llama / OLMoE     neox | llama | olmoe (meshlm.interop.families)
     org/name[@revision] on the Hugging Face Hub        any above ./org--name (meshlm.hub; cached snapshot)
 
@@ -46,6 +47,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from meshlm import checkpoint, hub
+from meshlm.adapters import LoraSpec
 from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.data.prepare import PreparedData, prepare_default
@@ -218,6 +220,7 @@ class Opened:
     folder: ModelFolder
     tokenizer_override: str | None = None
     force_tokenizer: bool = False  # an override that encodes unlike the folder's own is accepted
+    merged: bool = False  # a LoRA run's checkpoint: its adapters were merged into the base weights on opening
 
     @property
     def path(self) -> Path:
@@ -313,13 +316,25 @@ def open_model(path: str | os.PathLike, device: str | torch.device = "cpu", toke
     else:
         weights = folder.weights(check)  # verified first: an edited config.json is refused, never built
         model = MeshLM(folder.model_config())
+        lora = lora_of(folder)
+        if lora is not None:  # a LoRA run's checkpoint: base weights + PEFT adapters, merged once loaded
+            lora.apply(model)
         mismatch = weight_mismatch(model, weights)
         if mismatch:
             raise CheckpointError(f"{folder.path}: the weights do not match config.json ({mismatch}); the files "
                                   f"are from another model")
         model.load_state_dict(weights)
+        if lora is not None:
+            lora.merge(model)
     return Opened(model.to(resolve_device(device)).eval(), folder, str(tokenizer) if tokenizer else None,
-                  force_tokenizer)
+                  force_tokenizer, merged=lora_of(folder) is not None)
+
+
+def lora_of(folder: ModelFolder):
+    """The LoraSpec (meshlm.adapters) of a checkpoint trained with LoRA, else None."""
+    if folder.format != "meshlm" or not int(folder.train.get("lora_rank") or 0):
+        return None
+    return LoraSpec.of(folder.train)
 
 
 def _load_hf_model(folder: Path) -> MeshLM:

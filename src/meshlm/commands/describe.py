@@ -12,6 +12,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--slots", type=int, help="MeSH buffer size B (default K+3)")
     p.add_argument("--max-loops", type=int, help="deepest loop count with its own MeSH router pair (default K)")
     p.add_argument("--routing", help="MeSH routing: learned (default) or uniform (the frozen-router ablation)")
+    p.add_argument("--loop-lora-rank", type=int, help="per-loop LoRA rank on the shared core (default 0: none)")
     p.add_argument("--context", type=int, help="context length for attention FLOPs (default: the config's)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--list", action="store_true", help="list the presets and schemes, then exit")
@@ -36,6 +37,8 @@ def run(args: argparse.Namespace) -> int:
         overrides["scheme_options"] = options
     if args.max_loops is not None:
         overrides["max_loops"] = args.max_loops
+    if args.loop_lora_rank is not None:
+        overrides["loop_lora_rank"] = args.loop_lora_rank
     cfg = ModelConfig.from_preset(args.preset, **overrides)
     acc = describe(cfg, args.context)
     if args.json:
@@ -52,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         ("MeSH router pairs", acc.router_pairs if acc.router_pairs is not None else "-"),
         ("params total", f"{acc.total_params:,}"), ("params embedding", f"{acc.embedding_params:,}"),
         ("params non-embedding", f"{acc.non_embedding_params:,}"), ("params scheme", f"{acc.scheme_params:,}"),
+        *([("params per-loop LoRA", f"{acc.loop_lora_params:,}")] if acc.loop_lora_params else []),
         *([("params active (per token)", f"{acc.active_params:,}"),
            ("params active non-embedding", f"{acc.active_non_embedding_params:,}")] if acc.experts else []),
         (f"forward FLOPs/token @ {acc.context_length}" + (" (active)" if acc.experts else ""),

@@ -2,11 +2,11 @@
 
     meshlm prepare task:chase --out data/chase             # or train.data=task:chase (prepared into the cache)
 
-A task folder is a prepared folder (meshlm.data.shards) with three additions:
+A task folder is example data (meshlm.data.examples) with a test set:
 - every example is one block of `block` tokens, `prompt answer EOS` then padding, so window i (seq_len =
   block) is example i alone: no example attends to another, and positions start at 0 in each;
-- `<split>-mask-NNNNN.bin` (uint8, aligned with the tokens): 1 where the token is part of the answer (its
-  digits and the EOS after them). Training and validation take the loss on those targets only;
+- its loss mask is 1 where the token is part of the answer (its digits and the EOS after them). Training and
+  validation take the loss on those targets only;
 - test.jsonl: {"task", "prompt", "answer", "difficulty"} per problem, difficulties up to beyond the training
   range, for exact-match evaluation by greedy decoding (meshlm.evaluation.reasoning). tokenizer.json is the
   suite's character tokenizer (meshlm.reasoning.vocab), which training picks up from the folder.
@@ -22,15 +22,14 @@ import hashlib
 import json
 import os
 import random
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from meshlm.data.cache_dir import cache_dir as resolve_cache
-from meshlm.data.shards import FORMAT, MANIFEST, ShardWriter, read_manifest, staged, write_manifest
+from meshlm.data.examples import build_cached, example_block, write_split
+from meshlm.data.shards import FORMAT, MANIFEST, read_manifest, staged, write_manifest
 from meshlm.errors import ConfigError, DataError
 from meshlm.reasoning import Problem, Task, parse_levels, parse_tasks, range_text
 from meshlm.reasoning.vocab import TOKENIZER_FILE, write_tokenizer
@@ -151,17 +150,8 @@ def _write(spec: TaskData, resolved, out: Path) -> dict:
     block = max(len(q) + len(a) for p in drawn.train + drawn.val for q, a in [encode(p)])
     splits, masks = {}, {}
     for split, problems in (("train", drawn.train), ("val", drawn.val)):
-        tokens = ShardWriter(out, split, np.dtype(np.uint16), 1 << 40)
-        mask = ShardWriter(out, f"{split}-mask", np.dtype(np.uint8), 1 << 40)
-        for problem in problems:
-            prompt, answer = encode(problem)
-            pad = block - len(prompt) - len(answer)
-            tokens.write(prompt + answer + [tok.pad_id] * pad)
-            mask.write([0] * len(prompt) + [1] * len(answer) + [0] * pad)
-        tokens.write([tok.pad_id])  # the last window's final target (never in the loss)
-        mask.write([0])
-        tokens.documents = mask.documents = len(problems)
-        splits[split], masks[split] = tokens.close(), mask.close()["shards"]
+        examples = ((q + a, [0] * len(q) + [1] * len(a)) for p in problems for q, a in [encode(p)])
+        splits[split], masks[split] = write_split(out, split, examples, block, tok.pad_id, np.dtype(np.uint16))
     with open(out / TEST_FILE, "w", encoding="utf-8") as f:
         for name, p in drawn.test:
             f.write(json.dumps({"task": name, "prompt": p.prompt, "answer": p.answer, "difficulty": p.difficulty})
@@ -207,22 +197,8 @@ def cached_task_data(data: str, cache_dir: str | os.PathLike | None = None) -> P
     Several processes may ask at once: each writes a private folder and renames it into place."""
     spec = TaskData(tasks=data[len(PREFIX):])
     spec.resolved()
-    parent = resolve_cache(cache_dir) / "prepared"
-    target = parent / f"task-{spec.key()}"
-    if (target / MANIFEST).is_file():
-        return target
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=parent))
-    tmp.chmod(0o755)
-    try:
-        prepare_tasks(spec, tmp, overwrite=True)
-        os.rename(tmp, target)
-    except OSError:
-        if not (target / MANIFEST).is_file():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    target = resolve_cache(cache_dir) / "prepared" / f"task-{spec.key()}"
+    return build_cached(target, lambda folder: prepare_tasks(spec, folder, overwrite=True))
 
 
 def data_folder(data: str) -> Path | None:
@@ -243,13 +219,14 @@ def data_tokenizer(data: str) -> str | None:
 
 
 def window_length(manifest: dict, seq_len: int) -> int:
-    """The training window length: for task data its example block (train.seq_len must be 0 or equal it, since
-    a window is one example), else `seq_len`."""
-    task = manifest.get("task")
-    if task is None or seq_len in (0, task["block"]):
-        return task["block"] if task else seq_len
-    raise ConfigError(f"train.seq_len={seq_len} does not fit the task data: each example is one window of "
-                      f"{task['block']} tokens; set train.seq_len={task['block']} (or 0)")
+    """The training window length: for example data (task or fine-tuning data) its block (train.seq_len must be
+    0 or equal it, since a window is one example), else `seq_len`."""
+    block = example_block(manifest)
+    if block is None or seq_len in (0, block):
+        return block or seq_len
+    kind = "task" if "task" in manifest else "fine-tuning"
+    raise ConfigError(f"train.seq_len={seq_len} does not fit the {kind} data: each example is one window of "
+                      f"{block} tokens; set train.seq_len={block} (or 0)")
 
 
 def holds_tasks(data: str | os.PathLike) -> bool:

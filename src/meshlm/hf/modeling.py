@@ -16,6 +16,8 @@ What is non-standard, and why:
   on use, and returns it, so generate() carries that one on.
 - transformers 5.x renamed the cache argument and output field `past_key_values` -> `cache`; forward accepts
   both names and fills whichever field the installed `CausalLMOutputWithPast` declares.
+- Gradient checkpointing (`gradient_checkpointing_enable()`, also under PEFT) checkpoints every layer with
+  meshlm.model.recompute, as training does.
 - Weight init happens once, in `MeshLM.__init__` (meshlm.model.init); `_init_weights` only recomputes the
   rotary table that loading on the meta device leaves empty.
 
@@ -37,6 +39,7 @@ from meshlm.hf.configuration import MeshConfig
 from meshlm.hf.remote import write_remote_code
 from meshlm.model.layers import RotaryEmbedding
 from meshlm.model.lm import MeshLM
+from meshlm.model.recompute import checkpoint_layers
 
 # generate() arguments the speculative path understands; any other one is refused with its name
 SPECULATIVE_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p",
@@ -60,6 +63,7 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
     main_input_name = "input_ids"
     _no_split_modules = [backbone.layer.__name__ for backbone in BACKBONES.values()]  # every layer class
     _supports_sdpa = True  # attention always runs through F.scaled_dot_product_attention
+    supports_gradient_checkpointing = True  # per layer, meshlm.model.recompute
 
     def __init__(self, config: MeshConfig):
         super().__init__(config)
@@ -69,6 +73,12 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module: torch.nn.Module) -> None:
         if isinstance(module, RotaryEmbedding):  # a non-persistent buffer: never in the weights file
             module.inv_freq.copy_(module.compute_inv_freq())
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
+                                    every_n_layers: int = 1) -> None:
+        """gradient_checkpointing_enable() / disable(): every layer (every_n_layers is not offered: a looped
+        core layer is one module run K times), non-reentrant, per-loop LoRA passes restored on recompute."""
+        checkpoint_layers(self.model, enable, gradient_checkpointing_func)
 
     def get_input_embeddings(self) -> torch.nn.Module:
         return self.model.embed_in

@@ -8,6 +8,7 @@ meshlm HF folders.
                       unscaled table)
     meshlm -> hf      a MeshForCausalLM folder (any scheme, any backbone) for transformers / lm-eval (meshlm.hf)
     hf     -> meshlm  back to a meshlm checkpoint
+    meshlm -> meshlm  only from a LoRA run's checkpoint: its adapters merged into the base weights
 
 The source is opened by meshlm.loading.open_model, which recognises every format from config.json and reads
 family weights from model.safetensors, a sharded model.safetensors.index.json or pytorch_model.bin (loaded
@@ -91,7 +92,7 @@ def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: 
         source.tokenizer  # noqa: B018 (checked before anything is written)
     kind, cfg = source.format, source.model.config
     to = to or (cfg.backbone if kind == "meshlm" else "meshlm")
-    if to not in FORMATS or to == kind:
+    if to not in FORMATS or (to == kind and not source.merged):  # meshlm -> meshlm merges a LoRA run's adapters
         raise ConfigError(f"cannot convert {kind} to {to!r}; choose --to from "
                           f"{', '.join(f for f in FORMATS if f != kind)}")
     if to == "meshlm":

@@ -14,6 +14,9 @@ drift from the model. Conventions:
   step at another depth (sampled train.loops, truncated backprop: the backward covers only the passes that keep
   autograd state), which the trainer's MFU averages over the steps run. Parameters include every per-step
   parameter up to `max_loops` (MeSH: `router_pairs` = cap + 1, 0 with uniform routing).
+- per-loop LoRA (meshlm.model.loop_lora): `loop_lora_params` counts every pass's deltas (r·(in + out) per
+  targeted Linear per pass, up to the cap; non-embedding); a pass meets one delta: 2·r·(in + out) FLOPs per
+  targeted Linear, added per core pass.
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.model.layers import Layer
 from meshlm.model.lm import MeshLM
+from meshlm.model.loop_lora import LoopLoRALinear, LowRank
 from meshlm.model.memory import Router
 from meshlm.model.moe import Experts
 
@@ -35,6 +39,7 @@ class Accounting:
     embedding_params: int
     non_embedding_params: int
     scheme_params: int  # MeSH routers, learned mixing coefficients; 0 for fixed schemes
+    loop_lora_params: int  # per-loop LoRA deltas of every pass up to the cap; 0 without
     active_params: int  # parameters one token uses (MoE: k of E experts per layer); = total_params if dense
     active_non_embedding_params: int
     unique_layers: int
@@ -66,7 +71,7 @@ def active_share(cfg: ModelConfig) -> float:
 
 def matmul_weights(layer: Layer, share: float) -> float:
     """Weights one token multiplies with in one layer: every Linear's, and `share` of each expert tensor."""
-    linear = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
+    linear = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))  # base weights only
     experts = sum(count(m.parameters()) for m in layer.modules() if isinstance(m, Experts))
     return linear + share * experts
 
@@ -84,13 +89,15 @@ def account(model: MeshLM, context_length: int | None = None) -> Accounting:
     layer = next(m for m in model.modules() if isinstance(m, Layer))  # every layer has the same shape
     layer_matmul = round(matmul_weights(layer, share))  # neox: qkv 3d² + dense d² + MLP 2·ratio·d²
     scheme_flops = model.scheme.flops_per_token(d, layout.n_steps)
-    forward = layout.unrolled_depth * (2 * layer_matmul + 4 * d * t) + 2 * d * cfg.vocab_size + scheme_flops
+    forward = (layout.unrolled_depth * (2 * layer_matmul + 4 * d * t) + 2 * d * cfg.vocab_size + scheme_flops
+               + loop_lora_flops(model))
     moe = BACKBONES[cfg.backbone].moe
     return Accounting(
         total_params=total,
         embedding_params=embedding,
         non_embedding_params=total - embedding,
         scheme_params=count(model.scheme.parameters()),
+        loop_lora_params=sum(count(m.parameters()) for m in model.modules() if isinstance(m, LowRank)),
         active_params=active,
         active_non_embedding_params=active - embedding,
         unique_layers=layout.unique_depth,
@@ -107,6 +114,13 @@ def account(model: MeshLM, context_length: int | None = None) -> Accounting:
         experts=cfg.n_experts if moe else None,
         experts_per_token=cfg.top_k if moe else None,
     )
+
+
+def loop_lora_flops(model: MeshLM) -> int:
+    """Forward FLOPs per token of the per-loop LoRA deltas: each core pass meets one delta per targeted Linear."""
+    per_pass = [sum(2 * count(m.loop_lora[0].parameters()) for m in core.modules() if isinstance(m, LoopLoRALinear))
+                for core in model.cores]
+    return sum(per_pass[c] for c in model.config.layout.schedule)
 
 
 def describe(cfg: ModelConfig, context_length: int | None = None) -> Accounting:
@@ -126,7 +140,8 @@ def depth_flops_per_token(model: MeshLM, loops: float, codas: float = 1.0, conte
     per_layer = 2 * round(matmul_weights(layer, active_share(cfg))) + 4 * d * t
     core = sum(layout.cores) * per_layer  # one pass of the (single) core
     coda_and_head = layout.coda * per_layer + 2 * d * cfg.vocab_size
-    return (layout.prelude * per_layer + loops * core + codas * coda_and_head
+    lora = loop_lora_flops(model) / max(1, layout.n_steps)  # per core pass
+    return (layout.prelude * per_layer + loops * (core + lora) + codas * coda_and_head
             + model.scheme.flops_per_token(d, max(1, round(loops))))
 
 

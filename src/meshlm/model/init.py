@@ -12,6 +12,9 @@
 | static-mix α                                      | alpha_init (default 1, 1, 0)                 |
 | dynamic-mix Linear(d, 3)                          | weight normal(0, router_init_std), bias =    |
 |                                                   | alpha_init: starts as the static mix         |
+| per-loop LoRA deltas (A_t, B_t)                   | A Kaiming-uniform (a = √5, as PEFT), B = 0:  |
+|                                                   | the model starts as its base model; drawn    |
+|                                                   | last, so the base weights are the same draws |
 
 N counts *unrolled* layers (P + ΣC·K + D): a looped core adds to the residual stream K times, so its output
 projections are scaled as if it were K distinct layers. The same table holds for every backbone.
@@ -25,6 +28,7 @@ from torch import nn
 
 from meshlm.config import ModelConfig
 from meshlm.model.layers import RMSNorm
+from meshlm.model.loop_lora import LowRank, init_low_rank
 from meshlm.model.memory import Router
 from meshlm.model.moe import Experts
 from meshlm.model.schemes import DynamicAlpha, StaticAlpha
@@ -59,3 +63,6 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
         elif isinstance(module, DynamicAlpha):
             nn.init.normal_(module.proj.weight, std=cfg.router_init_std)
             module.proj.bias.copy_(alpha_init)
+    for module in model.modules():  # per-loop LoRA pass: last, so the other draws do not depend on it
+        if isinstance(module, LowRank):
+            init_low_rank(module)

@@ -33,6 +33,10 @@ then follows k, not K (benchmarks/elastic.py).
 Per-token adaptive exit (`exit="state:0.05"`, meshlm.model.exit): the same loop runs only the still-active
 tokens' core passes and stops when none is left; exited tokens' keys/values are copied forward.
 
+Per-loop LoRA (`loop_lora_rank`, meshlm.model.loop_lora): before each core pass the loop selects that pass's
+low-rank delta in the core's Linears; every path above (exit, speculation, the cache) runs through `advance`,
+so each gets the right delta per step.
+
 Incremental decoding: pass a `cache` (meshlm.model.kv_cache) and only the new tokens. Each unrolled layer
 gets its own cache slot; the scheme state (MeSH buffer, anchors) is per token and needs none. With a cache,
 `padding_mask` covers the cached tokens too (B, T_past + T), as in Hugging Face's `generate()`.
@@ -55,6 +59,8 @@ from meshlm.model.exit import ExitRule, ExitTracker
 from meshlm.model.init import init_weights
 from meshlm.model.kv_cache import LayerCache, slot_offsets
 from meshlm.model.layers import Rope, RotaryEmbedding, at_least_fp32, attention_mask_from_padding
+from meshlm.model.loop_lora import attach as attach_loop_lora
+from meshlm.model.loop_lora import select_pass
 from meshlm.model.moe import router_losses
 from meshlm.model.schemes import LoopContext, build_scheme
 from meshlm.model.stack import Stack
@@ -110,6 +116,8 @@ class MeshLM(nn.Module):
         self.embed_in = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.prelude = Stack(cfg, layout.prelude)
         self.cores = nn.ModuleList(Stack(cfg, n) for n in layout.cores)
+        if cfg.loop_lora_rank:
+            attach_loop_lora(self.cores, cfg)  # per-loop LoRA: one delta per pass of each shared core
         self.coda = Stack(cfg, layout.coda)
         self.scheme = build_scheme(cfg)
         self.final_layer_norm = BACKBONES[cfg.backbone].norm(cfg)  # LayerNorm or RMSNorm, as its layers
@@ -179,7 +187,10 @@ class MeshLM(nn.Module):
             with torch.set_grad_enabled(torch.is_grad_enabled() and step >= first_grad_step):
                 x, r, m, kv = (run.h, run.rope, run.mask, run.cache) if track is None else \
                     track.step_inputs(run.h, step_slots[step])
-                u = self.cores[schedule[step]](x, r, m, kv, step_slots[step], run.routed if track is None else [])
+                core = self.cores[schedule[step]]
+                if self.config.loop_lora_rank:  # this pass's delta: the core's passes before this step
+                    select_pass(core, schedule[:step].count(schedule[step]))
+                u = core(x, r, m, kv, step_slots[step], run.routed if track is None else [])
                 h = self.scheme.update(step, run.h, u if track is None else track.merge(u, run.h), run.ctx)
             run.step = step + 1
             if run.stages is not None:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshlm.model.layers import at_least_fp32
+from meshlm.model.loop_lora import PerStep
 from meshlm.model.schemes import LoopContext, Scheme, register
 
 
@@ -79,12 +80,12 @@ class MeSH(Scheme):
         super().__init__(cfg)
         self.slots = self.options["slots"] or cfg.layout.n_steps + 3  # option "slots"; None: K + 3 (the paper's rule)
         if self.options["routing"] == "uniform":
-            self.routers = nn.ModuleList([UniformRouter(self.slots)])  # one stateless router serves every step
+            self.routers = PerStep([UniformRouter(self.slots)])  # one stateless router serves every step
         else:  # one pair per step up to the cap (pair 0 is the transitional one): cap + 1 pairs
-            self.routers = nn.ModuleList(Router(cfg.d_model, self.slots) for _ in range(cfg.loop_cap + 1))
+            self.routers = PerStep(Router(cfg.d_model, self.slots) for _ in range(cfg.loop_cap + 1))
     def _write_read(self, pair: int, query: torch.Tensor, value: torch.Tensor, ctx: LoopContext):
         """Route with `query`, add `value` into every slot, then read. Returns the read state (B, T, d)."""
-        write, read = self.routers[min(pair, len(self.routers) - 1)](query)  # (B, T, slots) each
+        write, read = self.routers.at(pair)(query)  # (B, T, slots) each
         ctx.routing.append((write, read))
         ctx.values.append(value)
         ctx.coefficients = torch.cat([ctx.coefficients, write.unsqueeze(-1)], dim=-1)  # (B, T, slots, J)
@@ -117,7 +118,7 @@ class MeSH(Scheme):
         """A draft stopping before step n_steps reads the buffer with the read router of the final pair, the
         one the coda was trained behind, queried by the current state (the step's own read router prepares
         the next core pass, not the coda). Draft-only: the loop's state and buffer are unchanged."""
-        _, read = self.routers[min(n_steps, len(self.routers) - 1)](h)
+        _, read = self.routers.at(n_steps)(h)
         return self._read(read, ctx)
 
     def truncate(self, ctx: LoopContext) -> None:

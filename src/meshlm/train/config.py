@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from meshlm.adapters import trainable_roles
 from meshlm.config import ModelConfig
 from meshlm.data.tasks import data_tokenizer
 from meshlm.errors import CheckpointError, ConfigError
@@ -61,6 +62,13 @@ class TrainConfig:
     # `meshlm retrofit`/`convert` output, a Hugging Face folder or Hub name org/name[@revision]): its model
     # config (plus any model.* overrides) and its tokenizer (meshlm.loading's rule; train.tokenizer other than
     # "default" overrides it); fresh optimizer and schedule
+    # -- fine-tuning (meshlm.adapters) ----------------------------------------------------------------------
+    lora_rank: int = 0  # PEFT LoRA on the lora_targets Linears, base weights frozen; 0 = no LoRA
+    lora_alpha: float = 0.0  # adapters are scaled by alpha / rank; 0 -> 2 · rank
+    lora_targets: str = "attention,mlp"  # roles (attention, mlp, prelude, core, coda, routers) or Linear names
+    lora_dropout: float = 0.0
+    trainable: str = ""  # which parameters train: "all" or roles (lora, loop_lora, routers, scheme, embeddings,
+    # prelude, core, coda); "" -> all without LoRA, the adapters with it
     # -- batch and length ---------------------------------------------------------------------------------
     seq_len: int = 0  # tokens per sequence; 0 -> the model's context_length
     global_batch: int = 8  # sequences per optimizer step, summed over every rank (8: best at CPU scale)
@@ -205,6 +213,7 @@ class TrainConfig:
              f"name={self.name!r} must be one folder name (no '/', not '.' or '..'): the run goes to "
              f"<out_dir>/<name>; put the parent folder in out_dir")
         problems.extend(self._depth_problems())
+        problems.extend(self._lora_problems())
         need(self.lr > 0, f"lr={self.lr} must be > 0")
         need(0 <= self.min_lr_ratio <= 1, f"min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
         need(0 <= self.warmup < 1, f"warmup={self.warmup} is a fraction of the steps; it must be in [0, 1)")
@@ -232,6 +241,22 @@ class TrainConfig:
             problems.append(f"seq_len={self.seq_len} exceeds the model's context_length="
                             f"{model_cfg.context_length}; lower train.seq_len or raise model.context_length")
         return problems
+
+    def _lora_problems(self) -> list[str]:
+        out = []
+        if self.lora_rank < 0:
+            out.append(f"lora_rank={self.lora_rank} must be >= 1 for LoRA (or 0 for none)")
+        if self.lora_alpha < 0:
+            out.append(f"lora_alpha={self.lora_alpha} must be > 0 (or 0: 2 · rank)")
+        if not 0 <= self.lora_dropout < 1:
+            out.append(f"lora_dropout={self.lora_dropout} must be in [0, 1)")
+        if self.lora_rank > 0 and not self.lora_targets.strip(", "):
+            out.append("lora_targets is empty; name roles (attention, mlp, core, ...) or Linear names")
+        try:
+            trainable_roles(self.trainable, None)
+        except ConfigError as err:
+            out.append(str(err))
+        return out
 
     def _depth_problems(self) -> list[str]:
         """train.loops parses, and backprop_loops is in [0, the distribution's cap]."""
@@ -265,7 +290,7 @@ class TrainConfig:
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         """Build from flat TrainConfig fields, coercing types (meshlm.fields) and collecting every problem."""
         data = dict(data)
-        for key in ("name", "init_from"):
+        for key in ("name", "init_from", "trainable"):
             if key in data and data[key] is None:  # `name=` / `init_from:` (YAML null) mean "unset"
                 data[key] = ""
         if isinstance(data.get("compile"), bool):  # YAML true/false for the "auto"/"true"/"false" setting

@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.checkpoint import checkpoint
 
 from meshlm.errors import ConfigError
 from meshlm.model.layers import Layer
+from meshlm.model.recompute import checkpoint_layers
 from meshlm.runtime import compile as compile_policy
 from meshlm.runtime import precision
 from meshlm.runtime.devices import device_problem
@@ -96,17 +96,6 @@ def autocast(env: Env):
 
 def layers(model: nn.Module) -> list[Layer]:
     return [m for m in model.modules() if isinstance(m, Layer)]
-
-
-def checkpoint_layers(model: nn.Module) -> None:
-    """Recompute every layer's activations in backward (non-reentrant), names and weights unchanged."""
-    for layer in layers(model):
-        inner = layer.forward
-
-        def forward(*args, _inner=inner, **kwargs):
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-
-        layer.forward = forward
 
 
 def compile_layers(model: nn.Module) -> None:

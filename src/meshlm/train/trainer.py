@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from meshlm import checkpoint
+from meshlm.adapters import adapt
 from meshlm.backbones import BACKBONES
 from meshlm.data.prepare import PreparedData, prepare_default, validation_batches
 from meshlm.data.tasks import cached_task_data, is_task_source, window_length
@@ -122,6 +123,9 @@ class Trainer:
 
         torch.manual_seed(cfg.seed)  # same initial weights on every rank and every resume
         self.model = MeshLM(self.model_cfg).to(env.device)  # the unwrapped handle: state dicts, saving
+        if cfg.init_from and not (resume and checkpoint.list_checkpoints(self.run_dir)):
+            self._initialise_from(cfg.init_from)  # base weights, before LoRA renames the Linears it wraps
+        self.trainable = adapt(self.model, cfg.to_dict())  # PEFT LoRA and the frozen set (meshlm.adapters)
         self.wrapped = parallel.wrap(self.model, cfg, env)  # what forward() goes through
         self.loop_dist = cfg.loop_distribution()  # loop count per step, from (seed, step): same on every rank
         self.step_loops = self.model_cfg.layout.n_steps  # the last step's loop count (logged when sampled)
@@ -149,8 +153,6 @@ class Trainer:
             self.log(f"no checkpoint in {self.run_dir} yet: starting from step 0")
         if ckpt is not None:
             self._restore(ckpt)
-        elif self.cfg.init_from:
-            self._initialise_from(self.cfg.init_from)
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if ckpt is not None:
@@ -188,7 +190,9 @@ class Trainer:
     def _initialise_from(self, path: str) -> None:
         """Weights only, from any folder meshlm.loading opens: the optimizer and schedule start fresh."""
         source = open_model(path)
-        weights = source.model.state_dict()
+        # per-loop LoRA added to a model without it (model.loop_lora_rank=...): its deltas start at their init
+        fresh = {k: v for k, v in self.model.state_dict().items() if ".loop_lora." in k}
+        weights = {**fresh, **source.model.state_dict()}
         mismatch = weight_mismatch(self.model, weights)
         if mismatch:
             raise CheckpointError(f"train.init_from={path}: its weights do not fit the model ({mismatch}); drop the "
@@ -346,14 +350,20 @@ class Trainer:
         self.log(f"training {self.run_dir.name}: {m.spec} {m.scheme} d={m.d_model}, {self.total_steps} steps x "
                  f"{cfg.global_batch} x {self.seq_len} tokens, world {env.world}, {env.device.type} "
                  f"{env.precision.describe()}, {env.compile.describe()}; "
-                 f"MFU peak {self.peak / 1e9:,.0f} GFLOP/s per device ({self.peak_source})")
+                 f"MFU peak {self.peak / 1e9:,.0f} GFLOP/s per device ({self.peak_source}); "
+                 f"{self._trainable_text()}")
         run = {"device": env.device.type, "world": env.world, "threads": torch.get_num_threads(),
                "dtype": env.precision.name, "dtype_reason": env.precision.reason, "compile": env.compile.enabled,
                "compile_reason": env.compile.reason, "peak_flops": self.peak, "peak_source": self.peak_source,
-               "malloc": allocator.tune()}
+               "malloc": allocator.tune(), "trainable_params": self.trainable,
+               "total_params": sum(p.numel() for p in self.model.parameters())}
         self.metrics.log({"kind": "run", "step": self.step, **run})
         train = {k: v for k, v in cfg.to_dict().items() if k != "model"}  # the model: resolved, beside
         self.metrics.hparams({"train": train, "model": m.to_dict(), "run": run})
+
+    def _trainable_text(self) -> str:
+        total = sum(p.numel() for p in self.model.parameters())
+        return f"training {self.trainable:,} of {total:,} parameters ({100 * self.trainable / total:.2f}%)"
 
     def _record(self, ok: bool, loss: float, norm: float, lr: float, rate: float, elapsed: float,
                 bar: Progress) -> None:
