@@ -201,15 +201,15 @@ def test_meshlm_train_tunes_malloc_before_torch_loads():
 
 @pytest.mark.parametrize("argv", [["eval", "/nonexistent"], ["probe", "/nonexistent"],
                                   ["generate", "/nonexistent", "hi"], ["reproduce", "/nonexistent.yaml"],
-                                  ["serve", "/nonexistent"]])
+                                  ["serve", "/nonexistent"], ["finetune", "/nonexistent", "/nonexistent.jsonl"]])
 def test_every_long_running_command_tunes_malloc_first(argv, monkeypatch, capsys):
     from meshlm import cli
 
     calls = []
     monkeypatch.setattr(allocator, "tune", lambda: calls.append(argv[0]) or "")
     assert cli.main(argv) != 0  # each fails on its missing input, after tuning
-    assert calls == [argv[0]] and set(cli.LONG_RUNNING) == {"train", "eval", "probe", "generate", "reproduce",
-                                                                 "serve"}
+    assert calls == [argv[0]] and set(cli.LONG_RUNNING) == {"train", "finetune", "eval", "probe", "generate",
+                                                                 "reproduce", "serve"}
 
 
 def test_malloc_opt_out_leaves_the_defaults():
