@@ -22,7 +22,8 @@ from importlib.metadata import version as installed
 from meshlm.errors import MeshlmError, describe_os_error
 from meshlm.runtime import allocator
 
-LONG_RUNNING = ("train", "eval", "probe", "generate", "reproduce", "serve")  # malloc tuned before they start
+# malloc tuned before they start
+LONG_RUNNING = ("train", "eval", "probe", "generate", "reproduce", "serve", "quantize")
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -32,6 +33,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("meshlm.commands.train", "train a model (no arguments: the default MeSH model on the embedded corpus)"),
     "generate": ("meshlm.commands.generate", "generate text from a checkpoint or Hugging Face folder (streamed)"),
     "serve": ("meshlm.commands.serve", "serve a model over an OpenAI-compatible HTTP API with continuous batching"),
+    "quantize": ("meshlm.commands.quantize", "weight-only int8/int4 checkpoint with a per-loop error report"),
     "convert": ("meshlm.commands.convert", "convert between GPT-NeoX (Pythia), meshlm and Hugging Face formats"),
     "retrofit": ("meshlm.commands.retrofit", "build a looped/MeSH model from a GPT-NeoX checkpoint's layers"),
     "eval": ("meshlm.commands.eval", "perplexity, loss vs. loop count and downstream tasks (lm-eval) of a checkpoint"),

@@ -263,6 +263,10 @@ def open_model(path: str | os.PathLike, device: str | torch.device = "cpu", toke
     else:
         weights = folder.weights(check)  # verified first: an edited config.json is refused, never built
         model = MeshLM(folder.model_config())
+        if folder.meta.get("quantization"):  # `meshlm quantize` output: int8/int4 layers (meshlm.quant)
+            from meshlm.quant.calibrate import empty_structure
+
+            empty_structure(model, folder.meta["quantization"])
         mismatch = weight_mismatch(model, weights)
         if mismatch:
             raise CheckpointError(f"{folder.path}: the weights do not match config.json ({mismatch}); the files "
