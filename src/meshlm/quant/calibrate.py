@@ -77,11 +77,11 @@ def calibrate(model: nn.Module, layers: dict[str, nn.Linear], batches: list[torc
 def best_clip(weight: torch.Tensor, gram: torch.Tensor | None, bits: int, group_size: int) -> torch.Tensor:
     """(out,) the clip per output row with the smallest output error Σ_n (W − Ŵ)_n Σ (W − Ŵ)_nᵀ."""
     w = weight.detach().float()
-    sigma = torch.eye(w.shape[1]) if gram is None else (gram / gram.diagonal().mean().clamp(min=1e-30)).float()
+    sigma = None if gram is None else (gram / gram.diagonal().mean().clamp(min=1e-30)).float()
     errors = []
     for c in CLIPS:
         diff = w - dequantize(quantize_weight(w, bits, group_size, torch.full((w.shape[0],), c)), group_size)
-        errors.append(((diff @ sigma) * diff).sum(1))  # (out,)
+        errors.append(((diff if sigma is None else diff @ sigma) * diff).sum(1))  # (out,); Σ = I without data
     return torch.tensor(CLIPS)[torch.stack(errors).argmin(0)]
 
 
