@@ -95,3 +95,14 @@ def test_the_quantized_checkpoint_is_verified_and_reopens_bit_exactly(tmp_path):
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="config.json"):
         open_model(folder)
+
+
+def test_a_quantized_checkpoint_is_not_converted_silently(tmp_path):
+    from meshlm.errors import ConfigError
+    from meshlm.interop.convert import convert
+
+    model = build(tiny(spec="1+1R2+1", vocab_size=256))
+    quantized, spec = quantize_model(model, 8)
+    folder = save_model(quantized, tmp_path / "q", {"quantization": {**spec, "source": {"path": "runs/x"}}})
+    with pytest.raises(ConfigError, match=r"int8 .* \(runs/x\)"):
+        convert(folder, tmp_path / "hf", to="hf")

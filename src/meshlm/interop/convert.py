@@ -84,6 +84,10 @@ def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: 
     """Convert between formats; `to` defaults to meshlm for family/hf sources and, for meshlm sources, to the
     family of the model's backbone. The source is opened by meshlm.loading.open_model (its tokenizer rule)."""
     source = open_model(src, tokenizer=tokenizer)
+    quantized = source.meta.get("quantization")
+    if quantized:  # int8/int4 layers (meshlm.quant) have no counterpart in the exported formats
+        raise ConfigError(f"{src} holds int{quantized['bits']} weights written by meshlm quantize; convert the "
+                          f"full-precision checkpoint it came from ({quantized['source']['path']})")
     kind, cfg = source.format, source.model.config
     to = to or (cfg.backbone if kind == "meshlm" else "meshlm")
     if to not in FORMATS or to == kind:
