@@ -106,3 +106,11 @@ def test_a_quantized_checkpoint_is_not_converted_silently(tmp_path):
     folder = save_model(quantized, tmp_path / "q", {"quantization": {**spec, "source": {"path": "runs/x"}}})
     with pytest.raises(ConfigError, match=r"int8 .* \(runs/x\)"):
         convert(folder, tmp_path / "hf", to="hf")
+
+
+def test_the_command_spells_the_parts_and_group_sizes_of_meshlm_quant():
+    from meshlm import quant
+    from meshlm.commands import quantize
+
+    assert (quantize.PARTS, quantize.DEFAULT_PARTS, quantize.GROUP_SIZES) == \
+        (quant.PARTS, quant.DEFAULT_PARTS, quant.GROUP_SIZES)

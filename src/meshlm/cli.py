@@ -22,8 +22,7 @@ from importlib.metadata import version as installed
 from meshlm.errors import MeshlmError, describe_os_error
 from meshlm.runtime import allocator
 
-# malloc tuned before they start
-LONG_RUNNING = ("train", "eval", "probe", "generate", "reproduce", "serve", "quantize")
+LONG_RUNNING = ("train", "eval", "probe", "generate", "reproduce", "serve")  # malloc tuned before they start
 
 # name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {

@@ -4,12 +4,14 @@
     <run>/ (its `latest`, else newest step-NNNNNN)     meshlm   <run>/
     <run>/step-NNNNNN/                                 meshlm   <run>/
     `meshlm convert`/`meshlm retrofit` output          meshlm   the folder itself
+    `meshlm quantize` output (int8/int4 layers)        meshlm   the folder itself
     `meshlm convert --to hf` output (MeshForCausalLM)  hf       the folder itself
     Hugging Face GPT-NeoX (Pythia) / Llama / OLMoE     neox | llama | olmoe (meshlm.interop.families)
 
 The format is recognised from config.json alone. `locate(path)` reads only that (a `ModelFolder`: the model
 config, the tokenizer and data the folder names); `open_model` also loads the weights into a `MeshLM`
-(a family folder becomes the vanilla meshlm model with the same logits), checking every file.
+(a family folder becomes the vanilla meshlm model with the same logits), checking every file. A quantized
+checkpoint's config.json lists its quantized layers ("quantization"); they are rebuilt before the weights load.
 
 The tokenizer rule, the first that applies:
     1. an explicit choice (`--tokenizer`; for training, `train.tokenizer` other than "default");
@@ -50,6 +52,7 @@ from meshlm.errors import CheckpointError, ConfigError, DataError
 from meshlm.interop.families import BY_MODEL_TYPE, to_meshlm
 from meshlm.interop.families import model_config as family_model_config
 from meshlm.model import MeshLM
+from meshlm.quant.calibrate import empty_structure
 from meshlm.runtime import devices
 
 FORMATS = ("meshlm", "hf", *BACKBONES)
@@ -264,8 +267,6 @@ def open_model(path: str | os.PathLike, device: str | torch.device = "cpu", toke
         weights = folder.weights(check)  # verified first: an edited config.json is refused, never built
         model = MeshLM(folder.model_config())
         if folder.meta.get("quantization"):  # `meshlm quantize` output: int8/int4 layers (meshlm.quant)
-            from meshlm.quant.calibrate import empty_structure
-
             empty_structure(model, folder.meta["quantization"])
         mismatch = weight_mismatch(model, weights)
         if mismatch:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 
+# meshlm.quant's PARTS, DEFAULT_PARTS and GROUP_SIZES, spelled out: the parser is built before torch may load
+# (meshlm.cli tunes malloc first); tests/test_quant.py checks they agree
+PARTS, DEFAULT_PARTS, GROUP_SIZES = ("prelude", "cores", "coda", "head", "routers"), ("cores",), (32, 64, 128, 256)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from meshlm.quant import DEFAULT_PARTS, GROUP_SIZES, PARTS
-
     p.add_argument("checkpoint", help="a meshlm run or checkpoint folder")
     p.add_argument("--bits", type=int, choices=(8, 4), required=True, help="8: int8 per channel; 4: int4 grouped")
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64, help="int4 group (default 64)")
@@ -59,7 +61,6 @@ def check_inputs(args: argparse.Namespace):
     from pathlib import Path
 
     from meshlm.errors import Problems
-    from meshlm.quant import PARTS
 
     p = Problems()
     parts = tuple(x for x in args.parts.split(",") if x)
