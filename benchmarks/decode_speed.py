@@ -69,15 +69,15 @@ def decode_seconds(model, prompts, args, cache: bool, concatenate: bool = False)
     return elapsed
 
 
-def copy_bandwidth(megabytes: int = 512, reps: int = 3) -> float:
-    """Bytes/s of the best of `reps` clones of a `megabytes` tensor (read + write counted): this core's
-    memory bandwidth, the ceiling of batch-1 decoding, which reads every weight once per token."""
-    a = torch.empty(megabytes * 2**20 // 4)
-    a.fill_(1.0)
+def copy_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
+    """Bytes/s of the best of `reps` copies between two `megabytes` tensors, both touched first (read + write
+    counted; no page faults timed): this core's memory bandwidth, the ceiling of batch-1 decoding, which
+    reads every weight once per token."""
+    a, b = torch.ones(megabytes * 2**20 // 4), torch.zeros(megabytes * 2**20 // 4)
     best = float("inf")
-    for _ in range(reps):
+    for _ in range(reps + 1):  # the first is a warm-up
         start = time.perf_counter()
-        a.clone()
+        b.copy_(a)
         best = min(best, time.perf_counter() - start)
     return 2 * a.numel() * 4 / best
 
