@@ -84,10 +84,10 @@ def copy_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
 
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights one decoded token reads: everything but the input embedding table (one row of it)."""
-    state = model.state_dict()
-    table = state.get("embed_in.weight")
+    state = model.state_dict()  # meshlm's "embed_in.weight", transformers' "gpt_neox.embed_in.weight"
+    table = next(t for name, t in state.items() if name.endswith("embed_in.weight"))
     total = sum(t.numel() * t.element_size() for t in state.values())
-    return total if table is None else total - table.numel() * table.element_size() + table[0].nbytes
+    return total - table.numel() * table.element_size() + table[0].nbytes
 
 
 def versus_transformers(args) -> None:
