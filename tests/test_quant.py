@@ -114,3 +114,18 @@ def test_the_command_spells_the_parts_and_group_sizes_of_meshlm_quant():
 
     assert (quantize.PARTS, quantize.DEFAULT_PARTS, quantize.GROUP_SIZES) == \
         (quant.PARTS, quant.DEFAULT_PARTS, quant.GROUP_SIZES)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("speculate", [None, "2:2"])
+def test_the_continuous_batcher_serves_a_quantized_model_as_it_decodes_alone(bits, speculate):
+    from test_serve_batcher import reference, requests, staggered
+
+    from meshlm.serve.batcher import Batcher
+
+    model = build(tiny(spec="1+1R3+1", vocab_size=512, d_model=64))
+    quantized, _ = quantize_model(model, bits, ("prelude", "cores", "coda"), group_size=32)
+    rs = requests(speculate=speculate)
+    with torch.no_grad():
+        staggered(Batcher(quantized, eos_id=0, pad_id=1), rs, every=1)  # rows join at token boundaries
+        assert [r.tokens for r in rs] == [reference(quantized, r) for r in rs]
