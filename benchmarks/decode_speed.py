@@ -6,6 +6,12 @@
 Comparisons (targets from the Hugging Face / generation issue):
   1. cached vs. uncached greedy decoding of 256 new tokens (MeSH): tokens/s ≥ 5× with the cache.
   2. MeSH vs. base at the same spec, both cached: tokens/s ≥ 0.95×.
+  4. (--versus-transformers) a vanilla stack of --layers (default 12) layers at --d-model against transformers'
+     GPTNeoXForCausalLM.generate on the same weights: transformers fp32 and bf16, meshlm fp32 (what
+     `--dtype auto` decodes in), bf16 (weights stored in bf16), int8 and int4 (meshlm.quant, every layer and
+     the head), with the weight bytes each reads per token against this core's measured copy bandwidth:
+         .venv/bin/python benchmarks/decode_speed.py --versus-transformers --d-model 768 --heads 12 \
+             --vocab 50304 --new-tokens 64 --rounds 3 --threads 1
   3. (--append) the cache's in-place appends vs. appending by concatenation (each step copying every slot's
      whole history), MeSH cached; it shows at long contexts:
          .venv/bin/python benchmarks/decode_speed.py --append --skip-uncached --prompt 1024 --new-tokens 128
@@ -23,7 +29,7 @@ import statistics
 import time
 
 import torch
-from benchkit import add_shape_arguments, add_timing_arguments, timing_setup
+from benchkit import add_shape_arguments, add_timing_arguments, interleaved_medians, timing_setup
 
 
 def build(scheme: str, args) -> torch.nn.Module:
@@ -63,6 +69,89 @@ def decode_seconds(model, prompts, args, cache: bool, concatenate: bool = False)
     return elapsed
 
 
+def copy_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
+    """Bytes/s of the best of `reps` copies between two `megabytes` tensors, both touched first (read + write
+    counted; no page faults timed): this core's memory bandwidth, the ceiling of batch-1 decoding, which
+    reads every weight once per token."""
+    a, b = torch.ones(megabytes * 2**20 // 4), torch.zeros(megabytes * 2**20 // 4)
+    best = float("inf")
+    for _ in range(reps + 1):  # the first is a warm-up
+        start = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - start)
+    return 2 * a.numel() * 4 / best
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decoded token reads: everything but the input embedding table (one row of it)."""
+    state = model.state_dict()  # meshlm's "embed_in.weight", transformers' "gpt_neox.embed_in.weight"
+    table = next(t for name, t in state.items() if name.endswith("embed_in.weight"))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    return total - table.numel() * table.element_size() + table[0].nbytes
+
+
+def versus_transformers(args) -> None:
+    """Comparison 4 (module docstring): interleaved rounds, medians, ratios."""
+    import copy
+
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from meshlm.backbones import BACKBONES
+    from meshlm.config import ModelConfig
+    from meshlm.generate import Sampling, generate
+    from meshlm.interop.families import from_meshlm, hf_config_kwargs
+    from meshlm.model import MeshLM
+    from meshlm.quant import PARTS, quantize_model
+    from meshlm.runtime import precision
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(spec=str(args.layers), d_model=args.d_model, n_heads=args.heads, vocab_size=args.vocab,
+                      context_length=args.prompt + args.new_tokens, scheme="vanilla", scale_embeddings=False)
+    ours = MeshLM(cfg).eval()
+    hf = GPTNeoXForCausalLM(GPTNeoXConfig(**hf_config_kwargs(cfg, BACKBONES["neox"]))).eval()
+    hf.load_state_dict(from_meshlm(ours.state_dict(), cfg.layout, BACKBONES["neox"]), strict=False)
+    bf16, fp32 = precision.Precision(torch.bfloat16, "as requested"), precision.Precision(None, "as requested")
+    stored = copy.deepcopy(ours)
+    precision.store_weights(stored, bf16)
+    models = {"transformers fp32": hf, "transformers bf16": copy.deepcopy(hf).to(torch.bfloat16),
+              "meshlm fp32": ours, "meshlm bf16": stored,
+              "meshlm int8": quantize_model(ours, 8, PARTS)[0], "meshlm int4": quantize_model(ours, 4, PARTS)[0]}
+    prompt = torch.randint(2, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    s = Sampling(max_new_tokens=args.new_tokens, temperature=0, stop_at_eos=False)
+
+    def step(name: str, model):
+        def run():
+            with torch.no_grad(), precision.autocast(CPU, bf16 if name == "meshlm bf16" else fp32):
+                if name.startswith("transformers"):
+                    model.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                   do_sample=False, pad_token_id=0)
+                else:
+                    generate(model, prompt.tolist(), s)
+        return run
+
+    t = interleaved_medians({name: step(name, m) for name, m in models.items()}, args.rounds, clock_of(args))
+    rate = {name: args.new_tokens / sec for name, sec in t.items()}
+    bandwidth = copy_bandwidth()
+    print(f"vanilla {args.layers} layers, d_model {args.d_model}, vocab {args.vocab}, batch 1, prompt {args.prompt}, "
+          f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads, {args.rounds} rounds (medians); "
+          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    for name, r in rate.items():
+        moved = weight_bytes_per_token(models[name]) * r
+        print(f"  {name:<18} {r:7.2f} tokens/s  weights {moved / 1e9:5.2f} GB/s = {moved / bandwidth:4.0%} of "
+              f"bandwidth")
+    for a, b in (("meshlm fp32", "transformers fp32"), ("meshlm bf16", "transformers bf16"),
+                 ("meshlm bf16", "transformers fp32"), ("meshlm int8", "transformers fp32"),
+                 ("meshlm int8", "meshlm fp32"), ("meshlm int4", "meshlm fp32"), ("meshlm bf16", "meshlm fp32")):
+        print(f"{a} / {b}: {rate[a] / rate[b]:.2f}x")
+
+
+CPU = torch.device("cpu")
+
+
+def clock_of(args):
+    return time.process_time if args.clock == "cpu" else time.perf_counter
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_arguments(p)
@@ -72,8 +161,12 @@ def main() -> None:
     add_timing_arguments(p, rounds=5)
     p.add_argument("--skip-uncached", action="store_true", help="only MeSH vs. base (uncached is slow at size)")
     p.add_argument("--append", action="store_true", help="also MeSH cached with appends by concatenation")
+    p.add_argument("--versus-transformers", action="store_true", help="comparison 4 (module docstring) only")
+    p.add_argument("--layers", type=int, default=12, help="with --versus-transformers: the vanilla stack's depth")
     args = p.parse_args()
     timing_setup(args)
+    if args.versus_transformers:
+        return versus_transformers(args)
 
     models = {"mesh": build("mesh", args), "base": build("base", args)}
     g = torch.Generator().manual_seed(0)

@@ -39,6 +39,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                              "full or per-loop LoRA), loss on the responses only"),
     "generate": ("meshlm.commands.generate", "generate text from a checkpoint or Hugging Face folder (streamed)"),
     "serve": ("meshlm.commands.serve", "serve a model over an OpenAI-compatible HTTP API with continuous batching"),
+    "quantize": ("meshlm.commands.quantize", "weight-only int8/int4 checkpoint with a per-loop error report"),
     "convert": ("meshlm.commands.convert", "convert between GPT-NeoX (Pythia), meshlm and Hugging Face formats"),
     "retrofit": ("meshlm.commands.retrofit", "build a looped/MeSH model from a GPT-NeoX checkpoint's layers"),
     "eval": ("meshlm.commands.eval", "perplexity, loss vs. loop count and downstream tasks (lm-eval) of a checkpoint"),

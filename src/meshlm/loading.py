@@ -4,6 +4,7 @@
     <run>/ (its `latest`, else newest step-NNNNNN)     meshlm   <run>/
     <run>/step-NNNNNN/                                 meshlm   <run>/
     `meshlm convert`/`meshlm retrofit` output          meshlm   the folder itself
+    `meshlm quantize` output (int8/int4 layers)        meshlm   the folder itself
     `meshlm convert --to hf` output (MeshForCausalLM)  hf       the folder itself
     a LoRA run's checkpoint (train.lora_rank > 0)      meshlm   <run>/; adapters merged (meshlm.adapters)
     Hugging Face GPT-NeoX (Pythia) / Llama / OLMoE     neox | llama | olmoe (meshlm.interop.families)
@@ -11,7 +12,8 @@
 
 The format is recognised from config.json alone. `locate(path)` reads only that (a `ModelFolder`: the model
 config, the tokenizer and data the folder names); `open_model` also loads the weights into a `MeshLM`
-(a family folder becomes the vanilla meshlm model with the same logits), checking every file.
+(a family folder becomes the vanilla meshlm model with the same logits), checking every file. A quantized
+checkpoint's config.json lists its quantized layers ("quantization"); they are rebuilt before the weights load.
 
 The tokenizer rule, the first that applies:
     1. an explicit choice (`--tokenizer`; for training, `train.tokenizer` other than "default");
@@ -64,6 +66,7 @@ from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError
 from meshlm.interop.families import BY_MODEL_TYPE, to_meshlm
 from meshlm.interop.families import model_config as family_model_config
 from meshlm.model import MeshLM
+from meshlm.quant.calibrate import empty_structure
 from meshlm.runtime import devices
 
 FORMATS = ("meshlm", "hf", *BACKBONES)
@@ -319,6 +322,8 @@ def open_model(path: str | os.PathLike, device: str | torch.device = "cpu", toke
         lora = lora_of(folder)
         if lora is not None:  # a LoRA run's checkpoint: base weights + PEFT adapters, merged once loaded
             lora.apply(model)
+        if folder.meta.get("quantization"):  # `meshlm quantize` output: int8/int4 layers (meshlm.quant)
+            empty_structure(model, folder.meta["quantization"])
         mismatch = weight_mismatch(model, weights)
         if mismatch:
             raise CheckpointError(f"{folder.path}: the weights do not match config.json ({mismatch}); the files "
@@ -331,8 +336,9 @@ def open_model(path: str | os.PathLike, device: str | torch.device = "cpu", toke
 
 
 def lora_of(folder: ModelFolder):
-    """The LoraSpec (meshlm.adapters) of a checkpoint trained with LoRA, else None."""
-    if folder.format != "meshlm" or not int(folder.train.get("lora_rank") or 0):
+    """The LoraSpec (meshlm.adapters) of a checkpoint trained with LoRA, else None. A `meshlm quantize` output
+    of a LoRA run carries the run's train settings but holds the merged weights, so it has none."""
+    if folder.format != "meshlm" or folder.meta.get("quantization") or not int(folder.train.get("lora_rank") or 0):
         return None
     return LoraSpec.of(folder.train)
 

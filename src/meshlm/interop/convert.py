@@ -88,6 +88,10 @@ def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: 
     family of the model's backbone. The source is opened by meshlm.loading.open_model (its tokenizer rule; a
     `tokenizer` that encodes unlike the source's own is refused unless `force_tokenizer`)."""
     source = open_model(src, tokenizer=tokenizer, force_tokenizer=force_tokenizer)
+    quantized = source.meta.get("quantization")
+    if quantized:  # int8/int4 layers (meshlm.quant) have no counterpart in the exported formats
+        raise ConfigError(f"{src} holds int{quantized['bits']} weights written by meshlm quantize; convert the "
+                          f"full-precision checkpoint it came from ({quantized['source']['path']})")
     if tokenizer:
         source.tokenizer  # noqa: B018 (checked before anything is written)
     kind, cfg = source.format, source.model.config

@@ -221,8 +221,10 @@ class MeshLM(nn.Module):
         return self.head(y if last is None else y[:, -last:])  # (B, T or last, vocab)
 
     def head(self, y: torch.Tensor) -> torch.Tensor:
-        """Final norm and output layer: (…, d) -> (…, vocab)."""
-        return F.linear(self.final_layer_norm(y), self.output_weight)
+        """Final norm and output layer: (…, d) -> (…, vocab). An untied head is called as a module, so a
+        quantized one (meshlm.quant) runs its own kernel."""
+        y = self.final_layer_norm(y)
+        return F.linear(y, self.embed_in.weight) if self.embed_out is None else self.embed_out(y)
 
     # -- per-token adaptive exit (meshlm.model.exit) -----------------------------------------------------------
     def _tracker(self, exit: ExitRule | str | None, run: LoopRun, padding_mask: torch.Tensor | None, past: int,

@@ -15,8 +15,15 @@ Decoding (`meshlm generate`, `meshlm serve`: `for_decoding`) resolves `auto` to 
 autocast greedy output depends on the path: a batch's shape, the cache, speculation's draft-verify split all
 round differently, and with top logits within a bf16 step of each other the argmax flips (measured in
 docs/serve.md). In fp32 it does not, so speculation is lossless and a batched request decodes as it would
-alone. It costs little: autocast keeps the weights in fp32 and casts them at every op, and decoding one
-token per row is bound by reading those weights, not by multiplying (docs/serve.md has the measured ratio).
+alone. It costs little: decoding one token per row is bound by reading the weights, not by multiplying
+(docs/serve.md and docs/quantize.md have the measured ratios).
+
+Weights follow the compute precision: where a command computes in bf16 (`for_model` under auto on bf16
+hardware, or `--dtype bf16` anywhere), `store_weights` keeps every nn.Linear's weight and bias in bf16, so
+autocast finds them cast already instead of holding an fp32 copy and a bf16 one. The numbers are bit-identical
+to autocast over fp32 weights (autocast rounds the same way; norms, the embedding table and the loss stay fp32;
+tests/test_weight_precision.py). Weight-only int8/int4 (`meshlm quantize`, meshlm.quant) is the smaller step for
+decoding: its kernels read int8 or int4 and compute the same per row whatever the batch.
 """
 from __future__ import annotations
 
@@ -103,12 +110,25 @@ DECODING_FP32 = "auto: decoding in fp32, where greedy output does not depend on 
 
 
 def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, Precision]:
-    """(the model's device, the precision to decode in): `auto` is fp32 (see the module docstring)."""
+    """(the model's device, the precision to decode in): `auto` is fp32 (see the module docstring). Under bf16
+    the model's matmul weights are stored in bf16 (store_weights)."""
     device = next(model.parameters()).device
-    return device, Precision(None, DECODING_FP32) if requested == "auto" else choose(requested, device)
+    chosen = Precision(None, DECODING_FP32) if requested == "auto" else choose(requested, device)
+    return device, store_weights(model, chosen)
 
 
 def for_model(requested: str, model: torch.nn.Module) -> tuple[torch.device, Precision]:
-    """(the model's device, the precision `requested` resolves to there)."""
+    """(the model's device, the precision `requested` resolves to there), with the weights stored in it."""
     device = next(model.parameters()).device
-    return device, choose(requested, device)
+    return device, store_weights(model, choose(requested, device))
+
+
+def store_weights(model: torch.nn.Module, chosen: Precision) -> Precision:
+    """Under bf16, every nn.Linear's weight and bias become bf16 in place (what autocast would cast them to at
+    each op); the rest (norms, embeddings, MeSH routers) stays fp32. For inference only: an optimizer keeps
+    fp32 masters. Returns `chosen`."""
+    if chosen.dtype is not None:
+        for module in model.modules():
+            if type(module) is torch.nn.Linear:  # not subclasses (meshlm.quant's layers hold their own formats)
+                module.to(chosen.dtype)
+    return chosen
