@@ -29,7 +29,6 @@ from meshlm.config import ModelConfig
 from meshlm.model.layers import Layer
 from meshlm.model.lm import MeshLM
 from meshlm.model.loop_lora import LoopLoRALinear, LowRank
-from meshlm.model.memory import Router
 from meshlm.model.moe import Experts
 
 
@@ -103,9 +102,9 @@ def account(model: MeshLM, context_length: int | None = None) -> Accounting:
         unique_layers=layout.unique_depth,
         unrolled_layers=layout.unrolled_depth,
         loop_steps=layout.n_steps,
-        slots=getattr(model.scheme, "slots", None),
+        slots=model.scheme.facts().get("slots"),
         loop_cap=cfg.loop_cap,
-        router_pairs=sum(1 for m in model.scheme.modules() if isinstance(m, Router)) if cfg.scheme == "mesh" else None,
+        router_pairs=model.scheme.facts().get("router_pairs"),
         forward_flops_per_token=forward,
         scheme_flops_per_token=scheme_flops,
         train_flops_per_token=3 * forward,

@@ -83,6 +83,11 @@ class MeSH(Scheme):
             self.routers = PerStep([UniformRouter(self.slots)])  # one stateless router serves every step
         else:  # one pair per step up to the cap (pair 0 is the transitional one): cap + 1 pairs
             self.routers = PerStep(Router(cfg.d_model, self.slots) for _ in range(cfg.loop_cap + 1))
+
+    def facts(self) -> dict[str, int]:
+        """Slots, and learned router pairs (cap + 1; 0 under uniform routing, whose router has no weights)."""
+        return {"slots": self.slots, "router_pairs": sum(1 for m in self.modules() if isinstance(m, Router))}
+
     def _write_read(self, pair: int, query: torch.Tensor, value: torch.Tensor, ctx: LoopContext):
         """Route with `query`, add `value` into every slot, then read. Returns the read state (B, T, d)."""
         write, read = self.routers.at(pair)(query)  # (B, T, slots) each

@@ -98,6 +98,11 @@ class Scheme(nn.Module, abc.ABC):
         """Forward FLOPs the scheme adds per token (beyond the layers)."""
         return 0
 
+    def facts(self) -> dict[str, int]:
+        """What parameter accounting reports about the scheme beyond its parameter count (meshlm.model.accounting:
+        MeSH's slots and router pairs). Fixed schemes have nothing to add."""
+        return {}
+
 
 # -- fixed additive schemes: h^{t+1} = f_core(h^t) + Σ terms ---------------------------------------------
 class Additive(Scheme):
