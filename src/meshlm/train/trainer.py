@@ -23,8 +23,8 @@ import torch
 from meshlm import checkpoint
 from meshlm.adapters import adapt
 from meshlm.backbones import BACKBONES
-from meshlm.data.prepare import PreparedData, prepare_default, validation_batches
-from meshlm.data.tasks import cached_task_data, is_task_source, window_length
+from meshlm.data.prepare import PreparedData, validation_batches
+from meshlm.data.tasks import window_length
 from meshlm.data.tokenizer import check_vocab, load_tokenizer, tokenizer_file
 from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError
 from meshlm.loading import open_model, weight_mismatch
@@ -35,6 +35,7 @@ from meshlm.runtime.peaks import device_peak
 from meshlm.train import parallel
 from meshlm.train.batches import get_batch, windows_xy
 from meshlm.train.config import TrainConfig
+from meshlm.train.data_source import resolve_data
 from meshlm.train.footprint import schedule_problem
 from meshlm.train.interrupt import StopRequest
 from meshlm.train.monitor import Metrics, Progress
@@ -64,27 +65,6 @@ class TrainResult:
     @property
     def val_ppl(self) -> float:
         return math.exp(self.val_loss) if math.isfinite(self.val_loss) else math.nan
-
-
-def resolve_data(cfg: TrainConfig, env: parallel.Env, tokenizer: str) -> Path:
-    """The prepared-data dir: the embedded corpus (prepared once with `tokenizer`, rank 0 first) or the user's
-    folder."""
-    if cfg.data == "default":
-        return _main_rank_first(env, lambda main: prepare_default(tokenizer=tokenizer, progress=main))
-    if is_task_source(cfg.data):  # generated once into the cache
-        return _main_rank_first(env, lambda main: cached_task_data(cfg.data))
-    path = Path(cfg.data).expanduser()
-    if not path.is_dir():
-        raise ConfigError(f"train.data={cfg.data}: {path} does not exist; run `meshlm prepare` or set "
-                          f"train.data=default")
-    return path
-
-
-def _main_rank_first(env: parallel.Env, make: Callable[[bool], Path]) -> Path:
-    """Cached data: rank 0 makes it (`make(True)`: with progress) while the others wait, then they find it."""
-    path = make(True) if env.is_main else None
-    parallel.barrier(env)
-    return path or make(False)
 
 
 LOSS_PARTS = ("lm_loss", "aux_loss", "z_loss")  # with MoE layers, logged next to the loss they make up
