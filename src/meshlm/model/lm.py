@@ -84,7 +84,6 @@ class LMOutput:
     logits: torch.Tensor  # (B, T, vocab)
     loss: torch.Tensor | None = None  # the objective: lm_loss (+ weighted MoE losses in training mode)
     stages: Stages | None = None  # only with return_states=True
-    track: ExitTracker | None = None  # only with exit: who is still looping (meshlm.model.exit)
     lm_loss: torch.Tensor | None = None  # mean next-token cross-entropy over targets != ignore_index
     aux_loss: torch.Tensor | None = None  # MoE load-balancing loss, unweighted (None without MoE layers)
     z_loss: torch.Tensor | None = None  # MoE router z-loss, unweighted
