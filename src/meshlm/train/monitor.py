@@ -26,18 +26,17 @@ class Metrics:
     numbers as metrics at its step."""
 
     def __init__(self, run_dir: Path, enabled: bool, loggers: list[str] = ("tensorboard",), name: str = ""):
-        self.path = run_dir / "metrics.jsonl"
+        self.run_dir, self.path = run_dir, run_dir / "metrics.jsonl"
         self.enabled = enabled
         self.trackers = [self._open(kind, run_dir, name or run_dir.name) for kind in loggers] if enabled else []
         self.trackers = [t for t in self.trackers if t is not None]
 
-    @staticmethod
-    def _open(kind: str, run_dir: Path, name: str):
+    def _open(self, kind: str, run_dir: Path, name: str):
         tracker = trackers.TRACKERS[kind]
         try:
             return tracker(run_dir, name)  # other packages: checked by the trainer's preflight
         except OSError as err:  # e.g. a full disk under the first event record
-            raise storage_error(err, run_dir / tracker.subfolder, f"writing {tracker.what} to") from None
+            raise self._fault(err, tracker) from None
         except ImportError:
             if kind != "tensorboard":
                 raise
@@ -95,7 +94,11 @@ class Metrics:
                 use(tracker)
             except OSError as err:
                 self.trackers.remove(tracker)
-                raise storage_error(err, tracker.folder, f"writing {tracker.what} to") from None
+                raise self._fault(err, tracker) from None
+
+    def _fault(self, err: OSError, tracker) -> Exception:
+        """A tracker's failed write as one StorageError naming its folder of the run and that disk's space."""
+        return storage_error(err, self.run_dir / tracker.subfolder, f"writing {tracker.what} to")
 
 
 def _duration(seconds: float) -> str:

@@ -26,6 +26,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from meshlm import atomic
+
 LOGGERS = ("tensorboard", "wandb", "mlflow", "csv")
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # tracker -> its import
 INSTALL = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny"}  # -> its pip name
@@ -76,7 +78,7 @@ def quiet_tensorboard_thread() -> None:
     threading.excepthook = hook
 
 
-# Every tracker names the `subfolder` of the run it writes to and `what` it writes there, for a one-line
+# Every tracker names the `subfolder` of the run it writes to and `what` it writes there, for Metrics' one-line
 # storage error.
 class TensorBoard:
     what, subfolder = "TensorBoard events", "tensorboard"
@@ -85,8 +87,7 @@ class TensorBoard:
         from torch.utils.tensorboard import SummaryWriter
 
         quiet_tensorboard_thread()
-        self.folder = run_dir / self.subfolder
-        self.writer = SummaryWriter(str(self.folder))
+        self.writer = SummaryWriter(str(run_dir / self.subfolder))
 
     def hparams(self, params: dict[str, Any]) -> None:
         """Into the same event file as the scalars, so the HParams tab links them (not add_hparams, which
@@ -111,7 +112,6 @@ class Wandb:
     def __init__(self, run_dir: Path, name: str):
         import wandb
 
-        self.folder = run_dir / self.subfolder
         # one id per run folder, so --resume continues the same W&B run
         run_id = f"{name}-{hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
         self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "meshlm"), name=name, id=run_id,
@@ -133,11 +133,10 @@ class Mlflow:
     def __init__(self, run_dir: Path, name: str):
         import mlflow
 
-        self.folder = run_dir / self.subfolder
         self.mlflow = mlflow
         if not os.environ.get("MLFLOW_TRACKING_URI"):  # the local default: a file store beside the run
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps it, in maintenance mode
-            mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
+            mlflow.set_tracking_uri((run_dir / self.subfolder).resolve().as_uri())
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "meshlm"))
         self.run = mlflow.start_run(run_name=name)
 
@@ -157,7 +156,7 @@ class Csv:
     what, subfolder = "CSV metrics", "csv"
 
     def __init__(self, run_dir: Path, name: str):
-        self.dir = self.folder = run_dir / self.subfolder
+        self.dir = run_dir / self.subfolder
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def hparams(self, params: dict[str, Any]) -> None:
@@ -172,7 +171,7 @@ class Csv:
         for kind, row in by_kind.items():
             path = self.dir / f"{kind}.csv"
             fresh = not path.exists()
-            header = ["step", *row] if fresh else next(csv.reader(open(path)))
+            header = ["step", *row] if fresh else _rows(path)[0]
             with open(path, "a", newline="") as f:
                 writer = csv.DictWriter(f, header, extrasaction="ignore")
                 if fresh:
@@ -184,15 +183,22 @@ class Csv:
         for path in self.dir.glob("*.csv"):
             if path.name == "hparams.csv":
                 continue
-            rows = list(csv.reader(open(path)))
+            rows = _rows(path)
             kept = rows[:1] + [r for r in rows[1:] if r and int(float(r[0])) <= step]
-            tmp = path.with_suffix(".tmp")
-            with open(tmp, "w", newline="") as f:
-                csv.writer(f).writerows(kept)
-            tmp.replace(path)
+            atomic.write_with(path, lambda tmp, kept=kept: _write_rows(tmp, kept))
 
     def close(self) -> None:
         pass
+
+
+def _rows(path: Path) -> list[list[str]]:
+    with open(path, newline="") as f:
+        return list(csv.reader(f))
+
+
+def _write_rows(path: Path, rows: list[list[str]]) -> None:
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows(rows)
 
 
 TRACKERS = {"tensorboard": TensorBoard, "wandb": Wandb, "mlflow": Mlflow, "csv": Csv}
