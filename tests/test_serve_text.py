@@ -51,3 +51,14 @@ def test_chat_templates_default_and_folder(tmp_path):
         render_chat(refusing, messages)
     with pytest.raises(ConfigError, match="refused"):
         render_chat("{{ ''.__class__.__mro__[1].__subclasses__() }}", messages)  # sandboxed
+
+
+def test_the_folder_template_is_read_as_finetune_reads_it(tmp_path):
+    """One reader (meshlm.data.tokenizer.folder_chat_template) for serve and finetune: chat_template.jinja wins
+    over tokenizer_config.json, and transformers' named list gives its "default" entry."""
+    named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    assert chat_template(tmp_path) == ("D", True)
+    (tmp_path / "chat_template.jinja").write_text("J", encoding="utf-8")
+    assert chat_template(tmp_path) == ("J", True)
+

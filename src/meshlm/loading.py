@@ -314,12 +314,12 @@ def open_model(path: str | os.PathLike, device: str | torch.device = "cpu", toke
     `tokenizer` overrides the tokenizer rule (refused if it encodes unlike the folder's own, unless
     `force_tokenizer`); `check` verifies a meshlm checkpoint's file hashes."""
     folder = locate(path)
+    lora = lora_of(folder)
     if folder.format == "hf":
         model = _load_hf_model(folder.path)
     else:
         weights = folder.weights(check)  # verified first: an edited config.json is refused, never built
         model = MeshLM(folder.model_config())
-        lora = lora_of(folder)
         if lora is not None:  # a LoRA run's checkpoint: base weights + PEFT adapters, merged once loaded
             lora.apply(model)
         if folder.meta.get("quantization"):  # `meshlm quantize` output: int8/int4 layers (meshlm.quant)
@@ -332,7 +332,7 @@ def open_model(path: str | os.PathLike, device: str | torch.device = "cpu", toke
         if lora is not None:
             lora.merge(model)
     return Opened(model.to(resolve_device(device)).eval(), folder, str(tokenizer) if tokenizer else None,
-                  force_tokenizer, merged=lora_of(folder) is not None)
+                  force_tokenizer, merged=lora is not None)
 
 
 def lora_of(folder: ModelFolder):

@@ -35,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from meshlm import checkpoint
-    from meshlm.data.sft import cached_sft_data, folder_template
-    from meshlm.data.tokenizer import load_tokenizer
+    from meshlm.data.sft import cached_sft_data
+    from meshlm.data.tokenizer import folder_chat_template, load_tokenizer
     from meshlm.errors import ConfigError
     from meshlm.loading import locate, open_model
     from meshlm.train.config import load_config
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     folder = locate(args.source)
     name = [f"train.name={folder.run_dir.resolve().name}-ft"]  # a step folder: its run's name
     cfg = load_config(args.config, [*FINETUNE_DEFAULTS, *name, f"train.init_from={args.source}", *args.overrides])
-    template = folder_template(folder.path)
+    template = folder_chat_template(folder.path)
     if args.chat_template:
         path = Path(args.chat_template)
         if not path.is_file():

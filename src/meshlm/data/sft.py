@@ -175,20 +175,3 @@ def cached_sft_data(data: str | os.PathLike, tokenizer: TextTokenizer, template:
     target = resolve_cache(cache_dir) / "prepared" / f"sft-{key.hexdigest()[:16]}"
     return build_cached(target, lambda folder: prepare_sft(path, folder, tokenizer, template, context_length,
                                                            overwrite=True))
-
-
-def folder_template(folder: str | os.PathLike) -> str | None:
-    """A model folder's own chat template (tokenizer_config.json "chat_template", or chat_template.jinja)."""
-    folder = Path(folder)
-    jinja = folder / "chat_template.jinja"
-    if jinja.is_file():
-        return jinja.read_text(encoding="utf-8")
-    config = folder / "tokenizer_config.json"
-    if not config.is_file():
-        return None
-    try:
-        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
-    except (OSError, ValueError):
-        return None
-    return template if isinstance(template, str) else None
-

@@ -162,3 +162,25 @@ def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB) -> Tokenize
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
+
+
+def folder_chat_template(folder: str | os.PathLike | None) -> str | None:
+    """A model folder's own chat template, as Hugging Face folders carry it: chat_template.jinja, else
+    tokenizer_config.json's "chat_template" (a string, or transformers' named list: its "default" entry).
+    None when the folder has none. Fine-tuning (meshlm.data.sft) and serving (meshlm.serve.text) both read it."""
+    if folder is None:
+        return None
+    folder = Path(folder)
+    jinja = folder / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    config = folder / "tokenizer_config.json"
+    try:
+        template = json.loads(config.read_text(encoding="utf-8")).get("chat_template") if config.is_file() else None
+    except (OSError, ValueError):
+        return None
+    if isinstance(template, list):  # [{"name": "default", "template": …}, …]
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) and template else None
+

@@ -5,8 +5,9 @@ a trailing incomplete UTF-8 character (U+FFFD while its bytes are missing) and a
 stop string, so no delta ever has to be taken back. When a stop string appears, the text before it is the
 completion (OpenAI's rule: the stop string itself is not returned) and the request can be stopped.
 
-Chat prompts use the template of the model folder's tokenizer_config.json (`chat_template`, a Jinja template,
-rendered sandboxed as transformers does) when it has one, else DEFAULT_CHAT_TEMPLATE:
+Chat prompts use the model folder's own chat template (chat_template.jinja or tokenizer_config.json's
+`chat_template`, a Jinja template, rendered sandboxed as transformers does) when it has one, else
+DEFAULT_CHAT_TEMPLATE:
 
     System: …            one line per message, the role capitalised
     User: …
@@ -17,12 +18,12 @@ plain text would start writing the user's next turn.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from meshlm.data.tokenizer import folder_chat_template
 from meshlm.errors import ConfigError
 
 DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
@@ -84,15 +85,10 @@ class TextStream:
 
 
 def chat_template(folder: Path | None) -> tuple[str, bool]:
-    """(template, whether it is the folder's own) from folder/tokenizer_config.json's chat_template."""
-    path = None if folder is None else Path(folder) / "tokenizer_config.json"
-    if path is not None and path.is_file():
-        template = json.loads(path.read_text()).get("chat_template")
-        if isinstance(template, list):  # transformers' named templates: [{"name": "default", "template": …}]
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        if isinstance(template, str) and template:
-            return template, True
-    return DEFAULT_CHAT_TEMPLATE, False
+    """(template, whether it is the folder's own): the folder's (meshlm.data.tokenizer.folder_chat_template),
+    else DEFAULT_CHAT_TEMPLATE."""
+    own = folder_chat_template(folder)
+    return (own, True) if own is not None else (DEFAULT_CHAT_TEMPLATE, False)
 
 
 def render_chat(template: str, messages: list[dict], **tokens: str) -> str:
