@@ -9,7 +9,7 @@ with no space or newline in CHUNK_CHARS characters gets a hard cut.
 
 Documents that are empty or only whitespace are skipped. Bytes that are not valid UTF-8 are decoded with
 "surrogateescape" and then each becomes one U+FFFD; `ReadStats.replaced_bytes` counts them (lone
-surrogates from JSON "\\udXXX" escapes are replaced and counted the same way). Replacing rather than failing
+surrogates from JSON escapes such as "\\udc80" are replaced and counted the same way). Replacing rather than failing
 keeps one bad byte from stopping a long run; the count is printed and stored in the manifest.
 """
 from __future__ import annotations
