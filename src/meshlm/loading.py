@@ -35,7 +35,6 @@ A prepared folder tokenised with a different tokenizer than the model's is a Dat
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -45,8 +44,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from meshlm import checkpoint, hub
 from meshlm.adapters import LoraSpec
@@ -63,14 +60,12 @@ from meshlm.data.tokenizer import (
     resolve_tokenizer_path,
 )
 from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError
-from meshlm.interop.families import BY_MODEL_TYPE, to_meshlm
-from meshlm.interop.families import model_config as family_model_config
+from meshlm.interop import folders
+from meshlm.interop.folders import KNOWN_FAMILIES, format_of, mismatch, read_json
 from meshlm.model import MeshLM
 from meshlm.quant.calibrate import empty_structure
 from meshlm.runtime import devices
 
-FORMATS = ("meshlm", "hf", *BACKBONES)
-_KNOWN_FAMILIES = ", ".join(b.title for b in BACKBONES.values())
 _STEP_DIR = re.compile(r"^step-\d+$")
 
 
@@ -106,11 +101,12 @@ class ModelFolder:
         return {"format": self.format, "model": self.model_config().to_dict(), "source": source}
 
     def model_config(self) -> ModelConfig:
-        if self.format == "meshlm":
-            return ModelConfig.from_dict(self.config["model"])
-        if self.format == "hf":
-            return ModelConfig.from_dict(self.config.get("meshlm") or {})
-        return family_model_config(self.config, BACKBONES[self.format], self.path / checkpoint.CONFIG)
+        """The model config.json describes, built once per recognised folder."""
+        return self._model_config
+
+    @cached_property
+    def _model_config(self) -> ModelConfig:
+        return folders.model_config(self.format, self.config, self.path)
 
     def own_tokenizer(self) -> str | None:
         """Rules 2 and 3: the tokenizer file the folder carries, else the one its training config names."""
@@ -166,52 +162,36 @@ class ModelFolder:
         return str(self.train.get("data") or "default")
 
     def weights(self, check: bool = True) -> dict[str, torch.Tensor]:
-        """The meshlm-named state dict (fp32 for family folders); `check` verifies a checkpoint's hashes."""
-        if self.format == "meshlm":
-            return checkpoint.load_checkpoint(self.path, with_state=False, check=check).weights
-        if self.format == "hf":
-            return _load_hf_model(self.path).state_dict()
-        return read_family(self.path)[1]
+        """The meshlm-named state dict by the format's adapter (meshlm.interop.folders; fp32 for Hugging
+        Face folders); `check` verifies a meshlm checkpoint's hashes."""
+        return folders.read_weights(self.format, self.path, self.model_config(), check)
 
 
-def locate(path: str | os.PathLike) -> ModelFolder:
+def locate(path: str | os.PathLike | ModelFolder) -> ModelFolder:
     """Recognise a folder (a run dir means its newest complete checkpoint) or a Hugging Face Hub name
-    (meshlm.hub: fetched, or read from its cache); CheckpointError if it is none."""
+    (meshlm.hub: fetched, or read from its cache); CheckpointError if it is none. A ModelFolder is
+    already recognised: it is returned as is, so a path is recognised once however often it is used."""
+    if isinstance(path, ModelFolder):
+        return path
     path, hub_id = hub.resolve(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path} is not a directory; pass a checkpoint, run or model folder, or a Hugging "
-                              f"Face Hub name org/name[@revision]")
+        raise CheckpointError(f"{path} is not a directory; pass a checkpoint, run or model folder, or a "
+                              f"Hugging Face Hub name org/name[@revision]")
     found = _recognise(path)
     return replace(found, hub=hub_id) if hub_id else found
 
 
 def _recognise(path: Path) -> ModelFolder:
+    """config.json read once: its format names the adapter (meshlm.interop.folders)."""
     config = path / checkpoint.CONFIG
-    if not config.is_file():
-        if (path / "latest").is_file() or checkpoint.list_checkpoints(path):
-            step = checkpoint.resolve(path)
-            return ModelFolder(step, "meshlm", checkpoint.read_meta(step))
-        raise CheckpointError(f"{path} has no config.json: it is not a meshlm checkpoint or run, nor a "
-                              f"{_KNOWN_FAMILIES} or meshlm Hugging Face folder")
-    raw = read_json(config)
-    if raw.get("format") == checkpoint.FORMAT:
-        return ModelFolder(path, "meshlm", checkpoint.read_meta(path))
-    if raw.get("model_type") == "meshlm":
-        return ModelFolder(path, "hf", raw)
-    if raw.get("model_type") not in BY_MODEL_TYPE:
-        raise CheckpointError(f"{config} describes model_type {raw.get('model_type')!r}, not a {_KNOWN_FAMILIES}, "
-                              f"meshlm or meshlm-HF checkpoint; pass a folder holding one of those")
-    return ModelFolder(path, BY_MODEL_TYPE[raw["model_type"]].name, raw)
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path} is unreadable or not JSON ({err}); re-download or re-export it") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} is not a JSON object; re-download or re-export it")
-    return data
+    if config.is_file():
+        raw = read_json(config)
+        return ModelFolder(path, format_of(raw, config), raw)
+    if (path / "latest").is_file() or checkpoint.list_checkpoints(path):
+        step = checkpoint.resolve(path)
+        return ModelFolder(step, "meshlm", checkpoint.read_meta(step))
+    raise CheckpointError(f"{path} has no config.json: it is not a meshlm checkpoint or run, nor a "
+                          f"{KNOWN_FAMILIES} or meshlm Hugging Face folder")
 
 
 # -- opening -----------------------------------------------------------------------------------------------
@@ -293,7 +273,8 @@ class Opened:
 
 
 def weight_mismatch(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> str | None:
-    """How `weights` fail to fit `model` (the first few missing, unexpected and reshaped names); None if they fit."""
+    """How `weights` fail to fit `model` (the first few missing, unexpected and reshaped names); None if
+    they fit. The one weight check: every folder's weights pass it against the model built for them."""
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     found = {name: tuple(t.shape) for name, t in weights.items()}
     if found == expected:
@@ -303,34 +284,37 @@ def weight_mismatch(model: torch.nn.Module, weights: dict[str, torch.Tensor]) ->
     return f"missing {missing[:3]}, unexpected {extra[:3]}, other shapes {reshaped[:3]}"
 
 
+def check_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], folder: Path) -> None:
+    """weight_mismatch as the CheckpointError naming `folder` (meshlm.interop.folders.mismatch)."""
+    found = weight_mismatch(model, weights)
+    if found:
+        raise mismatch(folder, found)
+
+
 def resolve_device(name: str | torch.device = "auto") -> torch.device:
-    """A torch.device as is; a name checked by meshlm.runtime.devices (one message for an unavailable device)."""
+    """A torch.device as is; a name checked by meshlm.runtime.devices (one message for an unavailable
+    device)."""
     return name if isinstance(name, torch.device) else devices.resolve_device(name)
 
 
-def open_model(path: str | os.PathLike, device: str | torch.device = "cpu", tokenizer: str | None = None,
-               check: bool = True, force_tokenizer: bool = False) -> Opened:
-    """Open any model folder (see the module docstring) as an eval-mode MeshLM on `device`.
-    `tokenizer` overrides the tokenizer rule (refused if it encodes unlike the folder's own, unless
-    `force_tokenizer`); `check` verifies a meshlm checkpoint's file hashes."""
+def open_model(path: str | os.PathLike | ModelFolder, device: str | torch.device = "cpu",
+               tokenizer: str | None = None, check: bool = True, force_tokenizer: bool = False) -> Opened:
+    """Open any model folder (see the module docstring; a ModelFolder from `locate` is not recognised
+    again) as an eval-mode MeshLM on `device`. `tokenizer` overrides the tokenizer rule (refused if it
+    encodes unlike the folder's own, unless `force_tokenizer`); `check` verifies a meshlm checkpoint's
+    file hashes. The folder is recognised once, its model built once and its weights checked once."""
     folder = locate(path)
     lora = lora_of(folder)
-    if folder.format == "hf":
-        model = _load_hf_model(folder.path)
-    else:
-        weights = folder.weights(check)  # verified first: an edited config.json is refused, never built
-        model = MeshLM(folder.model_config())
-        if lora is not None:  # a LoRA run's checkpoint: base weights + PEFT adapters, merged once loaded
-            lora.apply(model)
-        if folder.meta.get("quantization"):  # `meshlm quantize` output: int8/int4 layers (meshlm.quant)
-            empty_structure(model, folder.meta["quantization"])
-        mismatch = weight_mismatch(model, weights)
-        if mismatch:
-            raise CheckpointError(f"{folder.path}: the weights do not match config.json ({mismatch}); the files "
-                                  f"are from another model")
-        model.load_state_dict(weights)
-        if lora is not None:
-            lora.merge(model)
+    weights = folder.weights(check)  # verified first: an edited config.json is refused, never built
+    model = MeshLM(folder.model_config())
+    if lora is not None:  # a LoRA run's checkpoint: base weights + PEFT adapters, merged once loaded
+        lora.apply(model)
+    if folder.meta.get("quantization"):  # `meshlm quantize` output: int8/int4 layers (meshlm.quant)
+        empty_structure(model, folder.meta["quantization"])
+    check_weights(model, weights, folder.path)
+    model.load_state_dict(weights)
+    if lora is not None:
+        lora.merge(model)
     return Opened(model.to(resolve_device(device)).eval(), folder, str(tokenizer) if tokenizer else None,
                   force_tokenizer, merged=lora is not None)
 
@@ -343,65 +327,16 @@ def lora_of(folder: ModelFolder):
     return LoraSpec.of(folder.train)
 
 
-def _load_hf_model(folder: Path) -> MeshLM:
-    from meshlm.hf import load_hf  # transformers: imported only for this format
-
-    return load_hf(folder).model.float()
-
-
-# -- Hugging Face family folders (GPT-NeoX, Llama, OLMoE) -----------------------------------------------------
-def read_family(folder: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(vanilla ModelConfig, meshlm-named fp32 state dict) of a GPT-NeoX, Llama or OLMoE folder, checked."""
+def read_family(folder: str | os.PathLike | ModelFolder) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(vanilla ModelConfig, meshlm-named fp32 state dict) of a GPT-NeoX, Llama or OLMoE folder, checked
+    against the model its config.json describes (built on the meta device: no memory)."""
     found = locate(folder)
     if found.format not in BACKBONES:
-        raise CheckpointError(f"{folder} is a {found.format} checkpoint, not a Hugging Face {_KNOWN_FAMILIES} "
-                              f"folder (config.json model_type must be one of {sorted(BY_MODEL_TYPE)})")
-    family, cfg = BACKBONES[found.format], found.model_config()
-    try:
-        state = {k: v.float() for k, v in to_meshlm(_read_weights(found.path), cfg.layout, family).items()}
-    except ValueError as err:
-        raise CheckpointError(f"{folder}: the weights do not match config.json ({err})") from None
-    if cfg.tie_embeddings:
-        state.pop("embed_out.weight", None)  # some tied checkpoints store lm_head too: it is embed_in
-    _check_complete(cfg, state, found.path)
-    return cfg, state
-
-
-def _check_complete(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: Path) -> None:
+        raise CheckpointError(f"{found.path} is a {found.format} checkpoint, not a Hugging Face "
+                              f"{KNOWN_FAMILIES} folder (config.json model_type must be one of "
+                              f"{sorted(b.model_type for b in BACKBONES.values())})")
+    cfg, state = found.model_config(), found.weights()
     with torch.device("meta"):
-        expected = MeshLM(cfg).state_dict()
-    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    wrong = [k for k in expected if k in state and state[k].shape != expected[k].shape]
-    if missing or unexpected or wrong:
-        raise CheckpointError(f"{folder}: the weights do not match config.json (missing {missing[:3]}, unexpected "
-                              f"{unexpected[:3]}, wrong shape {wrong[:3]}); the files are truncated or from another "
-                              f"model")
-
-
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors, a sharded model.safetensors.index.json, or pytorch_model.bin (weights_only)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(read_json(index).get("weight_map", {}).values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    elif (folder / "pytorch_model.bin").is_file():
-        files = ["pytorch_model.bin"]
-    else:
-        raise CheckpointError(f"{folder} has no weights (model.safetensors, model.safetensors.index.json or "
-                              f"pytorch_model.bin); download the complete checkpoint")
-    state: dict[str, torch.Tensor] = {}
-    for name in files:
-        file = folder / name
-        if name.endswith(".bin"):
-            try:
-                state.update(torch.load(file, map_location="cpu", weights_only=True))
-            except Exception as err:  # pickle/zip errors have no common base class
-                raise checkpoint.unreadable_pickle(file, err, "download it again") from None
-            continue
-        try:
-            state.update(load_file(str(file)))
-        except (SafetensorError, OSError, RuntimeError, ValueError) as err:
-            raise CheckpointError(f"{file} is missing, truncated or corrupt ({str(err)[:100]}); "
-                                  f"download it again") from None
-    return state
+        expected = MeshLM(cfg)
+    check_weights(expected, state, found.path)
+    return cfg, state

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from meshlm.backbones import BACKBONES
+from meshlm.interop import FORMATS
 from meshlm.runtime.options import add_tokenizer_arguments
 
 
@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="GPT-NeoX, Llama or OLMoE folder, meshlm checkpoint/run dir, or meshlm "
                                   "Hugging Face folder")
     p.add_argument("out", help="output folder (must not exist or be empty)")
-    p.add_argument("--to", choices=("meshlm", "hf", *BACKBONES), default=None,
+    p.add_argument("--to", choices=FORMATS, default=None,
                    help="target format (default: meshlm from a family or hf folder; from meshlm, the family of "
                         "the model's backbone)")
     add_tokenizer_arguments(p, "the source's, by meshlm.loading's rule; carried into the output")

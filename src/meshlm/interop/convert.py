@@ -10,9 +10,10 @@ meshlm HF folders.
     hf     -> meshlm  back to a meshlm checkpoint
     meshlm -> meshlm  only from a LoRA run's checkpoint: its adapters merged into the base weights
 
-The source is opened by meshlm.loading.open_model, which recognises every format from config.json and reads
-family weights from model.safetensors, a sharded model.safetensors.index.json or pytorch_model.bin (loaded
-with weights_only=True); meshlm.interop.families has the name mappings. Written GPT-NeoX files use Pythia's
+The source is opened by meshlm.loading.open_model, which recognises every format from config.json; the
+adapters below it (meshlm.interop.folders) read family weights from model.safetensors, a sharded
+model.safetensors.index.json or pytorch_model.bin (loaded with weights_only=True), and
+meshlm.interop.families has the name mappings. Written GPT-NeoX files use Pythia's
 `embed_out.weight`, and config.json carries both transformers-5 `rope_parameters` and Pythia's legacy keys;
 written OLMoE files hold one matrix per expert.
 
@@ -33,10 +34,10 @@ from meshlm import atomic, checkpoint
 from meshlm.backbones import BACKBONES, Backbone
 from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
+from meshlm.interop import FORMATS
 from meshlm.interop.families import export_problems, from_meshlm, hf_config, split_experts
-from meshlm.loading import open_model, read_json
-
-FORMATS = ("meshlm", "hf", *BACKBONES)  # a backbone name: a folder of its Hugging Face family
+from meshlm.interop.folders import read_json
+from meshlm.loading import open_model
 
 
 def write_family(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: str | Path, family: Backbone,

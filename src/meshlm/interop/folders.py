@@ -1,0 +1,124 @@
+"""Model folders as meshlm reads them, below the loader: one adapter per format, named by config.json.
+
+    format              config.json says                 ModelConfig from          weights (meshlm names)
+    meshlm              "format": "meshlm-checkpoint/1"  its "model"               meshlm.checkpoint, hashed
+    hf                  "model_type": "meshlm"           its "meshlm"              MeshForCausalLM's "model."
+                                                                                   prefix dropped
+    neox, llama, olmoe  the family's "model_type"        families.model_config     families.to_meshlm
+
+Like torchtitan's state-dict adapters, an adapter turns a folder's own names into meshlm's and knows nothing
+of what the model is for: meshlm.loading recognises a folder once, builds the model once and checks these
+weights against it once (`weight_mismatch`). Nothing here imports transformers or runs code from a file: a
+Hugging Face folder's weights are model.safetensors, a sharded model.safetensors.index.json or
+pytorch_model.bin (torch.load(weights_only=True)), a meshlm checkpoint's are verified against its manifest.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from meshlm import checkpoint
+from meshlm.backbones import BACKBONES
+from meshlm.config import ModelConfig
+from meshlm.errors import CheckpointError
+from meshlm.interop.families import BY_MODEL_TYPE, to_meshlm
+from meshlm.interop.families import model_config as family_config
+
+KNOWN_FAMILIES = ", ".join(b.title for b in BACKBONES.values())
+HF_PREFIX = "model."  # MeshForCausalLM.base_model_prefix: its weights are those of the MeshLM it wraps
+_REFETCH = {"hf": "re-export it with `meshlm convert`"}  # what to do about a bad weight file, by format
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object file (config.json, a weight index); CheckpointError if unreadable or not an object."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path} is unreadable or not JSON ({err}); re-download or re-export "
+                              f"it") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} is not a JSON object; re-download or re-export it")
+    return data
+
+
+def format_of(raw: dict[str, Any], config: Path) -> str:
+    """The format (one of meshlm.interop.FORMATS) that a folder's config.json `raw` describes;
+    CheckpointError if it is none of them."""
+    if raw.get("format") == checkpoint.FORMAT:
+        return "meshlm"
+    if raw.get("model_type") == "meshlm":
+        return "hf"
+    if raw.get("model_type") in BY_MODEL_TYPE:
+        return BY_MODEL_TYPE[raw["model_type"]].name
+    raise CheckpointError(f"{config} describes model_type {raw.get('model_type')!r}, not a "
+                          f"{KNOWN_FAMILIES}, meshlm or meshlm-HF checkpoint; pass a folder holding one "
+                          f"of those")
+
+
+def model_config(form: str, raw: dict[str, Any], folder: Path) -> ModelConfig:
+    """The ModelConfig of a folder of format `form` whose config.json is `raw`."""
+    if form == "meshlm":
+        return ModelConfig.from_dict(raw["model"])
+    if form == "hf":
+        return ModelConfig.from_dict(raw.get("meshlm") or {})
+    return family_config(raw, BACKBONES[form], folder / checkpoint.CONFIG)
+
+
+def read_weights(form: str, folder: Path, cfg: ModelConfig, check: bool = True) -> dict[str, torch.Tensor]:
+    """The meshlm-named state dict of a folder of format `form` (fp32 for the Hugging Face formats);
+    `check` verifies a meshlm checkpoint's hashes. The names are not checked against `cfg`'s model here."""
+    if form == "meshlm":
+        return checkpoint.load_checkpoint(folder, with_state=False, check=check).weights
+    files = read_weight_files(folder, _REFETCH.get(form, "download it again"))
+    if form == "hf":
+        return {k.removeprefix(HF_PREFIX): v.float() for k, v in files.items()}
+    try:
+        state = to_meshlm(files, cfg.layout, BACKBONES[form])
+    except ValueError as err:
+        raise mismatch(folder, str(err)) from None
+    if cfg.tie_embeddings:
+        state.pop("embed_out.weight", None)  # some tied checkpoints store lm_head too: it is embed_in
+    return {k: v.float() for k, v in state.items()}
+
+
+def mismatch(folder: Path, detail: str) -> CheckpointError:
+    """The one error for weights that do not fit the model a folder's config.json describes."""
+    return CheckpointError(f"{folder}: the weights do not match config.json ({detail}); the files are "
+                           f"truncated or from another model")
+
+
+def read_weight_files(folder: Path, fix: str = "download it again") -> dict[str, torch.Tensor]:
+    """model.safetensors, a sharded model.safetensors.index.json or pytorch_model.bin (weights_only), as
+    stored; `fix` ends the message for a damaged file."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(read_json(index).get("weight_map", {}).values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    elif (folder / "pytorch_model.bin").is_file():
+        files = ["pytorch_model.bin"]
+    else:
+        raise CheckpointError(f"{folder} has no weights (model.safetensors, model.safetensors.index.json "
+                              f"or pytorch_model.bin); download the complete checkpoint")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(_read_file(folder / name, fix))
+    return state
+
+
+def _read_file(file: Path, fix: str) -> dict[str, torch.Tensor]:
+    if file.suffix == ".bin":
+        try:
+            return torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as err:  # pickle/zip errors have no common base class
+            raise checkpoint.unreadable_pickle(file, err, fix) from None
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError, RuntimeError, ValueError) as err:
+        raise CheckpointError(f"{file} is missing, truncated or corrupt ({str(err)[:100]}); "
+                              f"{fix}") from None
