@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from meshlm import checkpoint, hub
 from meshlm.adapters import LoraSpec
@@ -162,21 +163,21 @@ class ModelFolder:
         return str(self.train.get("data") or "default")
 
     def weights(self, check: bool = True) -> dict[str, torch.Tensor]:
-        """The meshlm-named state dict by the format's adapter (meshlm.interop.folders; fp32 for Hugging
-        Face folders); `check` verifies a meshlm checkpoint's hashes."""
+        """The meshlm-named state dict, by the format's adapter (meshlm.interop.folders; fp32 for
+        Hugging Face folders); `check` verifies a meshlm checkpoint's hashes."""
         return folders.read_weights(self.format, self.path, self.model_config(), check)
 
 
 def locate(path: str | os.PathLike | ModelFolder) -> ModelFolder:
     """Recognise a folder (a run dir means its newest complete checkpoint) or a Hugging Face Hub name
     (meshlm.hub: fetched, or read from its cache); CheckpointError if it is none. A ModelFolder is
-    already recognised: it is returned as is, so a path is recognised once however often it is used."""
+    recognised already and returned as is: a path is recognised once, however often it is used."""
     if isinstance(path, ModelFolder):
         return path
     path, hub_id = hub.resolve(path)
     if not path.is_dir():
-        raise CheckpointError(f"{path} is not a directory; pass a checkpoint, run or model folder, or a "
-                              f"Hugging Face Hub name org/name[@revision]")
+        raise CheckpointError(f"{path} is not a directory; pass a checkpoint, run or model folder, "
+                              f"or a Hugging Face Hub name org/name[@revision]")
     found = _recognise(path)
     return replace(found, hub=hub_id) if hub_id else found
 
@@ -273,8 +274,8 @@ class Opened:
 
 
 def weight_mismatch(model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> str | None:
-    """How `weights` fail to fit `model` (the first few missing, unexpected and reshaped names); None if
-    they fit. The one weight check: every folder's weights pass it against the model built for them."""
+    """How `weights` fail to fit `model` (the first few missing, unexpected and reshaped names);
+    None if they fit. The one weight check: every folder's weights pass it, against their model."""
     expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     found = {name: tuple(t.shape) for name, t in weights.items()}
     if found == expected:
@@ -292,22 +293,24 @@ def check_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], fold
 
 
 def resolve_device(name: str | torch.device = "auto") -> torch.device:
-    """A torch.device as is; a name checked by meshlm.runtime.devices (one message for an unavailable
-    device)."""
+    """A torch.device as is; a name checked by meshlm.runtime.devices (one message for a device
+    that is not available)."""
     return name if isinstance(name, torch.device) else devices.resolve_device(name)
 
 
 def open_model(path: str | os.PathLike | ModelFolder, device: str | torch.device = "cpu",
-               tokenizer: str | None = None, check: bool = True, force_tokenizer: bool = False) -> Opened:
-    """Open any model folder (see the module docstring; a ModelFolder from `locate` is not recognised
-    again) as an eval-mode MeshLM on `device`. `tokenizer` overrides the tokenizer rule (refused if it
-    encodes unlike the folder's own, unless `force_tokenizer`); `check` verifies a meshlm checkpoint's
-    file hashes. The folder is recognised once, its model built once and its weights checked once."""
+               tokenizer: str | None = None, check: bool = True,
+               force_tokenizer: bool = False) -> Opened:
+    """Open any model folder (see the module docstring; a ModelFolder from `locate` is not
+    recognised again) as an eval-mode MeshLM on `device`. `tokenizer` overrides the tokenizer rule
+    (refused if it encodes unlike the folder's own, unless `force_tokenizer`); `check` verifies a
+    meshlm checkpoint's file hashes. The folder is recognised once, its model built once and its
+    weights checked once."""
     folder = locate(path)
     lora = lora_of(folder)
     weights = folder.weights(check)  # verified first: an edited config.json is refused, never built
     model = MeshLM(folder.model_config())
-    if lora is not None:  # a LoRA run's checkpoint: base weights + PEFT adapters, merged once loaded
+    if lora is not None:  # a LoRA run's checkpoint: base weights + PEFT adapters, merged on load
         lora.apply(model)
     if folder.meta.get("quantization"):  # `meshlm quantize` output: int8/int4 layers (meshlm.quant)
         empty_structure(model, folder.meta["quantization"])
@@ -327,9 +330,9 @@ def lora_of(folder: ModelFolder):
     return LoraSpec.of(folder.train)
 
 
-def read_family(folder: str | os.PathLike | ModelFolder) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """(vanilla ModelConfig, meshlm-named fp32 state dict) of a GPT-NeoX, Llama or OLMoE folder, checked
-    against the model its config.json describes (built on the meta device: no memory)."""
+def read_family(folder: str | os.PathLike | ModelFolder) -> tuple[ModelConfig, dict[str, Tensor]]:
+    """(vanilla ModelConfig, meshlm-named fp32 state dict) of a GPT-NeoX, Llama or OLMoE folder,
+    checked against the model its config.json describes (built on the meta device: no memory)."""
     found = locate(folder)
     if found.format not in BACKBONES:
         raise CheckpointError(f"{found.path} is a {found.format} checkpoint, not a Hugging Face "

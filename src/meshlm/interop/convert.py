@@ -10,12 +10,12 @@ meshlm HF folders.
     hf     -> meshlm  back to a meshlm checkpoint
     meshlm -> meshlm  only from a LoRA run's checkpoint: its adapters merged into the base weights
 
-The source is opened by meshlm.loading.open_model, which recognises every format from config.json; the
-adapters below it (meshlm.interop.folders) read family weights from model.safetensors, a sharded
-model.safetensors.index.json or pytorch_model.bin (loaded with weights_only=True), and
-meshlm.interop.families has the name mappings. Written GPT-NeoX files use Pythia's
-`embed_out.weight`, and config.json carries both transformers-5 `rope_parameters` and Pythia's legacy keys;
-written OLMoE files hold one matrix per expert.
+The source is opened by meshlm.loading.open_model, which recognises every format from
+config.json; the adapters below it (meshlm.interop.folders) read family weights from
+model.safetensors, a sharded model.safetensors.index.json or pytorch_model.bin (loaded with
+weights_only=True), and meshlm.interop.families has the name mappings. Written GPT-NeoX files use
+Pythia's `embed_out.weight`, and config.json carries both transformers-5 `rope_parameters` and
+Pythia's legacy keys; written OLMoE files hold one matrix per expert.
 
 A meshlm checkpoint written here is one folder written by meshlm.checkpoint.write_checkpoint (step 0, no
 optimizer state): `open_model` reads it, and `train.init_from` continues training from it. The source's

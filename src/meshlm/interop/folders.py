@@ -1,16 +1,18 @@
-"""Model folders as meshlm reads them, below the loader: one adapter per format, named by config.json.
+"""Model folders as meshlm reads them, below the loader: an adapter per format, as config.json says.
 
-    format              config.json says                 ModelConfig from          weights (meshlm names)
-    meshlm              "format": "meshlm-checkpoint/1"  its "model"               meshlm.checkpoint, hashed
-    hf                  "model_type": "meshlm"           its "meshlm"              MeshForCausalLM's "model."
-                                                                                   prefix dropped
-    neox, llama, olmoe  the family's "model_type"        families.model_config     families.to_meshlm
+    format        config.json says                 ModelConfig from       weights, in meshlm's names
+    meshlm        "format": "meshlm-checkpoint/1"  its "model"            meshlm.checkpoint (hashed)
+    hf            "model_type": "meshlm"           its "meshlm"           MeshForCausalLM's, its
+                                                                          "model." prefix dropped
+    neox, llama,  the family's "model_type"        families.model_config  families.to_meshlm
+    olmoe
 
-Like torchtitan's state-dict adapters, an adapter turns a folder's own names into meshlm's and knows nothing
-of what the model is for: meshlm.loading recognises a folder once, builds the model once and checks these
-weights against it once (`weight_mismatch`). Nothing here imports transformers or runs code from a file: a
-Hugging Face folder's weights are model.safetensors, a sharded model.safetensors.index.json or
-pytorch_model.bin (torch.load(weights_only=True)), a meshlm checkpoint's are verified against its manifest.
+Like torchtitan's state-dict adapters, an adapter turns a folder's own names into meshlm's and knows
+nothing of what the model is for: meshlm.loading recognises a folder once, builds its model once and
+checks these weights against it once (`weight_mismatch`). Nothing here imports transformers or runs
+code from a file: a Hugging Face folder's weights are model.safetensors, a sharded
+model.safetensors.index.json or pytorch_model.bin (torch.load(weights_only=True)); a meshlm
+checkpoint's are verified against its manifest.
 """
 from __future__ import annotations
 
@@ -30,12 +32,12 @@ from meshlm.interop.families import BY_MODEL_TYPE, to_meshlm
 from meshlm.interop.families import model_config as family_config
 
 KNOWN_FAMILIES = ", ".join(b.title for b in BACKBONES.values())
-HF_PREFIX = "model."  # MeshForCausalLM.base_model_prefix: its weights are those of the MeshLM it wraps
-_REFETCH = {"hf": "re-export it with `meshlm convert`"}  # what to do about a bad weight file, by format
+HF_PREFIX = "model."  # MeshForCausalLM.base_model_prefix: the weights of the MeshLM it wraps
+_REFETCH = {"hf": "re-export it with `meshlm convert`"}  # the fix for a bad weight file, by format
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object file (config.json, a weight index); CheckpointError if unreadable or not an object."""
+    """A JSON object file (config.json, a weight index); a CheckpointError if it is not one."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as err:
@@ -56,8 +58,8 @@ def format_of(raw: dict[str, Any], config: Path) -> str:
     if raw.get("model_type") in BY_MODEL_TYPE:
         return BY_MODEL_TYPE[raw["model_type"]].name
     raise CheckpointError(f"{config} describes model_type {raw.get('model_type')!r}, not a "
-                          f"{KNOWN_FAMILIES}, meshlm or meshlm-HF checkpoint; pass a folder holding one "
-                          f"of those")
+                          f"{KNOWN_FAMILIES}, meshlm or meshlm-HF checkpoint; pass a folder "
+                          f"holding one of those")
 
 
 def model_config(form: str, raw: dict[str, Any], folder: Path) -> ModelConfig:
@@ -69,9 +71,11 @@ def model_config(form: str, raw: dict[str, Any], folder: Path) -> ModelConfig:
     return family_config(raw, BACKBONES[form], folder / checkpoint.CONFIG)
 
 
-def read_weights(form: str, folder: Path, cfg: ModelConfig, check: bool = True) -> dict[str, torch.Tensor]:
+def read_weights(form: str, folder: Path, cfg: ModelConfig,
+                 check: bool = True) -> dict[str, torch.Tensor]:
     """The meshlm-named state dict of a folder of format `form` (fp32 for the Hugging Face formats);
-    `check` verifies a meshlm checkpoint's hashes. The names are not checked against `cfg`'s model here."""
+    `check` verifies a meshlm checkpoint's hashes. Whether they fit cfg's model is the loader's
+    check."""
     if form == "meshlm":
         return checkpoint.load_checkpoint(folder, with_state=False, check=check).weights
     files = read_weight_files(folder, _REFETCH.get(form, "download it again"))
@@ -82,19 +86,19 @@ def read_weights(form: str, folder: Path, cfg: ModelConfig, check: bool = True) 
     except ValueError as err:
         raise mismatch(folder, str(err)) from None
     if cfg.tie_embeddings:
-        state.pop("embed_out.weight", None)  # some tied checkpoints store lm_head too: it is embed_in
+        state.pop("embed_out.weight", None)  # some tied folders store lm_head too: it is embed_in
     return {k: v.float() for k, v in state.items()}
 
 
 def mismatch(folder: Path, detail: str) -> CheckpointError:
     """The one error for weights that do not fit the model a folder's config.json describes."""
-    return CheckpointError(f"{folder}: the weights do not match config.json ({detail}); the files are "
-                           f"truncated or from another model")
+    return CheckpointError(f"{folder}: the weights do not match config.json ({detail}); the files "
+                           f"are truncated or from another model")
 
 
 def read_weight_files(folder: Path, fix: str = "download it again") -> dict[str, torch.Tensor]:
-    """model.safetensors, a sharded model.safetensors.index.json or pytorch_model.bin (weights_only), as
-    stored; `fix` ends the message for a damaged file."""
+    """model.safetensors, a sharded model.safetensors.index.json or pytorch_model.bin
+    (weights_only), names as stored; `fix` ends the message for a damaged file."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(read_json(index).get("weight_map", {}).values()))
@@ -103,8 +107,9 @@ def read_weight_files(folder: Path, fix: str = "download it again") -> dict[str,
     elif (folder / "pytorch_model.bin").is_file():
         files = ["pytorch_model.bin"]
     else:
-        raise CheckpointError(f"{folder} has no weights (model.safetensors, model.safetensors.index.json "
-                              f"or pytorch_model.bin); download the complete checkpoint")
+        raise CheckpointError(f"{folder} has no weights (model.safetensors, "
+                              f"model.safetensors.index.json or pytorch_model.bin); download the "
+                              f"complete checkpoint")
     state: dict[str, torch.Tensor] = {}
     for name in files:
         state.update(_read_file(folder / name, fix))
