@@ -6,6 +6,7 @@ meshlm's default one (whose smaller vocabulary would pass the vocabulary check).
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import shutil
@@ -169,3 +170,45 @@ def test_pickle_weights_that_do_not_load_get_one_line_that_never_advises_unsafe_
     with pytest.raises(CheckpointError, match=message) as err:
         open_model(folder)
     assert "weights_only" not in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the calls of the functions `count(module, name)` wraps, by name."""
+    counted = collections.Counter()
+
+    def count(owner, name):
+        original = getattr(owner, name)
+
+        def counting(*args, **kwargs):
+            counted[name] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counting)
+
+    count.counted = counted
+    return count
+
+
+def test_a_folder_is_recognised_read_built_and_checked_once(wide, tmp_path, calls):
+    """Through open_model a Hugging Face family folder is located once, its config translated once, its
+    weights read once, its model built once and the weights checked once; a meshlm run likewise."""
+    from meshlm import hub, loading
+    from meshlm.interop import folders
+    from meshlm.model import MeshLM
+
+    for owner, name in [(hub, "resolve"), (loading, "_recognise"), (folders, "family_config"),
+                        (folders, "read_weight_files"), (loading, "weight_mismatch"),
+                        (MeshLM, "__init__"), (checkpoint, "load_checkpoint")]:
+        calls(owner, name)
+    open_model(wide[0])
+    assert dict(calls.counted) == {"resolve": 1, "_recognise": 1, "family_config": 1,
+                                   "read_weight_files": 1, "weight_mismatch": 1, "__init__": 1}
+    run = tmp_path / "run"
+    checkpoint.save_checkpoint(run, 1, open_model(wide[0]).model.state_dict(), {},
+                               {"model": locate(wide[0]).model_config().to_dict()})
+    calls.counted.clear()
+    folder = locate(run)
+    opened = open_model(folder)  # an already located folder is not recognised again
+    assert opened.path == run / "step-000001" and dict(calls.counted) == {
+        "resolve": 1, "_recognise": 1, "load_checkpoint": 1, "weight_mismatch": 1, "__init__": 1}
