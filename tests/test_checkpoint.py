@@ -233,3 +233,24 @@ def test_every_checkpoint_file_gets_the_same_permissions(tmp_path):
     path = write(tmp_path, 1)
     modes = {p.name: p.stat().st_mode & 0o777 for p in path.iterdir()}
     assert len(set(modes.values())) == 1, modes
+
+
+def _unhashed(run):
+    return checkpoint.load_checkpoint(run, check=False)  # hashing would call any edit "edited"
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", r"config.json is unreadable or not JSON \(.*\); use an earlier checkpoint"),
+    ("[1, 2]", r"config.json is not a JSON object; use an earlier checkpoint"),
+    ("{}", r"config.json is not a meshlm checkpoint config"),
+])
+def test_a_damaged_config_json_is_one_line_from_the_one_json_reader(tmp_path, text, message):
+    path = write(tmp_path, 1)
+    (path / "config.json").write_text(text)
+    for read in (checkpoint.read_meta, _unhashed):
+        with pytest.raises(CheckpointError, match=message) as err:
+            read(tmp_path)  # the run dir: its `latest` checkpoint
+        assert "\n" not in str(err.value)
+    (path / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="config.json is missing: the checkpoint is incomplete"):
+        checkpoint.read_meta(path)

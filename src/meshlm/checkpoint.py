@@ -224,17 +224,28 @@ def resolve(path: str | Path) -> Path:
 
 
 def read_meta(path: str | Path) -> dict[str, Any]:
-    path = resolve(path)
-    file = path / CONFIG
+    """A checkpoint's config.json (of a run dir: of its newest checkpoint), checked to be one."""
+    file = resolve(path) / CONFIG
+    meta = read_json(file)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{file} is not a meshlm checkpoint config (format {FORMAT!r} "
+                              f"expected)")
+    return meta
+
+
+def read_json(file: Path, fix: str = "use an earlier checkpoint") -> dict[str, Any]:
+    """The one reader of meshlm's JSON object files (a checkpoint's config.json and manifest.json,
+    any model folder's config.json or weight index): a CheckpointError naming the file and `fix`
+    if it is missing, unreadable or not an object."""
     try:
-        meta = json.loads(file.read_text())
+        data = json.loads(file.read_text())
     except FileNotFoundError:
         raise missing(file) from None
     except (OSError, ValueError) as err:
-        raise CheckpointError(f"{file} is unreadable or corrupt ({err}); use an earlier checkpoint") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{file} is not a meshlm checkpoint config (format {FORMAT!r} expected)")
-    return meta
+        raise CheckpointError(f"{file} is unreadable or not JSON ({err}); {fix}") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file} is not a JSON object; {fix}")
+    return data
 
 
 def missing(file: Path) -> CheckpointError:
@@ -256,12 +267,13 @@ def read_manifest(path: Path) -> dict[str, dict[str, Any]]:
         why = ("it was written by meshlm before checksums covered config.json; if you trust it, seal it with "
                f"`python -m meshlm.checkpoint reseal {path}`") if legacy else "the checkpoint is incomplete"
         raise CheckpointError(f"{file} is missing: {why}; or use an earlier checkpoint")
+    manifest = read_json(file)
     try:
-        manifest = json.loads(file.read_text())
         files = manifest["files"]
         ok = manifest.get("format") == MANIFEST_FORMAT and manifest.get("sha256") == _digest(files)
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        raise CheckpointError(f"{file} is unreadable or corrupt ({err}); use an earlier checkpoint") from None
+    except (KeyError, TypeError) as err:  # a JSON object without the manifest's fields
+        raise CheckpointError(f"{file} is corrupt (it lacks a manifest's fields: {err}); use an "
+                              f"earlier checkpoint") from None
     if not ok:
         raise CheckpointError(f"{file} was edited or is corrupt (its digest does not match its file list); "
                               f"use an earlier checkpoint")
@@ -270,10 +282,9 @@ def read_manifest(path: Path) -> dict[str, dict[str, Any]]:
 
 def _read_json_or_empty(path: Path) -> dict:
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
+        return read_json(path)
+    except CheckpointError:
         return {}
-    return data if isinstance(data, dict) else {}
 
 
 def verify(path: str | Path, unread: tuple[str, ...] = ()) -> dict[str, Any]:

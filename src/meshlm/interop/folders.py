@@ -16,7 +16,6 @@ checkpoint's are verified against its manifest.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -37,15 +36,9 @@ _REFETCH = {"hf": "re-export it with `meshlm convert`"}  # the fix for a bad wei
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object file (config.json, a weight index); a CheckpointError if it is not one."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{path} is unreadable or not JSON ({err}); re-download or re-export "
-                              f"it") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path} is not a JSON object; re-download or re-export it")
-    return data
+    """A Hugging Face folder's config.json or weight index, by the one JSON reader
+    (meshlm.checkpoint.read_json)."""
+    return checkpoint.read_json(path, "re-download or re-export it")
 
 
 def format_of(raw: dict[str, Any], config: Path) -> str:
