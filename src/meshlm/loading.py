@@ -7,13 +7,16 @@
     `meshlm quantize` output (int8/int4 layers)        meshlm   the folder itself
     `meshlm convert --to hf` output (MeshForCausalLM)  hf       the folder itself
     a LoRA run's checkpoint (train.lora_rank > 0)      meshlm   <run>/; adapters merged (meshlm.adapters)
-    Hugging Face GPT-NeoX (Pythia) / Llama / OLMoE     neox | llama | olmoe (meshlm.interop.families)
+    Hugging Face GPT-NeoX (Pythia) / Llama / OLMoE     neox | llama | olmoe   the folder itself
     org/name[@revision] on the Hugging Face Hub        any above ./org--name (meshlm.hub; cached snapshot)
 
-The format is recognised from config.json alone. `locate(path)` reads only that (a `ModelFolder`: the model
-config, the tokenizer and data the folder names); `open_model` also loads the weights into a `MeshLM`
-(a family folder becomes the vanilla meshlm model with the same logits), checking every file. A quantized
-checkpoint's config.json lists its quantized layers ("quantization"); they are rebuilt before the weights load.
+The format is recognised from config.json alone. `locate(path)` reads only that (a `ModelFolder`:
+the model config, the tokenizer and data the folder names); `open_model` also loads the weights into
+a `MeshLM` (a family folder becomes the vanilla meshlm model with the same logits), checking every
+file. Each format's config and weights come from its adapter below the loader
+(meshlm.interop.folders); the loader builds the model once and checks the weights against it once
+(`weight_mismatch`). A quantized checkpoint's config.json lists its quantized layers
+("quantization"); they are rebuilt before the weights load.
 
 The tokenizer rule, the first that applies:
     1. an explicit choice (`--tokenizer`; for training, `train.tokenizer` other than "default");
