@@ -21,18 +21,20 @@ PRIOR_TOKENS = 4  # the prompt's last positions whose draft agreement seeds each
 # read teacher-forced, while a draft's coda sees the verified tokens' full-depth keys/values, so the
 # two can differ (91% vs. 32% on one model, 91% vs. 97% on another)
 MIN_GAIN = 1.25  # auto starts speculating only where the cost model predicts this speed-up (it is
-# optimistic: it leaves out Python overhead that does not scale with the stages; measured 0.93x where
-# it predicted 1.37x)
+# optimistic: it leaves out Python overhead that does not scale with the stages; measured 0.93x
+# where it predicted 1.37x)
 LOSS_BUDGET = 0.02  # auto's rounds may cost at most this share of the plain decode's time more than
 # plain steps would have: it starts a round only if the round's worst outcome (one token) keeps the
-# loss within it, shortening γ to fit, and otherwise decodes plainly for good. The prompt's agreement
-# can mislead (a prompt of real text agreed 100%, the model's own repetitive continuation 32%): this
-# bounds what finding out costs
-EXPLORE_TOKENS, EXPLORE_GAMMA = 8, 2  # until a K_d has drafted this many tokens, auto drafts at most 2
-# per round: a round that turns out to lose then loses little, and a first look fits a small budget
+# loss within it, shortening γ to fit, and otherwise decodes plainly for good. The prompt's
+# agreement can mislead (a prompt of real text agreed 100%, the model's own repetitive continuation
+# 32%): this bounds what finding out costs
+EXPLORE_TOKENS, EXPLORE_GAMMA = 8, 2  # until a K_d has drafted this many tokens, auto drafts at
+# most 2 per round: a round that turns out to lose then loses little, and a first look fits a small
+# budget
 KEEP_GAIN = 1.1  # and keeps speculating while it predicts this much: one unlucky round (a rejection
-# right after a fully accepted one) must not end speculation for good where it pays (1.36x, measured)
-PLAIN_SAMPLES = 3  # plain steps timed before the first round: their median is the plain token's cost
+# right after a fully accepted one) must not end speculation for good where it pays (1.36x,
+# measured)
+PLAIN_SAMPLES = 3  # plain steps timed before the first round: their median is a plain token's cost
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,9 @@ class Speculation:
 
     draft_loops: int | None = None  # K_d: loop passes of the draft
     draft_tokens: int | None = None  # γ: tokens drafted per round
-    final_read: bool | None = None  # the draft's coda reads scheme.early_exit (MeSH: the final read
-    # router) or the loop state itself; None: whichever agrees better with the full model on the prompt
+    final_read: bool | None = None  # the draft's coda reads scheme.early_exit (MeSH: the final
+    # read router) or the loop state itself; None: whichever agrees better with the full model on
+    # the prompt
 
     @classmethod
     def parse(cls, text: str | Speculation) -> Speculation:
@@ -52,34 +55,36 @@ class Speculation:
             return cls()
         parts = str(text).split(":")
         if len(parts) > 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
-            raise ConfigError(f"speculate={text!r} is not auto, K_d or K_d:γ; e.g. --speculate auto, "
-                              f"2 or 2:4")
+            raise ConfigError(f"speculate={text!r} is not auto, K_d or K_d:γ; e.g. --speculate "
+                              f"auto, 2 or 2:4")
         values = [int(p) for p in parts]
         if len(values) == 2 and values[1] < 1:
-            raise ConfigError(f"speculate={text!r}: γ={values[1]} drafted tokens per round must be >= 1")
+            raise ConfigError(f"speculate={text!r}: γ={values[1]} drafted tokens per round must "
+                              f"be >= 1")
         return cls(values[0], values[1] if len(values) == 2 else None)
 
     def check(self, model, schedule: tuple[int, ...]) -> None:
-        """One-line errors for a meshlm.model.MeshLM: no repeated core, K_d outside 1 … K−1, γ < 1."""
+        """One-line errors for a MeshLM: no repeated core, K_d outside 1 … K−1, γ < 1."""
         layout, k = model.config.layout, len(schedule)
         if not layout.shares_weights and k == len(layout.cores):
-            raise ConfigError(f"speculation drafts with the first loop passes of a repeated core, but "
-                              f"spec {model.config.spec!r} repeats none; use a looped spec such as "
-                              f"'2+2R4+2'")
+            raise ConfigError(f"speculation drafts with the first loop passes of a repeated core, "
+                              f"but spec {model.config.spec!r} repeats none; use a looped spec "
+                              f"such as '2+2R4+2'")
         if self.draft_loops is not None and not 1 <= self.draft_loops < k:
-            raise ConfigError(f"speculate K_d={self.draft_loops} must be in 1 … {k - 1}: the draft runs "
-                              f"fewer loop passes than the model's K={k}")
+            raise ConfigError(f"speculate K_d={self.draft_loops} must be in 1 … {k - 1}: the draft "
+                              f"runs fewer loop passes than the model's K={k}")
         if self.draft_tokens is not None and self.draft_tokens < 1:
-            raise ConfigError(f"speculate γ={self.draft_tokens} drafted tokens per round must be >= 1")
+            raise ConfigError(f"speculate γ={self.draft_tokens} drafted tokens per round must be "
+                              f">= 1")
 
 
 class Costs:
     """Seconds of each stage, by tokens in the call: `enter`, loop step k, `readout`, and overheads.
 
-    Stages are timed while doing real work (meshlm.generate.timing). Costs at n tokens are interpolated
-    linearly between the fewest and the most tokens measured; a step never measured at n borrows the
-    mean of its core's measured steps. Answers are memoised until the next measurement: the planner
-    asks for the same few hundreds each round."""
+    Stages are timed while doing real work (meshlm.generate.timing). Costs at n tokens are
+    interpolated linearly between the fewest and the most tokens measured; a step never measured at
+    n borrows the mean of its core's measured steps. Answers are memoised until the next
+    measurement: the planner asks for the same few hundreds each round."""
 
     def __init__(self, schedule: tuple[int, ...]):
         self.schedule = schedule
@@ -139,7 +144,7 @@ class Costs:
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
-    """Tokens one round emits when each drafted token is accepted with probability α: Σ_{i≤γ} α^i."""
+    """Tokens a round emits when each drafted token is accepted with probability α: Σ_{i≤γ} α^i."""
     return float(sum(alpha ** i for i in range(gamma + 1)))
 
 
@@ -181,8 +186,8 @@ class Planner:
         return [] if self.spec.final_read is not None and self.fixed else self.candidates
 
     def calibrate(self, agreement: dict[tuple[int, bool], float], positions: int) -> None:
-        """Prompt agreement of each (K_d, final_read) draft with the full model (the prefill's): pick
-        each K_d's readout and start its acceptance estimate there."""
+        """Prompt agreement of each (K_d, final_read) draft with the full model (the prefill's):
+        pick each K_d's readout and start its acceptance estimate there."""
         for k_d in self.candidates:
             reads = [r for r in (True, False) if (k_d, r) in agreement]
             if not reads:
@@ -193,7 +198,7 @@ class Planner:
             self.acceptance_by_depth[k_d] = self.alpha(k_d)
 
     def alpha(self, k_d: int) -> float:
-        """Per-token acceptance: the geometric model's estimate, with half a pseudo-count each way."""
+        """Per-token acceptance: the geometric model's estimate, half a pseudo-count each way."""
         accepted, rejections = self.counts.get(k_d, (0, 0))
         return (accepted + 0.5) / (accepted + rejections + 1)
 
@@ -222,12 +227,13 @@ class Planner:
         return self._settle()
 
     def _settle(self) -> tuple[int, int] | None:
-        """Re-decided every round, from the acceptance measured so far (the prompt's, then rounds')."""
+        """Re-decided every round from the acceptance so far (the prompt's, then the rounds')."""
         scored = [(*self.best(k_d, self.alpha(k_d)), k_d) for k_d in self.candidates
                   if k_d in self.counts]
         self.choice = self._choose(max(scored)) if scored else None  # None: nothing to draft with
         self.plain_for_good = self.choice is None
-        self.setting = "plain" if self.choice is None else f"K_d={self.choice[0]} γ={self.choice[1]}"
+        self.setting = "plain" if self.choice is None else \
+            f"K_d={self.choice[0]} γ={self.choice[1]}"
         return self.choice
 
     def _choose(self, best: tuple[float, int, int]) -> tuple[int, int] | None:

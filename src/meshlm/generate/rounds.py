@@ -1,4 +1,4 @@
-"""The steps of self-speculative decoding over a Batch: prefill with calibration, plain steps, rounds.
+"""The steps of self-speculative decoding over a Batch: calibrating prefill, plain steps, rounds.
 
 Each step runs on the model's three stages, through `stages`: the MeshLM itself, or the timing
 wrapper meshlm.generate.timing.Timed, which measures them for the planner. A step returns what it
@@ -6,7 +6,7 @@ emitted and changes nothing but its batch (cache, mask, pending tokens). One rou
 "Self-speculative decoding"), with C positions cached and y₀ pending:
 
     draft    x = y₀, d₁ … d_γ one at a time: enter → advance to step K_d (kept: prelude, loops)
-             (first γ) early_exit → readout → q_{i+1} → d_{i+1}   (draft-only: coda K/V cropped to C)
+             (first γ) early_exit → readout → q_{i+1} → d_{i+1}  (draft-only: coda K/V cropped)
     verify   LoopRun.join of the γ+1 runs → advance K_d … K → readout: p₁ … p_{γ+1}, ONE forward
     accept   longest prefix (`accept`), then one token from p or the residual: 1 … γ+1 tokens
     settle   every slot back to C + the most any row kept; a row's rejected positions → padding
@@ -87,8 +87,8 @@ class Rounds:
         return batch, agreement, int(real.sum())
 
     def _exit_states(self, run: LoopRun, last: int) -> dict[tuple[int, bool], torch.Tensor]:
-        """The states (B, last, d) a draft stopping here would hand its coda: the loop state, and the
-        scheme's early-exit read where it differs (MeSH: the final read router)."""
+        """The states (B, last, d) a draft stopping here would hand its coda: the loop state, and
+        the scheme's early-exit read where it differs (MeSH: the final read router)."""
         exit_h = self.model.scheme.early_exit(run.h, run.ctx, len(self.schedule))
         states = {(run.step, False): run.h[:, -last:]}
         if exit_h is not run.h:  # the default early_exit is the state itself
@@ -103,12 +103,13 @@ class Rounds:
         keeping none of its own. (C readouts one by one cost ~3% of a 96-token decode.)"""
         if not states:
             return []
-        copies = LoopRun.stack([tail.with_state(h) for h in states], kv.repeated(len(states), tail.past))
+        view = kv.repeated(len(states), tail.past)  # each row's full-depth past, C times
+        copies = LoopRun.stack([tail.with_state(h) for h in states], view)
         logits = self.model.readout(copies, self.schedule)  # untimed: not a stage of decoding
         return list(probabilities(logits, self.s).chunk(len(states)))
 
     def _front(self, kv: KVCache, tokens: torch.Tensor, mask: torch.Tensor, stop: int) -> LoopRun:
-        """enter → advance to loop step `stop`; mask (B, cached + T) covers cached and new positions."""
+        """enter → advance to loop step `stop`; mask (B, cached + T) covers the cache and T."""
         run = self._stages.enter(tokens, padding_if_any(mask), None, kv)
         return self._stages.advance(run, self.schedule, stop)
 
@@ -141,9 +142,9 @@ class Rounds:
 
     def _draft(self, batch: Batch, k_d: int, gamma: int, final_read: bool
                ) -> tuple[list[LoopRun], torch.Tensor, torch.Tensor]:
-        """Draft γ tokens after the pending ones with K_d loop passes. Returns the γ+1 runs, standing
-        at step K_d (the last token needs only its shared part), the (B, γ) drafts and their
-        (B, γ, V) draft distributions."""
+        """Draft γ tokens after the pending ones with K_d loop passes. Returns the γ+1 runs,
+        standing at step K_d (the last token needs only its shared part), the (B, γ) drafts and
+        their (B, γ, V) draft distributions."""
         ones = batch.mask.new_ones(len(batch), gamma + 1)
         runs, drafts, q, token = [], [], [], batch.pending
         for i in range(gamma + 1):

@@ -1,10 +1,10 @@
 """Stage timing for the speculation planner, as a wrapper around the model (wrap, don't weave).
 
-`Timed(model, costs)` has MeshLM's three stages, `enter`, `advance` and `readout`: each call runs the
-model's own and adds its seconds to `costs` (meshlm.generate.planner.Costs) under its stage and token
-count, so measuring costs no extra forward. Decoding code (meshlm.generate.rounds) runs on the model
-itself or on this wrapper and cannot tell them apart. `overhead(stage, n)` times what a block spends
-outside the stages (sampling, cache bookkeeping, Python).
+`Timed(model, costs)` has MeshLM's three stages, `enter`, `advance` and `readout`: each call runs
+the model's own and adds its seconds to `costs` (meshlm.generate.planner.Costs) under its stage and
+token count, so measuring costs no extra forward. Decoding code (meshlm.generate.rounds) runs on the
+model itself or on this wrapper and cannot tell them apart. `overhead(stage, n)` times what a block
+spends outside the stages (sampling, cache bookkeeping, Python).
 """
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from meshlm.model.lm import LoopRun
 
 class Clock:
     """Stage timer. On CPU this thread's CPU time: on a shared machine other jobs' load barely moves
-    it, only ratios of stage costs matter, and it costs ~1 µs (process CPU time costs 0.1-20 ms a call
-    on some systems). On CUDA wall time, synchronising so a stage's kernels count in it."""
+    it, only ratios of stage costs matter, and it costs ~1 µs (process CPU time costs 0.1-20 ms a
+    call on some systems). On CUDA wall time, synchronising so a stage's kernels count in it."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"

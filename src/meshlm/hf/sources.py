@@ -3,8 +3,8 @@
     bundle_sources("meshlm.hf.modeling", PACKAGE, provided)   -> ("errors.py", …, "hf/modeling.py")
 
 The sources are the entry module and every module it imports, directly or through the others, read
-with `ast` (nothing is imported or run). Only imports that execute count: those under
-`if TYPE_CHECKING:` are not followed. `from meshlm.pkg import Name`, where meshlm/pkg/__init__.py only
+with `ast` (nothing is imported or run). Only imports that execute count: those under `if
+TYPE_CHECKING:` are not followed. `from meshlm.pkg import Name`, where meshlm/pkg/__init__.py only
 re-exports Name, leads to the module that defines Name, not to the package, which would drag in all
 it re-exports. The order is the one the concatenated file runs in: every module after the modules it
 imports at its top level (a depth-first post-order, in the order of the imports); modules imported
