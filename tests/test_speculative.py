@@ -38,6 +38,19 @@ def test_a_loop_stopped_joined_and_resumed_equals_the_forward(scheme):
         assert (model.readout(joined, schedule) - reference).abs().max() <= 1e-5
 
 
+def test_runs_join_only_when_consecutive_at_one_step():
+    """A run knows the tokens cached before it, so joining checks that the runs follow each other."""
+    model = build(tiny(scheme="mesh", spec="1+2R3+1"))
+    schedule, cache = model.config.layout.schedule, KVCache()
+    with torch.no_grad():
+        first = model.enter(torch.tensor([[5, 6]]), cache=cache)
+        second = model.advance(model.enter(torch.tensor([[7]]), cache=cache), schedule, stop=1)
+    assert (first.past, second.past) == (0, 2)
+    for runs in ([first, second], [second, first]):  # steps 0 and 1; then out of order too
+        with pytest.raises(ValueError, match="consecutive runs at one step"):
+            LoopRun.join(runs)
+
+
 def test_readout_of_the_last_positions_is_the_tail_of_the_full_readout():
     """Calibration reads only the positions it compares: the coda still sees every position (attention)."""
     model = build(tiny(scheme="mesh", spec="1+2R3+1"))
