@@ -39,7 +39,7 @@ def test_a_loop_stopped_joined_and_resumed_equals_the_forward(scheme):
 
 
 def test_runs_join_only_when_consecutive_at_one_step():
-    """A run knows the tokens cached before it, so joining checks that the runs follow each other."""
+    """A run knows the tokens cached before it, so joining checks that runs follow each other."""
     model = build(tiny(scheme="mesh", spec="1+2R3+1"))
     schedule, cache = model.config.layout.schedule, KVCache()
     with torch.no_grad():
