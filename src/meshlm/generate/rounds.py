@@ -19,6 +19,7 @@ import torch
 
 from meshlm.generate.batch import Batch
 from meshlm.generate.sampling import Sampling, draw, next_token, padding_if_any, probabilities
+from meshlm.generate.timing import Timed
 from meshlm.model import MeshLM
 from meshlm.model.kv_cache import KVCache
 from meshlm.model.lm import LoopRun
@@ -47,7 +48,7 @@ def accept(p: torch.Tensor, q: torch.Tensor, d: torch.Tensor, s: Sampling,
     return accepted, draw(residual / residual.sum(-1, keepdim=True), s, generator)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Rounds:
     """Decoding steps of one model at one depth schedule and one sampling rule."""
 
@@ -55,7 +56,7 @@ class Rounds:
     schedule: tuple[int, ...]
     s: Sampling
     generator: torch.Generator | None = None
-    stages: object = None  # MeshLM-like enter/advance/readout (default: the model, untimed)
+    stages: Timed | None = None  # the stages timed for the planner; None: the model's own, untimed
 
     @property
     def _stages(self):

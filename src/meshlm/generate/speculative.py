@@ -41,17 +41,14 @@ __all__ = ["Speculation", "SpeculationStats", "SpeculativeDecoder", "Step", "str
 
 @dataclass(frozen=True)
 class Step:
-    """What one decoding step emitted: row r's tokens[r][:counts[r]]; a round's drafted and accepted
-    tokens over the rows still generating (0 for a plain step)."""
+    """What one decoding step emitted: row r's tokens[r][:counts[r]]; for a round, the drafted and
+    accepted tokens of the rows still generating."""
 
     tokens: list[list[int]]
     counts: list[int]
+    plain: bool = True  # a plain step, not a draft-verify round
     drafted: int = 0
     accepted: int = 0
-
-    @property
-    def plain(self) -> bool:
-        return self.drafted == 0
 
 
 @dataclass
@@ -140,7 +137,7 @@ class SpeculativeDecoder:
         accepted = (counts - 1).cpu()[active]
         self.planner.observe(k_d, accepted, gamma, span.seconds)
         drafted = gamma * int(active.sum())
-        return Step(tokens.tolist(), counts.tolist(), drafted, int(accepted.sum()))
+        return Step(tokens.tolist(), counts.tolist(), False, drafted, int(accepted.sum()))
 
     def _plain_step(self, batch: Batch, keep: torch.Tensor) -> Step:
         if self.planner.plain_for_good:  # nothing pays: meshlm.generate's own step, no bookkeeping

@@ -118,7 +118,8 @@ class SpeculativeCohort(Cohort):
     """Lossless self-speculation over the batch (meshlm.generate.speculative): one decoder and
     planner for the cohort, its measured costs and acceptance shared by every request; the first
     request's prompt calibrates it. All rows share the sampling filters (greedy cohorts batch; a
-    sampled request gets its own cohort, as its draws come from the decoder's one generator)."""
+    sampled request gets its own cohort, as its draws come from the decoder's one generator).
+    `lead`: the first request, whose sampling and generator the cohort's decoder takes."""
 
     def __init__(self, model: MeshLM, loops: int | None, speculate: str, pad_id: int, lead):
         super().__init__(model, loops, pad_id)
