@@ -96,7 +96,8 @@ class LoopRun:
     """A forward pass in progress (`MeshLM.enter` → `advance` → `readout`): the state after `step`
     loop passes over T tokens that follow `past` cached ones, the scheme's per-token context, and
     what every remaining layer needs (rotary tables, mask, cache). The model joins and splits runs
-    (`join`, `stack`, `last`, `with_state`); code outside meshlm.model never builds one by hand."""
+    (`join`, `stack`, `last`, `with_state`; not under exit, whose tracker follows one run's tokens);
+    code outside meshlm.model never builds one by hand."""
 
     h: torch.Tensor  # (B, T, d) the loop state h^step
     ctx: LoopContext  # per-token scheme values (anchors, MeSH's written values and coefficients)
