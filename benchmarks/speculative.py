@@ -44,6 +44,7 @@ def decode(model, prompts, args, speculate, clock):
 def cost_arithmetic(model, prompts, args, k_ds) -> None:
     """Per-stage costs measured in one auto run, and the speed-up they bound at the measured acceptance."""
     from meshlm.generate import Sampling, speculative
+    from meshlm.generate.planner import expected_tokens
 
     s = Sampling(max_new_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p, seed=0,
                  stop_at_eos=False)
@@ -61,7 +62,7 @@ def cost_arithmetic(model, prompts, args, k_ds) -> None:
         alpha = planner.alpha(k_d)
         gain, gamma = planner.best(k_d, alpha)
         verify = (costs.round(k_d, gamma) - gamma * c_d * plain - costs.front(k_d)) / plain
-        bound = speculative.expected_tokens(1.0, 8) * plain / costs.round(k_d, 8)
+        bound = expected_tokens(1.0, 8) * plain / costs.round(k_d, 8)
         print(f"  {k_d:<4} {c_d:5.2f}  {alpha:5.1%}  {gamma:<7} {verify:5.2f}  {gain:6.2f}x    {bound:6.2f}x")
 
 
@@ -133,7 +134,7 @@ def main() -> None:
         paired = sorted(p / t for p, t in zip(times["plain"], times[name]))  # round by round: drift cancels
         spread = "" if name == "plain" else f"  (rounds {paired[0]:.2f}-{paired[-1]:.2f}x)"
         print(f"  {name:<8} {rate:8.1f} tokens/s  {statistics.median(paired):5.2f}x{spread}{extra}{same}")
-    from meshlm.generate.speculative import LOSS_BUDGET
+    from meshlm.generate.planner import LOSS_BUDGET
 
     plain_seconds = statistics.median(times["plain"])
     print(f"auto's own account: its rounds took {statistics.median(auto_loss) * 1e3:+.1f} ms (median) beyond what "

@@ -102,6 +102,48 @@ def test_generated_modeling_file_is_self_contained():
             assert not any(a.name.startswith("meshlm") for a in node.names)
 
 
+def test_bundled_sources_are_what_the_entry_imports_in_the_order_they_run(tmp_path):
+    """A package of its own: top-level imports come first, a function's import may come later, a
+    package that only re-exports leads to the defining module, and neither a module nothing imports
+    nor one imported only for type checking is bundled."""
+    from meshlm.hf.sources import bundle_sources
+
+    files = {"entry.py": "import torch\nfrom meshlm.a import f\n\n\ndef g():\n"
+                         "    from meshlm.late import h\n    return h\n",
+             "a.py": "from typing import TYPE_CHECKING\n\nfrom meshlm.pkg import Thing\n\n"
+                     "if TYPE_CHECKING:\n    from meshlm.typed import T\n\nf = Thing\n",
+             "pkg/__init__.py": "from meshlm.pkg.impl import Thing\n"
+                                "from meshlm.pkg import unused\n",
+             "pkg/impl.py": "from meshlm.base import x\nThing = x\n", "pkg/unused.py": "",
+             "base.py": "x = 1\n", "late.py": "from meshlm.base import x\nh = x\n",
+             "typed.py": "T = 1\n", "nobody.py": "from meshlm.base import x\n"}
+    for rel, text in files.items():
+        (tmp_path / "meshlm" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "meshlm" / rel).write_text(text)
+    order = bundle_sources("meshlm.entry", tmp_path / "meshlm")
+    assert order == ("base.py", "pkg/impl.py", "a.py", "entry.py", "late.py")
+    given = frozenset({"meshlm.pkg.impl"})  # supplied another way: not followed
+    assert bundle_sources("meshlm.a", tmp_path / "meshlm", given) == ("a.py",)
+
+
+def test_exported_folder_carries_the_modules_its_features_import_and_no_others():
+    """Every backbone's layers and every scheme are bundled because the model imports them (no list
+    to extend); modules the remote code never imports are not, nor the package re-exports."""
+    from meshlm.backbones import BACKBONES
+    from meshlm.hf.remote import bundled_modules, sources
+
+    bundled, text = bundled_modules(), modeling_source()
+    features = {"meshlm.generate.speculative", "meshlm.generate.planner", "meshlm.model.exit",
+                "meshlm.model.recompute", "meshlm.hf.modeling"}
+    layers = {b.layer.__module__ for b in BACKBONES.values()}
+    schemes = {cls.__module__ for cls in SCHEMES.values()}
+    assert features | layers | schemes <= bundled
+    for absent in ("model/accounting.py", "model/__init__.py", "generate/__init__.py",
+                   "hf/remote.py", "hf/configuration.py", "serve/batcher.py", "loading.py"):
+        assert absent not in sources() and f"meshlm/{absent} ==" not in text, absent
+    assert sources()[-1] == "hf/modeling.py" and len(set(sources())) == len(sources())
+
+
 def test_bundler_rewrites_every_meshlm_import_form_and_refuses_the_rest():
     from meshlm.hf.remote import BundleError, _localize_imports
 

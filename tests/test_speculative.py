@@ -7,11 +7,15 @@ from conftest import build, tiny
 
 from meshlm.cli import main
 from meshlm.errors import ConfigError
-from meshlm.generate import Sampling, draw, generate, probabilities, speculative
+from meshlm.generate import Sampling, draw, generate, left_pad, probabilities, rounds
+from meshlm.generate import planner as plans
+from meshlm.generate.batch import Batch
+from meshlm.generate.planner import Planner
+from meshlm.generate.rounds import Rounds
 from meshlm.generate.speculative import Speculation, SpeculationStats
 from meshlm.model import SCHEMES
 from meshlm.model.kv_cache import KVCache
-from meshlm.model.schemes import concat_contexts
+from meshlm.model.lm import LoopRun
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]  # batch 3, left-padded to 7
 LOOPED = sorted(set(SCHEMES) - {"vanilla"})
@@ -27,14 +31,24 @@ def test_a_loop_stopped_joined_and_resumed_equals_the_forward(scheme):
     with torch.no_grad():
         reference = model(ids).logits
         cache = KVCache()
-        runs = [model.advance(model.enter(ids[:, i:i + 1], cache=cache), schedule, stop=1) for i in range(6)]
-        joined = runs[0]
-        joined.h, joined.ctx = torch.cat([r.h for r in runs], 1), concat_contexts([r.ctx for r in runs])
-        joined.rope, joined.mask = model.attention_inputs((1, 6), 0, None, None, torch.float32)
-        joined.cache = KVCache()  # the deeper slots start empty; the shallow ones are not read again
-        model.advance(joined, schedule)
-        # the resumed loop writes its slots from step 1 on; earlier slots come from the draft cache
+        runs = [model.advance(model.enter(ids[:, i:i + 1], cache=cache), schedule, stop=1)
+                for i in range(6)]
+        joined = model.advance(LoopRun.join(runs), schedule)
+        # the resumed loop writes its slots from step 1 on (empty until then) into the draft cache
         assert (model.readout(joined, schedule) - reference).abs().max() <= 1e-5
+
+
+def test_runs_join_only_when_consecutive_at_one_step():
+    """A run knows the tokens cached before it, so joining checks that runs follow each other."""
+    model = build(tiny(scheme="mesh", spec="1+2R3+1"))
+    schedule, cache = model.config.layout.schedule, KVCache()
+    with torch.no_grad():
+        first = model.enter(torch.tensor([[5, 6]]), cache=cache)
+        second = model.advance(model.enter(torch.tensor([[7]]), cache=cache), schedule, stop=1)
+    assert (first.past, second.past) == (0, 2)
+    for runs in ([first, second], [second, first]):  # steps 0 and 1; then out of order too
+        with pytest.raises(ValueError, match="consecutive runs at one step"):
+            LoopRun.join(runs)
 
 
 def test_readout_of_the_last_positions_is_the_tail_of_the_full_readout():
@@ -55,15 +69,14 @@ def test_calibration_reads_every_candidate_draft_as_a_draft_does(scheme):
     their coda seeing the earlier positions' full-depth keys/values; p the full model's distribution."""
     model = build(tiny(scheme=scheme, spec="1+2R4+1"))
     schedule, s = model.config.layout.schedule, Sampling(temperature=1.3, top_k=40)
-    ids, mask = speculative.left_pad(PROMPTS, 1, torch.device("cpu"))
+    ids, mask = left_pad(PROMPTS, 1, torch.device("cpu"))
     torch.manual_seed(0)
     with torch.no_grad():  # away from the initialisation, where MeSH's final read is close to the loop state
         for weight in model.parameters():
             weight.add_(torch.randn_like(weight) * 0.05)
-    last, head = speculative.PRIOR_TOKENS, ids.shape[1] - speculative.PRIOR_TOKENS
+    last, head = plans.PRIOR_TOKENS, ids.shape[1] - plans.PRIOR_TOKENS
     with torch.no_grad():
-        decoder = speculative.Decoder(model, schedule, s, None, speculative.Costs(schedule))
-        _, agreement, positions = decoder.prefill(ids, mask, [1, 3])
+        _, agreement, positions = Rounds(model, schedule, s).prefill(ids, mask, [1, 3], last)
         p = probabilities(model(ids, padding_mask=mask).logits[:, -last:], s)
         real = mask[:, -last:].bool()
         reads = [(1, True), (1, False), (3, True), (3, False)] if scheme == "mesh" else [(1, False), (3, False)]
@@ -123,12 +136,12 @@ def planner_with_costs(speculate="auto", new_tokens=100):
     from meshlm.config import parse_spec
 
     layout = parse_spec("1+2R4+1")
-    planner = speculative.Planner(Speculation.parse(speculate), layout, layout.schedule, SpeculationStats(), new_tokens)
+    planner = Planner(Speculation.parse(speculate), layout, layout.schedule, new_tokens)
     for stage, seconds in [("enter", 0.5), ("readout", 0.5), *[(("step", k), 2.0) for k in range(4)]]:
         for n in (1, 9):
             planner.costs.add(stage, n, seconds)
     assert planner.next() is None  # no plain step timed yet
-    for _ in range(speculative.PLAIN_SAMPLES):
+    for _ in range(plans.PLAIN_SAMPLES):
         planner.costs.add("plain-overhead", 1, 0.0)
     planner.calibrate({(k_d, False): 0.9 for k_d in planner.candidates}, positions=4)
     return planner
@@ -139,17 +152,17 @@ def test_auto_starts_a_round_only_if_its_worst_outcome_keeps_the_loss_within_the
     γ until that fits in what is left of the budget, and decodes plainly for good when not even γ = 1 does."""
     planner = planner_with_costs()
     plain = planner.costs.plain_token()  # 9 s
-    budget = speculative.LOSS_BUDGET * 100 * plain  # a share of 100 plain tokens
+    budget = plans.LOSS_BUDGET * 100 * plain  # a share of 100 plain tokens
     worst = {g: planner.costs.round(1, g) - plain for g in (1, 2)}
     assert worst == {1: 3.0, 2: 6.0} and budget > 7.0  # γ·3 s of drafts + 2.5 s shared + 6.5 s verifying − 9 s
-    assert planner.next() == (1, speculative.EXPLORE_GAMMA)  # the prior says it pays: a short first look
+    assert planner.next() == (1, plans.EXPLORE_GAMMA)  # the prior says it pays: a short first look
     planner.observe(1, torch.tensor([0]), 2, seconds=plain + budget - 7.0)  # one token: 7 s of room left
     assert planner.loss == pytest.approx(budget - 7.0)
     assert planner.next() == (1, 2)
     planner.observe(1, torch.tensor([1]), 2, seconds=2 * plain + 2.0)  # 5 s left: γ = 2 could lose 6
     assert planner.next() == (1, 1)
     planner.observe(1, torch.tensor([0]), 1, seconds=plain + 3.0)  # 2 s left, less than γ = 1's 3
-    assert planner.next() is None and planner.plain_for_good and planner.stats.setting == "plain"
+    assert planner.next() is None and planner.plain_for_good and planner.setting == "plain"
     explicit = planner_with_costs("1")  # an explicit K_d speculates whatever it costs
     explicit.observe(1, torch.tensor([0]), 4, seconds=1e6)
     assert explicit.next() is not None
@@ -159,10 +172,10 @@ def test_auto_drafts_short_rounds_until_a_depth_has_shown_what_it_accepts():
     planner = planner_with_costs()
     planner.calibrate({(k_d, False): 0.95 for k_d in planner.candidates}, positions=4)  # long drafts predicted
     k_d, gamma = planner.next()
-    assert gamma == speculative.EXPLORE_GAMMA < planner.best(k_d, planner.alpha(k_d))[1]
-    for _ in range(speculative.EXPLORE_TOKENS // gamma):  # every drafted token accepted, in time
+    assert gamma == plans.EXPLORE_GAMMA < planner.best(k_d, planner.alpha(k_d))[1]
+    for _ in range(plans.EXPLORE_TOKENS // gamma):  # every drafted token accepted, in time
         planner.observe(k_d, torch.tensor([gamma]), gamma, seconds=0.0)
-    assert planner.next()[1] > speculative.EXPLORE_GAMMA
+    assert planner.next()[1] > plans.EXPLORE_GAMMA
 
 
 def test_auto_needs_more_to_start_than_to_carry_on():
@@ -172,7 +185,7 @@ def test_auto_needs_more_to_start_than_to_carry_on():
     for planner in (starting, speculating):
         planner.calibrate({(k_d, False): 0.6 for k_d in planner.candidates}, positions=4)
     gain = max(starting.best(k_d, starting.alpha(k_d))[0] for k_d in starting.candidates)
-    assert speculative.KEEP_GAIN <= gain < speculative.MIN_GAIN  # 1.19x
+    assert plans.KEEP_GAIN <= gain < plans.MIN_GAIN  # 1.19x
     speculating.choice = (1, 2)  # already speculating
     assert starting.next() is None and starting.plain_for_good
     assert speculating.next() is not None
@@ -182,8 +195,8 @@ def test_rejections_rollback_and_compaction_keep_greedy_exact(monkeypatch):
     """A draft that often disagrees (base, K_d = 1), rows accepting different counts, and a context so tight
     that rollback holes must be squeezed out (compact) for the rounds to fit."""
     compactions = []
-    original = speculative.Decoder.compact
-    monkeypatch.setattr(speculative.Decoder, "compact", lambda self: compactions.append(1) or original(self))
+    original = Batch.compact
+    monkeypatch.setattr(Batch, "compact", lambda self: compactions.append(1) or original(self))
     model = build(tiny(scheme="base", spec="1+2R4+1", context_length=7 + 64))
     plain, spec, stats = greedy_both_ways(model, PROMPTS, 64, "1:4")
     assert spec == plain
@@ -243,14 +256,15 @@ def chi_square(samples, p):
     return float(stat), df * (1 - 2 / (9 * df) + 3.719 * (2 / (9 * df)) ** 0.5) ** 3
 
 
-def resample_from_p(self, p, q, d):
+def resample_from_p(p, q, d, s, generator):
     """A deliberately wrong rule: on rejection draw from p instead of the residual max(0, p − q)."""
-    accepted, _ = ORIGINAL_ACCEPT(self, p, q, d)
+    accepted, _ = ORIGINAL_ACCEPT(p, q, d, s, generator)
     b, _, v = q.shape
-    return accepted, draw(p.gather(1, accepted[:, None, None].expand(b, 1, v)).squeeze(1), self.s, self.generator)
+    p_at = p.gather(1, accepted[:, None, None].expand(b, 1, v)).squeeze(1)  # (B, V)
+    return accepted, draw(p_at, s, generator)
 
 
-ORIGINAL_ACCEPT = speculative.Decoder._accept
+ORIGINAL_ACCEPT = rounds.accept
 
 
 @pytest.mark.parametrize("filters", [dict(temperature=1.0), dict(temperature=0.8, top_k=4, top_p=0.9)])
@@ -263,7 +277,7 @@ def test_speculative_sampling_has_the_full_models_distribution(peaked_model, fil
     stat, critical = chi_square(generate(peaked_model, [PROMPT] * N, s, speculate="1:2", stats=stats), p)
     assert stat < critical, ("speculative", stat, critical)
     assert 0.2 < stats.acceptance < 0.95, stats.summary()  # rejections are frequent: the residual matters
-    monkeypatch.setattr(speculative.Decoder, "_accept", resample_from_p)
+    monkeypatch.setattr(rounds, "accept", resample_from_p)
     stat, critical = chi_square(generate(peaked_model, [PROMPT] * N, s, speculate="1:2"), p)
     assert stat > critical, ("the wrong rule passed", stat, critical)
 

@@ -143,6 +143,10 @@ class KVCache:
             out._lengths.append(width)
         return out
 
+    def repeated(self, copies: int, length: int) -> RepeatedView:
+        """A read-only view of the first `length` positions for `copies` copies of the batch."""
+        return RepeatedView(self, copies, length)
+
     def reorder(self, order: torch.Tensor) -> None:
         """Keep, in every slot, the positions `order` (B, T') of each row, in that order (T' ≤ length)."""
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
@@ -152,6 +156,27 @@ class KVCache:
             k, v = k.gather(2, index), v.gather(2, index)  # new tensors: safe to write back in place
             self._keys[i][..., :k.shape[-2], :], self._values[i][..., :v.shape[-2], :] = k, v
             self._lengths[i] = k.shape[-2]
+
+
+class RepeatedView:
+    """A read-only LayerCache over a KVCache's first `length` positions for C copies of its batch
+    (rows r, B + r, 2B + r … are row r): a layer sees each row's cached keys/values followed by its
+    own, which are not stored. Self-speculative decoding reads C candidate drafts out at once
+    through it (meshlm.generate.rounds)."""
+
+    def __init__(self, cache: KVCache, copies: int, length: int):
+        self.cache, self.copies, self.length = cache, copies, length
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.length == 0:
+            return key, value
+        past = self.cache.slot(layer_idx)  # (B, H, T_cached, hd)
+        return tuple(torch.cat([t[..., :self.length, :].repeat(self.copies, 1, 1, 1), new], -2)
+                     for t, new in zip(past, (key, value)))
+
+    def get_seq_length(self) -> int:
+        return self.length
 
 
 def _left_padded(parts: tuple[torch.Tensor, ...], width: int, room: int) -> torch.Tensor:

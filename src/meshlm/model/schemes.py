@@ -53,21 +53,27 @@ class LoopContext:
     routing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # MeSH (write, read)
 
 
-def concat_contexts(contexts: list[LoopContext]) -> LoopContext:
-    """Join the contexts of consecutive token runs along T (dim 1): every field is per token, (B, T, ...),
-    or a list of such tensors or of tuples of them (one entry per write). Speculative decoding joins the
-    one-token draft runs this way and resumes the loop over all of them at once."""
-    def join(parts):
+def map_contexts(fn, contexts: list[LoopContext]) -> LoopContext:
+    """One context whose every per-token tensor is fn(the aligned tensors of `contexts`); fields
+    are (B, T, ...) tensors, or lists of them or of tuples of them (one entry per write)."""
+    def combine(parts):
         first = parts[0]
         if first is None:
             return None
         if isinstance(first, torch.Tensor):
-            return torch.cat(parts, dim=1)
+            return fn(parts)
         if isinstance(first, tuple):
-            return tuple(join(list(group)) for group in zip(*parts))
-        return [join(list(group)) for group in zip(*parts)]  # a list: one entry per write
+            return tuple(combine(list(group)) for group in zip(*parts))
+        return [combine(list(group)) for group in zip(*parts)]  # a list: one entry per write
 
-    return LoopContext(**{f.name: join([getattr(c, f.name) for c in contexts]) for f in fields(LoopContext)})
+    return LoopContext(**{f.name: combine([getattr(c, f.name) for c in contexts])
+                          for f in fields(LoopContext)})
+
+
+def concat_contexts(contexts: list[LoopContext], dim: int = 1) -> LoopContext:
+    """Join the contexts of consecutive token runs along T (dim 1), or of runs over other rows
+    along B (dim 0); meshlm.model.lm.LoopRun.join and LoopRun.stack join runs with it."""
+    return map_contexts(lambda parts: torch.cat(parts, dim=dim), contexts)
 
 
 class Scheme(nn.Module, abc.ABC):

@@ -200,8 +200,9 @@ class Batcher:
         cohort = self.cohorts.get(key)
         if cohort is None:
             first = group[0]
-            cohort = PlainCohort(self.model, first.loops, first.exit, self.pad_id) if first.speculate is None else \
-                SpeculativeCohort(self.model, first.loops, first.speculate, first.sampling.max_new_tokens, self.pad_id)
+            cohort = PlainCohort(self.model, first.loops, first.exit, self.pad_id) \
+                if first.speculate is None else \
+                SpeculativeCohort(self.model, first.loops, first.speculate, self.pad_id, first)
         tokens = cohort.admit(group)  # only now part of the cohort: a failed prefill leaves the batch as it was
         self.cohorts[key] = cohort
         self.stats.admitted += len(group)
