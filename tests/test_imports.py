@@ -113,7 +113,8 @@ def test_the_model_imports_nothing_of_training_data_or_files():
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                        check=True).stdout)
     ours = [m for m in loaded if m.startswith("meshlm")]
-    allowed = {"meshlm", "meshlm.errors", "meshlm.fields", "meshlm.backbones", "meshlm.config"}
+    allowed = {"meshlm", "meshlm.errors", "meshlm.fields", "meshlm.backbones", "meshlm.config",
+               "meshlm.presets"}
     assert "meshlm.model.lm" in ours
     assert [m for m in ours if m not in allowed and not m.startswith("meshlm.model")] == []
     assert not any(m.split(".")[0] in ("transformers", "datasets", "safetensors", "tokenizers") for m in loaded)
