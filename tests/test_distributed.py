@@ -35,7 +35,7 @@ def test_two_processes_match_one(prepared, tmp_path, single, mode):
     assert sorted(got) == sorted(losses)
     for step, loss in losses.items():
         assert abs(got[step] - loss) <= 1e-5, (step, got[step], loss)
-    model = open_model(run_dir(cfg)).model  # written by rank 0 from gathered (FSDP: unsharded) state
+    model = open_model(run_dir(cfg)).model  # written by rank 0 from gathered (FSDP: full) state
     for name, tensor in model.state_dict().items():
         # Adam turns ~1e-9 gradient differences on rarely seen embedding rows into ~1e-5 weight differences
         torch.testing.assert_close(tensor, weights[name], atol=1e-4, rtol=0, msg=name)

@@ -130,8 +130,8 @@ def test_the_config_and_both_registries_need_no_torch():
 
 
 def test_the_train_config_is_plain_data_that_needs_no_torch():
-    """`import meshlm.train.config` and a validated TrainConfig load neither torch nor the model, and
-    read no file: init_from is resolved later (meshlm.train.plan), not while validating."""
+    """`import meshlm.train.config` and a validated TrainConfig load neither torch nor the model,
+    and read no file: init_from is resolved later (meshlm.train.plan), not while validating."""
     code = ("import sys, json, meshlm.train.config as c; "
             "c.load_config(None, ['model.preset=tiny', 'train.lr=1e-3']); "
             "c.TrainConfig(init_from='/nowhere/at/all', model={'d_model': 96}); "

@@ -31,7 +31,8 @@ def continued(prepared, tmp_path, init, **overrides):
 def test_starts_from_the_checkpoint_weights_with_its_config(prepared, tmp_path, retrofitted):
     cfg = continued(prepared, tmp_path, retrofitted)
     source = open_model(retrofitted).model
-    assert resolve(cfg).model == source.config  # the default preset is ignored: the architecture is the checkpoint's
+    # the default preset is ignored: the architecture is the checkpoint's
+    assert resolve(cfg).model == source.config
     fresh = trainer(cfg)
     for name, tensor in source.state_dict().items():
         assert torch.equal(fresh.model.state_dict()[name], tensor), name

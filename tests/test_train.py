@@ -64,7 +64,7 @@ def test_too_many_non_finite_steps_abort(prepared, tmp_path, monkeypatch):
     cfg = tiny_train(prepared, tmp_path, steps=10, micro_batch=8, save_every=1, max_nonfinite=3)
     with pytest.raises(NonFiniteLossError, match="3 steps in a row"):
         train(cfg)
-    for path in checkpoint.list_checkpoints(run_dir(cfg)):  # everything saved is finite and loadable
+    for path in checkpoint.list_checkpoints(run_dir(cfg)):  # all saved is finite and loadable
         open_model(path)
 
 
@@ -150,7 +150,8 @@ def test_activation_checkpointing_changes_nothing_but_memory(prepared, tmp_path)
     assert ckpt.losses == plain.losses
     a, b = open_model(plain.run_dir).model.state_dict(), open_model(ckpt.run_dir).model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert set(a) == set(MeshLM(tiny_train(prepared, tmp_path).derive_model()).state_dict())  # names unchanged
+    names = MeshLM(tiny_train(prepared, tmp_path).derive_model()).state_dict()
+    assert set(a) == set(names)  # names unchanged
 
 
 def test_bf16_autocast_path_runs(prepared, tmp_path):

@@ -134,7 +134,8 @@ def train_with_rank_fault(data: Path, tmp: Path, fault: str) -> tuple[int, str, 
                             start_new_session=True)
     metrics = run_dir(cfg) / "metrics.jsonl"
     try:
-        wait_until(lambda: metrics.is_file() and len(train_losses(run_dir(cfg))) >= 3, 120, "three steps")
+        folder = run_dir(cfg)
+        wait_until(lambda: metrics.is_file() and len(train_losses(folder)) >= 3, 120, "three steps")
         ranks = rank_pids(proc.pid)
         assert sorted(ranks) == [0, 1], ranks
         os.kill(ranks[1], signal.SIGSTOP if fault == "stopped" else signal.SIGKILL)

@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 # Pythia shapes (spec §2 table). Pythia pads the vocabulary to 50,304 rows and uses 2048-token
-# contexts; the paper trains at 4096. `pythia-*` presets are vanilla stacks; `pythia-*-<spec>` are the
-# paper's recursive splits, MeSH by default (pick any other scheme with scheme=...).
+# contexts; the paper trains at 4096. `pythia-*` presets are vanilla stacks; `pythia-*-<spec>` are
+# the paper's recursive splits, MeSH by default (pick any other scheme with scheme=...).
 _PYTHIA = {  # name: (layers, d_model, heads)
     "70m": (6, 512, 8),
     "160m": (12, 768, 12),
@@ -40,9 +40,9 @@ def _pythia(size: str, spec: str | None) -> dict[str, Any]:
 
 # Llama and OLMoE backbones (docs/backbones.md). `olmoe-1b-7b` is OLMoE-1B-7B's public shape (6.9B
 # total / 1.3B active). The MeSH paper's OLMoE comparison states only "2.6B total / 512M active";
-# meshlm's reading is Pythia-410M's trunk (24 layers, d 1024, 16 heads) with OLMoE-1B-7B's MoE recipe
-# (64 experts, top-8, expert width d/2 = 512): 2.62B total / 0.51B active (tests/test_backbones.py
-# checks the counts).
+# meshlm's reading is Pythia-410M's trunk (24 layers, d 1024, 16 heads) with OLMoE-1B-7B's MoE
+# recipe (64 experts, top-8, expert width d/2 = 512): 2.62B total / 0.51B active
+# (tests/test_backbones.py checks the counts).
 _OLMOE = dict(backbone="olmoe", vocab_size=50304, context_length=4096, n_experts=64, top_k=8)
 _OLMOE_410M = dict(_OLMOE, d_model=1024, n_heads=16, mlp_hidden=512)
 _SMALL = dict(d_model=128, n_heads=4, vocab_size=8192, context_length=256)

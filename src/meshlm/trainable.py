@@ -1,4 +1,5 @@
-"""The names of what a run trains (`train.trainable`, `train.lora_targets`), checked without a model.
+"""The names of what a run trains (`train.trainable`, `train.lora_targets`), checked without a
+model.
 
 Plain strings only, so the training config validates them without importing torch or the model;
 meshlm.adapters applies them to a MeshLM (PEFT LoRA, the frozen set).

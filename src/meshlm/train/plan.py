@@ -1,4 +1,4 @@
-"""`resolve(cfg) -> RunPlan`: everything a training start derives from its TrainConfig, derived once.
+"""`resolve(cfg) -> RunPlan`: what a training start derives from its TrainConfig, derived once.
 
     meshlm train --config FILE KEY=VALUE ...        meshlm.commands.train
         │ load_config: the file + overrides -> TrainConfig (plain data; its values checked)
@@ -7,7 +7,8 @@
         │                                           once), the model config built, the tokenizer
         │                                           chosen and loaded, the data folder named (task
         │                                           data generated into the cache), the sequence
-        │                                           length, step count, loop distribution, run folder
+        │                                           length, step count, loop distribution, run
+        │                                           folder
         ▼
     preflight(plan) -> parallel.setup(plan) -> Trainer(plan, env).run()      meshlm.train.trainer
 
@@ -58,7 +59,8 @@ class RunPlan:
         return self.loops.sampled or bool(self.loops.low) or self.cfg.backprop_loops > 0
 
     def with_data(self, data_dir: Path) -> RunPlan:
-        """The same run on data prepared after resolving (fine-tuning data made with its tokenizer)."""
+        """The same run on data prepared after resolving (fine-tuning data, made with its
+        tokenizer)."""
         cfg = dataclasses.replace(self.cfg, data=str(data_dir))
         return dataclasses.replace(self, cfg=cfg, data_dir=data_dir)
 
