@@ -108,7 +108,8 @@ class Trainer:
         """The model, its init_from weights, adapters and trainable set, then its wrapping."""
         torch.manual_seed(self.cfg.seed)  # same initial weights on every rank and every resume
         self.model = MeshLM(self.model_cfg).to(self.env.device)  # the unwrapped handle: saving
-        if self.plan.init and not (resume and checkpoint.list_checkpoints(self.run_dir)):
+        resuming = resume and checkpoint.list_checkpoints(self.run_dir)
+        if self.plan.init is not None and not resuming:
             self._initialise_from(self.plan.init)  # before LoRA renames the Linears it wraps
         self.trainable = adapt(self.model, self.cfg.to_dict())  # LoRA, frozen set (meshlm.adapters)
         self.wrapped = parallel.wrap(self.model, self.plan, self.env)  # what forward() goes through
