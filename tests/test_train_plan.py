@@ -49,7 +49,7 @@ def test_meshlm_train_from_init_from_resolves_the_run_once(prepared, tmp_path, m
     assert (resolved[0], again[0]) == (1, 0)  # one plan, from the command line to the trainer
     assert derived[0] == 1  # the model config: derived once (before: 8 times before step 0)
     assert located[0] == 1  # init_from's config.json: read once for the plan ...
-    assert opened[0] == 1  # ... and once more where its weights are loaded (meshlm.loading)
+    assert opened[0] <= 1  # ... and at most once more where its weights load (meshlm.loading)
 
 
 def test_train_given_a_config_resolves_it_once(prepared, tmp_path, monkeypatch):
