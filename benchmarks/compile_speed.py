@@ -62,7 +62,7 @@ def main() -> None:
     device = torch.device(args.device)
 
     cfg = load_config(args.config, args.overrides)
-    model_cfg = cfg.model_config()
+    model_cfg = cfg.derive_model()
     seq_len = cfg.sequence_length(model_cfg)
     data = PreparedData(prepare_default(tokenizer=cfg.tokenizer), "train")
     batches = [(x.to(device), y.to(device)) for x, y in get_batch(

@@ -35,6 +35,7 @@ if str(SRC) not in sys.path:  # runs from a checkout without an installed meshlm
 from meshlm.runtime.peaks import GPU_BF16_PEAKS, measure_matmul_peak  # noqa: E402
 from meshlm.train import parallel  # noqa: E402
 from meshlm.train.config import TrainConfig  # noqa: E402
+from meshlm.train.plan import resolve  # noqa: E402
 from meshlm.train.trainer import Trainer  # noqa: E402
 
 PRESET = "pythia-160m-2+4R2+2"  # d 768, 12 heads, 2 prelude + 4-layer core × 2 + 2 coda, MeSH
@@ -126,11 +127,12 @@ def _run(args: argparse.Namespace, backend: str, out_dir: str) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
     cfg = train_config(args, out_dir)  # built eager: the layers are compiled below, after eager steps
-    env = parallel.setup(cfg)  # world 1 from the environment: the trainer itself adds no DDP
+    plan = resolve(cfg)
+    env = parallel.setup(plan)  # world 1 from the environment: the trainer itself adds no DDP
     cuda = env.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, env, log=lambda message: print(message, flush=True))
+    trainer = Trainer(plan, env, log=lambda message: print(message, flush=True))
     setup_s = time.perf_counter() - t0
     flash = check_flash(trainer) if cuda else False
     trainer.wrapped = DistributedDataParallel(trainer.wrapped, device_ids=[0] if cuda else None)

@@ -44,14 +44,15 @@ def child(args: argparse.Namespace) -> None:
 
     from meshlm.train import parallel
     from meshlm.train.config import load_config
+    from meshlm.train.plan import resolve
     from meshlm.train.trainer import Trainer
 
     with tempfile.TemporaryDirectory() as out:
         extra = [f"steps={args.warmup + args.steps}", "save_every=0", "eval_every=0", "progress=false",
                  "tensorboard=false", f"out_dir={out}", f"name={args.child}"]
-        cfg = load_config(args.config, args.overrides + VARIANTS[args.child][1] + extra)
-        env = parallel.setup(cfg)
-        trainer = Trainer(cfg, env, log=lambda message: None)
+        plan = resolve(load_config(args.config, args.overrides + VARIANTS[args.child][1] + extra))
+        env = parallel.setup(plan)
+        trainer = Trainer(plan, env, log=lambda message: None)
         for step in range(args.warmup):
             trainer.train_step(step)
         r0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()

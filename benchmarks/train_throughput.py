@@ -76,7 +76,7 @@ def main() -> None:
     clock = timing_setup(args)
 
     cfg = load_config(args.config, args.overrides)
-    model_cfg = cfg.model_config()
+    model_cfg = cfg.derive_model()
     seq_len = cfg.sequence_length(model_cfg)
     data = PreparedData(prepare_default(tokenizer=cfg.tokenizer), "train")
     batches = get_batch(data, 0, cfg.global_batch, seq_len, cfg.seed, micro_batches=cfg.global_batch // cfg.micro_batch)

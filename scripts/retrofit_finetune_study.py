@@ -37,8 +37,8 @@ def variants(rank: int) -> dict[str, tuple[str, dict]]:
 
 def run_all(args) -> None:
     from meshlm.cli import main as meshlm
-    from meshlm.train import train
     from meshlm.train.config import TrainConfig
+    from meshlm.train.trainer import train
 
     out = Path(args.out)
     vanilla = out / "vanilla"

@@ -33,8 +33,8 @@ DOC = ROOT / "docs" / "errors.md"
 def build_world(root: Path) -> dict[str, Path]:
     from meshlm.data.corpus import default_documents
     from meshlm.data.prepare import prepare
-    from meshlm.train import train
     from meshlm.train.config import TrainConfig
+    from meshlm.train.trainer import train
 
     corpus = root / "corpus"
     corpus.mkdir(parents=True)
@@ -225,7 +225,8 @@ def _task_data(tmp: Path, tasks: str) -> Path:
 
 def _task_run(tmp: Path) -> None:
     """A 2-step run on chase data, and dag data beside it."""
-    from meshlm.train import TrainConfig, train
+    from meshlm.train.config import TrainConfig
+    from meshlm.train.trainer import train
 
     data, _ = _task_data(tmp, "chase"), _task_data(tmp, "dag")
     cfg = TrainConfig(model={"preset": "tiny", "vocab_size": 64}, data=str(data), out_dir=str(tmp), name="chase-run",

@@ -46,7 +46,7 @@ def test_print_config_expands_the_preset_and_trains_the_same(capsys, tmp_path):
     assert set(printed["model"]) == {"preset"} | {f.name for f in dataclasses.fields(ModelConfig)}
     (tmp_path / "printed.yaml").write_text(yaml.safe_dump(printed))
     again = load_config(tmp_path / "printed.yaml")
-    assert again.model_config() == resolved and again.lr == 1e-3
+    assert again.derive_model() == resolved and again.lr == 1e-3
 
 
 def test_misspelt_fields_commands_presets_and_choices_suggest_the_nearest(capsys):

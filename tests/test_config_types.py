@@ -62,11 +62,11 @@ def test_floats_and_integers_parse_from_yaml_strings():
     cfg = load_config(None, ["train.lr=1e-3", "model.layer_norm_eps=1e-6", "train.steps=1e2", "model.spec=24",
                              "model.scheme=vanilla", "train.progress=false"])
     assert cfg.lr == 1e-3 and cfg.steps == 100 and cfg.progress is False
-    model = cfg.model_config()
+    model = cfg.derive_model()
     assert model.layer_norm_eps == 1e-6 and model.spec == "24"
     data = yaml.safe_load("model:\n  layer_norm_eps: 1e-5\ntrain:\n  eps: 1e-8\n")  # YAML 1.1: both strings
     cfg = TrainConfig.from_file_dict(data)
-    assert cfg.eps == 1e-8 and cfg.model_config().layer_norm_eps == 1e-5
+    assert cfg.eps == 1e-8 and cfg.derive_model().layer_norm_eps == 1e-5
 
 
 def test_every_problem_is_reported_at_once():

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from trainkit import TORCHRUN, as_overrides, cli, tiny_train, train_losses
+from trainkit import TORCHRUN, as_overrides, cli, run_dir, tiny_train, train_losses
 
 from meshlm.loading import open_model
-from meshlm.train import train
+from meshlm.train.trainer import train
 
 STEPS = 5
 
@@ -31,11 +31,11 @@ def test_two_processes_match_one(prepared, tmp_path, single, mode):
     cfg = tiny_train(prepared, tmp_path, steps=STEPS, save_every=0, distributed=mode, **FP32)  # 4 per rank
     done = cli("train", *as_overrides(cfg), launcher=TORCHRUN)
     assert done.returncode == 0, done.stderr[-3000:]
-    got = train_losses(cfg.run_dir())
+    got = train_losses(run_dir(cfg))
     assert sorted(got) == sorted(losses)
     for step, loss in losses.items():
         assert abs(got[step] - loss) <= 1e-5, (step, got[step], loss)
-    model = open_model(cfg.run_dir()).model  # written by rank 0 from gathered (FSDP: unsharded) state
+    model = open_model(run_dir(cfg)).model  # written by rank 0 from gathered (FSDP: full) state
     for name, tensor in model.state_dict().items():
         # Adam turns ~1e-9 gradient differences on rarely seen embedding rows into ~1e-5 weight differences
         torch.testing.assert_close(tensor, weights[name], atol=1e-4, rtol=0, msg=name)
@@ -47,7 +47,7 @@ def test_fsdp_run_resumes_under_fsdp(prepared, tmp_path):
     done = cli("train", *as_overrides(cfg), "steps=5", "--resume", launcher=TORCHRUN)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed" in done.stderr and "step-000003" in done.stderr
-    assert sorted(train_losses(cfg.run_dir())) == [1, 2, 3, 4, 5]
+    assert sorted(train_losses(run_dir(cfg))) == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
@@ -59,9 +59,9 @@ def test_sampled_depth_keeps_ranks_in_lockstep(prepared, tmp_path, mode):
     cfg = tiny_train(prepared, tmp_path / "two", distributed=mode, **depth)
     done = cli("train", *as_overrides(cfg), launcher=TORCHRUN)
     assert done.returncode == 0, done.stderr[-3000:]
-    got = train_losses(cfg.run_dir())
+    got = train_losses(run_dir(cfg))
     for step, loss in ref.losses.items():
         assert abs(got[step] - loss) <= 1e-5, (step, got[step], loss)
     weights = open_model(ref.run_dir).model.state_dict()
-    for name, tensor in open_model(cfg.run_dir()).model.state_dict().items():
+    for name, tensor in open_model(run_dir(cfg)).model.state_dict().items():
         torch.testing.assert_close(tensor, weights[name], atol=1e-4, rtol=0, msg=name)

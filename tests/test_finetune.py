@@ -20,7 +20,7 @@ from meshlm.data.sft import DEFAULT_TEMPLATE, Renderer, prepare_sft
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import ConfigError, DataError
 from meshlm.loading import open_model
-from meshlm.train import train
+from meshlm.train.trainer import train
 
 CHAT = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2 plus 3?"},
                      {"role": "assistant", "content": "5."}, {"role": "user", "content": "and 4 plus 4?"},
@@ -151,9 +151,11 @@ def test_optimizer_holds_only_the_trainable_parameters(sft_data, tmp_path):
     cfg = tiny_train(sft_data, tmp_path, lora_rank=4, seq_len=0, steps=2, save_every=0, lora_targets="core")
     result = train(cfg)
     from meshlm.train import parallel
+    from meshlm.train.plan import resolve
     from meshlm.train.trainer import Trainer
 
-    t = Trainer(cfg.__class__.from_dict({**cfg.to_dict(), "name": "again"}), parallel.setup(cfg))
+    plan = resolve(cfg.__class__.from_dict({**cfg.to_dict(), "name": "again"}))
+    t = Trainer(plan, parallel.setup(plan))
     in_optimizer = {id(p) for group in t.optimizer.param_groups for p in group["params"]}
     trainable = {id(p) for p in t.model.parameters() if p.requires_grad}
     names = [n for n, p in t.model.named_parameters() if p.requires_grad]

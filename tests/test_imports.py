@@ -130,7 +130,8 @@ def test_the_model_imports_nothing_of_training_data_or_files():
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                        check=True).stdout)
     ours = [m for m in loaded if m.startswith("meshlm")]
-    allowed = {"meshlm", "meshlm.errors", "meshlm.fields", "meshlm.backbones", "meshlm.config"}
+    allowed = {"meshlm", "meshlm.errors", "meshlm.fields", "meshlm.backbones", "meshlm.config",
+               "meshlm.presets"}
     assert "meshlm.model.lm" in ours
     assert [m for m in ours if m not in allowed and not m.startswith("meshlm.model")] == []
     assert not any(m.split(".")[0] in ("transformers", "datasets", "safetensors", "tokenizers") for m in loaded)
@@ -223,3 +224,18 @@ def test_no_circle_even_through_type_checking_imports_beyond_the_known_arrows():
                                        "its adapters: " + "; ".join(KNOWN_UPWARD))
 def test_every_import_points_down_the_layers():
     assert upward_arrows() == []
+
+
+def test_the_train_config_is_plain_data_that_needs_no_torch():
+    """`import meshlm.train.config` and a validated TrainConfig load neither torch nor the model,
+    and read no file: init_from is resolved later (meshlm.train.plan), not while validating."""
+    code = ("import sys, json, meshlm.train.config as c; "
+            "c.load_config(None, ['model.preset=tiny', 'train.lr=1e-3']); "
+            "c.TrainConfig(init_from='/nowhere/at/all', model={'d_model': 96}); "
+            "print(json.dumps(sorted(sys.modules)))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert "torch" not in loaded and "meshlm.train.config" in loaded
+    heavy = ("meshlm.model", "meshlm.loading", "meshlm.data", "meshlm.train.trainer",
+             "meshlm.train.plan")
+    assert [m for m in loaded if m.startswith(heavy)] == []

@@ -12,8 +12,8 @@ from meshlm import checkpoint
 from meshlm.cli import main
 from meshlm.errors import CheckpointError, ConfigError
 from meshlm.loading import open_model
-from meshlm.train import train
-from meshlm.train.trainer import Trainer
+from meshlm.train.plan import resolve
+from meshlm.train.trainer import Trainer, train
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,8 @@ def continued(prepared, tmp_path, init, **overrides):
 def test_starts_from_the_checkpoint_weights_with_its_config(prepared, tmp_path, retrofitted):
     cfg = continued(prepared, tmp_path, retrofitted)
     source = open_model(retrofitted).model
-    assert cfg.model_config() == source.config  # the default preset is ignored: the architecture is the checkpoint's
+    # the default preset is ignored: the architecture is the checkpoint's
+    assert resolve(cfg).model == source.config
     fresh = trainer(cfg)
     for name, tensor in source.state_dict().items():
         assert torch.equal(fresh.model.state_dict()[name], tensor), name
@@ -63,7 +64,8 @@ def test_resume_continues_the_run_not_the_initial_weights(prepared, tmp_path, re
 
 def test_model_overrides_that_keep_the_weights_apply(prepared, tmp_path, retrofitted):
     cfg = continued(prepared, tmp_path, retrofitted, model={"aux_loss_weight": 0.05, "context_length": 128})
-    assert (cfg.model_config().aux_loss_weight, cfg.model_config().context_length) == (0.05, 128)
+    model_cfg = resolve(cfg).model
+    assert (model_cfg.aux_loss_weight, model_cfg.context_length) == (0.05, 128)
     trainer(cfg)  # rotary positions: a longer context needs no new weights
 
 
@@ -71,9 +73,9 @@ def test_what_does_not_fit_is_one_clear_error(prepared, tmp_path, retrofitted):
     with pytest.raises(CheckpointError, match="do not fit the model.*missing.*retrofit"):
         trainer(continued(prepared, tmp_path, retrofitted, model={"scheme": "base"}))
     with pytest.raises(ConfigError, match="drop model.preset=tiny"):
-        continued(prepared, tmp_path, retrofitted, model={"preset": "tiny"})
+        resolve(continued(prepared, tmp_path, retrofitted, model={"preset": "tiny"}))
     with pytest.raises(ConfigError, match="init_from.*nowhere is not a directory"):
-        continued(prepared, tmp_path, tmp_path / "nowhere")
+        resolve(continued(prepared, tmp_path, tmp_path / "nowhere"))
 
 
 def test_cli_continues_a_finished_run(prepared, tmp_path, capsys):
@@ -89,4 +91,5 @@ def test_cli_continues_a_finished_run(prepared, tmp_path, capsys):
 def trainer(cfg, resume: bool = False) -> Trainer:
     from meshlm.train import parallel
 
-    return Trainer(cfg, parallel.setup(cfg), resume=resume)
+    plan = resolve(cfg)
+    return Trainer(plan, parallel.setup(plan), resume=resume)

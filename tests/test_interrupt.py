@@ -8,7 +8,7 @@ import time
 
 import torch
 from safetensors.torch import load_file
-from trainkit import ROOT, as_overrides, cli, cli_command, tiny_train, train_losses
+from trainkit import ROOT, as_overrides, cli, cli_command, run_dir, tiny_train, train_losses
 
 from meshlm import checkpoint
 
@@ -18,9 +18,9 @@ def start_and_signal(cfg, at_step: int, signals: list[int]) -> subprocess.Comple
     process reported the previous one (its stderr line), so none is merged with the next by the kernel."""
     cmd, env = cli_command("train", *as_overrides(cfg))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics, deadline = cfg.run_dir() / "metrics.jsonl", time.time() + 120
+    metrics, deadline = run_dir(cfg) / "metrics.jsonl", time.time() + 120
     while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(train_losses(cfg.run_dir())) >= at_step:
+        if metrics.exists() and len(train_losses(run_dir(cfg))) >= at_step:
             break
         time.sleep(0.005)
     err = []
@@ -45,15 +45,15 @@ def test_sigint_saves_the_current_step_and_resume_is_bit_identical(prepared, tmp
     assert "Traceback" not in done.stderr and not done.stdout
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("meshlm train: stopped: checkpoint ") and last.endswith("--resume"), last
-    saved = checkpoint.list_checkpoints(cfg.run_dir())
+    saved = checkpoint.list_checkpoints(run_dir(cfg))
     assert len(saved) == 1 and 5 <= checkpoint.verify(saved[0])["step"] < steps
-    assert not list(cfg.run_dir().glob(".t*"))  # no temporary folder left
+    assert not list(run_dir(cfg).glob(".t*"))  # no temporary folder left
 
     resumed = cli("train", *as_overrides(cfg), "--resume")
     assert resumed.returncode == 0, resumed.stderr
-    assert train_losses(cfg.run_dir()) == train_losses(ref_cfg.run_dir())
+    assert train_losses(run_dir(cfg)) == train_losses(run_dir(ref_cfg))
     final = f"step-{steps:06d}/model.safetensors"
-    a, b = load_file(str(ref_cfg.run_dir() / final)), load_file(str(cfg.run_dir() / final))
+    a, b = load_file(str(run_dir(ref_cfg) / final)), load_file(str(run_dir(cfg) / final))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -62,7 +62,7 @@ def test_sigterm_exits_143_with_a_checkpoint(prepared, tmp_path):
     done = start_and_signal(cfg, 3, [signal.SIGTERM])
     assert done.returncode == 143, done.stderr
     assert "meshlm train: stopped: checkpoint" in done.stderr and "Traceback" not in done.stderr
-    assert checkpoint.list_checkpoints(cfg.run_dir())
+    assert checkpoint.list_checkpoints(run_dir(cfg))
 
 
 def test_a_second_ctrl_c_aborts_at_once(prepared, tmp_path):
@@ -72,6 +72,6 @@ def test_a_second_ctrl_c_aborts_at_once(prepared, tmp_path):
     assert done.returncode == 130, done.stderr
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("meshlm train: stopped: interrupted")
-    assert not list(cfg.run_dir().glob(".t*"))  # an abort during a save leaves no temporary folder
-    for path in checkpoint.list_checkpoints(cfg.run_dir()):
+    assert not list(run_dir(cfg).glob(".t*"))  # an abort during a save leaves no temporary folder
+    for path in checkpoint.list_checkpoints(run_dir(cfg)):
         checkpoint.verify(path)

@@ -25,7 +25,7 @@ from meshlm.data.tokenizer import DEFAULT_PATH, DEFAULT_VOCAB, load_tokenizer
 from meshlm.errors import DataError
 from meshlm.interop.convert import convert
 from meshlm.loading import locate, open_model
-from meshlm.train import train
+from meshlm.train.trainer import train
 
 WIDE_VOCAB = DEFAULT_VOCAB + 128  # the wide tokenizer's ids, and the Llama model's vocabulary
 

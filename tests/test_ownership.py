@@ -9,7 +9,7 @@ import sys
 import time
 
 import pytest
-from trainkit import as_overrides, cli, cli_command, tiny_train, train_losses
+from trainkit import as_overrides, cli, cli_command, run_dir, tiny_train, train_losses
 
 from meshlm.train.ownership import OWNER_FILE, RunFolderBusy, RunOwner, owner_problem
 
@@ -59,7 +59,7 @@ def test_a_second_training_with_the_same_name_refuses_and_the_first_finishes_int
     cfg = tiny_train(prepared, tmp_path, steps=60, save_every=20)
     cmd, env = cli_command("train", *as_overrides(cfg))
     first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    owner = cfg.run_dir() / OWNER_FILE
+    owner = run_dir(cfg) / OWNER_FILE
     deadline = time.time() + 120
     while time.time() < deadline and not (owner.is_file() and owner.read_text().strip()):
         time.sleep(0.05)
@@ -68,6 +68,6 @@ def test_a_second_training_with_the_same_name_refuses_and_the_first_finishes_int
     assert second.returncode == 2, second.stderr
     assert f"is in use by PID {first.pid}" in second.stderr and second.stderr.count("error:") == 1
     assert first.returncode == 0, err
-    losses = train_losses(cfg.run_dir())
+    losses = train_losses(run_dir(cfg))
     assert sorted(losses) == list(range(1, 61))  # the first run's metrics, whole
     assert owner.read_text() == ""

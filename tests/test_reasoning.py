@@ -276,18 +276,18 @@ def test_task_training_with_sampled_depth_resumes_bit_exactly(chase_data, tmp_pa
     resumed: the same losses as the uninterrupted run (on CPU in fp32, bit for bit)."""
     import shutil
 
-    from trainkit import tiny_train, train_losses
+    from trainkit import run_dir, tiny_train, train_losses
 
-    from meshlm.train import train
+    from meshlm.train.trainer import train
 
     common = dict(model={"preset": "tiny", "vocab_size": 64, "scheme": scheme, "spec": "1+1R2+1"}, seq_len=0,
                   steps=6, save_every=3, loops="uniform:1-4", backprop_loops=2, dtype="fp32")
     ref = train(tiny_train(chase_data, tmp_path / "ref", **common), log=lambda m: None)
     cfg = tiny_train(chase_data, tmp_path / "cut", **common)
     train(cfg, log=lambda m: None)
-    shutil.rmtree(cfg.run_dir() / "step-000006")  # as if killed after the step-3 checkpoint
+    shutil.rmtree(run_dir(cfg) / "step-000006")  # as if killed after the step-3 checkpoint
     resumed = train(cfg, resume=True, log=lambda m: None)
-    assert resumed.start_step == 3 and train_losses(cfg.run_dir()) == train_losses(ref.run_dir)
+    assert resumed.start_step == 3 and train_losses(run_dir(cfg)) == train_losses(ref.run_dir)
     assert all(0 < loss < 5 for loss in train_losses(ref.run_dir).values())  # ~ln(43) at most: answers only
 
 

@@ -8,10 +8,11 @@ import json
 import sys
 
 import pytest
-from trainkit import tiny_train
+from trainkit import run_dir, tiny_train
 
 from meshlm.errors import ConfigError
 from meshlm.train import trackers
+from meshlm.train.plan import resolve
 from meshlm.train.preflight import preflight
 from meshlm.train.trainer import train
 
@@ -28,7 +29,7 @@ def tracked_run(tmp_path_factory, prepared_module):
         cfg = tiny_train(prepared_module, out, steps=STEPS, save_every=0, eval_every=2, lr=2e-3,
                          loggers="tensorboard,wandb,mlflow,csv", tensorboard=True)
         train(cfg)
-    return cfg.run_dir(), cfg
+    return run_dir(cfg), cfg
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def test_wandb_offline_run_holds_the_config_and_the_metrics(tracked_run):
     (log,) = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
     records = wandb_records(log)
     config = {u.key: json.loads(u.value_json) for r in records if r.HasField("config") for u in r.config.update}
-    assert config["train.lr"] == cfg.lr and config["model.spec"] == cfg.model_config().spec
+    assert config["train.lr"] == cfg.lr and config["model.spec"] == cfg.derive_model().spec
     history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
                for r in records if r.HasField("history")]
     losses = [(h["_step"], h["train/loss"]) for h in history if "train/loss" in h]
@@ -128,7 +129,7 @@ def test_an_unknown_logger_or_a_missing_package_is_a_clear_error(tmp_path, monke
     monkeypatch.setitem(sys.modules, "mlflow", None)
     cfg = tiny_train("default", tmp_path, loggers="wandb,mlflow,csv")
     with pytest.raises(ConfigError) as err:
-        preflight(cfg)
+        preflight(resolve(cfg))
     assert "train.loggers has wandb but the wandb package is not installed; pip install" in str(err.value)
     assert "pip install -c constraints.txt mlflow-skinny" in str(err.value)
     assert trackers.parse_loggers("none") == [] and trackers.parse_loggers("csv, wandb") == ["csv", "wandb"]

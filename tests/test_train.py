@@ -12,13 +12,13 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainkit import ROOT, as_overrides, cli, cli_command, tiny_train, train_losses
+from trainkit import ROOT, as_overrides, cli, cli_command, run_dir, tiny_train, train_losses
 
 from meshlm import checkpoint
 from meshlm.cli import main
 from meshlm.loading import open_model
 from meshlm.model import MeshLM
-from meshlm.train import NonFiniteLossError, train
+from meshlm.train.trainer import NonFiniteLossError, train
 
 
 def test_training_lowers_the_loss(prepared, tmp_path):
@@ -64,7 +64,7 @@ def test_too_many_non_finite_steps_abort(prepared, tmp_path, monkeypatch):
     cfg = tiny_train(prepared, tmp_path, steps=10, micro_batch=8, save_every=1, max_nonfinite=3)
     with pytest.raises(NonFiniteLossError, match="3 steps in a row"):
         train(cfg)
-    for path in checkpoint.list_checkpoints(cfg.run_dir()):  # everything saved is finite and loadable
+    for path in checkpoint.list_checkpoints(run_dir(cfg)):  # all saved is finite and loadable
         open_model(path)
 
 
@@ -79,31 +79,31 @@ def test_sigkill_then_resume_is_bit_identical(prepared, tmp_path):
     kill_at = random.randint(4, steps - 3)  # printed on failure, so a failing draw can be replayed
     cmd, env = cli_command("train", *as_overrides(cfg))
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    metrics = cfg.run_dir() / "metrics.jsonl"
+    metrics = run_dir(cfg) / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(train_losses(cfg.run_dir())) >= kill_at:
+        if metrics.exists() and len(train_losses(run_dir(cfg))) >= kill_at:
             break
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, f"run finished before the kill at step {kill_at}"
-    assert len(train_losses(cfg.run_dir())) < steps
+    assert len(train_losses(run_dir(cfg))) < steps
 
     resumed = cli("train", *as_overrides(cfg), "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed" in resumed.stderr, resumed.stderr
-    ref, got = train_losses(ref_cfg.run_dir()), train_losses(cfg.run_dir())
+    ref, got = train_losses(run_dir(ref_cfg)), train_losses(run_dir(cfg))
     assert got == ref, f"kill at step {kill_at}"
     final = f"step-{steps:06d}/model.safetensors"
-    a, b = load_file(str(ref_cfg.run_dir() / final)), load_file(str(cfg.run_dir() / final))
+    a, b = load_file(str(run_dir(ref_cfg) / final)), load_file(str(run_dir(cfg) / final))
     assert all(torch.equal(a[k], b[k]) for k in a), f"kill at step {kill_at}"
 
 
 def test_resume_skips_a_corrupt_latest_checkpoint(prepared, tmp_path, capsys):
     cfg = tiny_train(prepared, tmp_path, steps=8, save_every=4)
     train(cfg)
-    latest = cfg.run_dir() / "step-000008" / "model.safetensors"
+    latest = run_dir(cfg) / "step-000008" / "model.safetensors"
     latest.write_bytes(latest.read_bytes()[:100])  # truncated
     rc = main(["train", *as_overrides(cfg), "steps=10", "--resume"])
     err = capsys.readouterr().err
@@ -138,7 +138,7 @@ def test_refuses_to_overwrite_a_run_and_resumes_only_good_checkpoints(prepared, 
     train(cfg)
     assert main(["train", *as_overrides(cfg)]) == 2
     assert "--resume" in capsys.readouterr().err
-    state = cfg.run_dir() / "step-000004" / "state.pt"
+    state = run_dir(cfg) / "step-000004" / "state.pt"
     state.write_bytes(b"garbage")
     assert main(["train", *as_overrides(cfg), "--resume"]) == 1  # a runtime failure, not a usage error
     assert "no usable checkpoint" in capsys.readouterr().err
@@ -150,7 +150,8 @@ def test_activation_checkpointing_changes_nothing_but_memory(prepared, tmp_path)
     assert ckpt.losses == plain.losses
     a, b = open_model(plain.run_dir).model.state_dict(), open_model(ckpt.run_dir).model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert set(a) == set(MeshLM(tiny_train(prepared, tmp_path).model_config()).state_dict())  # names unchanged
+    names = MeshLM(tiny_train(prepared, tmp_path).derive_model()).state_dict()
+    assert set(a) == set(names)  # names unchanged
 
 
 def test_bf16_autocast_path_runs(prepared, tmp_path):

@@ -19,7 +19,7 @@ def test_defaults_follow_the_paper_recipe():
     cfg = TrainConfig()
     assert cfg.betas == [0.9, 0.95] and cfg.eps == 1e-8 and cfg.weight_decay == 0.01
     assert cfg.warmup == 0.01 and cfg.min_lr_ratio == 0.1 and cfg.grad_clip == 1.0
-    assert cfg.model_config().scheme == "mesh"
+    assert cfg.derive_model().scheme == "mesh"
 
 
 def test_dotted_overrides_are_typed_and_nested():
@@ -28,14 +28,14 @@ def test_dotted_overrides_are_typed_and_nested():
     assert cfg.model == {"preset": "mesh-small", "d_model": 128, "scheme_options": {"slots": 4}}
     assert cfg.lr == 1e-3 and isinstance(cfg.lr, float) and cfg.steps == 7 and cfg.compile == "true"
     assert cfg.betas == [0.8, 0.9]
-    assert cfg.model_config().d_model == 128 and cfg.model_config().scheme_options == {"slots": 4}
+    assert cfg.derive_model().d_model == 128 and cfg.derive_model().scheme_options == {"slots": 4}
 
 
 def test_yaml_file_then_overrides(tmp_path):
     path = tmp_path / "x.yaml"
     path.write_text("model:\n  preset: tiny\n  vocab_size: 8192\ntrain:\n  lr: 6e-4\n  seq_len: 64\n")
     cfg = load_config(path, ["train.seq_len=32"])
-    assert cfg.lr == 6e-4 and cfg.seq_len == 32 and cfg.model_config().d_model == 64
+    assert cfg.lr == 6e-4 and cfg.seq_len == 32 and cfg.derive_model().d_model == 64
 
 
 def test_every_problem_in_one_error():
@@ -89,7 +89,7 @@ def test_configs_exist_for_every_paper_row():
 @pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(SHIPPED_CONFIGS)) for p in CONFIGS])
 def test_every_config_file_parses_and_builds(path):
     cfg = load_config(path)
-    model_cfg = cfg.model_config()
+    model_cfg = cfg.derive_model()
     with torch.device("meta"):
         model = MeshLM(model_cfg)
     assert sum(p.numel() for p in model.parameters()) > 0
@@ -99,7 +99,7 @@ def test_every_config_file_parses_and_builds(path):
 
 
 def test_weight_decay_groups():
-    model = MeshLM(load_config(None, ["model.preset=tiny"]).model_config())
+    model = MeshLM(load_config(None, ["model.preset=tiny"]).derive_model())
     decay, no_decay = param_groups(model, 0.01)
     names = {id(p): n for n, p in model.named_parameters()}
     decayed = {names[id(p)] for p in decay["params"]}

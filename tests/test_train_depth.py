@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import build, tiny
-from trainkit import make_prepared, tiny_train, train_losses
+from trainkit import make_prepared, run_dir, tiny_train, train_losses
 
 from meshlm.errors import ConfigError
 from meshlm.train.depth import parse_loops
@@ -68,17 +68,18 @@ def test_backprop_loops_above_the_cap_and_multi_core_sampling_are_errors(prepare
 
 
 def test_sampling_gives_per_step_parameters_up_to_the_distributions_95th_percentile(prepared, tmp_path):
-    assert tiny_train(prepared, tmp_path, loops="uniform:1-8").model_config().max_loops == 8
+    assert tiny_train(prepared, tmp_path, loops="uniform:1-8").derive_model().max_loops == 8
     # mean 4, cap 16: 95% of draws are <= 8 (P(n >= 12) is 1%): pairs beyond 8 would hardly be trained
     huginn = tiny_train(prepared, tmp_path, loops="poisson-lognormal:mean=4,cap=16")
-    assert huginn.model_config().max_loops == 8
+    assert huginn.derive_model().max_loops == 8
     draws = [huginn.loop_distribution().draw(0, step) for step in range(4000)]
     assert 0.94 <= sum(n <= 8 for n in draws) / len(draws) <= 0.97 and max(draws) > 8
-    assert tiny_train(prepared, tmp_path, loops="uniform:1-2").model_config().max_loops is None  # within K
-    assert tiny_train(prepared, tmp_path).model_config().max_loops is None  # fixed: today's model
+    within_k = tiny_train(prepared, tmp_path, loops="uniform:1-2")
+    assert within_k.derive_model().max_loops is None  # within K
+    assert tiny_train(prepared, tmp_path).derive_model().max_loops is None  # fixed: today's model
     explicit = tiny_train(prepared, tmp_path, loops="uniform:1-4",
                           model={"preset": "tiny", "vocab_size": 8192, "max_loops": 6})
-    assert explicit.model_config().max_loops == 6
+    assert explicit.derive_model().max_loops == 6
 
 
 # -- training with sampled counts ------------------------------------------------------------------------------
@@ -93,10 +94,10 @@ def test_mfu_of_sampled_and_truncated_depth_counts_the_drawn_loops(prepared, tmp
     result = train(cfg, log=lambda m: None)
     drawn = [parse_loops(cfg.loops).draw(0, s) for s in range(6)]
     with torch.device("meta"):
-        model = MeshLM(cfg.model_config())
+        model = MeshLM(cfg.derive_model())
     mean = np.mean([train_flops_per_token(model, k, 2, cfg.seq_len) for k in drawn])
     assert result.mfu == pytest.approx(result.tokens_per_s * mean / 1e11, rel=1e-9)
-    spec_k = describe(cfg.model_config(), cfg.seq_len).train_flops_per_token
+    spec_k = describe(cfg.derive_model(), cfg.seq_len).train_flops_per_token
     assert mean != pytest.approx(spec_k)  # the figure the MFU used to divide by
 
 
@@ -105,10 +106,10 @@ def test_sampled_training_logs_the_drawn_counts_and_resumes_bit_exactly(prepared
     ref = train(tiny_train(prepared, tmp_path / "ref", **common), log=lambda m: None)
     cfg = tiny_train(prepared, tmp_path / "cut", **common)
     train(cfg, log=lambda m: None)
-    shutil.rmtree(cfg.run_dir() / "step-000008")  # as if killed after the step-4 checkpoint
+    shutil.rmtree(run_dir(cfg) / "step-000008")  # as if killed after the step-4 checkpoint
     resumed = train(cfg, resume=True, log=lambda m: None)
     assert resumed.start_step == 4
-    assert train_losses(cfg.run_dir()) == train_losses(ref.run_dir)
+    assert train_losses(run_dir(cfg)) == train_losses(ref.run_dir)
     import json
     lines = [json.loads(x) for x in (ref.run_dir / "metrics.jsonl").read_text().splitlines()]
     logged = [x["loops"] for x in lines if x.get("kind") == "train"]

@@ -8,8 +8,9 @@ import pytest
 from trainkit import tiny_train
 
 from meshlm.data.prepare import validation_batches, window_indices
-from meshlm.train import parallel, train
-from meshlm.train.trainer import Trainer
+from meshlm.train import parallel
+from meshlm.train.plan import resolve
+from meshlm.train.trainer import Trainer, train
 
 
 @pytest.mark.parametrize("n_windows, wanted", [(100, 16), (7, 16), (3, 128), (50, 50)])
@@ -29,7 +30,8 @@ def test_micro_batch_does_not_change_the_validation_loss(prepared, tmp_path):
     losses = []
     for micro in (8, 4, 2):
         cfg = tiny_train(prepared, tmp_path / str(micro), micro_batch=micro, eval_windows=24)
-        losses.append(Trainer(cfg, parallel.setup(cfg)).evaluate())
+        plan = resolve(cfg)
+        losses.append(Trainer(plan, parallel.setup(plan)).evaluate())
     assert losses[1] == pytest.approx(losses[0], rel=1e-6) and losses[2] == pytest.approx(losses[0], rel=1e-6)
 
 

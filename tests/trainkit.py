@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from meshlm.train.config import TrainConfig
+from meshlm.train.plan import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS_CHARS = 400_000  # ~100k tokens: enough windows for every test, prepared in about a second
@@ -47,6 +48,11 @@ def tiny_train(data: Path, out_dir: Path, **overrides) -> TrainConfig:
                 seq_len=32, global_batch=8, micro_batch=4, steps=12, lr=3e-3, warmup=0.1, eval_every=0,
                 eval_windows=8, save_every=4, keep_last=3, progress=False, tensorboard=False, peak_flops=1e11)
     return TrainConfig(**{**base, **overrides})
+
+
+def run_dir(cfg: TrainConfig) -> Path:
+    """The folder `cfg` trains in (its resolved plan's)."""
+    return resolve(cfg).run_dir
 
 
 def as_overrides(cfg: TrainConfig) -> list[str]:
@@ -126,9 +132,10 @@ def train_with_rank_fault(data: Path, tmp: Path, fault: str) -> tuple[int, str, 
     cmd, env = cli_command("train", *as_overrides(cfg), launcher=[*TORCHRUN, "--log-dir", str(logs), "-r", "3"])
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    metrics = cfg.run_dir() / "metrics.jsonl"
+    metrics = run_dir(cfg) / "metrics.jsonl"
     try:
-        wait_until(lambda: metrics.is_file() and len(train_losses(cfg.run_dir())) >= 3, 120, "three steps")
+        folder = run_dir(cfg)
+        wait_until(lambda: metrics.is_file() and len(train_losses(folder)) >= 3, 120, "three steps")
         ranks = rank_pids(proc.pid)
         assert sorted(ranks) == [0, 1], ranks
         os.kill(ranks[1], signal.SIGSTOP if fault == "stopped" else signal.SIGKILL)

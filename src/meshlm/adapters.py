@@ -31,9 +31,8 @@ from torch import nn
 
 from meshlm.errors import ConfigError
 from meshlm.model.loop_lora import ROLE_NAMES, targets_of
+from meshlm.trainable import SECTIONS, trainable_roles, words
 
-SECTIONS = ("prelude", "core", "coda")
-TRAINABLE = ("all", "lora", "loop_lora", "routers", "scheme", "embeddings", *SECTIONS)
 _PREFIX = {"routers": ("scheme.routers.",), "scheme": ("scheme.",), "embeddings": ("embed_in.", "embed_out."),
            "prelude": ("prelude.",), "core": ("cores.",), "coda": ("coda.",)}
 
@@ -57,7 +56,7 @@ class LoraSpec:
 
     @property
     def trains_routers(self) -> bool:
-        return "routers" in _words(self.targets)
+        return "routers" in words(self.targets)
 
     def apply(self, model: nn.Module) -> nn.Module:
         return apply_lora(model, self)
@@ -67,15 +66,11 @@ class LoraSpec:
         return merge_lora(model)
 
 
-def _words(text: str) -> list[str]:
-    return [w.strip() for w in text.split(",") if w.strip()]
-
-
 def target_names(model: nn.Module, targets: str) -> list[str]:
     """Full names of the plain Linears `targets` picks (routers excluded: they train in full)."""
-    words = [w for w in _words(targets) if w != "routers"]
-    sections = [w for w in words if w in SECTIONS] or list(SECTIONS)
-    kinds = ",".join(w for w in words if w not in SECTIONS) or ",".join(ROLE_NAMES)
+    picked = [w for w in words(targets) if w != "routers"]
+    sections = [w for w in picked if w in SECTIONS] or list(SECTIONS)
+    kinds = ",".join(w for w in picked if w not in SECTIONS) or ",".join(ROLE_NAMES)
     stacks = {"prelude": [("prelude", model.prelude)], "coda": [("coda", model.coda)],
               "core": [(f"cores.{i}", core) for i, core in enumerate(model.cores)]}
     return [f"{prefix}.{j}.{name}" for section in sections for prefix, stack in stacks[section]
@@ -107,20 +102,6 @@ def merge_lora(model: nn.Module) -> nn.Module:
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, module.get_base_layer())
     return model
-
-
-def trainable_roles(trainable: str, spec: LoraSpec | None) -> list[str]:
-    """The roles that train: `trainable` as given, or its default (see the module docstring)."""
-    if trainable.strip():
-        roles = _words(trainable)
-        unknown = sorted(set(roles) - set(TRAINABLE))
-        if unknown:
-            raise ConfigError(f"trainable={trainable!r}: {unknown} unknown; use all or roles from "
-                              f"{', '.join(TRAINABLE[1:])}")
-        return roles
-    if spec is None:
-        return ["all"]
-    return ["lora", "routers"] if spec.trains_routers else ["lora"]
 
 
 def set_trainable(model: nn.Module, roles: list[str]) -> int:

@@ -53,6 +53,7 @@ from meshlm.model.accounting import describe
 from meshlm.runtime.peaks import device_peak
 from meshlm.runtime.precision import choose
 from meshlm.train.config import find_config, load_config
+from meshlm.train.plan import resolve_model
 from meshlm.yaml_files import load_yaml
 
 STUDY_KEYS = {"name", "out_dir", "config", "overrides", "seeds", "variants", "eval", "probe", "launcher",
@@ -155,7 +156,7 @@ def planning_peak(study: Study) -> tuple[float, str]:
 def estimate(study: Study, run: Run, peak: float | None = None) -> dict[str, Any]:
     """Tokens, training FLOPs and device-hours of one run (at the study's assumed MFU of `peak`)."""
     cfg = train_config(study, run)
-    model_cfg = cfg.model_config()
+    model_cfg, _ = resolve_model(cfg)  # init_from: the folder's model
     seq_len = cfg.sequence_length(model_cfg)
     if holds_tasks(cfg.data):  # one example per window: the task data's block (generated once, cached)
         seq_len = window_length(read_manifest(data_folder(cfg.data)), cfg.seq_len)

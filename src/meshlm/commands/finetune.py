@@ -15,7 +15,6 @@ the base weights (`meshlm convert <run>/merged OUT --to hf` exports it for trans
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 FINETUNE_DEFAULTS = ("train.lora_rank=8", "train.lr=1e-3", "train.steps=200", "train.warmup=0.05",
@@ -35,33 +34,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from meshlm import checkpoint
+    from meshlm.commands.train import log_to_stderr
     from meshlm.data.sft import cached_sft_data
-    from meshlm.data.tokenizer import folder_chat_template, load_tokenizer
-    from meshlm.errors import ConfigError
     from meshlm.loading import locate, open_model
     from meshlm.train.config import load_config
+    from meshlm.train.plan import resolve
     from meshlm.train.trainer import train
 
     folder = locate(args.source)
     name = [f"train.name={folder.run_dir.resolve().name}-ft"]  # a step folder: its run's name
-    cfg = load_config(args.config, [*FINETUNE_DEFAULTS, *name, f"train.init_from={args.source}", *args.overrides])
-    template = folder_chat_template(folder.path)
-    if args.chat_template:
-        path = Path(args.chat_template)
-        if not path.is_file():
-            raise ConfigError(f"--chat-template {path} does not exist; pass a Jinja template file")
-        template = path.read_text(encoding="utf-8")
-    tokenizer = load_tokenizer(cfg.tokenizer_source())
-    data = cached_sft_data(args.data, tokenizer, template, cfg.model_config().context_length)
     cfg = load_config(args.config, [*FINETUNE_DEFAULTS, *name, f"train.init_from={args.source}",
-                                    f"train.data={data}", *args.overrides])
-    result = train(cfg, resume=args.resume, log=lambda message: print(message, file=sys.stderr, flush=True))
-    print(f"fine-tuned {result.steps} steps: validation loss {result.val_loss:.4f} on the completion tokens")
+                                    *args.overrides])
+    plan = resolve(cfg)  # the folder's model and tokenizer, which the data are prepared with
+    data = cached_sft_data(args.data, plan.tokenizer, chat_template(args, folder.path),
+                           plan.model.context_length)
+    result = train(plan.with_data(data), resume=args.resume, log=log_to_stderr)
+    print(f"fine-tuned {result.steps} steps: validation loss {result.val_loss:.4f} on the "
+          f"completion tokens")
     print(f"checkpoint: {result.checkpoint}")
     if cfg.lora_rank and result.checkpoint is not None:
         opened = open_model(result.checkpoint)
-        merged = checkpoint.save_model(opened.model, cfg.run_dir() / "merged",
-                                       {"source": {"format": "meshlm", "path": str(result.checkpoint),
-                                                   "merged": "lora"}}, opened.tokenizer_file)
+        source = {"format": "meshlm", "path": str(result.checkpoint), "merged": "lora"}
+        merged = checkpoint.save_model(opened.model, plan.run_dir / "merged", {"source": source},
+                                       opened.tokenizer_file)
         print(f"merged: {merged} (LoRA folded into the base weights)")
     return 0
+
+
+def chat_template(args: argparse.Namespace, folder: Path) -> str | None:
+    """--chat-template's file, else the model folder's own template (None: meshlm's default)."""
+    from meshlm.data.tokenizer import folder_chat_template
+    from meshlm.errors import ConfigError
+
+    if not args.chat_template:
+        return folder_chat_template(folder)
+    path = Path(args.chat_template)
+    if not path.is_file():
+        raise ConfigError(f"--chat-template {path} does not exist; pass a Jinja template file")
+    return path.read_text(encoding="utf-8")

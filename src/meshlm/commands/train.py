@@ -54,19 +54,22 @@ def complete_override(prefix: str, **_) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The config (file + overrides) -> the resolved run (meshlm.train.plan) -> the trainer."""
     import yaml
 
     from meshlm.errors import Interrupted
     from meshlm.train.config import load_config
+    from meshlm.train.plan import resolve, resolve_model
 
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
-        print(yaml.safe_dump(resolved(cfg), sort_keys=False), end="")
+        print(yaml.safe_dump(resolved(cfg, resolve_model(cfg)[0]), sort_keys=False), end="")
         return 0
     from meshlm.train.trainer import train
 
+    plan = resolve(cfg)
     try:
-        result = train(cfg, resume=args.resume, log=lambda message: print(message, file=sys.stderr, flush=True))
+        result = train(plan, resume=args.resume, log=log_to_stderr)
     except Interrupted as err:
         err.args = (str(err).replace("the same command and --resume", resume_command(args)),)
         raise
@@ -75,19 +78,25 @@ def run(args: argparse.Namespace) -> int:
     if result.start_step >= result.steps:  # --resume of a finished run: nothing was trained now
         print(f"already trained: {result.steps} steps (resumed at its last step)")
     else:
-        print(f"trained {result.steps} steps in {result.wall_s:.0f} s ({result.tokens_per_s:,.0f} tokens/s, "
-              f"MFU {100 * result.mfu:.1f}%)")
+        print(f"trained {result.steps} steps in {result.wall_s:.0f} s ({result.tokens_per_s:,.0f} "
+              f"tokens/s, MFU {100 * result.mfu:.1f}%)")
     print(f"validation perplexity {result.val_ppl:.2f} (loss {result.val_loss:.4f}); "
-          f"unigram baseline {_unigram(result, cfg):.2f}")
+          f"unigram baseline {_unigram(result, plan.model.vocab_size):.2f}")
     print(f"checkpoint: {result.checkpoint}")
     return 0
 
 
-def resolved(cfg) -> dict:
-    """The config file that trains exactly this: the model section expanded to every ModelConfig field."""
+def log_to_stderr(message: str) -> None:
+    """The trainer's log lines go to stderr, so stdout holds only the results."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def resolved(cfg, model_cfg) -> dict:
+    """The config file that trains exactly this: the model section expanded to every ModelConfig
+    field (`model_cfg`, the model `cfg` resolves to)."""
     data = cfg.to_file_dict()
     preset = {"preset": data["model"]["preset"]} if "preset" in data["model"] else {}
-    data["model"] = {**preset, **cfg.model_config().to_dict()}
+    data["model"] = {**preset, **model_cfg.to_dict()}
     return data
 
 
@@ -99,9 +108,9 @@ def resume_command(args: argparse.Namespace) -> str:
     return shlex.join(["meshlm", "train", *config, *args.overrides, "--resume"])
 
 
-def _unigram(result, cfg) -> float:
+def _unigram(result, vocab_size: int) -> float:
     from meshlm.data.prepare import PreparedData
     from meshlm.train.baseline import unigram_perplexity
 
-    train_data, val_data = PreparedData(result.data_dir, "train"), PreparedData(result.data_dir, "val")
-    return unigram_perplexity(train_data, val_data, cfg.model_config().vocab_size)
+    train_data = PreparedData(result.data_dir, "train")
+    return unigram_perplexity(train_data, PreparedData(result.data_dir, "val"), vocab_size)

@@ -209,9 +209,9 @@ def data_folder(data: str) -> Path | None:
     return cached_task_data(data) if is_task_source(data) else Path(data).expanduser()
 
 
-def data_tokenizer(data: str) -> str | None:
-    """The tokenizer.json that task data carries (training uses it unless train.tokenizer says otherwise)."""
-    folder = data_folder(data)
+def data_tokenizer(folder: Path | None) -> str | None:
+    """The tokenizer.json that a prepared folder (`data_folder`) carries, as task data do: training
+    uses it unless train.tokenizer says otherwise."""
     if folder is None or not (folder / MANIFEST).is_file():
         return None
     name = read_manifest(folder)["tokenizer"].get("file")

@@ -1,5 +1,6 @@
-"""Training: config, optimizer/schedule, distributed wrapping, monitoring and the loop (see trainer.py)."""
-from meshlm.train.config import TrainConfig, load_config
-from meshlm.train.trainer import NonFiniteLossError, Trainer, TrainResult, train
+"""Training: the config (plain data, config.py), the run it resolves to (plan.py), the checks
+before any compute (preflight.py), distributed wrapping (parallel.py), monitoring and the loop
+(trainer.py).
 
-__all__ = ["NonFiniteLossError", "TrainConfig", "TrainResult", "Trainer", "load_config", "train"]
+Nothing is imported here, so `import meshlm.train.config` loads neither torch nor the model; import
+the module you need (`from meshlm.train.trainer import train`)."""

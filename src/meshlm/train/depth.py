@@ -68,7 +68,7 @@ class LoopDistribution:
 @functools.lru_cache(maxsize=64)
 def _horizon(dist: LoopDistribution, k: int) -> int:
     """LoopDistribution.horizon, from a fixed-seed sample of 100,000 counts drawn as `draw` draws them
-    (~10 ms, so once per distribution: model_config() asks on every call)."""
+    (~10 ms, so once per distribution: TrainConfig.derive_model asks on every call)."""
     rng = np.random.default_rng(_SALT)
     if dist.kind == "uniform":
         counts = rng.integers(dist.low, dist.high + 1, size=100_000)

@@ -98,8 +98,9 @@ def schedule_problem(cfg, total_steps: int, windows: int) -> str | None:
             f"pass is {one_epoch:,} steps: set train.steps to a multiple of that")
 
 
-def schedule_warnings(cfg, total_steps: int) -> list[str]:
-    """Settings a run accepts that rarely mean what was intended."""
+def schedule_warnings(cfg, total_steps: int, seq_len: int) -> list[str]:
+    """Settings a run of `total_steps` steps of `seq_len`-token sequences accepts that rarely mean
+    what was intended."""
     out = []
     for name, what in (("save_every", "the only checkpoint is the final one (a crash loses the whole run)"),
                        ("eval_every", "the only validation is at the end"),
@@ -111,9 +112,9 @@ def schedule_warnings(cfg, total_steps: int) -> list[str]:
     if cfg.steps and cfg.tokens:
         out.append(f"train.tokens={cfg.tokens:,} is ignored because train.steps={cfg.steps} is set; set "
                    f"train.steps=0 to train by tokens")
-    if not cfg.steps and total_steps == 1 and cfg.tokens < cfg.global_batch * cfg.sequence_length():
-        out.append(f"train.tokens={cfg.tokens:,} is less than one step (global_batch x seq_len tokens); training 1 "
-                   f"step")
+    if not cfg.steps and total_steps == 1 and cfg.tokens < cfg.global_batch * seq_len:
+        out.append(f"train.tokens={cfg.tokens:,} is less than one step (global_batch x seq_len "
+                   f"tokens); training 1 step")
     if cfg.warmup and total_steps > 1 and math.ceil(cfg.warmup * total_steps) >= total_steps:
         out.append(f"train.warmup={cfg.warmup} of {total_steps} steps is all warmup: the learning rate never "
                    f"decays; lower train.warmup")

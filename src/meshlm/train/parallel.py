@@ -36,7 +36,7 @@ from meshlm.model.recompute import checkpoint_layers
 from meshlm.runtime import compile as compile_policy
 from meshlm.runtime import precision
 from meshlm.runtime.devices import device_problem
-from meshlm.train.config import TrainConfig
+from meshlm.train.plan import RunPlan
 from meshlm.train.watchdog import group_timeout
 
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # rank 0 gets every tensor, on CPU
@@ -64,8 +64,9 @@ class Env:
         return self.world > 1
 
 
-def setup(cfg: TrainConfig) -> Env:
+def setup(plan: RunPlan) -> Env:
     """Pick the device and precision; join the process group when launched by torchrun."""
+    cfg = plan.cfg
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     want_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
@@ -80,7 +81,7 @@ def setup(cfg: TrainConfig) -> Env:
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if want_cuda else "gloo", timeout=group_timeout(cfg.collective_timeout))
     chosen = precision.choose(cfg.dtype, device)
-    compiling = compile_policy.choose(cfg.compile, device, cfg.total_steps())
+    compiling = compile_policy.choose(cfg.compile, device, plan.total_steps)
     return Env(rank, world, local_rank, device, chosen, compiling)
 
 
@@ -105,8 +106,9 @@ def compile_layers(model: nn.Module) -> None:
         layer.compile()
 
 
-def wrap(model: nn.Module, cfg: TrainConfig, env: Env) -> nn.Module:
+def wrap(model: nn.Module, plan: RunPlan, env: Env) -> nn.Module:
     """Returns the module to call for training; `model` itself stays the handle for state dicts."""
+    cfg = plan.cfg
     if cfg.activation_checkpointing:
         checkpoint_layers(model)
     if env.compile.enabled:
@@ -121,7 +123,7 @@ def wrap(model: nn.Module, cfg: TrainConfig, env: Env) -> nn.Module:
     ids = [env.local_rank] if env.device.type == "cuda" else None
     # a sampled or truncated depth leaves some per-step parameters (MeSH routers past the drawn count or in
     # the no-grad steps) without a gradient; every rank draws the same count, so all skip the same ones
-    elastic = cfg.loop_distribution().sampled or cfg.backprop_loops > 0
+    elastic = plan.loops.sampled or cfg.backprop_loops > 0
     return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=elastic)
 
 

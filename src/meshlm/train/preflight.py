@@ -1,7 +1,8 @@
-"""What `meshlm train` checks before any compute (every problem in one error), and the warnings it prints:
-the device and the memory the run needs there (meshlm.train.footprint), the tokenizer and its vocabulary, the
-prepared data (tokenizer, length, ids, a step count that repeats it absurdly), init_from, the trackers' packages,
-the run folder; and what a resume changes (changed_settings, model_change). Read-only: safe on every rank."""
+"""What `meshlm train` checks of a resolved plan (meshlm.train.plan) before any compute, every
+problem in one error: the device and the memory the run needs there (meshlm.train.footprint), the
+tokenizer's vocabulary and the prepared data (meshlm.train.data_source), the trackers' packages, the
+run folder; and what a resume changes (changed_settings, model_change). Read-only: safe on every
+rank."""
 from __future__ import annotations
 
 import os
@@ -10,18 +11,16 @@ from pathlib import Path
 import torch
 
 from meshlm import checkpoint
-from meshlm.data.prepare import PreparedData
-from meshlm.data.tasks import data_folder, window_length
-from meshlm.data.tokenizer import check_vocab, load_tokenizer
 from meshlm.errors import Problems
-from meshlm.loading import locate
 from meshlm.runtime.devices import device_problem
 from meshlm.train import trackers
 from meshlm.train.config import TrainConfig
+from meshlm.train.data_source import data_problems
 from meshlm.train.footprint import memory_problem, schedule_warnings
 from meshlm.train.ownership import owner_problem
+from meshlm.train.plan import RunPlan
 
-__all__ = ["changed_settings", "model_change", "preflight", "schedule_warnings"]
+__all__ = ["changed_settings", "model_change", "occupied", "preflight", "schedule_warnings"]
 
 
 def changed_settings(saved: dict, current: dict, run_name: str) -> list[str]:
@@ -43,56 +42,33 @@ def model_change(ckpt: checkpoint.Checkpoint, now: dict, cfg: TrainConfig) -> st
             f"the run started with")
 
 
-def preflight(cfg: TrainConfig, resume: bool = False) -> None:
-    """What `train` needs besides a valid config, checked before any compute, every problem in one error:
-    the device, the tokenizer and its vocabulary, the prepared data (tokenizer, length), init_from, the run
-    folder. Read-only: safe on every rank."""
-    p = Problems()
+def preflight(plan: RunPlan, resume: bool = False) -> None:
+    """What `train` needs besides a resolved plan, checked before any compute, every problem in one
+    error: the device and its free memory, the tokenizer's vocabulary and the prepared data, the
+    trackers, the run folder. Read-only: safe on every rank."""
+    cfg, p = plan.cfg, Problems()
     p.need(not (problem := device_problem(cfg.device, "train.device")), problem or "")
-    model_cfg, seq_len = cfg.model_config(), cfg.sequence_length()
     if not problem:  # an estimate over the free memory is refused before anything is allocated
-        p.need(not (short := memory_problem(cfg, model_cfg, seq_len, planned_device(cfg), world_size())), short or "")
-    source = p.check(cfg.tokenizer_source)
-    tok = p.check(load_tokenizer, source) if source is not None else None
-    if tok is not None:
-        p.check(check_vocab, model_cfg.vocab_size, tok)
-    path = p.check(data_folder, cfg.data)  # a task: source is generated here (once, into the cache)
-    if path is not None and p.need(path.is_dir(), f"train.data={cfg.data}: {path} does not exist; run "
-                                                  f"`meshlm prepare` or set train.data=default"):
-        _data_problems(p, path, seq_len, model_cfg, tok, cfg.seq_len)
-    if cfg.init_from and (folder := p.check(locate, cfg.init_from)) and cfg.tokenizer != "default":
-        p.check(folder.chosen_tokenizer, cfg.tokenizer, cfg.force_tokenizer, "train.tokenizer",
-                "train.force_tokenizer=true")  # must encode like the weights' own tokenizer
+        short = memory_problem(cfg, plan.model, plan.seq_len, planned_device(cfg), world_size())
+        p.need(not short, short or "")
+    data_problems(p, plan, plan.data_dir)  # the embedded corpus (None) is checked once prepared
     for problem in trackers.missing([n for n in cfg.tracker_names() if n != "tensorboard"]):
         p.need(False, problem)
-    p.writable(cfg.run_dir(), "run folder")
-    busy = owner_problem(cfg.run_dir())  # another training in this folder: nothing else about it matters
+    p.writable(plan.run_dir, "run folder")
+    busy = owner_problem(plan.run_dir)  # another training in this folder: nothing else matters
     p.need(busy is None, busy or "")
-    existing = checkpoint.list_checkpoints(cfg.run_dir())
-    p.need(resume or not existing or bool(busy), f"{cfg.run_dir()} already holds checkpoints (newest "
-                                   f"{existing[0].name if existing else ''}); pass --resume to continue, or choose "
-                                   f"another run with train.name=... or train.out_dir=...")
+    if not busy:
+        p.need(not (taken := occupied(plan.run_dir, resume)), taken or "")
     p.raise_if_any()
 
 
-def _data_problems(p: Problems, path: Path, seq_len: int, model_cfg, tok, asked_seq_len: int) -> None:
-    """The prepared folder's problems for preflight: each split opens (sizes, checksums), holds a window of the
-    training length (task data: its example block, within the context), has ids within the vocabulary, and was
-    prepared with the run's tokenizer."""
-    splits = [data for split in ("train", "val") if (data := p.check(PreparedData, path, split)) is not None]
-    if not splits:
-        return
-    manifest = splits[0].manifest
-    seq_len = p.check(window_length, manifest, asked_seq_len) or seq_len  # task data: its example block
-    p.need(seq_len <= model_cfg.context_length,
-           f"the task data's examples are {seq_len} tokens but the model's context_length is "
-           f"{model_cfg.context_length}; set model.context_length={seq_len} or more")
-    for data in splits:
-        p.check(data.num_sequences, seq_len)
-        p.check(data.check_ids, model_cfg.vocab_size)
-    if tok is not None and not tok.made(manifest["tokenizer"]):
-        p.need(False, f"{path} was prepared with tokenizer {manifest['tokenizer']['name']!r}, not "
-                      f"{tok.name!r}; set train.tokenizer to match or prepare the data again")
+def occupied(run_dir: Path, resume: bool) -> str | None:
+    """Why a fresh run (no --resume) cannot start in `run_dir`: it already holds checkpoints."""
+    existing = checkpoint.list_checkpoints(run_dir)
+    if resume or not existing:
+        return None
+    return (f"{run_dir} already holds checkpoints (newest {existing[0].name}); pass --resume to "
+            f"continue, or choose another run with train.name=... or train.out_dir=...")
 
 
 def planned_device(cfg: TrainConfig) -> torch.device:

@@ -23,11 +23,9 @@ import torch
 from meshlm import checkpoint
 from meshlm.adapters import adapt
 from meshlm.backbones import BACKBONES
-from meshlm.data.prepare import PreparedData, validation_batches
-from meshlm.data.tasks import window_length
-from meshlm.data.tokenizer import check_vocab, load_tokenizer, tokenizer_file
-from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError
-from meshlm.loading import open_model, weight_mismatch
+from meshlm.data.prepare import validation_batches
+from meshlm.errors import CheckpointError, ConfigError, MeshlmError
+from meshlm.loading import ModelFolder, open_model, weight_mismatch
 from meshlm.model import MeshLM
 from meshlm.model.accounting import describe, train_flops_per_token
 from meshlm.runtime import allocator
@@ -35,13 +33,19 @@ from meshlm.runtime.peaks import device_peak
 from meshlm.train import parallel
 from meshlm.train.batches import get_batch, windows_xy
 from meshlm.train.config import TrainConfig
-from meshlm.train.data_source import resolve_data
-from meshlm.train.footprint import schedule_problem
+from meshlm.train.data_source import open_data, prepared_dir
 from meshlm.train.interrupt import StopRequest
 from meshlm.train.monitor import Metrics, Progress
 from meshlm.train.optim import build_optimizer, build_scheduler, retarget
 from meshlm.train.ownership import RunOwner
-from meshlm.train.preflight import changed_settings, model_change, preflight, schedule_warnings
+from meshlm.train.plan import RunPlan, resolve
+from meshlm.train.preflight import (
+    changed_settings,
+    model_change,
+    occupied,
+    preflight,
+    schedule_warnings,
+)
 from meshlm.train.watchdog import RankWatch
 
 
@@ -71,61 +75,52 @@ LOSS_PARTS = ("lm_loss", "aux_loss", "z_loss")  # with MoE layers, logged next t
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, env: parallel.Env, resume: bool = False,
+    """One training run of a resolved plan (meshlm.train.plan) on the devices of `env`."""
+
+    def __init__(self, plan: RunPlan, env: parallel.Env, resume: bool = False,
                  log: Callable[[str], None] = print):
-        self.cfg, self.env = cfg, env
+        cfg = plan.cfg
+        self.plan, self.cfg, self.env, self.model_cfg = plan, cfg, env, plan.model
         self.log = log if env.is_main else (lambda message: None)
-        self.model_cfg = cfg.model_config()
-        self.seq_len = cfg.sequence_length(self.model_cfg)
-        self.total_steps = cfg.total_steps(self.model_cfg)
-        self.run_dir = cfg.run_dir()
+        self.total_steps, self.run_dir = plan.total_steps, plan.run_dir
         if cfg.global_batch % (env.world * cfg.micro_batch):
-            raise ConfigError(f"global_batch={cfg.global_batch} must be a multiple of world size {env.world} × "
-                              f"micro_batch={cfg.micro_batch}; change train.global_batch or train.micro_batch")
-        self.accum = cfg.global_batch // (env.world * cfg.micro_batch)  # micro-batches per rank per step
-
-        source = cfg.tokenizer_source()  # "default", "pythia" or a tokenizer.json (init_from's own by default)
-        tokenizer = load_tokenizer(source)
-        self.tokenizer_file = tokenizer_file(source)  # copied into checkpoints, or None
-        check_vocab(self.model_cfg.vocab_size, tokenizer)
-        self.data_dir = data_dir = resolve_data(cfg, env, source)
-        self.train_data, self.val_data = PreparedData(data_dir, "train"), PreparedData(data_dir, "val")
-        prepared_with = self.train_data.manifest["tokenizer"]
-        if not tokenizer.made(prepared_with):
-            raise DataError(f"{data_dir} was prepared with tokenizer {prepared_with['name']!r}, not "
-                            f"{tokenizer.name!r}; set train.tokenizer to match or prepare the data again")
-        self.seq_len = window_length(self.train_data.manifest, cfg.seq_len) or self.seq_len  # task data: its block
-        for data in (self.train_data, self.val_data):
-            data.num_sequences(self.seq_len)  # DataError if the split is shorter than one sequence
-            data.check_ids(self.model_cfg.vocab_size)
-        if absurd := schedule_problem(cfg, self.total_steps, self.train_data.num_sequences(self.seq_len)):
-            raise ConfigError(absurd)  # e.g. steps=1e12: its warmup alone is 1e10 steps
-
-        torch.manual_seed(cfg.seed)  # same initial weights on every rank and every resume
-        self.model = MeshLM(self.model_cfg).to(env.device)  # the unwrapped handle: state dicts, saving
-        if cfg.init_from and not (resume and checkpoint.list_checkpoints(self.run_dir)):
-            self._initialise_from(cfg.init_from)  # base weights, before LoRA renames the Linears it wraps
-        self.trainable = adapt(self.model, cfg.to_dict())  # PEFT LoRA and the frozen set (meshlm.adapters)
-        self.wrapped = parallel.wrap(self.model, cfg, env)  # what forward() goes through
-        self.loop_dist = cfg.loop_distribution()  # loop count per step, from (seed, step): same on every rank
-        self.step_loops = self.model_cfg.layout.n_steps  # the last step's loop count (logged when sampled)
+            raise ConfigError(f"global_batch={cfg.global_batch} must be a multiple of world size "
+                              f"{env.world} × micro_batch={cfg.micro_batch}; change "
+                              f"train.global_batch or train.micro_batch")
+        self.accum = cfg.global_batch // (env.world * cfg.micro_batch)  # micro-batches per rank
+        self.data_dir = prepared_dir(plan, env)
+        data = open_data(plan, self.data_dir)  # the checks preflight ran, on the folder opened
+        self.train_data, self.val_data, self.seq_len = data.train, data.val, data.seq_len
+        self._build_model(resume)
         self.optimizer = build_optimizer(self.model, cfg, env.device)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
-        self.flops_per_token = describe(self.model_cfg, self.seq_len).train_flops_per_token  # the spec's K;
-        # with sampled or truncated depth: the mean over the steps run of their drawn depth (_count_flops)
+        self.flops_per_token = describe(self.model_cfg, self.seq_len).train_flops_per_token
+        # the spec's K; with a varying depth: the mean over the steps run of their drawn depth
         self.flops_seen, self.steps_seen, self._flops_at = 0.0, 0, {}
         self.peak, self.peak_source = device_peak(env.device, env.autocast_dtype, cfg.peak_flops)
-        self.metrics = Metrics(self.run_dir, enabled=env.is_main, loggers=cfg.tracker_names(), name=self.run_dir.name)
+        self.metrics = Metrics(self.run_dir, enabled=env.is_main, loggers=cfg.tracker_names(),
+                               name=self.run_dir.name)
         self.step, self.best_val, self.nonfinite_in_row = 0, math.inf, 0
-        self.loss_parts: dict[str, float] = {}  # the last step's lm/aux/z losses (MoE backbones only)
+        self.loss_parts: dict[str, float] = {}  # the last step's lm/aux/z losses (MoE only)
         self._prepare_run_dir(resume)
+
+    def _build_model(self, resume: bool) -> None:
+        """The model, its init_from weights, adapters and trainable set, then its wrapping."""
+        torch.manual_seed(self.cfg.seed)  # same initial weights on every rank and every resume
+        self.model = MeshLM(self.model_cfg).to(self.env.device)  # the unwrapped handle: saving
+        resuming = resume and checkpoint.list_checkpoints(self.run_dir)
+        if self.plan.init is not None and not resuming:
+            self._initialise_from(self.plan.init)  # before LoRA renames the Linears it wraps
+        self.trainable = adapt(self.model, self.cfg.to_dict())  # LoRA, frozen set (meshlm.adapters)
+        self.wrapped = parallel.wrap(self.model, self.plan, self.env)  # what forward() goes through
+        self.loop_dist = self.plan.loops  # loop count per step from (seed, step): same on all ranks
+        self.step_loops = self.model_cfg.layout.n_steps  # the last step's count (logged if sampled)
 
     # -- run directory and resume -------------------------------------------------------------------------
     def _prepare_run_dir(self, resume: bool) -> None:
+        if taken := occupied(self.run_dir, resume):
+            raise ConfigError(taken)
         existing = checkpoint.list_checkpoints(self.run_dir)
-        if existing and not resume:
-            raise ConfigError(f"{self.run_dir} already holds checkpoints (newest {existing[0].name}); pass --resume "
-                              f"to continue, or choose another run with train.name=... or train.out_dir=...")
         ckpt = self._find_resumable() if resume else None
         if resume and ckpt is None:
             if existing:
@@ -167,9 +162,11 @@ class Trainer:
         self.nonfinite_in_row = state["nonfinite_in_row"]
         self.log(f"resumed {self.run_dir} from {ckpt.path.name} (step {self.step}/{self.total_steps})")
 
-    def _initialise_from(self, path: str) -> None:
-        """Weights only, from any folder meshlm.loading opens: the optimizer and schedule start fresh."""
-        source = open_model(path)
+    def _initialise_from(self, init: ModelFolder) -> None:
+        """Weights only, from any folder meshlm.loading opens: the optimizer and schedule start
+        fresh."""
+        source = open_model(init.path)  # the folder the plan located (a run: its checkpoint)
+        path = self.cfg.init_from
         # per-loop LoRA added to a model without it (model.loop_lora_rank=...): its deltas start at their init
         fresh = {k: v for k, v in self.model.state_dict().items() if ".loop_lora." in k}
         weights = {**fresh, **source.model.state_dict()}
@@ -190,7 +187,7 @@ class Trainer:
         total = torch.zeros((), device=env.device)
         parts = {name: torch.zeros((), device=env.device) for name in LOSS_PARTS}
         depth = {}  # fixed depth: the model's own K, exactly today's call
-        if self.loop_dist.sampled or self.loop_dist.low or cfg.backprop_loops:
+        if self.plan.varies_depth:
             depth = dict(loops=self.loop_dist.draw(cfg.seed, step), backprop_loops=cfg.backprop_loops or None)
         self.step_loops = depth.get("loops") or self.model_cfg.layout.n_steps
         for i, (x, y) in enumerate(batches):  # x, y: (micro_batch, seq_len)
@@ -256,7 +253,7 @@ class Trainer:
                     "tokens": self.step * self.cfg.global_batch * self.seq_len}
             path = checkpoint.save_checkpoint(self.run_dir, self.step, weights, state, meta,
                                               keep_last=self.cfg.keep_last, is_best=is_best,
-                                              tokenizer=self.tokenizer_file)
+                                              tokenizer=self.plan.tokenizer_file)
         self.best_val = parallel.broadcast_object(self.best_val, self.env)
         parallel.barrier(self.env)
         return path
@@ -312,7 +309,7 @@ class Trainer:
     def _count_flops(self) -> None:
         """The mean training FLOPs per token over the steps run, each at the loop count it drew."""
         cfg = self.cfg
-        if not (self.loop_dist.sampled or self.loop_dist.low or cfg.backprop_loops):
+        if not self.plan.varies_depth:
             return  # the spec's K every step: describe's figure
         loops = self.step_loops
         if loops not in self._flops_at:
@@ -382,17 +379,20 @@ class Trainer:
                 f"last checkpoint in {self.run_dir}")
 
 
-def train(cfg: TrainConfig, resume: bool = False, log: Callable[[str], None] = print) -> TrainResult:
-    """Tune malloc (if `meshlm train` has not yet), check every input, set up devices (and the process group
-    under torchrun), take ownership of the run folder (meshlm.train.ownership), train, tear down."""
+def train(run: TrainConfig | RunPlan, resume: bool = False,
+          log: Callable[[str], None] = print) -> TrainResult:
+    """Tune malloc (if `meshlm train` has not yet), resolve the run (once: meshlm.train.plan), check
+    every input, set up devices (and the process group under torchrun), take ownership of the run
+    folder (meshlm.train.ownership), train, tear down."""
     allocator.tune()
-    preflight(cfg, resume)
-    env = parallel.setup(cfg)
+    plan = run if isinstance(run, RunPlan) else resolve(run)
+    preflight(plan, resume)
+    env = parallel.setup(plan)
     if env.is_main:
-        for warning in schedule_warnings(cfg, cfg.total_steps()):
+        for warning in schedule_warnings(plan.cfg, plan.total_steps, plan.seq_len):
             log(f"warning: {warning}")
-    try:
-        with RunOwner(cfg.run_dir(), log) if env.is_main else contextlib.nullcontext():  # rank 0 owns the folder
-            return Trainer(cfg, env, resume=resume, log=log).run()
+    try:  # rank 0 owns the folder
+        with RunOwner(plan.run_dir, log) if env.is_main else contextlib.nullcontext():
+            return Trainer(plan, env, resume=resume, log=log).run()
     finally:
         parallel.teardown()
