@@ -42,14 +42,14 @@ def test_meshlm_train_from_init_from_resolves_the_run_once(prepared, tmp_path, m
     resolved = counting(monkeypatch, plan_module, "resolve")
     again = counting(monkeypatch, trainer_module, "resolve")  # train() given a config resolves it
     located = counting(monkeypatch, plan_module, "locate")
-    opened = counting(monkeypatch, loading, "locate")  # the weights' own folder read (open_model)
+    recognised = counting(monkeypatch, loading, "_recognise")  # a folder's config.json read
     code = main(["train", f"train.init_from={first.run_dir}", f"train.data={prepared}",
                  f"train.out_dir={tmp_path}", "train.name=more", *TINY])
     assert code == 0
     assert (resolved[0], again[0]) == (1, 0)  # one plan, from the command line to the trainer
     assert derived[0] == 1  # the model config: derived once (before: 8 times before step 0)
-    assert located[0] == 1  # init_from's config.json: read once for the plan ...
-    assert opened[0] <= 1  # ... and at most once more where its weights load (meshlm.loading)
+    assert located[0] == 1  # init_from: located once, for the plan ...
+    assert recognised[0] == 1  # ... and its config.json read once: the trainer opens that folder
 
 
 def test_train_given_a_config_resolves_it_once(prepared, tmp_path, monkeypatch):

@@ -165,7 +165,7 @@ class Trainer:
     def _initialise_from(self, init: ModelFolder) -> None:
         """Weights only, from any folder meshlm.loading opens: the optimizer and schedule start
         fresh."""
-        source = open_model(init.path)  # the folder the plan located (a run: its checkpoint)
+        source = open_model(init)  # the folder the plan located, not recognised again
         path = self.cfg.init_from
         # per-loop LoRA added to a model without it (model.loop_lora_rank=...): its deltas start at their init
         fresh = {k: v for k, v in self.model.state_dict().items() if ".loop_lora." in k}
