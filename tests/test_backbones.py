@@ -1,95 +1,28 @@
-"""Every scheme and MeSH on every backbone: the model-core equivalences (causality, gradients, determinism,
-cached vs. uncached decoding, base K=1 = vanilla, MeSH = its equations), the HF wrapper, config validation,
-and retrofit from a Llama checkpoint. The neox backbone runs the same battery in test_schemes/test_kv_cache."""
+"""What is a backbone's own: MeSH on each, its layer class and norm, the registry as the one place
+that names backbones (a backbone defined here runs the model battery by registering it), the HF
+wrapper, config validation, and retrofit from a Llama checkpoint. What every backbone × scheme
+must do (causality, gradients, determinism, cached decoding, base K=1 = vanilla, left padding,
+bf16) is the model battery, tests/test_model_battery.py."""
 import importlib
 import sys
 
 import pytest
+import test_model_battery as battery
 import torch
-from conftest import BF16_LOGITS, build, tiny
-from test_kv_cache import decode_both_ways
+from conftest import build, tiny
 from test_memory import randomise_routers, transcribed_mesh_logits
+from test_model_battery import FIELDS, cfg_for, x_batch
 
-from meshlm.backbones import BACKBONES
+from meshlm.backbones import BACKBONES, Backbone, layer_of, register_backbone
 from meshlm.config import PRESETS, ModelConfig
 from meshlm.errors import ConfigError
-from meshlm.model import SCHEMES, MeshLM
+from meshlm.model import MeshLM, attach_layers
 from meshlm.model.layers import Layer
 
-OTHER = {"llama": dict(backbone="llama", n_kv_heads=2),
-         "olmoe": dict(backbone="olmoe", n_kv_heads=2, n_experts=4, top_k=2, mlp_hidden=16)}
-CASES = [(b, s) for b in OTHER for s in sorted(SCHEMES)]
+OTHER = {name: {"backbone": name, **fields} for name, fields in FIELDS.items()}
 
 
-def cfg_for(backbone: str, scheme: str = "mesh", **overrides) -> ModelConfig:
-    spec = "1+2+1+1" if scheme == "vanilla" else "1+2R2+1"
-    return tiny(spec=spec, scheme=scheme, **{**OTHER[backbone], **overrides})
-
-
-def x_batch(cfg, b=2, t=12, seed=1):
-    return torch.randint(0, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(seed))
-
-
-# -- the model-core battery, per backbone and scheme --------------------------------------------------------
-@pytest.mark.parametrize("backbone, scheme", CASES)
-def test_causal(backbone, scheme):
-    model = build(cfg_for(backbone, scheme))
-    x = x_batch(model.config, t=10)
-    y = x.clone()
-    y[:, 6:] = (y[:, 6:] + 1) % model.config.vocab_size
-    torch.testing.assert_close(model(x).logits[:, :6], model(y).logits[:, :6], rtol=0, atol=0)
-    assert not torch.allclose(model(x).logits[:, 6:], model(y).logits[:, 6:])
-
-
-@pytest.mark.parametrize("backbone, scheme", CASES)
-def test_gradients_reach_every_parameter(backbone, scheme):
-    model = build(cfg_for(backbone, scheme)).train()
-    x = x_batch(model.config)
-    model(x, targets=torch.roll(x, -1, 1)).loss.backward()
-    dead = [n for n, p in model.named_parameters() if p.grad is None or p.grad.abs().sum() == 0]
-    assert not dead, dead
-
-
-@pytest.mark.parametrize("backbone, scheme", CASES)
-def test_deterministic(backbone, scheme):
-    cfg = cfg_for(backbone, scheme)
-    a, b = build(cfg, seed=7), build(cfg, seed=7)
-    x = x_batch(cfg)
-    assert torch.equal(a(x).logits, b(x).logits)
-    assert not torch.equal(a(x).logits, build(cfg, seed=8)(x).logits)  # the seed, not luck, made them equal
-
-
-@pytest.mark.parametrize("backbone, scheme", CASES)
-def test_cached_decoding_equals_uncached(backbone, scheme):
-    model = build(cfg_for(backbone, scheme))
-    worst, cache = decode_both_ways(model, steps=8)
-    assert worst <= 1e-5, worst
-    assert len(cache) == model.config.layout.unrolled_depth
-
-
-@pytest.mark.parametrize("backbone", OTHER)
-@pytest.mark.parametrize("loops", [1, 3])
-def test_cached_decoding_with_other_loop_counts(backbone, loops):
-    model = build(cfg_for(backbone))
-    worst, cache = decode_both_ways(model, loops=loops, steps=4)
-    assert worst <= 1e-5 and len(cache) == 2 + 2 * loops
-
-
-@pytest.mark.parametrize("backbone", OTHER)
-def test_base_with_one_loop_equals_vanilla_with_the_same_layers(backbone):
-    vanilla = build(tiny(spec="4", scheme="vanilla", **OTHER[backbone]))
-    base = build(tiny(spec="1+2R1+1", scheme="base", **OTHER[backbone]), seed=1)
-    rename = {"cores.0.0.": "prelude.0.", "cores.0.1.": "cores.0.0.", "cores.0.2.": "cores.0.1.",
-              "cores.0.3.": "coda.0."}
-    state = {}
-    for k, v in vanilla.state_dict().items():
-        prefix = next((p for p in rename if k.startswith(p)), None)
-        state[rename[prefix] + k[len(prefix):] if prefix else k] = v
-    base.load_state_dict(state, strict=True)
-    x = x_batch(vanilla.config)
-    assert torch.equal(base(x).logits, vanilla(x).logits)
-
-
+# -- MeSH on the other backbones (neox: test_memory.py) -------------------------------------------
 @pytest.mark.parametrize("backbone", OTHER)
 @pytest.mark.parametrize("spec", ["1+1R2+1", "1+2R3+1", "2+1+1+1"])
 def test_mesh_equals_the_transcribed_equations(backbone, spec):
@@ -98,28 +31,6 @@ def test_mesh_equals_the_transcribed_equations(backbone, spec):
     x = x_batch(model.config, t=11)
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, transcribed_mesh_logits(model, x), rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("backbone", OTHER)
-def test_left_padding_with_positions_matches_unpadded(backbone):
-    model = build(cfg_for(backbone))
-    x = x_batch(model.config, b=1, t=7)
-    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), x], 1)
-    mask = torch.cat([torch.zeros(1, 3), torch.ones(1, 7)], 1).long()
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(padded, padding_mask=mask, position_ids=positions)
-    torch.testing.assert_close(out.logits[:, 3:], model(x).logits, rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("backbone", OTHER)
-def test_bf16_autocast_runs_with_fp32_routers(backbone):
-    model = build(cfg_for(backbone))
-    x = x_batch(model.config, t=6)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(x, targets=x, return_states=True)
-    assert all(r.dtype == torch.float32 for r in out.stages.router_logits)
-    assert torch.isfinite(out.loss)
-    torch.testing.assert_close(out.logits.float(), model(x).logits, **BF16_LOGITS)
 
 
 def test_tied_embeddings_share_one_table():
@@ -139,6 +50,78 @@ def test_every_backbone_has_its_own_layer_class_and_norm():
         assert len(layers) == model.config.layout.unique_depth
         assert all(type(m) is backbone.layer for m in layers)
         assert type(model.final_layer_norm) is type(layers[0].input_layernorm)
+
+
+# -- a new backbone: its layer file and its registration, nothing in meshlm touched --------------
+LAYER_FILE = '''"""A backbone of one's own: GPT-NeoX's attention and MLP, sequential residual."""
+from torch import nn
+
+from meshlm.backbones import layer_of
+from meshlm.model.layers import Layer, NeoXAttention, NeoXMLP
+
+
+@layer_of("serial-neox")
+class SerialNeoXLayer(Layer):
+    def __init__(self, cfg):
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = self.norm(cfg), self.norm(cfg)
+        self.attention, self.mlp = NeoXAttention(cfg), NeoXMLP(cfg)
+
+    @staticmethod
+    def norm(cfg):
+        return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
+
+    def forward(self, x, rope, mask, cache=None, slot=0, router_logits=None):
+        x = x + self.attention(self.input_layernorm(x), rope, mask, cache, slot)
+        return x + self.mlp(self.post_attention_layernorm(x))
+'''
+
+
+@pytest.fixture
+def serial_neox(tmp_path, monkeypatch):
+    """The backbone registered for one test (the registry is left as it was: others list it)."""
+    (tmp_path / "serial_neox.py").write_text(LAYER_FILE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    class SerialNeoX(Backbone):
+        name, title, layer_module = "serial-neox", "GPT-NeoX, sequential residual", "serial_neox"
+        rotary_fraction = 0.25
+        grouped_query = qk_norm_possible = False
+
+    register_backbone(SerialNeoX)
+    try:
+        attach_layers()  # what importing meshlm.model does: the registry names the module
+        yield SerialNeoX.name
+    finally:
+        del BACKBONES[SerialNeoX.name]
+        sys.modules.pop("serial_neox", None)
+
+
+def test_a_backbone_registered_outside_meshlm_runs_the_battery(serial_neox):
+    layer = BACKBONES[serial_neox].layer
+    assert layer.__module__ == "serial_neox" and issubclass(layer, Layer)
+    for scheme in ("mesh", "vanilla"):
+        cfg = cfg_for(serial_neox, scheme)
+        for check in battery.CHECKS.values():
+            check(cfg)
+    model = build(cfg_for(serial_neox))
+    assert all(type(m) is layer for m in model.modules() if isinstance(m, Layer))
+    assert type(model.final_layer_norm) is torch.nn.LayerNorm
+    assert cfg_for(serial_neox).rotary_dims == 2  # its default: 25% of each head's 8 dims
+    with pytest.raises(ConfigError, match="choose one of: neox, llama, olmoe, serial-neox"):
+        ModelConfig(backbone="gpt2")
+
+
+def test_a_layer_module_that_attaches_no_layer_is_named(monkeypatch):
+    class Forgotten(Backbone):
+        name, layer_module = "forgotten", "meshlm.errors"  # a module with no @layer_of
+
+    monkeypatch.setitem(BACKBONES, "forgotten", Forgotten())
+    with pytest.raises(ValueError, match=r"'forgotten'.*'meshlm.errors' attaches no layer; "
+                                         r"decorate its layer class with @layer_of\('forgotten'\)"):
+        attach_layers()
+    with pytest.raises(ValueError, match="no backbone 'nameless' is registered"):
+        layer_of("nameless")
 
 
 def test_no_module_outside_the_registry_branches_on_a_backbone_name():

@@ -1,4 +1,5 @@
-"""Per-token adaptive exit: τ = 0 is full depth, τ = ∞ is one loop, cached == uncached, compute is skipped."""
+"""Per-token adaptive exit: τ = 0 is full depth, τ = ∞ is one loop, cached == uncached, compute is
+skipped, and a criterion defined outside meshlm (one class and its registration) runs end to end."""
 import pytest
 import torch
 from conftest import build, tiny
@@ -6,7 +7,7 @@ from test_memory import randomise_routers
 
 from meshlm.errors import ConfigError
 from meshlm.model import exit as exit_module
-from meshlm.model.exit import ExitRule
+from meshlm.model.exit import CRITERIA, Criterion, ExitRule, ProbeKL, Seen, register_criterion
 from meshlm.model.kv_cache import KVCache
 
 LOOPS = 4
@@ -23,17 +24,22 @@ def x_batch(b=3, t=10, seed=0):
     return torch.randint(0, 97, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
-def mid_threshold(model, x, criterion, step=1):
-    """A τ that splits the tokens at `step` and sits far from every token's value (no float-rounding ties)."""
+def measured(model, x, criterion, step):
+    """The criterion's value per token after loop step `step` + 1, from a full-depth forward."""
+    kind = CRITERIA[criterion]
     with torch.no_grad():
         states = model(x, loops=LOOPS, return_states=True).stages.states
-        if criterion == "state":
-            values = ((states[step + 1] - states[step]).norm(dim=-1) / states[step].norm(dim=-1)).flatten()
-        else:
-            logp = [torch.log_softmax(model.head(model.coda(s, model.rotary(torch.arange(x.shape[1])[None],
-                                                                            s.dtype), None)), -1) for s in states]
-            values = (logp[step + 1].exp() * (logp[step + 1] - logp[step])).sum(-1).flatten()
-    v = values.sort().values
+        rope = model.rotary(torch.arange(x.shape[1])[None], states[0].dtype)
+        before, after = states[step], states[step + 1]
+        probes = [model.head(model.coda(s, rope, None)) for s in (after, before)] if kind.probes \
+            else [None, None]
+        return kind(0.0).measure(Seen(before, after, *probes)).flatten()
+
+
+def mid_threshold(model, x, criterion, step=1):
+    """A τ that splits the tokens at `step` and sits far from every token's value (no float-rounding
+    ties)."""
+    v = measured(model, x, criterion, step).sort().values
     gaps = v[1:] - v[:-1]
     middle = len(v) // 2
     i = middle - 3 + int(gaps[middle - 3:middle + 3].argmax())  # the widest gap near the median
@@ -50,8 +56,24 @@ def test_threshold_zero_is_full_depth_and_infinity_is_one_loop(scheme, criterion
         assert torch.equal(never.logits, model(x, loops=LOOPS).logits)
         assert torch.equal(always.logits, model(x, loops=1).logits)
     assert (never.exit_loops == LOOPS).all() and (always.exit_loops == 1).all()
-    probes = never.exit_probes if criterion == "kl" else torch.zeros_like(never.exit_probes)
-    assert (probes == (LOOPS + 1 if criterion == "kl" else 0)).all()
+    probing = CRITERIA[criterion].probes
+    probes = never.exit_probes if probing else torch.zeros_like(never.exit_probes)
+    assert (probes == (LOOPS + 1 if probing else 0)).all()
+
+
+@pytest.mark.parametrize("scheme", ["mesh", "base", "anchor"])
+def test_without_exit_the_loop_is_the_plain_computation_to_the_last_bit(scheme):
+    """The do-nothing tracker hands every stage what it was given: the loop is the transcription."""
+    model, x = model_for(scheme), x_batch()
+    mask = torch.ones_like(x)
+    mask[1, :4] = 0  # a left-padded row: the mask path too
+    with torch.no_grad():
+        run = model.enter(x, padding_mask=mask)
+        h = run.h
+        for t, core in enumerate(model.schedule(LOOPS)):
+            h = model.scheme.update(t, h, model.cores[core](h, run.rope, run.mask), run.ctx)
+        expected = model.head(model.coda(h, run.rope, run.mask))
+        assert torch.equal(model(x, padding_mask=mask, loops=LOOPS).logits, expected)
 
 
 def decode(model, prompts, new_tokens, rule, cache):
@@ -78,7 +100,9 @@ def test_cached_decoding_equals_uncached_with_exit_on_left_padded_batch(criterio
     model = model_for()
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19]]
     # kl values of this random model are ~1e-6, near fp32 rounding of the logits: a fixed τ clear of the ties
-    rule = ExitRule(criterion, mid_threshold(model, x_batch(), criterion) if criterion == "state" else 3e-6)
+    kl = CRITERIA[criterion] is ProbeKL
+    threshold = 3e-6 if kl else mid_threshold(model, x_batch(), criterion)
+    rule = ExitRule(criterion, threshold)
     cached, cached_loops = decode(model, prompts, 8, rule, cache=True)
     full, full_loops = decode(model, prompts, 8, rule, cache=False)
     assert torch.equal(cached_loops, full_loops)
@@ -122,3 +146,58 @@ def test_an_exited_token_runs_no_further_core_passes():
 def test_bad_exit_rules_are_one_line_errors(text, needle):
     with pytest.raises(ConfigError, match=needle):
         ExitRule.parse(text)
+
+
+# -- a new criterion: one class and its registration, defined here without touching meshlm ----
+class Entropy(Criterion):
+    """The entropy of the next-token distribution of h^j: it probes, but compares with nothing."""
+
+    probes = True
+
+    def measure(self, seen):
+        logp = torch.log_softmax(seen.logits.float(), -1)
+        return (logp.exp() * -logp).sum(-1).clamp_min(0)
+
+
+class Turn(Criterion):
+    """1 − cos(h^j, h^{j−1}): how far the state turned, without probes."""
+
+    def measure(self, seen):
+        cos = torch.nn.functional.cosine_similarity(seen.after.float(), seen.before.float(), dim=-1)
+        return (1 - cos).clamp_min(0)
+
+
+@pytest.fixture(params=[Entropy, Turn], ids=["entropy", "turn"])
+def new_criterion(request):
+    """The criterion registered for one test (the registry is left as it was: other tests read its
+    names)."""
+    name = request.param.__name__.lower()
+    register_criterion(name)(request.param)
+    yield name
+    del CRITERIA[name]
+
+
+def test_a_new_criterion_runs_end_to_end(new_criterion):
+    model, x = model_for(), x_batch()
+    split = f"{new_criterion}:{mid_threshold(model, x, new_criterion)}"
+    with torch.no_grad():
+        never = model(x, loops=LOOPS, exit=f"{new_criterion}:0")
+        always = model(x, loops=LOOPS, exit=f"{new_criterion}:inf")
+        assert torch.equal(never.logits, model(x, loops=LOOPS).logits)
+        assert torch.equal(always.logits, model(x, loops=1).logits)
+        some = model(x, loops=LOOPS, exit=split).exit_loops.float().mean()
+    assert (never.exit_loops == LOOPS).all() and (always.exit_loops == 1).all() and 1 < some < LOOPS
+    assert (never.exit_probes == (LOOPS + 1 if CRITERIA[new_criterion].probes else 0)).all()
+    with pytest.raises(ConfigError, match=f"use one of: state, kl, {new_criterion} "):
+        ExitRule.parse("halt:0.1")
+
+
+def test_a_new_criterion_decodes_cached_as_uncached(new_criterion):
+    model = model_for()
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19]]
+    rule = ExitRule(new_criterion, mid_threshold(model, x_batch(), new_criterion))
+    cached, cached_loops = decode(model, prompts, 8, rule, cache=True)
+    full, full_loops = decode(model, prompts, 8, rule, cache=False)
+    assert torch.equal(cached_loops, full_loops)
+    assert 1 < cached_loops.float().mean() < LOOPS
+    torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-5)

@@ -1,7 +1,8 @@
-"""Every registered scheme through the one loop: equivalences, causality, gradients, shapes."""
+"""Every registered scheme through the one loop: its formula, equivalences between schemes, states
+and shapes. What every backbone × scheme must do is in the model battery (test_model_battery.py)."""
 import pytest
 import torch
-from conftest import BF16_LOGITS, build, copy_layers, tiny
+from conftest import build, copy_layers, tiny
 
 from meshlm.config import SCHEME_OPTIONS, ModelConfig
 from meshlm.errors import ConfigError
@@ -39,18 +40,6 @@ def x_batch(cfg, b=2, t=12, seed=1):
 
 
 # -- equivalences ------------------------------------------------------------------------------------------
-def test_base_with_one_loop_equals_vanilla_with_the_same_layers():
-    vanilla = build(tiny(spec="4", scheme="vanilla"))
-    base = build(tiny(spec="1+2R1+1", scheme="base"), seed=1)
-    # vanilla keeps all 4 layers in one core; base splits them 1 / 2 / 1
-    state = {k.replace("cores.0.0.", "prelude.0.").replace("cores.0.3.", "coda.0.")
-             .replace("cores.0.1.", "cores.0.0.").replace("cores.0.2.", "cores.0.1."): v
-             for k, v in vanilla.state_dict().items()}
-    base.load_state_dict(state, strict=True)
-    x = x_batch(vanilla.config)
-    assert torch.equal(base(x).logits, vanilla(x).logits)
-
-
 @pytest.mark.parametrize("scheme", ["base", "residual", "anchor", "anchor-emb", "residual+anchor",
                                     "residual+anchor+anchor-emb", "anchor+anchor-emb"])
 def test_fixed_scheme_formula(scheme):
@@ -112,35 +101,7 @@ def test_anchor_star_alias_builds_anchor_to_embeddings():
     assert torch.equal(a(x).logits, b(x).logits)
 
 
-# -- properties of every registered scheme -----------------------------------------------------------------
-@pytest.mark.parametrize("scheme", ALL)
-def test_causal(scheme):
-    model = build(tiny(scheme=scheme, spec=spec_for(scheme)))
-    x = x_batch(model.config, t=10)
-    y = x.clone()
-    y[:, 6:] = (y[:, 6:] + 1) % model.config.vocab_size  # change tokens 6 … 9
-    torch.testing.assert_close(model(x).logits[:, :6], model(y).logits[:, :6], rtol=0, atol=0)
-    assert not torch.allclose(model(x).logits[:, 6:], model(y).logits[:, 6:])
-
-
-@pytest.mark.parametrize("scheme", ALL)
-def test_gradients_reach_every_parameter(scheme):
-    model = build(tiny(scheme=scheme, spec=spec_for(scheme))).train()
-    x = x_batch(model.config)
-    model(x, targets=torch.roll(x, -1, 1)).loss.backward()
-    dead = [n for n, p in model.named_parameters() if p.grad is None or p.grad.abs().sum() == 0]
-    assert not dead, dead
-
-
-@pytest.mark.parametrize("scheme", ALL)
-def test_deterministic(scheme):
-    cfg = tiny(scheme=scheme, spec=spec_for(scheme))
-    a, b = build(cfg, seed=7), build(cfg, seed=7)
-    x = x_batch(cfg)
-    assert torch.equal(a(x).logits, b(x).logits)
-    assert not torch.equal(a(x).logits, build(cfg, seed=8)(x).logits)  # the seed, not luck, made them equal
-
-
+# -- properties of every registered scheme (backbone × scheme: test_model_battery.py) -----------
 @pytest.mark.parametrize("scheme", ALL)
 def test_returned_states_have_the_right_shapes(scheme):
     cfg = tiny(scheme=scheme, spec=spec_for(scheme))
@@ -177,34 +138,12 @@ def test_loss_is_next_token_cross_entropy(scheme):
     torch.testing.assert_close(out.loss, expected)
 
 
-@pytest.mark.parametrize("scheme", ["mesh", "base", "dynamic-mix"])
-def test_left_padding_with_positions_matches_unpadded(scheme):
-    model = build(tiny(scheme=scheme))
-    x = x_batch(model.config, b=1, t=7)
-    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), x], 1)
-    mask = torch.cat([torch.zeros(1, 3), torch.ones(1, 7)], 1).long()
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(padded, padding_mask=mask, position_ids=positions).logits[:, 3:]
-    torch.testing.assert_close(out, model(x).logits, rtol=0, atol=1e-5)
-
-
 def test_sequence_longer_than_context_is_a_clear_error():
     from meshlm.errors import ConfigError
 
     model = build(tiny(context_length=8))
     with pytest.raises(ConfigError, match="exceeds the model's context_length=8"):
         model(torch.zeros(1, 9, dtype=torch.long))
-
-
-def test_bf16_autocast_runs_with_fp32_routers():
-    """The GPU path (bf16 autocast) on a tiny CPU tensor: routers stay fp32, results stay close."""
-    model = build(tiny())
-    x = x_batch(model.config, t=6)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(x, return_states=True)
-    assert all(w.dtype == torch.float32 and r.dtype == torch.float32 for w, r in out.stages.routing)
-    assert out.logits.dtype == torch.bfloat16
-    torch.testing.assert_close(out.logits.float(), model(x).logits, **BF16_LOGITS)
 
 
 def test_model_module_never_touches_files_or_logging():

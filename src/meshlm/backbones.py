@@ -11,10 +11,12 @@ A backbone is one class registered with `@register_backbone`. It owns
 - its Hugging Face family: `model_type`, the transformers class, the names of its top-level weights and
   layers, the config translation both ways (`config_from_hf`, `hf_config_kwargs`) and what a meshlm model
   of it cannot be exported with (`export_problems`);
-- its layer class (whose `norm` is also the model's final norm), attached where the layer is defined, with
-  `@layer_of(name)` in meshlm.model, so that this module imports nothing: meshlm.config reads defaults and
-  checks here without importing torch or the model.
+- its layer class (whose `norm` is also the model's final norm): `layer_module` names the module
+  that defines it, and the layer attaches itself there with `@layer_of(name)`, so that this module
+  imports nothing: meshlm.config reads defaults and checks here without importing torch or the
+  model. Importing meshlm.model imports every registered backbone's `layer_module` (no other list).
 The loop, the schemes, conversion, accounting and training ask the registry; none of them names a backbone.
+A new backbone is therefore two pieces: its layer module in meshlm/model/ and its class here.
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ def register_backbone(cls: type[Backbone]) -> type[Backbone]:
 
 def layer_of(name: str):
     """Class decorator for a layer class (meshlm.model.layers.Layer): the layer of backbone `name`."""
+    if name not in BACKBONES:
+        raise ValueError(f"layer_of({name!r}): no backbone {name!r} is registered; add its class "
+                         f"to meshlm.backbones with @register_backbone first")
 
     def attach(layer: type) -> type:
         BACKBONES[name].layer = layer
@@ -45,6 +50,7 @@ def layer_of(name: str):
 class Backbone:
     name: ClassVar[str] = ""
     title: ClassVar[str] = ""  # for messages, e.g. "GPT-NeoX (Pythia)"
+    layer_module: ClassVar[str] = ""  # the module defining its layer class with @layer_of(name)
     moe: ClassVar[bool] = False  # a mixture of experts: router losses in training, active < total parameters
     rotary_fraction: ClassVar[float] = 1.0  # of each head's dims, when rotary_pct is None
     grouped_query: ClassVar[bool] = True  # n_kv_heads < n_heads is possible
@@ -60,7 +66,7 @@ class Backbone:
     exports_tied: ClassVar[bool] = True  # its folders may tie the output layer to the input embedding
 
     def __init__(self) -> None:
-        self.layer: type | None = None  # set by @layer_of when meshlm.model is imported
+        self.layer: type | None = None  # set by @layer_of: meshlm.model imports layer_module
 
     def norm(self, cfg: ModelConfig):
         """The backbone's normalisation module for width cfg.d_model (needs meshlm.model imported)."""
@@ -114,6 +120,7 @@ class NeoXBackbone(Backbone):
     """GPT-NeoX (Pythia): LayerNorm, parallel residual, GELU MLP, biases, rotary on 25% of each head."""
 
     name, title = "neox", "GPT-NeoX (Pythia)"
+    layer_module = "meshlm.model.layers"
     rotary_fraction = 0.25  # Pythia's rotary_pct
     grouped_query = qk_norm_possible = False
     model_type, architecture = "gpt_neox", "GPTNeoXForCausalLM"
@@ -154,6 +161,7 @@ class LlamaBackbone(Backbone):
     """Llama: RMSNorm, sequential residual, SwiGLU, no biases, rotary on every head dim, grouped-query attention."""
 
     name, title = "llama", "Llama"
+    layer_module = "meshlm.model.llama"
     model_type, architecture = "llama", "LlamaForCausalLM"
     hidden_act, layer_prefix = "silu", "model.layers."
     top_level = (("model.embed_tokens.weight", "embed_in.weight"),
@@ -198,6 +206,7 @@ class OlmoeBackbone(LlamaBackbone):
     """OLMoE: Llama attention with QK-norm, and a top-k routed mixture of SwiGLU experts."""
 
     name, title = "olmoe", "OLMoE"
+    layer_module = "meshlm.model.moe"
     model_type, architecture = "olmoe", "OlmoeForCausalLM"
     moe = qk_norm = True
 

@@ -1,37 +1,52 @@
-"""Per-token adaptive exit: a token stops looping once it has converged, and then stops costing compute.
+"""Per-token adaptive exit: a token stops looping once it has converged, then stops costing compute.
 
-Two training-free criteria, checked after every loop step j = 1 … K (a token always runs at least one step):
+The exit criteria are a registry, as the schemes are: each is one class registered with
+`@register_criterion("name")`, which says whether it probes (runs coda + head on every step's
+state), what it measures per token and how it decides. A rule `name:τ` picks one. Two training-free
+ones are built in, checked after every loop step j = 1 … K (a token always runs at least one step):
 
-    state:τ   ‖h^j − h^{j−1}‖ / ‖h^{j−1}‖ < τ                        cheap: two norms per token
-    kl:τ      KL(p_j ‖ p_{j−1}) < τ, p_j = softmax(head(coda(h^j)))   one coda + head "probe" per step,
-                                                                     plus one on h⁰ (j = 0)
+    state:τ  ‖h^j − h^{j−1}‖ / ‖h^{j−1}‖ < τ                        cheap: two norms per token
+    kl:τ     KL(p_j ‖ p_{j−1}) < τ, p_j = softmax(head(coda(h^j)))  one coda + head "probe" per
+                                                                    step, plus one on h⁰ (j = 0)
 
-τ = 0 never exits (both criteria are >= 0 and the test is strict), so the logits are exactly the full-depth
-ones; τ = ∞ exits every token after one step: the one-loop logits. With `state` the coda runs once, on each
-token's exit state; with `kl` a token's logits are its probe at the step it exits (its coda cache slots are
-per probe, so later tokens' probes see the same keys in cached and uncached runs).
+A new criterion is one class in one file: subclass `Criterion`, decorate it with
+`@register_criterion`, and import the file before a rule names it (tests/test_exit.py adds one so
+and runs it end to end).
 
-What an exited token leaves behind for the others. Later tokens (and, in a full sequence, other tokens at
-deeper steps) attend to it at every loop step. Its keys/values at a step it skipped are those of the last
-step it computed, copied forward. This is free (nothing is recomputed), causal, and identical in a full
-sequence and in cached decoding, so cached == uncached with exit on (tests/test_exit.py). Recomputing the
-layers on its frozen state would cost the compute the exit saves; zeros would make it invisible to deeper
-layers. Copying forward keeps its most refined representation visible.
+τ = 0 never exits (every measure is >= 0 and the default test is strict), so the logits are exactly
+the full-depth ones; τ = ∞ exits every token after one step: the one-loop logits. Without probes the
+coda runs once, on each token's exit state; with probes a token's logits are its probe at the step
+it exits (its coda cache slots are per probe, so later tokens' probes see the same keys in cached
+and uncached runs).
+
+What an exited token leaves behind for the others. Later tokens (and, in a full sequence, other
+tokens at deeper steps) attend to it at every loop step. Its keys/values at a step it skipped are
+those of the last step it computed, copied forward. This is free (nothing is recomputed), causal,
+and identical in a full sequence and in cached decoding, so cached == uncached with exit on
+(tests/test_exit.py). Recomputing the layers on its frozen state would cost the compute the exit
+saves; zeros would make it invisible to deeper layers. Copying forward keeps its most refined
+representation visible.
 
 How compute is skipped. Each step runs the core on the *active* tokens only:
 - all tokens active: the ordinary computation (bit-identical to the model without exit);
-- few active (fraction < GATHER_BELOW): gather them, per batch row padded to the row with the most (padding
-  repeats a row's own token, so scattering back is idempotent), with their rotary tables and mask rows; the
-  attention reads every token's current keys/values from `ExitKV`;
-- otherwise mask: compute every token and keep only the active ones' results (cheaper than gathering when
-  most tokens are still active, benchmarks/elastic.py).
-In cached decoding at batch 1 a token that exits ends the loop: steps j+1 … K are not run, their cache slots
-get its copied-forward keys/values. The scheme's own update is per token and cheap; it runs on all tokens.
+- few active (fraction < GATHER_BELOW): gather them, per batch row padded to the row with the most
+  (padding repeats a row's own token, so scattering back is idempotent), with their rotary tables
+  and mask rows; the attention reads every token's current keys/values from `ExitKV`;
+- otherwise mask: compute every token and keep only the active ones' results (cheaper than gathering
+  when most tokens are still active, benchmarks/elastic.py).
+In cached decoding at batch 1 a token that exits ends the loop: steps j+1 … K are not run, their
+cache slots get its copied-forward keys/values. The scheme's own update is per token and cheap; it
+runs on all tokens.
+
+Without exit the loop runs with `NO_EXIT`, the tracker that keeps every token active and probes
+nothing, so `MeshLM.advance` takes one path with and without exit.
 """
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -40,22 +55,95 @@ from meshlm.errors import ConfigError
 from meshlm.model.kv_cache import LayerCache
 from meshlm.model.layers import Rope, attention_mask_from_padding
 
-CRITERIA = ("state", "kl")
-GATHER_BELOW = 0.5  # gather the active tokens when they are fewer than this fraction of the batch's tokens
+GATHER_BELOW = 0.5  # gather the active tokens when fewer than this fraction of the batch's tokens
+CRITERIA: dict[str, type[Criterion]] = {}
+
+
+def register_criterion(name: str):
+    """Class decorator: the exit criterion called `name` (rules read `name:τ`)."""
+
+    def wrap(cls: type[Criterion]) -> type[Criterion]:
+        cls.name = name
+        CRITERIA[name] = cls
+        return cls
+
+    return wrap
+
+
+@dataclass
+class Seen:
+    """What a criterion sees after loop step j, of the tokens the step computed: shapes (N…, d) or
+    (N…, vocab), N… = (B, T) when every token was computed, else (R, m) gathered."""
+
+    before: torch.Tensor  # h^{j−1}
+    after: torch.Tensor  # h^j
+    logits: torch.Tensor | None = None  # probing criteria: head(coda(h^j))
+    previous: torch.Tensor | None = None  # probing criteria: head(coda(h^{j−1}))
+
+
+class Criterion(abc.ABC):
+    """How a token decides after loop step j that it has converged: a value >= 0 per token
+    (`measure`), exits below τ (`converged`; strict, so τ = 0 never exits and τ = ∞ exits after one
+    step)."""
+
+    name: ClassVar[str] = ""
+    example: ClassVar[str] = ""  # a rule for messages, e.g. "state:0.05"
+    probes: ClassVar[bool] = False  # needs head(coda(h^j)) after every step j, and once on h⁰
+
+    def __init__(self, threshold: float):
+        self.threshold = threshold
+
+    @abc.abstractmethod
+    def measure(self, seen: Seen) -> torch.Tensor:
+        """(N…) a value >= 0 per computed token."""
+
+    def converged(self, seen: Seen) -> torch.Tensor:
+        """(N…) bool: the computed tokens that stop looping."""
+        return self.measure(seen) < self.threshold
+
+
+@register_criterion("state")
+class StateChange(Criterion):
+    """The relative change of the loop state, ‖h^j − h^{j−1}‖ / ‖h^{j−1}‖: two norms per token."""
+
+    example = "state:0.05"
+
+    def measure(self, seen):
+        change = (seen.after - seen.before).float().norm(dim=-1)
+        return change / seen.before.float().norm(dim=-1).clamp_min(1e-12)
+
+
+@register_criterion("kl")
+class ProbeKL(Criterion):
+    """KL(p_j ‖ p_{j−1}) between successive steps' next-token distributions: a probe per step."""
+
+    example, probes = "kl:1e-4", True
+
+    def measure(self, seen):
+        new, old = (F.log_softmax(x.float(), -1) for x in (seen.logits, seen.previous))
+        return (new.exp() * (new - old)).sum(-1).clamp_min(0)  # >= 0 despite rounding
+
+
+def _known() -> str:
+    return ", ".join(CRITERIA)
+
+
+def _examples() -> str:
+    return " or ".join(c.example or f"{c.name}:0.1" for c in CRITERIA.values())
 
 
 @dataclass(frozen=True)
 class ExitRule:
-    criterion: str  # one of CRITERIA
+    criterion: str  # a name in CRITERIA
     threshold: float  # τ >= 0 (inf allowed)
 
     def __post_init__(self) -> None:
         if self.criterion not in CRITERIA:
-            raise ConfigError(f"exit criterion {self.criterion!r} is unknown; use one of: {', '.join(CRITERIA)} "
-                              f"(e.g. state:0.05 or kl:1e-4)")
+            raise ConfigError(f"exit criterion {self.criterion!r} is unknown; use one of: "
+                              f"{_known()} (e.g. {_examples()})")
         if not (isinstance(self.threshold, (int, float)) and self.threshold >= 0):
-            raise ConfigError(f"exit threshold {self.threshold!r} must be a number >= 0 (0 = never exit, inf = "
-                              f"after one loop), e.g. state:0.05 or kl:1e-4")
+            raise ConfigError(f"exit threshold {self.threshold!r} must be a number >= 0 (0 = never "
+                              f"exit, inf = after one loop), e.g. {_examples()}")
 
     @classmethod
     def parse(cls, text: str | ExitRule) -> ExitRule:
@@ -68,21 +156,25 @@ class ExitRule:
         except ValueError:
             threshold = None
         if not sep or threshold is None or math.isnan(threshold):
-            raise ConfigError(f"exit rule {text!r} is not CRITERION:THRESHOLD with CRITERION one of "
-                              f"{', '.join(CRITERIA)} and a number >= 0, e.g. state:0.05 or kl:1e-4")
+            raise ConfigError(f"exit rule {text!r} is not CRITERION:THRESHOLD with CRITERION one "
+                              f"of {_known()} and a number >= 0, e.g. {_examples()}")
         return cls(criterion.lower(), threshold)
+
+    def build(self) -> Criterion:
+        return CRITERIA[self.criterion](self.threshold)
 
     def __str__(self) -> str:
         return f"{self.criterion}:{self.threshold:g}"
 
 
 class ExitKV:
-    """The cache the layers see during loop steps under exit: it keeps every layer's *current* keys/values for
-    all new tokens (active ones just computed, exited ones from their last computed step) and appends them to
-    the real cache's slot for that step, so deeper steps and later tokens attend to the same thing.
+    """The cache the layers see during loop steps under exit: it keeps every layer's *current*
+    keys/values for all new tokens (active ones just computed, exited ones from their last computed
+    step) and appends them to the real cache's slot for that step, so deeper steps and later tokens
+    attend to the same thing.
 
-    `stage(group, first_slot, sel)` points it at one stage (a core pass or a coda probe); `sel` is None when
-    every token is computed, else (rows (R,), cols (R, m)) of the gathered tokens."""
+    `stage(group, first_slot, sel)` points it at one stage (a core pass or a coda probe); `sel` is
+    None when every token is computed, else (rows (R,), cols (R, m)) of the gathered tokens."""
 
     def __init__(self, inner: LayerCache | None, active: torch.Tensor):
         self.inner, self.active = inner, active  # active: (B, T) bool, shared with the tracker
@@ -93,8 +185,10 @@ class ExitKV:
         self.group, self.first, self.sel = group, first_slot, sel
         return self
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """key, value: (B or R, H, T or m, hd) of the computed tokens -> every key/value they attend to."""
+    def update(self, key: torch.Tensor, value: torch.Tensor,
+               layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """key, value: (B or R, H, T or m, hd) of the computed tokens -> every key/value they attend
+        to."""
         name = (self.group, layer_idx - self.first)
         old = self.latest.get(name)
         if old is None or (self.sel is None and bool(self.active.all())):
@@ -106,14 +200,16 @@ class ExitKV:
             rows, cols = self.sel
             new = tuple(_scatter_tokens(o, rows, cols, x) for o, x in zip(old, (key, value)))
         self.latest[name] = new
-        full = self.inner.update(*new, layer_idx) if self.inner is not None else new  # (B, H, P + T, hd)
+        # (B, H, P + T, hd): with a cache, the slot's history too
+        full = new if self.inner is None else self.inner.update(*new, layer_idx)
         return full if self.sel is None else (full[0][self.sel[0]], full[1][self.sel[0]])
 
     def get_seq_length(self) -> int:
         return 0 if self.inner is None else self.inner.get_seq_length()
 
     def copy_forward(self, group: str, first_slot: int) -> None:
-        """Append the current keys/values of `group` to the real cache's slots from first_slot (a skipped stage)."""
+        """Append the current keys/values of `group` to the real cache's slots from first_slot (a
+        skipped stage)."""
         if self.inner is None:
             return
         for (g, i), (k, v) in sorted(self.latest.items(), key=lambda item: item[0][1]):
@@ -126,29 +222,54 @@ def _expand(active: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return active.view(*active.shape, *([1] * (like.dim() - 2)))
 
 
-def _scatter_tokens(base: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def _scatter_tokens(base: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
+                    x: torch.Tensor) -> torch.Tensor:
     """A copy of base (B, H, T, hd) with tokens (rows, cols) replaced by x (R, H, m, hd)."""
     out = base.clone()
     out[rows[:, None], :, cols] = x.transpose(1, 2)  # advanced indices first: (R, m, H, hd)
     return out
 
 
+class NoExit:
+    """The tracker of a loop without exit: every token computes every step, nothing is probed,
+    nothing is counted. `MeshLM.advance` runs it through the same calls as `ExitTracker`; each hands
+    back what it was given, so the loop is the model's plain computation."""
+
+    probing = finished = False
+    logits = loops = probes = None  # no probe logits, no per-token loop or probe counts
+
+    def step_inputs(self, run, first_slot: int):
+        """(x, rope, mask, kv, router logits list) for a core pass: the run's own."""
+        return run.h, run.rope, run.mask, run.cache, run.routed
+
+    def merge(self, computed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return computed
+
+    def advance(self, h_old: torch.Tensor, h_new: torch.Tensor) -> torch.Tensor:
+        return h_new
+
+
+NO_EXIT = NoExit()
+
+
 class ExitTracker:
-    """Which tokens are still looping, how many steps each ran, and the gathered views of each step."""
+    """Which tokens are still looping, how many steps each ran, and each step's gathered views."""
 
     def __init__(self, rule: ExitRule, h0: torch.Tensor, rope: Rope, mask: torch.Tensor | None,
                  padding_mask: torch.Tensor | None, cache: LayerCache | None, past: int):
         b, t, _ = h0.shape
-        self.rule = rule
+        self.criterion = rule.build()
+        self.probing = self.criterion.probes
         self.active = torch.ones(b, t, dtype=torch.bool, device=h0.device)
         self.loops = torch.zeros(b, t, dtype=torch.long, device=h0.device)  # steps run per token
-        self.probes = torch.zeros(b, t, dtype=torch.long, device=h0.device)  # coda + head evaluations
+        self.probes = torch.zeros(b, t, dtype=torch.long, device=h0.device)  # coda + head runs
         self.kv = ExitKV(cache, self.active)
         self.rope, self.mask, self.padding_mask, self.past = rope, mask, padding_mask, past
-        self.logits: torch.Tensor | None = None  # kl: (B, T, V) each token's latest probe
+        self.logits: torch.Tensor | None = None  # probing: (B, T, V) each token's latest probe
+        self.previous: torch.Tensor | None = None  # probing: (B, T, V) the probe before it
         self.sel = None
 
-    # -- one step's view ------------------------------------------------------------------------------------------
+    # -- one step's view ---------------------------------------------------------------------------
     def select(self) -> None:
         """Choose how this step computes: all tokens (sel None) or the gathered active ones."""
         self.sel = None
@@ -159,21 +280,24 @@ class ExitTracker:
         if bool(self.active.all()) or len(rows) * m >= GATHER_BELOW * b * t:
             return
         # per row: the active columns first (stable), padded with the row's first active column
-        order = torch.sort((~self.active[rows]).to(torch.int8), dim=1, stable=True).indices[:, :m]  # (R, m)
+        inactive = (~self.active[rows]).to(torch.int8)
+        order = torch.sort(inactive, dim=1, stable=True).indices[:, :m]  # (R, m)
         fill = order[:, :1].expand(-1, m)
         valid = torch.arange(m, device=order.device)[None] < counts[rows][:, None]
         self.sel = rows, torch.where(valid, order, fill)
 
-    def step_inputs(self, h: torch.Tensor, first_slot: int):
-        """Choose this step's computed tokens, then (x, rope, mask, kv) for its core pass."""
+    def step_inputs(self, run, first_slot: int):
+        """Choose this step's computed tokens, then (x, rope, mask, kv, router logits list) for its
+        core pass (router logits of gathered tokens are not kept: exit is an inference setting)."""
         self.select()
-        return self.inputs(h, "core", first_slot)
+        return *self.inputs(run.h, "core", first_slot), []
 
     def skip(self, core_slots: list[int], probe_slots: list[int]) -> None:
-        """Every token exited: fill the skipped steps' cache slots with their copied-forward keys/values."""
+        """Every token exited: fill the skipped steps' cache slots with their copied-forward
+        keys/values."""
         for slot in core_slots:
             self.kv.copy_forward("core", slot)
-        for slot in probe_slots:
+        for slot in probe_slots if self.probing else ():
             self.kv.copy_forward("probe", slot)
 
     def view(self, x: torch.Tensor) -> torch.Tensor:
@@ -181,16 +305,17 @@ class ExitTracker:
         return x if self.sel is None else x[self.sel[0][:, None], self.sel[1]]
 
     def inputs(self, h: torch.Tensor, group: str, first_slot: int):
-        """(x, rope, mask, kv) for a stage (core pass or coda probe) over this step's computed tokens."""
+        """(x, rope, mask, kv) for a stage (core pass or coda probe) over the computed tokens."""
         kv = self.kv.stage(group, first_slot, self.sel)
         if self.sel is None:
             return h, self.rope, self.mask, kv
         rows, cols = self.sel
-        rope = tuple(r.expand(self.active.shape[0], -1, -1)[rows[:, None], cols] for r in self.rope)  # (R, m, r)
+        b = self.active.shape[0]
+        rope = tuple(r.expand(b, -1, -1)[rows[:, None], cols] for r in self.rope)  # (R, m, r)
         return self.view(h), rope, self._full_mask()[rows[:, None], 0, cols].unsqueeze(1), kv
 
     def _full_mask(self) -> torch.Tensor:
-        """(B, 1, T, P + T) "may attend" mask of every new token (built once, then gathered from)."""
+        """(B, 1, T, P + T) "may attend" mask of every new token (built once, gathered from)."""
         if self.mask is None or self.mask.shape[-2] != self.active.shape[1]:
             b, t = self.active.shape
             pad = self.padding_mask
@@ -200,33 +325,29 @@ class ExitTracker:
         return self.mask
 
     def merge(self, computed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """Computed tokens' outputs placed into a (B, T, …) tensor; exited tokens keep `like`'s values."""
+        """Computed tokens' outputs placed into a (B, T, …) tensor; exited tokens keep `like`'s."""
         if self.sel is None:
-            return computed if bool(self.active.all()) else torch.where(_expand(self.active, like), computed, like)
+            if bool(self.active.all()):
+                return computed
+            return torch.where(_expand(self.active, like), computed, like)
         out = like.clone()
         out[self.sel[0][:, None], self.sel[1]] = computed
         return out
 
-    # -- after a step ---------------------------------------------------------------------------------------------
-    def probe(self, logits: torch.Tensor) -> torch.Tensor | None:
-        """Record the computed tokens' probe logits (R, m, V); return KL(new ‖ previous) per computed token."""
-        full = self.merge(logits, self.logits) if self.logits is not None else logits
-        kl = None
-        if self.logits is not None:
-            new, old = (F.log_softmax(self.view(x).float(), -1) for x in (full, self.logits))
-            kl = (new.exp() * (new - old)).sum(-1).clamp_min(0)  # (R, m) or (B, T); >= 0 despite rounding
-        self.logits = full
+    # -- after a step ------------------------------------------------------------------------------
+    def probe(self, logits: torch.Tensor) -> None:
+        """Record the computed tokens' probe logits (R, m, V) or (B, T, V) of this step's state."""
+        self.previous = self.logits
+        self.logits = logits if self.logits is None else self.merge(logits, self.logits)
         self.probes += self.active
-        return kl
 
-    def advance(self, h_old: torch.Tensor, h_new: torch.Tensor, kl: torch.Tensor | None) -> torch.Tensor:
+    def advance(self, h_old: torch.Tensor, h_new: torch.Tensor) -> torch.Tensor:
         """Count the step, decide who exits, and return the state with exited tokens frozen."""
         self.loops += self.active
-        if self.rule.criterion == "state":
-            delta = (h_new - h_old).float().norm(dim=-1) / h_old.float().norm(dim=-1).clamp_min(1e-12)  # (B, T)
-            converged = delta < self.rule.threshold
-        else:
-            converged = self.merge(kl < self.rule.threshold, torch.zeros_like(self.active))
+        seen = Seen(self.view(h_old), self.view(h_new),
+                    *(None if x is None else self.view(x) for x in (self.logits, self.previous)))
+        self.previous = None  # a probe lives one step longer, for the comparison only
+        converged = self.merge(self.criterion.converged(seen), torch.zeros_like(self.active))
         h = torch.where(self.active[..., None], h_new, h_old)
         self.active &= ~converged  # in place: ExitKV shares this tensor
         return h

@@ -55,7 +55,7 @@ from torch import nn
 from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
-from meshlm.model.exit import ExitRule, ExitTracker
+from meshlm.model.exit import NO_EXIT, ExitRule, ExitTracker, NoExit
 from meshlm.model.init import init_weights
 from meshlm.model.kv_cache import LayerCache, slot_offsets
 from meshlm.model.layers import Rope, RotaryEmbedding, at_least_fp32, attention_mask_from_padding
@@ -88,7 +88,7 @@ class LMOutput:
     aux_loss: torch.Tensor | None = None  # MoE load-balancing loss, unweighted (None without MoE layers)
     z_loss: torch.Tensor | None = None  # MoE router z-loss, unweighted
     exit_loops: torch.Tensor | None = None  # with exit: (B, T) loop steps each token ran
-    exit_probes: torch.Tensor | None = None  # with exit: (B, T) coda + head probes each token ran (kl)
+    exit_probes: torch.Tensor | None = None  # with exit: (B, T) coda + head probes per token (kl)
 
 
 @dataclass
@@ -107,7 +107,7 @@ class LoopRun:
     step: int = 0  # loop passes done
     routed: list[torch.Tensor] = field(default_factory=list)  # MoE router logits of every layer call, in order
     stages: Stages | None = None  # only with return_states=True
-    track: ExitTracker | None = None  # only with exit: who is still looping (meshlm.model.exit)
+    track: ExitTracker | NoExit = NO_EXIT  # who is still looping (meshlm.model.exit); NO_EXIT: all
     past: int = 0  # tokens cached before this run's: its mask covers past + T keys
 
     def attention_mask(self) -> torch.Tensor:
@@ -227,9 +227,8 @@ class MeshLM(nn.Module):
         run = self.enter(input_ids, padding_mask, position_ids, cache, return_states)
         run.track = self._tracker(exit, run, padding_mask, past, backprop_loops)
         self.advance(run, schedule, backprop_loops=backprop_loops)
-        out = LMOutput(logits=self.readout(run, schedule), stages=run.stages)
-        if run.track is not None:
-            out.exit_loops, out.exit_probes = run.track.loops, run.track.probes
+        out = LMOutput(logits=self.readout(run, schedule), stages=run.stages,
+                       exit_loops=run.track.loops, exit_probes=run.track.probes)
         return self._losses(out, targets, ignore_index, run.routed, padding_mask)
 
     # -- the three stages of a forward; speculative decoding (meshlm.generate.speculative) runs them separately
@@ -253,31 +252,28 @@ class MeshLM(nn.Module):
         and the loop ends when none is left."""
         _, step_slots, coda_slot, _ = slot_offsets(self.config.layout, schedule)
         first_grad_step = len(schedule) - backprop_loops if backprop_loops else 0  # earlier steps: no autograd
-        track = run.track
-        if track is not None and run.step == 0:
-            self._probe(track, run.h, coda_slot, 0)  # kl: the distribution of h⁰, what step 1 is compared with
+        track = run.track  # NO_EXIT without exit: every token computed, nothing probed
+        if run.step == 0:
+            self._probe(track, run.h, coda_slot, 0)  # a probing criterion compares step 1 with h⁰
         for step in range(run.step, len(schedule) if stop is None else stop):
             if step == first_grad_step > 0 and torch.is_grad_enabled():
                 self.scheme.truncate(run.ctx)  # MeSH: fold the no-grad steps' values, memory follows k
             with torch.set_grad_enabled(torch.is_grad_enabled() and step >= first_grad_step):
-                x, r, m, kv = (run.h, run.rope, run.mask, run.cache) if track is None else \
-                    track.step_inputs(run.h, step_slots[step])
+                x, r, m, kv, routed = track.step_inputs(run, step_slots[step])
                 core = self.cores[schedule[step]]
                 if self.config.loop_lora_rank:  # this pass's delta: the core's passes before this step
                     select_pass(core, schedule[:step].count(schedule[step]))
-                u = core(x, r, m, kv, step_slots[step], run.routed if track is None else [])
-                h = self.scheme.update(step, run.h, u if track is None else track.merge(u, run.h), run.ctx)
+                u = core(x, r, m, kv, step_slots[step], routed)
+                h = self.scheme.update(step, run.h, track.merge(u, run.h), run.ctx)
             run.step = step + 1
             if run.stages is not None:
                 run.stages.core_outputs.append(u)
                 run.stages.states.append(h)
-            if track is None:
-                run.h = h
-                continue
-            run.h = track.advance(run.h, h, self._probe(track, h, coda_slot, step + 1))
-            if track.finished:  # every token exited: later steps' cache slots get their keys/values copied
+            self._probe(track, h, coda_slot, step + 1)
+            run.h = track.advance(run.h, h)
+            if track.finished:  # every token exited: later steps' cache slots get their K/V copied
                 probes = [self._probe_slot(coda_slot, j) for j in range(step + 2, len(schedule) + 1)]
-                track.skip(step_slots[step + 1:], probes if track.rule.criterion == "kl" else [])
+                track.skip(step_slots[step + 1:], probes)
                 run.step = len(schedule)
                 break
         return run
@@ -287,7 +283,7 @@ class MeshLM(nn.Module):
         positions only (the coda still runs on all T: they attend to the others). The coda uses `schedule`'s
         coda slots whatever step the run stands at (a speculative draft exits early into the full model's coda
         slots)."""
-        if run.track is not None and run.track.logits is not None:  # kl exit: each token's probe where it exited
+        if run.track.logits is not None:  # a probing exit: each token's probe where it exited
             return run.track.logits if last is None else run.track.logits[:, -last:]
         coda_slot = slot_offsets(self.config.layout, schedule)[2]
         y = self.coda(run.h, run.rope, run.mask, run.cache, coda_slot, run.routed)
@@ -302,26 +298,29 @@ class MeshLM(nn.Module):
         return F.linear(y, self.embed_in.weight) if self.embed_out is None else self.embed_out(y)
 
     # -- per-token adaptive exit (meshlm.model.exit) -----------------------------------------------------------
-    def _tracker(self, exit: ExitRule | str | None, run: LoopRun, padding_mask: torch.Tensor | None, past: int,
-                 backprop_loops: int | None) -> ExitTracker | None:
+    def _tracker(self, exit: ExitRule | str | None, run: LoopRun, padding_mask: torch.Tensor | None,
+                 past: int, backprop_loops: int | None) -> ExitTracker | NoExit:
         if exit is None:
-            return None
+            return NO_EXIT
         if run.stages is not None or backprop_loops:
-            raise ConfigError("exit is an inference setting: it cannot be combined with return_states or "
-                              "backprop_loops; drop one of them")
-        return ExitTracker(ExitRule.parse(exit), run.h, run.rope, run.mask, padding_mask, run.cache, past)
+            raise ConfigError("exit is an inference setting: it cannot be combined with "
+                              "return_states or backprop_loops; drop one of them")
+        rule = ExitRule.parse(exit)
+        return ExitTracker(rule, run.h, run.rope, run.mask, padding_mask, run.cache, past)
 
     def _probe_slot(self, coda_slot: int, j: int) -> int:
-        """kl exit: the coda probe of state h^j has its own cache slots (the first ones are the coda's own)."""
+        """Probing exit: the coda probe of state h^j has its own cache slots (the first ones are the
+        coda's own)."""
         return coda_slot + j * self.config.layout.coda
 
-    def _probe(self, track: ExitTracker, h: torch.Tensor, coda_slot: int, j: int) -> torch.Tensor | None:
-        """kl exit: coda + head on the computed tokens' state h^j; returns their KL to the previous probe."""
-        if track.rule.criterion != "kl":
-            return None
+    def _probe(self, track: ExitTracker | NoExit, h: torch.Tensor, coda_slot: int, j: int) -> None:
+        """If the criterion probes: coda + head on the computed tokens' state h^j, handed to the
+        tracker."""
+        if not track.probing:
+            return
         slot = self._probe_slot(coda_slot, j)
         x, r, m, kv = track.inputs(h, "probe", slot)
-        return track.probe(self.head(self.coda(x, r, m, kv, slot, [])))
+        track.probe(self.head(self.coda(x, r, m, kv, slot, [])))
 
     def _losses(self, out: LMOutput, targets: torch.Tensor | None, ignore_index: int,
                 routed: list[torch.Tensor], padding_mask: torch.Tensor | None) -> LMOutput:

@@ -1,7 +1,7 @@
 """The stacks the loop runs: prelude, each core and coda are plain stacks of one backbone's layers.
 
-The layer class comes from the backbone registry (meshlm.backbones); each layer module attaches its class
-there with `@layer_of`, and importing them here makes sure all are attached before a stack is built.
+The layer class comes from the backbone registry (meshlm.backbones); each layer module attaches its
+class there with `@layer_of`, and importing meshlm.model imports every registered backbone's module.
 """
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from torch import nn
 
 from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
-from meshlm.model import llama, moe  # noqa: F401  (attach the Llama and OLMoE layers to their backbones)
 from meshlm.model.kv_cache import LayerCache
 from meshlm.model.layers import Rope
 
