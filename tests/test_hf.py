@@ -124,11 +124,13 @@ def test_bundled_sources_are_what_the_entry_imports_in_the_order_they_run(tmp_pa
     assert order == ("base.py", "pkg/impl.py", "a.py", "entry.py", "late.py")
     given = frozenset({"meshlm.pkg.impl"})  # supplied another way: not followed
     assert bundle_sources("meshlm.a", tmp_path / "meshlm", given) == ("a.py",)
+    named = bundle_sources("meshlm.entry", tmp_path / "meshlm", also=("meshlm.nobody", "meshlm.a"))
+    assert named == (*order, "nobody.py")  # a module reached by name comes after, once
 
 
 def test_exported_folder_carries_the_modules_its_features_import_and_no_others():
-    """Every backbone's layers and every scheme are bundled because the model imports them (no list
-    to extend); modules the remote code never imports are not, nor the package re-exports."""
+    """Every backbone's layers (the registry names their modules) and every scheme are bundled
+    because the model needs them (no list to extend); modules the remote code never imports are not, nor the package re-exports."""
     from meshlm.backbones import BACKBONES
     from meshlm.hf.remote import bundled_modules, sources
 

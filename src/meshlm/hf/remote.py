@@ -27,6 +27,7 @@ import functools
 import shutil
 from pathlib import Path
 
+from meshlm.backbones import BACKBONES
 from meshlm.hf.sources import bundle_sources, is_type_checking
 
 PACKAGE = Path(__file__).resolve().parent.parent  # src/meshlm
@@ -81,7 +82,8 @@ def _is_meshlm(module: str) -> bool:
 @functools.lru_cache(maxsize=1)
 def sources() -> tuple[str, ...]:
     """The sources modeling_meshlm.py carries, relative to src/meshlm, in dependency order."""
-    return bundle_sources(ENTRY, PACKAGE, PROVIDED)
+    layers = tuple(backbone.layer_module for backbone in BACKBONES.values())  # imported by name
+    return bundle_sources(ENTRY, PACKAGE, PROVIDED, also=layers)
 
 
 def bundled_modules() -> set[str]:

@@ -80,9 +80,10 @@ def is_type_checking(node: ast.AST) -> bool:
     return isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
 
 
-def bundle_sources(entry: str, package: Path, provided: frozenset[str] = frozenset()
-                   ) -> tuple[str, ...]:
-    """The package-relative source files `entry` needs, in an order that runs top to bottom."""
+def bundle_sources(entry: str, package: Path, provided: frozenset[str] = frozenset(),
+                   also: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The package-relative source files `entry` needs, in an order that runs top to bottom, and
+    after them those of the modules in `also` (reached by name, not by an import: layer modules)."""
     graph, seen, order = _Graph(package), set(), []
 
     def visit(module: str) -> None:
@@ -98,5 +99,6 @@ def bundle_sources(entry: str, package: Path, provided: frozenset[str] = frozens
             if not top:
                 visit(target)
 
-    visit(entry)
+    for module in (entry, *also):
+        visit(module)
     return tuple(order)
