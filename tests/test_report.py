@@ -1,6 +1,7 @@
 """`meshlm report` renders every section for two tiny runs, self-contained; probe figures are PNGs."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -18,7 +19,8 @@ from meshlm.analysis.probes import probe
 from meshlm.analysis.report import collect, notes, table_one
 from meshlm.cli import main
 from meshlm.errors import MeshlmError
-from meshlm.evaluation.run import EvalOptions, evaluate, write_json
+from meshlm.evaluation.results import ProbeResult, Suite, read_eval, read_probe, write
+from meshlm.evaluation.run import EvalOptions, evaluate
 from meshlm.evaluation.tasks import SUITE
 from meshlm.loading import open_model
 
@@ -27,7 +29,8 @@ def fake_suite(shots: int, offset: float) -> dict:
     """A downstream summary in run_suite's format (the real one needs lm-eval; see test_evaluate)."""
     tasks = {name: {"acc": 0.3 + offset, "acc_norm": 0.35 + offset, "metric": task.metric,
                     "score": 0.3 + offset, "stderr": 0.01, "items": 10} for name, task in SUITE.items()}
-    return {"tasks": tasks, "average": 0.3 + offset, "items": 80, "shots": shots, "limit": 10, "seconds": 1.0}
+    return Suite.from_dict({"tasks": tasks, "average": 0.3 + offset, "covered": len(tasks), "of": 9,
+                            "items": 80, "shots": shots, "limit": 10, "seconds": 1.0})
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +43,12 @@ def runs(tmp_path_factory):
         loaded = open_model(tiny_checkpoint(root, scheme, prepared, seed=i))
         options = EvalOptions(tasks=None, limit=2, exits=["state:0", "state:inf", "kl:0.01"])
         result = evaluate(loaded, options, log=lambda message: None)
-        result["downstream"] = {"0": fake_suite(0, 0.01 * i), "5": fake_suite(5, 0.02 * i)}
-        write_json(result, loaded.run_dir / "eval.json")
+        result.downstream = {"0": fake_suite(0, 0.01 * i), "5": fake_suite(5, 0.02 * i)}
+        write(result, loaded.run_dir / "eval.json")
         samples = torch.randint(0, 8192, (3, 16))
-        write_json({"model": loaded.model.config.to_dict(), **probe(loaded.model, samples)},
-                   loaded.run_dir / "probe" / "probe.json")
+        probed = {"model": loaded.model.config.to_dict(), "dtype": "fp32",
+                  **probe(loaded.model, samples)}
+        write(ProbeResult.from_dict(probed), loaded.run_dir / "probe" / "probe.json")
         write_metrics(loaded.run_dir, offset=0.1 * i)
         out.append(loaded.run_dir)
     return out
@@ -93,6 +97,27 @@ def test_report_renders_every_section_for_two_runs(runs, tmp_path, capsys):
     assert "10,240 tokens, final training loss 4.0000, validation loss 4.1000" in page
 
 
+def test_eval_and_probe_files_keep_their_keys_and_read_back_unchanged(runs):
+    """The keys meshlm eval and meshlm probe have written all along (no tasks here: no downstream
+    scores but the fake suites); what the one reader gives back writes the same JSON."""
+    saved = json.loads((runs[0] / "eval.json").read_text())
+    assert list(saved) == ["checkpoint", "step", "model", "accounting", "complete", "perplexity",
+                           "loops", "exit", "downstream", "seconds"]
+    assert list(saved["perplexity"]) == ["loss", "ppl", "tokens", "sequences", "data", "split",
+                                         "seq_len"]
+    assert list(saved["loops"][0]) == ["loops", "trained", "loss", "ppl", "tokens", "sequences"]
+    assert list(saved["exit"][0]) == ["exit", "max_loops", "loss", "ppl", "tokens", "sequences",
+                                      "avg_loops", "avg_probes", "flops_ratio"]
+    piqa = saved["downstream"]["0"]["tasks"]["piqa"]
+    assert set(piqa) == {"acc", "acc_norm", "metric", "score", "stderr", "items"}
+    probed = json.loads((runs[0] / "probe" / "probe.json").read_text())
+    assert {"write_usage", "slots", "max_entropy", "per_sample"} <= set(probed)  # the mesh run
+    for run in runs:
+        files = ((run / "eval.json", read_eval), (run / "probe" / "probe.json", read_probe))
+        for path, read in files:
+            assert read(path).to_dict() == json.loads(path.read_text())
+
+
 def test_loss_curves_come_from_metrics_with_tokens_for_every_validation(runs):
     curves = collect(runs[0]).curves
     assert curves["train"][0] == (512, pytest.approx(5.9)) and len(curves["train"]) == 20  # the cut line skipped
@@ -104,11 +129,11 @@ def test_table_one_shows_perplexity_without_downstream_results(runs, tmp_path):
 
     results = [collect(r) for r in runs]
     for r in results:
-        r.eval = {**r.eval, "downstream": {}}
+        r.eval = dataclasses.replace(r.eval, downstream={})
     results[1].eval = None  # only training's validation: its last perplexity, marked
     page = render(results, figures={})
     table = page[page.index("id='table'"):page.index("id='training'")]
-    assert f"{results[0].eval['perplexity']['ppl']:.2f}" in table
+    assert f"{results[0].eval.perplexity.ppl:.2f}" in table
     assert re.search(rf"{math.exp(4.2):.2f}(</b>)?<sup>†</sup>", table) and "No downstream results yet" in table
     assert "PIQA" not in table
 
@@ -129,7 +154,7 @@ def test_report_collects_from_a_checkpoint_path_and_explains_missing_results(run
 
 
 def test_probe_figures_are_pngs(runs):
-    results = [(r.name, json.loads((r / "probe" / "probe.json").read_text())) for r in runs]
+    results = [(r.name, read_probe(r / "probe" / "probe.json")) for r in runs]
     figures = plots.probe_figures(results)
     assert set(figures) == {"updates", "cka", "cka_steps", "spectrum", "rank", "router"}
     assert plots.png_bytes(figures["router"]).startswith(b"\x89PNG")

@@ -5,9 +5,11 @@ import pytest
 import torch
 import yaml
 
-from meshlm.analysis.study import Run, load_study, plan_table, probe_row, results_markdown
+from meshlm.analysis.results_page import paired_markdown, probe_row, read_runs, results_markdown
+from meshlm.analysis.study import load_study, plan_table
 from meshlm.cli import main
 from meshlm.errors import ConfigError
+from meshlm.evaluation.results import EvalResult, Perplexity, ProbeResult, write
 from meshlm.train.config import SHIPPED_CONFIGS
 
 STUDIES = SHIPPED_CONFIGS / "studies"
@@ -103,31 +105,59 @@ def test_tiny_study_end_to_end_and_rerun_skips(tmp_path, capsys, jobs):
     assert results_markdown(load_study(path)) == results
 
 
-def test_probe_summary_reads_loop_steps_from_probe_json(tmp_path):
-    import json
-
-    run = Run("mesh", 0, [], tmp_path / "mesh-s0")
-    (run.dir / "probe").mkdir(parents=True)
+def probe_result() -> ProbeResult:
+    """A probe of a 1+2R2+1 model (stages e, h0, h1, h2, coda), as probe.json holds it."""
     cka = [[1.0, 0.5, 0.4, 0.3, 0.2], [0.5, 1.0, 0.9, 0.6, 0.5], [0.4, 0.9, 1.0, 0.8, 0.7],
            [0.3, 0.6, 0.8, 1.0, 0.95], [0.2, 0.5, 0.7, 0.95, 1.0]]
-    probe = {"stages": ["e", "h0", "h1", "h2", "coda"], "blocks": ["prelude", "loop 1", "loop 2", "coda"],
-             "update_core": {"mean": [1.7, 1.4, 1.0, 0.3]}, "cka_rbf": {"mean": cka},
-             "effective_rank": {"mean": [100.0, 60.0, 50.0, 45.0, 55.0]}}
-    (run.dir / "probe" / "probe.json").write_text(json.dumps(probe))
-    assert probe_row(run) == {"update": [1.4, 1.0], "cka": [0.9, 0.8], "rank": [50.0, 45.0]}
+    def spread(mean):
+        return {"mean": mean, "std": torch.zeros(torch.tensor(mean).shape).tolist()}
+
+    return ProbeResult.from_dict({
+        "samples": 2, "tokens": 16, "stages": ["e", "h0", "h1", "h2", "coda"],
+        "blocks": ["prelude", "loop 1", "loop 2", "coda"],
+        "update_core": spread([1.7, 1.4, 1.0, 0.3]), "update_state": spread([1.7, 1.4, 1.0, 0.3]),
+        "cka_rbf": spread(cka), "cka_linear": spread(cka), "spectrum": spread([[1.0, 0.5]] * 5),
+        "effective_rank": spread([100.0, 60.0, 50.0, 45.0, 55.0])})
+
+
+def eval_result(loss: float, scheme: str = "base") -> EvalResult:
+    ppl = Perplexity(loss=loss, ppl=2.0 ** loss, tokens=8, sequences=2, data="d", split="val",
+                     seq_len=16)
+    return EvalResult(checkpoint="c", step=2, model={"spec": "1+1R2+1", "scheme": scheme},
+                      accounting={"non_embedding_params": 1000}, perplexity=ppl, complete=True)
+
+
+def test_probe_summary_reads_loop_steps_from_probe_json():
+    row = probe_row(probe_result())
+    assert row == {"update": [1.4, 1.0], "cka": [0.9, 0.8], "rank": [50.0, 45.0]}
 
 
 def test_paired_differences_by_seed(tmp_path):
-    import json
-
-    from meshlm.analysis.study import paired_markdown
-
     study = load_study(write_study(tmp_path, seeds=[0, 1]))
     for run, loss in zip(study.runs, [5.0, 5.2, 4.9, 5.3]):  # base-s0, base-s1, mesh-s0, mesh-s1
-        run.dir.mkdir(parents=True)
-        (run.dir / "eval.json").write_text(json.dumps({"perplexity": {"loss": loss}}))
-    row = [line for line in paired_markdown(study) if line.startswith("| base − mesh")]
+        write(eval_result(loss), run.dir / "eval.json")
+    row = [line for line in paired_markdown(read_runs(study)) if line.startswith("| base − mesh")]
     assert row == ["| base − mesh | 2 | 0.000 ± 0.141 | +0.100, -0.100 | 1/2 |"]
+
+
+def test_the_results_page_reads_each_runs_results_once(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    study = load_study(write_study(tmp_path, seeds=[0, 1]))
+    for run, loss in zip(study.runs, [5.0, 5.2, 4.9, 5.3]):
+        write(eval_result(loss, run.variant), run.dir / "eval.json")
+        write(probe_result(), run.dir / "probe" / "probe.json")
+    reads: dict[str, int] = {}
+    read_text = Path.read_text
+
+    def counted(path, *args, **kwargs):
+        reads[path.name] = reads.get(path.name, 0) + 1
+        return read_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", counted)
+    page = results_markdown(study)
+    assert reads == {"eval.json": 4, "probe.json": 4}  # four runs, one read of each file
+    assert "| base − mesh | 2 |" in page and "| mesh | 2 | 1.40 ± 0.00 → 1.00 ± 0.00 |" in page
 
 
 @pytest.mark.parametrize("keep_going", [False, True])
@@ -148,7 +178,7 @@ def test_jobs_below_one_is_refused(tmp_path, capsys):
 
 
 def test_a_job_slot_gets_its_share_of_the_cores(monkeypatch):
-    from meshlm.analysis.study import job_environment
+    from meshlm.analysis.study_runner import job_environment
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr("os.cpu_count", lambda: 16)

@@ -14,20 +14,20 @@ squares; the grid is refined around the best cell three times. No optimiser libr
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
 from meshlm.config import ModelConfig
+from meshlm.evaluation.results import read_eval
 
 
-def loop_params(result: dict) -> tuple[int, int, int]:
-    """(N_once, N_rec, r) of an eval.json result: the core's parameters are N_rec, every other non-embedding
-    parameter (prelude, coda, final norm, scheme) is N_once, r the trained loop steps."""
-    layout = ModelConfig.from_dict(result["model"]).layout
-    acc = result["accounting"]
-    per_layer = (acc["non_embedding_params"] - acc["scheme_params"] - 2 * result["model"]["d_model"]) \
+def loop_params(model: dict, acc: dict) -> tuple[int, int, int]:
+    """(N_once, N_rec, r) of a model (its config and accounting dicts, as in eval.json): the core's
+    parameters are N_rec, every other non-embedding parameter (prelude, coda, final norm, scheme) is
+    N_once, r the trained loop steps."""
+    layout = ModelConfig.from_dict(model).layout
+    per_layer = (acc["non_embedding_params"] - acc["scheme_params"] - 2 * model["d_model"]) \
         // acc["unique_layers"]
     n_rec = sum(layout.cores) * per_layer if layout.shares_weights else 0
     return acc["non_embedding_params"] - n_rec, n_rec, layout.n_steps
@@ -65,10 +65,11 @@ def fit(points: list[tuple[float, float, float, float]]) -> dict:
 
 
 def study_points(study_dir: str | Path, scheme: str | None = None) -> list[tuple[int, int, int, float]]:
-    """(N_once, N_rec, r, validation loss) of every evaluated run under a study folder (one scheme, if given)."""
+    """(N_once, N_rec, r, validation loss) of every evaluated run under a study folder (one scheme,
+    if given)."""
     points = []
     for path in sorted(Path(study_dir).glob("*/eval.json")):
-        result = json.loads(path.read_text())
-        if scheme is None or result["model"]["scheme"] == scheme:
-            points.append((*loop_params(result), result["perplexity"]["loss"]))
+        result = read_eval(path)
+        if scheme is None or result.model["scheme"] == scheme:
+            points.append((*loop_params(result.model, result.accounting), result.perplexity.loss))
     return points

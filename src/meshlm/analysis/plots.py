@@ -1,8 +1,9 @@
 """Figures in the style of the paper's probes (§2), for one run or several overlaid.
 
-Every function takes `runs`: a list of (label, probe result) pairs as returned by meshlm.analysis.probes.probe
-(or read back from probe.json), and returns a matplotlib Figure built without pyplot (Agg canvas, no
-global state, safe in threads and headless). `probe_figures` makes the whole set; `save` writes PNGs.
+Every function takes `runs`: a list of (label, ProbeResult) pairs (meshlm.evaluation.results: what
+`meshlm probe` writes to probe.json), and returns a matplotlib Figure built without pyplot (Agg
+canvas, no global state, safe in threads and headless). `probe_figures` makes the whole set; `save`
+writes PNGs.
 
     updates      relative update per block (prelude, loops, coda); solid = h → f_core(h), dashed = h^t → h^{t+1}
     cka          CKA heatmaps between all stages, RBF (median bandwidth) and linear, one row per run
@@ -25,8 +26,9 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter
 
 from meshlm import atomic
+from meshlm.evaluation.results import DepthRow, ExitRow, ProbeResult, Spread
 
-Run = tuple[str, dict]
+Run = tuple[str, ProbeResult]
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 
 
@@ -40,20 +42,20 @@ def color_of(i: int) -> str:
     return COLORS[i % len(COLORS)]
 
 
-def _errorline(ax, x, stat: dict, label: str, color: str, style: str = "-o") -> None:
-    mean, std = np.asarray(stat["mean"], float), np.asarray(stat["std"], float)
+def _errorline(ax, x, stat: Spread, label: str, color: str, style: str = "-o") -> None:
+    mean, std = np.asarray(stat.mean, float), np.asarray(stat.std, float)
     ax.errorbar(x, mean, yerr=std, fmt=style, color=color, label=label, capsize=3, markersize=4, linewidth=1.4)
 
 
 def updates(runs: list[Run]) -> Figure:
     fig = new_figure(6.4, 3.6)
     ax = fig.add_subplot()
-    labels = max((r["blocks"] for _, r in runs), key=len)
+    labels = max((r.blocks for _, r in runs), key=len)
     for i, (name, r) in enumerate(runs):
-        x = np.arange(len(r["blocks"]))
-        _errorline(ax, x, r["update_core"], f"{name}: h → f(h)", color_of(i))
-        if not np.allclose(r["update_core"]["mean"], r["update_state"]["mean"]):
-            _errorline(ax, x + 0.08, r["update_state"], f"{name}: h^t → h^(t+1)", color_of(i), "--s")
+        x = np.arange(len(r.blocks))
+        _errorline(ax, x, r.update_core, f"{name}: h → f(h)", color_of(i))
+        if not np.allclose(r.update_core.mean, r.update_state.mean):
+            _errorline(ax, x + 0.08, r.update_state, f"{name}: h^t → h^(t+1)", color_of(i), "--s")
     ax.set_xticks(np.arange(len(labels)), labels)
     ax.set_ylabel("relative update  2‖f(h)−h‖ / (‖f(h)‖+‖h‖)")
     ax.set_title("Relative update magnitude per block")
@@ -77,31 +79,31 @@ def cka(runs: list[Run]) -> Figure:
     fig = new_figure(8.0, 3.3 * len(runs))
     axes = fig.subplots(len(runs), 2, squeeze=False)
     for row, (name, r) in enumerate(runs):
-        names = r["stages"]
+        names = r.stages
         for col, kernel in enumerate(("rbf", "linear")):
             ax = axes[row][col]
-            image = _heatmap(ax, r[f"cka_{kernel}"]["mean"], names, f"{name}: CKA ({kernel})")
+            image = _heatmap(ax, r.cka(kernel).mean, names, f"{name}: CKA ({kernel})")
             ax.set_xticks(range(len(names)), names)
             ax.set_yticks(range(len(names)), names)
         fig.colorbar(image, ax=axes[row].tolist(), shrink=0.8)
     return fig
 
 
-def _consecutive(r: dict, kernel: str) -> dict:
-    m = r[f"cka_{kernel}"]
-    n = len(r["stages"])
-    return {k: [m[k][i][i + 1] for i in range(n - 1)] for k in ("mean", "std")}
+def _consecutive(r: ProbeResult, kernel: str) -> Spread:
+    m, n = r.cka(kernel), len(r.stages)
+    steps = range(n - 1)
+    return Spread(mean=[m.mean[i][i + 1] for i in steps], std=[m.std[i][i + 1] for i in steps])
 
 
 def cka_steps(runs: list[Run]) -> Figure:
     fig = new_figure(9.0, 3.4)
     axes = fig.subplots(1, 2, sharey=True)
-    longest = max((r["stages"] for _, r in runs), key=len)
+    longest = max((r.stages for _, r in runs), key=len)
     pairs = [f"{a}→{b}" for a, b in zip(longest, longest[1:])]
     for col, kernel in enumerate(("rbf", "linear")):
         ax = axes[col]
         for i, (name, r) in enumerate(runs):
-            _errorline(ax, np.arange(len(r["stages"]) - 1), _consecutive(r, kernel), name, color_of(i))
+            _errorline(ax, np.arange(len(r.stages) - 1), _consecutive(r, kernel), name, color_of(i))
         ax.set_xticks(np.arange(len(pairs)), pairs, fontsize=8)
         ax.set_title(f"CKA between consecutive stages ({kernel})", fontsize=9)
         ax.grid(alpha=0.3)
@@ -114,15 +116,15 @@ def spectrum(runs: list[Run]) -> Figure:
     fig = new_figure(4.2 * len(runs), 3.6)
     axes = fig.subplots(1, len(runs), sharey=True, squeeze=False)[0]
     for ax, (name, r) in zip(axes, runs):
-        colors = _stage_colors(len(r["stages"]))
-        for stage, color, mean, std in zip(r["stages"], colors, r["spectrum"]["mean"], r["spectrum"]["std"]):
+        colors = _stage_colors(len(r.stages))
+        for stage, color, mean, std in zip(r.stages, colors, r.spectrum.mean, r.spectrum.std):
             mean, std = np.asarray(mean, float), np.asarray(std, float)
             x = np.arange(len(mean))
             ax.plot(x, mean, color=color, label=stage, linewidth=1.4)
             ax.fill_between(x, np.clip(mean - std, 1e-6, None), mean + std, color=color, alpha=0.15)
         ax.set_yscale("log")
         ax.set_xlabel("singular value index i")
-        ax.set_title(f"{name}: top-{len(r['spectrum']['mean'][0])} σ_i/σ_0", fontsize=9)
+        ax.set_title(f"{name}: top-{len(r.spectrum.mean[0])} σ_i/σ_0", fontsize=9)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     axes[0].set_ylabel("σ_i / σ_0")
@@ -139,9 +141,9 @@ def _stage_colors(n: int) -> list:
 def rank(runs: list[Run]) -> Figure:
     fig = new_figure(6.0, 3.4)
     ax = fig.add_subplot()
-    longest = max((r["stages"] for _, r in runs), key=len)
+    longest = max((r.stages for _, r in runs), key=len)
     for i, (name, r) in enumerate(runs):
-        _errorline(ax, np.arange(len(r["stages"])), r["effective_rank"], name, color_of(i))
+        _errorline(ax, np.arange(len(r.stages)), r.effective_rank, name, color_of(i))
     ax.set_xticks(np.arange(len(longest)), longest)
     ax.set_ylabel("effective rank exp(H(σ/Σσ))")
     ax.set_title("Entropy effective rank of each stage")
@@ -152,24 +154,27 @@ def rank(runs: list[Run]) -> Figure:
 
 def router(runs: list[Run]) -> Figure | None:
     """Slot usage and read patterns for the runs that have routers (MeSH); None if none has."""
-    meshes = [(name, r) for name, r in runs if "write_usage" in r]
+    meshes = [(name, r) for name, r in runs if r.write_usage is not None]
     if not meshes:
         return None
     fig = new_figure(12.0, 3.2 * len(meshes))
     axes = fig.subplots(len(meshes), 3, squeeze=False)
     for row, (name, r) in enumerate(meshes):
-        pairs = [f"pair {p}" + (" (in)" if p == 0 else f" (loop {p})") for p in range(len(r["write_usage"]["mean"]))]
+        pairs = [f"pair {p}" + (" (in)" if p == 0 else f" (loop {p})")
+                 for p in range(len(r.write_usage.mean))]
         for col, kind in enumerate(("write", "read")):
             ax = axes[row][col]
-            _heatmap(ax, r[f"{kind}_usage"]["mean"], [], f"{name}: mean {kind} weight per slot", cmap="magma")
-            ax.set_xticks(range(r["slots"]), [f"m{b}" for b in range(r["slots"])])
+            title = f"{name}: mean {kind} weight per slot"
+            _heatmap(ax, getattr(r, f"{kind}_usage").mean, [], title, cmap="magma")
+            ax.set_xticks(range(r.slots), [f"m{b}" for b in range(r.slots)])
             ax.set_yticks(range(len(pairs)), pairs, fontsize=8)
         ax = axes[row][2]
         x = np.arange(len(pairs))
         for offset, kind, color in ((-0.18, "write", color_of(0)), (0.18, "read", color_of(1))):
-            stat = r[f"{kind}_entropy"]
-            ax.bar(x + offset, stat["mean"], width=0.36, yerr=stat["std"], color=color, label=kind, capsize=2)
-        ax.axhline(r["max_entropy"], color="gray", linestyle=":", label="uniform (log B)")
+            stat = getattr(r, f"{kind}_entropy")
+            ax.bar(x + offset, stat.mean, width=0.36, yerr=stat.std, color=color, label=kind,
+                   capsize=2)
+        ax.axhline(r.max_entropy, color="gray", linestyle=":", label="uniform (log B)")
         ax.set_xticks(x, [p.split(" (")[0] for p in pairs], fontsize=8)
         ax.set_ylabel("entropy (nats)")
         ax.set_title(f"{name}: routing entropy per pair", fontsize=9)
@@ -177,20 +182,21 @@ def router(runs: list[Run]) -> Figure | None:
     return fig
 
 
-def loops_figure(runs: list[tuple[str, list[dict]]]) -> Figure | None:
-    """Validation loss vs. loop count; `runs` = (label, eval["loops"]); the trained count is circled."""
+def loops_figure(runs: list[tuple[str, list[DepthRow]]]) -> Figure | None:
+    """Validation loss vs. loop count; `runs` = (label, EvalResult.loops); the trained K circled."""
     runs = [(name, rows) for name, rows in runs if rows]
     if not runs:
         return None
     fig = new_figure(5.6, 3.4)
     ax = fig.add_subplot()
     for i, (name, rows) in enumerate(runs):
-        ax.plot([r["loops"] for r in rows], [r["loss"] for r in rows], "-o", color=color_of(i), label=name,
+        ax.plot([r.loops for r in rows], [r.loss for r in rows], "-o", color=color_of(i),
+                label=name,
                 markersize=4)
-        trained = [r for r in rows if r["trained"]]
-        ax.plot([r["loops"] for r in trained], [r["loss"] for r in trained], "o", markersize=11,
+        trained = [r for r in rows if r.trained]
+        ax.plot([r.loops for r in trained], [r.loss for r in trained], "o", markersize=11,
                 markerfacecolor="none", color=color_of(i))
-    ax.set_xticks(sorted({r["loops"] for _, rows in runs for r in rows}))
+    ax.set_xticks(sorted({r.loops for _, rows in runs for r in rows}))
     ax.set_xlabel("loop steps K' (circled: as trained)")
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title("Loss vs. loop count")
@@ -199,10 +205,11 @@ def loops_figure(runs: list[tuple[str, list[dict]]]) -> Figure | None:
     return fig
 
 
-def exit_figure(runs: list[tuple[str, list[dict], list[dict]]]) -> Figure | None:
+def exit_figure(runs: list[tuple[str, list[list[ExitRow]], list[list[DepthRow]]]]) -> Figure | None:
     """Quality vs. compute under per-token adaptive exit: validation loss against average loop steps per token.
 
-    `runs` = (variant, [eval["exit"] of each seed], [eval["loops"] of each seed]); points are means over seeds.
+    `runs` = (variant, [EvalResult.exit of each seed], [EvalResult.loops of each seed]); points are
+    means over seeds.
     Dashed: fixed depth K' = 1 … the exit's most loops (the frontier exit has to beat); solid: `state` rules,
     dotted: `kl` rules (which also pay a coda + head per step: see the flops_ratio in eval.json)."""
     runs = [(name, exits, sweeps) for name, exits, sweeps in runs if any(exits)]
@@ -211,11 +218,12 @@ def exit_figure(runs: list[tuple[str, list[dict], list[dict]]]) -> Figure | None
     fig = new_figure(5.6, 3.6)
     ax = fig.add_subplot()
     for i, (name, exits, sweeps) in enumerate(runs):
-        top = max(row["max_loops"] for rows in exits for row in rows)
-        fixed = _mean_by(sweeps, "loops", "loops", "loss", lambda row, top=top: row["loops"] <= top)
+        top = max(row.max_loops for rows in exits for row in rows)
+        fixed = _mean_by(sweeps, "loops", "loops", "loss", lambda row, top=top: row.loops <= top)
         ax.plot(*fixed, "--", color=color_of(i), linewidth=1, alpha=0.8)
         for criterion, style in (("state", "-o"), ("kl", ":^")):
-            xs, ys = _mean_by(exits, "exit", "avg_loops", "loss", lambda row, c=criterion: row["exit"].startswith(c))
+            xs, ys = _mean_by(exits, "exit", "avg_loops", "loss",
+                              lambda row, c=criterion: row.exit.startswith(c))
             if xs:
                 ax.plot(xs, ys, style, color=color_of(i), markersize=4, label=f"{name} ({criterion})")
     ax.set_xlabel("average loop steps per token (dashed: fixed depth)")
@@ -258,13 +266,13 @@ def loss_curves_figure(runs: list[tuple[str, dict]]) -> Figure | None:
     return fig
 
 
-def _mean_by(groups: list[list[dict]], key: str, x: str, y: str, keep) -> tuple[list[float], list[float]]:
+def _mean_by(groups: list[list], key: str, x: str, y: str, keep) -> tuple[list[float], list[float]]:
     """Rows of every seed grouped by `key`, averaged: (mean x, mean y) sorted by x."""
     by: dict = {}
     for rows in groups:
         for row in rows:
             if keep(row):
-                by.setdefault(row[key], []).append((row[x], row[y]))
+                by.setdefault(getattr(row, key), []).append((getattr(row, x), getattr(row, y)))
     points = sorted((float(np.mean([a for a, _ in v])), float(np.mean([b for _, b in v]))) for v in by.values())
     return [a for a, _ in points], [b for _, b in points]
 

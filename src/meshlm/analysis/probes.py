@@ -17,8 +17,9 @@ and, per sample:
 - MeSH routing, per router pair (0 = transitional, t + 1 = loop step t): mean write and read weight per
   slot (slot usage; which slots each step reads) and the mean per-token entropy of both distributions.
 
-Everything is computed in float64. `probe` returns plain lists (JSON-ready): mean, std and per-sample
-values of every quantity.
+Everything is computed in float64. `probe` returns plain lists (JSON-ready): mean, std and
+per-sample values of every quantity; `meshlm probe` writes them as a ProbeResult
+(meshlm.evaluation.results: the schema of probe.json).
 """
 from __future__ import annotations
 
@@ -163,7 +164,8 @@ def sample_measures(model, stages, b: int) -> dict[str, Any]:
     return out
 
 
-def _mean_std(values: list) -> dict[str, Any]:
+def _spread(values: list) -> dict[str, Any]:
+    """Mean and sample standard deviation over samples, elementwise (a Spread in probe.json)."""
     x = torch.tensor(values, dtype=torch.float64)  # (N, ...)
     std = x.std(0) if len(values) > 1 else torch.zeros_like(x[0])  # sample std (N − 1)
     return {"mean": x.mean(0).tolist(), "std": std.tolist()}
@@ -188,7 +190,7 @@ def probe(model, samples: torch.Tensor, batch_size: int = 8, states_out: list | 
                                                stages.coda[b]]).float().cpu())
     keys = per_sample[0].keys()
     result = {"samples": len(samples), "tokens": samples.shape[1], "stages": names, "blocks": labels,
-              **{k: _mean_std([s[k] for s in per_sample]) for k in keys},
+              **{k: _spread([s[k] for s in per_sample]) for k in keys},
               "per_sample": {k: [s[k] for s in per_sample] for k in keys}}
     if "write_usage" in keys:
         result["slots"] = len(per_sample[0]["write_usage"][0])

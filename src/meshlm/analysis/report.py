@@ -30,6 +30,16 @@ from meshlm import atomic, checkpoint
 from meshlm.analysis import plots, reasoning_report
 from meshlm.config import ModelConfig
 from meshlm.errors import MeshlmError
+from meshlm.evaluation.results import (
+    DepthRow,
+    EvalResult,
+    ExitRow,
+    ProbeResult,
+    Reasoning,
+    Suite,
+    read_eval,
+    read_probe,
+)
 from meshlm.evaluation.tasks import PAPER_TASKS
 from meshlm.model.accounting import describe
 
@@ -51,15 +61,15 @@ class RunResults:
     name: str
     path: Path
     model: dict | None
-    eval: dict | None
-    probe: dict | None
+    eval: EvalResult | None
+    probe: ProbeResult | None
     curves: dict = field(default_factory=dict)  # {"train": [(tokens, loss)], "val": [(tokens, loss)]}
 
     @property
     def ppl(self) -> tuple[float | None, str]:
         """Validation perplexity and its source: `meshlm eval`'s, else the trainer's last validation."""
-        if ((self.eval or {}).get("perplexity") or {}).get("ppl") is not None:
-            return self.eval["perplexity"]["ppl"], "eval"
+        if self.eval is not None:
+            return self.eval.perplexity.ppl, "eval"
         if self.curves.get("val"):
             return math.exp(min(self.curves["val"][-1][1], 700)), "train"
         return None, ""
@@ -72,14 +82,21 @@ class RunResults:
     def label(self) -> str:
         return f"{self.name} ({self.variant})" if self.variant not in self.name else self.name
 
+    @property
+    def loops(self) -> list[DepthRow]:
+        return self.eval.loops if self.eval else []
 
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as err:
-        raise ReportError(f"{path} is unreadable ({err}); re-run the command that wrote it") from None
+    @property
+    def exits(self) -> list[ExitRow]:
+        return self.eval.exit if self.eval else []
+
+    @property
+    def suites(self) -> dict[str, Suite]:
+        return self.eval.downstream if self.eval else {}
+
+    @property
+    def reasoning(self) -> Reasoning | None:
+        return self.eval.reasoning if self.eval else None
 
 
 def read_curves(run_dir: Path) -> dict:
@@ -111,8 +128,9 @@ def collect(path: str | Path) -> RunResults:
     run_dir = path.parent if path.name.startswith("step-") else path
     if not run_dir.is_dir():
         raise ReportError(f"{run_dir} is not a folder; pass run folders (e.g. runs/small-mesh)")
-    evaluation, probed = _read_json(run_dir / "eval.json"), _read_json(run_dir / "probe" / "probe.json")
-    model = (evaluation or probed or {}).get("model")
+    evaluation = read_eval(run_dir / "eval.json")
+    probed = read_probe(run_dir / "probe" / "probe.json")
+    model = (evaluation or probed).model if evaluation or probed else None
     if model is None:
         try:
             model = checkpoint.read_meta(run_dir)["model"]
@@ -158,8 +176,8 @@ def _table(header: list[str], columns: list[list[str]], n_rows: int) -> str:
 def table_one(runs: list[RunResults], shots: str | None) -> str:
     """Variant, spec, non-embedding params, PPL, per-task paper metric (%) and average for one shot setting
     (shots None: no downstream results, the rest of the table still shown)."""
-    suites = [((r.eval or {}).get("downstream") or {}).get(shots) if shots else None for r in runs]
-    tasks = [t for t in TASK_TITLES if any(s and t in s["tasks"] for s in suites)]
+    suites = [r.suites.get(shots) if shots else None for r in runs]
+    tasks = [t for t in TASK_TITLES if any(s and t in s.tasks for s in suites)]
     left = [[f"<td class='l'>{html.escape(r.name)}</td>" for r in runs],
             [f"<td class='l'>{html.escape(r.variant)}</td>" for r in runs],
             [f"<td>{html.escape(str((r.model or {}).get('spec', '?')))}</td>" for r in runs],
@@ -169,19 +187,20 @@ def table_one(runs: list[RunResults], shots: str | None) -> str:
     ppl_cells = [c.replace("</td>", "<sup>†</sup></td>") if src == "train" else c for c, src in zip(ppl_cells, sources)]
     columns = left + [ppl_cells]
     def task_field(task: str, name: str) -> list[float | None]:
-        return [(s["tasks"].get(task) or {}).get(name) if s else None for s in suites]
+        return [getattr(s.tasks[task], name) if s and task in s.tasks else None for s in suites]
 
     for task in tasks:
         columns.append(_cells(_percent(task_field(task, "score")), False, "{:.2f}",
                               _percent(task_field(task, "stderr"))))
     header = ["run", "variant", "spec", "non-emb. params", "val PPL"]
     if tasks:
-        complete = [s is not None and all(t in s["tasks"] for t in tasks) for s in suites]  # same tasks averaged
-        averages = [s["average"] if ok else None for s, ok in zip(suites, complete)]
-        errors = [mean_stderr([s["tasks"][t].get("stderr") for t in tasks]) if ok else None
+        # an average only where a suite has every task shown (the same tasks averaged)
+        complete = [s is not None and all(t in s.tasks for t in tasks) for s in suites]
+        averages = [s.average if ok else None for s, ok in zip(suites, complete)]
+        errors = [mean_stderr([s.tasks[t].stderr for t in tasks]) if ok else None
                   for s, ok in zip(suites, complete)]
         columns.append(_cells(_percent(averages), False, "{:.2f}", _percent(errors)))
-        metric = {t: next(s["tasks"][t]["metric"] for s in suites if s and t in s["tasks"]) for t in tasks}
+        metric = {t: next(s.tasks[t].metric for s in suites if s and t in s.tasks) for t in tasks}
         header += [*(f"{TASK_TITLES[t]}<br><small>{metric[t]}</small>" for t in tasks),
                    f"avg<br><small>{len(tasks)} of {PAPER_TASKS} tasks</small>"]
     foot = ("<p class='foot'>± one standard error (lm-eval's, per task; the average's assumes independent "
@@ -198,12 +217,12 @@ def report_figures(runs: list[RunResults]) -> dict[str, Figure]:
     curves = plots.loss_curves_figure([(r.label, r.curves) for r in runs])
     if curves is not None:
         figures["curves"] = curves
-    loops = plots.loops_figure([(r.label, (r.eval or {}).get("loops") or []) for r in runs])
+    loops = plots.loops_figure([(r.label, r.loops) for r in runs])
     if loops is not None:
         figures["loops"] = loops
     groups = {r.name: re.sub(r"-s\d+$", "", r.name) for r in runs}  # a study's runs are <variant>-s<seed>
-    exits = plots.exit_figure([(g, [(r.eval or {}).get("exit") or [] for r in runs if groups[r.name] == g],
-                                [(r.eval or {}).get("loops") or [] for r in runs if groups[r.name] == g])
+    exits = plots.exit_figure([(g, [r.exits for r in runs if groups[r.name] == g],
+                                [r.loops for r in runs if groups[r.name] == g])
                                for g in dict.fromkeys(groups.values())])
     if exits is not None:
         figures["exit"] = exits
@@ -213,17 +232,18 @@ def report_figures(runs: list[RunResults]) -> dict[str, Figure]:
     return figures
 
 
-def reasoning_groups(runs: list[RunResults], groups: dict[str, str]) -> list[tuple[str, list[dict]]]:
-    """(variant, [eval["reasoning"] of each seed]) for the runs evaluated on the reasoning suite."""
-    out: dict[str, list[dict]] = {}
+def reasoning_groups(runs: list[RunResults], groups: dict[str, str]
+                     ) -> list[tuple[str, list[Reasoning]]]:
+    """(variant, [reasoning result of each seed]) for the runs evaluated on the reasoning suite."""
+    out: dict[str, list[Reasoning]] = {}
     for r in runs:
-        if (r.eval or {}).get("reasoning"):
-            out.setdefault(groups[r.name], []).append(r.eval["reasoning"])
+        if r.reasoning:
+            out.setdefault(groups[r.name], []).append(r.reasoning)
     return list(out.items())
 
 
 def reasoning_section(runs: list[RunResults], figures: dict) -> str:
-    rows = [(r.name, r.eval["reasoning"]) for r in runs if (r.eval or {}).get("reasoning")]
+    rows = [(r.name, r.reasoning) for r in runs if r.reasoning]
     if not rows:
         return "<p>No run was evaluated on the reasoning suite (runs trained on <code>task:</code> data are).</p>"
     images = "".join(_img(figures[name]) for name in reasoning_report.FIGURES if name in figures)
@@ -243,27 +263,27 @@ def training_section(runs: list[RunResults], figures: dict) -> str:
 
 
 def loops_section(runs: list[RunResults], figures: dict) -> str:
-    series = [(r.label, (r.eval or {}).get("loops") or []) for r in runs]
+    series = [(r.label, r.loops) for r in runs]
     if "loops" not in figures:
         return "<p>No run has a loss-vs-loops sweep (weight-shared models get one from <code>meshlm eval</code>).</p>"
-    counts = sorted({row["loops"] for _, rows in series for row in rows})
+    counts = sorted({row.loops for _, rows in series for row in rows})
     columns = [[f"<td class='l'>{html.escape(name)}</td>" for name, _ in series],
                [f"<td class='l'>{html.escape(r.variant)}</td>" for r in runs]]
     for k in counts:
-        columns.append(_cells([next((row["loss"] for row in rows if row["loops"] == k), None) for _, rows in series],
-                              True, "{:.4f}"))
+        losses = [next((row.loss for row in rows if row.loops == k), None) for _, rows in series]
+        columns.append(_cells(losses, True, "{:.4f}"))
     return _img(figures["loops"]) + _table(["run", "variant", *(f"K'={k}" for k in counts)], columns, len(runs))
 
 
 def exit_section(runs: list[RunResults], figures: dict) -> str:
-    rows = [(r, row) for r in runs for row in (r.eval or {}).get("exit") or []]
+    rows = [(r, row) for r in runs for row in r.exits]
     if "exit" not in figures:
         return "<p>No run was evaluated with adaptive exit (<code>meshlm eval RUN --exit state:0.1,kl:1e-3</code>).</p>"
     columns = [[f"<td class='l'>{html.escape(r.name)}</td>" for r, _ in rows],
-               [f"<td class='l'>{html.escape(row['exit'])}</td>" for _, row in rows],
-               _cells([row["loss"] for _, row in rows], True, "{:.4f}"),
-               _cells([row["avg_loops"] for _, row in rows], True, "{:.2f}"),
-               _cells([row["flops_ratio"] for _, row in rows], True, "{:.3f}")]
+               [f"<td class='l'>{html.escape(row.exit)}</td>" for _, row in rows],
+               _cells([row.loss for _, row in rows], True, "{:.4f}"),
+               _cells([row.avg_loops for _, row in rows], True, "{:.2f}"),
+               _cells([row.flops_ratio for _, row in rows], True, "{:.3f}")]
     header = ["run", "exit rule", "val loss", "avg loops/token", "FLOPs vs. fixed"]
     return _img(figures["exit"]) + _table(header, columns, len(rows))
 
@@ -275,8 +295,8 @@ def probe_section(runs: list[RunResults], figures: dict) -> str:
     titles = {"updates": "Relative update per block", "cka_steps": "CKA between consecutive stages",
               "rank": "Effective rank per stage", "spectrum": "Normalised singular values (top 50)",
               "cka": "CKA between all stages", "router": "MeSH routing"}
-    parts = [f"<p>{len(probed)} run(s); {probed[0]['samples']} held-out sequences of "
-             f"{probed[0]['tokens']} tokens each (mean ± std over samples).</p>"]
+    parts = [f"<p>{len(probed)} run(s); {probed[0].samples} held-out sequences of "
+             f"{probed[0].tokens} tokens each (mean ± std over samples).</p>"]
     for name, title in titles.items():
         if name in figures:
             parts.append(f"<h3>{title}</h3>{_img(figures[name])}")
@@ -294,7 +314,7 @@ def gaps(runs: list[RunResults]) -> list[str]:
             items.append(f"{r.name}: no probe — run `meshlm probe {r.path}`")
         if not r.curves:
             items.append(f"{r.name}: no metrics.jsonl, so no loss curves (the run folder of `meshlm train` has one)")
-        limits = {s.get("limit") for s in ((r.eval or {}).get("downstream") or {}).values()} - {None}
+        limits = {s.limit for s in r.suites.values()} - {None}
         if limits:
             items.append(f"{r.name}: tasks scored with --limit {', '.join(map(str, sorted(limits)))} "
                          f"items per task (not comparable with full-set numbers)")
@@ -306,6 +326,10 @@ def notes(runs: list[RunResults]) -> str:
     return "<ul class='note'>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>" if items else "<p>None.</p>"
 
 
+def _step(r: RunResults) -> str:
+    return "" if r.eval is None or r.eval.step is None else f" (step {r.eval.step})"
+
+
 def _img(png: bytes) -> str:
     return f"<img src='data:image/png;base64,{base64.b64encode(png).decode('ascii')}'>"
 
@@ -315,11 +339,11 @@ def render(runs: list[RunResults], title: str = "meshlm report", figures: dict[s
     """The page; `figures`: PNG bytes by name (default: report_figures, rendered)."""
     if figures is None:
         figures = {name: plots.png_bytes(fig) for name, fig in report_figures(runs).items()}
-    shots = sorted({k for r in runs for k in ((r.eval or {}).get("downstream") or {})}, key=int)
+    shots = sorted({k for r in runs for k in r.suites}, key=int)
     tables = "".join(table_one(runs, s) for s in shots) if shots else (
         table_one(runs, None) + "<p>No downstream results yet: <code>meshlm eval RUN</code> scores the tasks.</p>")
     run_list = "".join(f"<li><b>{html.escape(r.name)}</b>: {html.escape(str(r.path))}"
-                       f"{' (step ' + str(r.eval['step']) + ')' if r.eval and r.eval.get('step') is not None else ''}"
+                       f"{_step(r)}"
                        f"</li>" for r in runs)
     body = (f"<h1>{html.escape(title)}</h1><p>Generated {datetime.datetime.now():%Y-%m-%d %H:%M}.</p>"
             f"<ul>{run_list}</ul>"

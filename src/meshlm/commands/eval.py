@@ -10,6 +10,7 @@ through lm-evaluation-harness (0- and 5-shot by default); writes <run>/eval.json
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from meshlm.errors import ConfigError
@@ -88,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     from meshlm import hub
 
     hub.prefetch(args.checkpoint)  # first: importing meshlm.evaluation switches the Hub off (for lm-eval's data)
-    from meshlm.evaluation.run import EvalOptions, evaluate, write_json
+    from meshlm.evaluation.results import write
+    from meshlm.evaluation.run import EvalOptions, evaluate
     from meshlm.evaluation.scope import choose, scope_of
     from meshlm.loading import open_model
     from meshlm.runtime import precision
@@ -111,12 +113,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"evaluating {loaded.path} ({loaded.model.config.spec} {loaded.model.config.scheme}) in "
           f"{chosen.describe()}{precision_note(chosen.name)}", flush=True)
 
-    def save(partial: dict) -> None:  # after every stage, so what finished is kept
-        write_json({**partial, "dtype": chosen.name, "scope": scope}, out)
+    def save(partial) -> None:  # after every stage, so what finished is kept
+        write(dataclasses.replace(partial, dtype=chosen.name, scope=scope), out)
 
     with precision.autocast(device, chosen):
         result = evaluate(loaded, options, save=save)
-    print(f"results: {out} ({result['seconds']:.0f} s)")
+    print(f"results: {out} ({result.seconds:.0f} s)")
     return 0
 
 

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     hub.prefetch(args.checkpoint)  # first: importing meshlm.evaluation switches the Hub off (for lm-eval's data)
     from meshlm.analysis import plots
     from meshlm.analysis.probes import probe
-    from meshlm.evaluation.run import write_json
+    from meshlm.evaluation.results import ProbeResult, write
     from meshlm.loading import open_model
     from meshlm.runtime import precision
 
@@ -69,19 +69,22 @@ def run(args: argparse.Namespace) -> int:
     device, chosen = precision.for_model(args.dtype, loaded.model)
     print(f"probing {loaded.path} in {chosen.describe()}", flush=True)
     with precision.autocast(device, chosen):
-        result = probe(loaded.model, samples, args.batch_size, states)
-    result = {"checkpoint": str(loaded.path), "step": loaded.meta.get("step"), "label": loaded.run_dir.name,
-              "model": loaded.model.config.to_dict(), "dtype": chosen.name, **result}
+        measures = probe(loaded.model, samples, args.batch_size, states)
+    result = ProbeResult.from_dict({
+        "checkpoint": str(loaded.path), "step": loaded.meta.get("step"),
+        "label": loaded.run_dir.name, "model": loaded.model.config.to_dict(), "dtype": chosen.name,
+        **measures})
     out = Path(args.out) if args.out else loaded.run_dir / "probe"
-    write_json(result, out / "probe.json")
-    paths = plots.save(plots.probe_figures([(result["label"], result)]), out)
+    write(result, out / "probe.json")
+    paths = plots.save(plots.probe_figures([(result.label, result)]), out)
     if states is not None:
         from safetensors.torch import save_file
 
         from meshlm import atomic
 
         atomic.write_with(out / "states.safetensors", lambda tmp: save_file(
-            {"states": torch.stack(states)}, str(tmp), metadata={"stages": ",".join(result["stages"])}))
+            {"states": torch.stack(states)}, str(tmp),
+            metadata={"stages": ",".join(result.stages)}))
     print(summary(result))
     print(f"results: {out / 'probe.json'}; figures: {', '.join(p.name for p in paths)}")
     return 0
@@ -116,16 +119,17 @@ def _fmt(values: list[float]) -> str:
     return " ".join(f"{v:.3f}" for v in values)
 
 
-def summary(r: dict) -> str:
-    """A few lines of the headline numbers (means over samples)."""
-    fmt, n = _fmt, len(r["stages"])
-    steps = [r["cka_rbf"]["mean"][i][i + 1] for i in range(n - 1)]
-    lines = [f"probed {r['samples']} x {r['tokens']} tokens; stages {' '.join(r['stages'])}",
-             f"  relative update h->f(h)     [{' '.join(r['blocks'])}]: {fmt(r['update_core']['mean'])}",
-             f"  relative update h^t->h^t+1  [{' '.join(r['blocks'])}]: {fmt(r['update_state']['mean'])}",
+def summary(r) -> str:
+    """A few lines of the headline numbers (means over samples) of a ProbeResult."""
+    fmt, n = _fmt, len(r.stages)
+    steps = [r.cka_rbf.mean[i][i + 1] for i in range(n - 1)]
+    blocks, ranks = " ".join(r.blocks), " ".join(f"{v:.1f}" for v in r.effective_rank.mean)
+    lines = [f"probed {r.samples} x {r.tokens} tokens; stages {' '.join(r.stages)}",
+             f"  relative update h->f(h)     [{blocks}]: {fmt(r.update_core.mean)}",
+             f"  relative update h^t->h^t+1  [{blocks}]: {fmt(r.update_state.mean)}",
              f"  CKA(rbf) consecutive stages: {fmt(steps)}",
-             f"  effective rank per stage:    {' '.join(f'{v:.1f}' for v in r['effective_rank']['mean'])}"]
-    if "read_entropy" in r:
-        lines.append(f"  read entropy per pair:       {fmt(r['read_entropy']['mean'])} "
-                     f"(uniform {r['max_entropy']:.3f})")
+             f"  effective rank per stage:    {ranks}"]
+    if r.read_entropy is not None:
+        lines.append(f"  read entropy per pair:       {fmt(r.read_entropy.mean)} "
+                     f"(uniform {r.max_entropy:.3f})")
     return "\n".join(lines)

@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm.analysis.study import execute, load_study, plan_table
+    from meshlm.analysis.study import load_study, plan_table
+    from meshlm.analysis.study_runner import execute
     from meshlm.errors import ConfigError
 
     if args.quick and args.study and "=" in args.study:  # `--quick train.steps=50`: an override, not a file

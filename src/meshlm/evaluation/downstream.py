@@ -3,8 +3,9 @@
 `run_suite` builds the local task group (meshlm.evaluation.tasks), runs `lm_eval.simple_evaluate` with the MeshLM
 adapter (meshlm.evaluation.harness) and returns, per task, acc and acc_norm (where lm-eval defines it),
 the metric the paper reports, the item count and lm-eval's standard error, plus the average of the
-paper metrics over the tasks run. Nothing here reaches the network: the package switches the Hub off
-before lm-eval (and `datasets`) are imported, and the data are local JSON files.
+paper metrics over the tasks run, as the fields of a Suite (meshlm.evaluation.results: how eval.json
+holds it). Nothing here reaches the network: the package switches the Hub off before lm-eval (and
+`datasets`) are imported, and the data are local JSON files.
 """
 from __future__ import annotations
 

@@ -11,14 +11,8 @@ an answer token (the last prompt position, then each generated one up to EOS): w
 the answer. The Spearman rank correlation of a problem's answer loops with its difficulty says whether exit
 spends more depth on harder problems.
 
-The result (eval.json's "reasoning" section):
-
-    {"tasks": {name: {"trained_loops", "train_levels", "test_levels",
-                      "loops": [{"loops", "acc", "stderr", "n", "levels": {d: {"acc", "stderr", "n"}}}],
-                      "exit":  [{"exit", "max_loops", "acc", "stderr", "n", "avg_loops", "answer_loops",
-                                 "spearman", "levels": {d: {"acc", "stderr", "n", "avg_loops",
-                                                            "answer_loops"}}}]}},
-     "seconds"}
+The result is eval.json's "reasoning" section; its schema is meshlm.evaluation.results.Reasoning
+(tasks by name, each with a row per loop count and per exit rule, accuracy by difficulty in each).
 """
 from __future__ import annotations
 

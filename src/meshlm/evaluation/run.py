@@ -1,15 +1,6 @@
 """`meshlm eval` as a function: perplexity, loss vs. loop count and the downstream suite for one checkpoint.
 
-The result (also written as eval.json in the run folder) is plain JSON:
-
-    {"checkpoint", "step", "model": ModelConfig, "accounting": {...},
-     "perplexity": {"loss", "ppl", "tokens", "sequences", "data", "seq_len"},
-     "loops": [{"loops", "trained", "loss", "ppl", ...}],
-     "exit": [{"exit", "max_loops", "loss", "ppl", "avg_loops", "avg_probes", "flops_ratio", ...}],
-     "downstream": {"0": {"tasks": {name: {"acc", "acc_norm", "metric", "score", "stderr", "items"}},
-                          "average", "items", "seconds", "limit"}, "5": {...}},
-     "reasoning": {...}  (task data only: meshlm.evaluation.reasoning),
-     "seconds"}
+The result is an EvalResult (meshlm.evaluation.results: the schema of eval.json and its one reader).
 """
 from __future__ import annotations
 
@@ -26,7 +17,7 @@ from meshlm.errors import ConfigError, MeshlmError
 from meshlm.evaluation.downstream import run_suite
 from meshlm.evaluation.perplexity import default_loop_counts, exit_frontier, is_looped, loss_vs_loops, mean_loss
 from meshlm.evaluation.reasoning import evaluate_reasoning
-from meshlm.evaluation.tasks import PAPER_TASKS
+from meshlm.evaluation.results import DepthRow, EvalResult, ExitRow, Perplexity, Reasoning, Suite
 from meshlm.loading import Opened
 from meshlm.model.accounting import account
 
@@ -53,52 +44,61 @@ class EvalOptions:
 
 
 def evaluate(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = print,
-             save: Callable[[dict], Any] | None = None) -> dict[str, Any]:
+             save: Callable[[EvalResult], Any] | None = None) -> EvalResult:
     """Every stage in turn; `save(result)` after each one ("complete": false until the last), so a failure
     or an interrupt later keeps what finished."""
     start = time.perf_counter()
-    model = loaded.model
-    result: dict[str, Any] = {"checkpoint": str(loaded.path), "step": loaded.meta.get("step"),
-                              "model": model.config.to_dict(), "accounting": account(model).to_dict(),
-                              "complete": False}
     save = save or (lambda partial: None)
     check_task_data(loaded.folder.data_source(), options.data, options.suite)
     data = loaded.held_out(options.data)
     suite = suite_for(options.suite, options.data or loaded.folder.data_source())
     seq_len = window_length(data.manifest, 0) or loaded.seq_len  # task data: one example per window
     common = dict(batch_size=options.batch_size, max_sequences=options.limit)
-    result["perplexity"] = {**mean_loss(model, data, seq_len, **common), "data": str(data.dir),
-                            "split": data.split, "seq_len": seq_len}
-    log(f"validation perplexity {result['perplexity']['ppl']:.3f} (loss {result['perplexity']['loss']:.4f}, "
-        f"{result['perplexity']['tokens']:,} tokens{' (answers only)' if data.masks is not None else ''})")
+    ppl = Perplexity(**mean_loss(loaded.model, data, seq_len, **common), data=str(data.dir),
+                     split=data.split, seq_len=seq_len)
+    result = EvalResult(checkpoint=str(loaded.path), step=loaded.meta.get("step"), perplexity=ppl,
+                        model=loaded.model.config.to_dict(),
+                        accounting=account(loaded.model).to_dict())
+    log(f"validation perplexity {ppl.ppl:.3f} (loss {ppl.loss:.4f}, {ppl.tokens:,} tokens"
+        f"{' (answers only)' if data.masks is not None else ''})")
     save(result)
-    looped = is_looped(model)  # a study's --loops and --exit pass over vanilla runs: they have one depth
-    counts = default_loop_counts(model) if options.loops is None or not looped else options.loops
-    result["loops"] = loss_vs_loops(model, data, seq_len, counts, **common)
-    for row in result["loops"]:
-        log(f"  loops={row['loops']}{' (trained)' if row['trained'] else ''}: loss {row['loss']:.4f}, "
-            f"ppl {row['ppl']:.3f}")
-    result["exit"] = exit_frontier(model, data, seq_len, options.exits if looped else [], options.exit_loops,
-                                   **common)
-    for row in result["exit"]:
-        log(f"  exit {row['exit']} (at most {row['max_loops']} loops): loss {row['loss']:.4f}, avg loops/token "
-            f"{row['avg_loops']:.3f}, coda probes/token {row['avg_probes']:.3f}, FLOPs x{row['flops_ratio']:.3f}")
-    result["downstream"] = {}
+    depth_stages(loaded.model, data, seq_len, options, common, result, log)
     save(result)
     if suite == "reasoning":
         log("reasoning suite (exact match, greedy cached decoding):")
-        result["reasoning"] = evaluate_reasoning(
-            model, loaded.tokenizer, read_test(data.dir), data.manifest["task"]["levels"],
+        reasoning = evaluate_reasoning(
+            loaded.model, loaded.tokenizer, read_test(data.dir), data.manifest["task"]["levels"],
             None if options.loops is None else [k for k in options.loops if k >= 1], options.exits,
             options.exit_loops, options.limit, log=log)
-        result["reasoning"]["train_loops"] = loaded.train.get("loops", "fixed")  # how depth was trained
+        reasoning["train_loops"] = loaded.train.get("loops", "fixed")  # how depth was trained
+        result.reasoning = Reasoning.from_dict(reasoning)
         save(result)
     elif options.tasks:
-        downstream(loaded, options, log, into=result["downstream"], save=lambda: save(result))
-    result["seconds"] = time.perf_counter() - start
-    result["complete"] = True
+        downstream(loaded, options, log, into=result.downstream, save=lambda: save(result))
+    result.seconds = time.perf_counter() - start
+    result.complete = True
     save(result)
     return result
+
+
+def depth_stages(model, data, seq_len: int, options: EvalOptions, common: dict, result: EvalResult,
+                 log: Callable[[str], None]) -> None:
+    """Loss vs. loop count and the adaptive-exit frontier into `result` (a study's --loops and
+    --exit pass over vanilla runs: they have one depth)."""
+    looped = is_looped(model)
+    counts = default_loop_counts(model) if options.loops is None or not looped else options.loops
+    rows = loss_vs_loops(model, data, seq_len, counts, **common)
+    result.loops = [DepthRow(**row) for row in rows]
+    for row in result.loops:
+        log(f"  loops={row.loops}{' (trained)' if row.trained else ''}: loss {row.loss:.4f}, "
+            f"ppl {row.ppl:.3f}")
+    rules = options.exits if looped else []
+    rows = exit_frontier(model, data, seq_len, rules, options.exit_loops, **common)
+    result.exit = [ExitRow(**row) for row in rows]
+    for row in result.exit:
+        log(f"  exit {row.exit} (at most {row.max_loops} loops): loss {row.loss:.4f}, "
+            f"avg loops/token {row.avg_loops:.3f}, coda probes/token {row.avg_probes:.3f}, "
+            f"FLOPs x{row.flops_ratio:.3f}")
 
 
 def suite_for(suite: str, data: str) -> str:
@@ -132,7 +132,8 @@ def task_names(data: str) -> list[str]:
 
 
 def downstream(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = print,
-               into: dict[str, Any] | None = None, save: Callable[[], Any] = lambda: None) -> dict[str, Any]:
+               into: dict[str, Suite] | None = None, save: Callable[[], Any] = lambda: None
+               ) -> dict[str, Suite]:
     """{shots: suite summary}, filled into `into` one few-shot setting at a time (`save()` after each)."""
     from meshlm.evaluation.harness import MeshLMEval  # imports lm-eval: only when downstream tasks run
 
@@ -146,9 +147,9 @@ def downstream(loaded: Opened, options: EvalOptions, log: Callable[[str], None] 
         summary["dtype"] = options.dtype
         if options.samples_dir is not None:
             write_samples(summary.pop("samples"), Path(options.samples_dir) / f"{shots}-shot.jsonl")
-        out[str(shots)] = summary
+        out[str(shots)] = Suite.from_dict(summary)
         save()
-        log(format_suite(summary))
+        log(format_suite(out[str(shots)]))
     return out
 
 
@@ -162,30 +163,21 @@ def write_samples(samples: dict[str, list[dict]], path: Path) -> Path:
     return atomic.write_text(path, "".join(lines))
 
 
-def format_suite(summary: dict) -> str:
+def format_suite(summary: Suite) -> str:
     """A few lines: each task's paper metric (and the other), then the average and the speed."""
-    precision = f", {summary['dtype']}" if summary.get("dtype") else ""
-    lines = [f"{summary['shots']}-shot ({summary['items']:,} items, {summary['seconds']:.0f} s, "
-             f"{1000 * summary['seconds'] / max(summary['items'], 1):.1f} s per 1,000 items{precision}):"]
-    for name, t in summary["tasks"].items():
-        value = "{:.4f}".format if t.get("external") else "{:6.2f}".format  # lm-eval's own metrics: as it prints
-        scale = 1 if t.get("external") else 100
-        error = f" ± {value(scale * t['stderr']).strip()}" if t.get("stderr") is not None else ""
-        other = "acc_norm" if t["metric"] == "acc" else "acc"
-        extra = f", {other} {100 * t[other]:.2f}" if t.get(other) is not None else ""
-        lines.append(f"  {name:<15} {t['metric']:<8} {value(scale * t['score'])}{error}{extra}  (n={t['items']})")
-    if summary["average"] is not None:
-        lines.append(f"  {'average':<15} {'':<8} {100 * summary['average']:6.2f}  "
-                     f"({coverage(summary)})")
+    precision = f", {summary.dtype}" if summary.dtype else ""
+    lines = [f"{summary.shots}-shot ({summary.items:,} items, {summary.seconds:.0f} s, "
+             f"{1000 * summary.seconds / max(summary.items, 1):.1f} s per 1,000 items{precision}):"]
+    for name, t in summary.tasks.items():
+        value = "{:.4f}".format if t.external else "{:6.2f}".format  # lm-eval's: as it prints
+        scale = 1 if t.external else 100
+        error = f" ± {value(scale * t.stderr).strip()}" if t.stderr is not None else ""
+        other = "acc_norm" if t.metric == "acc" else "acc"
+        second = getattr(t, other)
+        extra = f", {other} {100 * second:.2f}" if second is not None else ""
+        lines.append(f"  {name:<15} {t.metric:<8} {value(scale * t.score)}{error}{extra}  "
+                     f"(n={t.items})")
+    if summary.average is not None:
+        lines.append(f"  {'average':<15} {'':<8} {100 * summary.average:6.2f}  "
+                     f"({summary.coverage})")
     return "\n".join(lines)
-
-
-def coverage(summary: dict) -> str:
-    """"8 of the paper's 9 tasks" (older eval.json files lack the counts: they averaged the eight)."""
-    covered = summary.get("covered", sum(t.get("score") is not None for t in summary["tasks"].values()))
-    return f"{covered} of the paper's {summary.get('of', PAPER_TASKS)} tasks"
-
-
-def write_json(result: dict, path: str | Path) -> Path:
-    """Atomically (meshlm.atomic): the previous result stays whole until this one is."""
-    return atomic.write_text(path, json.dumps(result, indent=1, default=float) + "\n")

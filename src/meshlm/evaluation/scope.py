@@ -18,6 +18,9 @@ import hashlib
 import json
 from pathlib import Path
 
+from meshlm.evaluation.records import ResultError, UnreadableResult
+from meshlm.evaluation.results import read_eval
+
 PRIMARY = "eval.json"
 SET_FIELDS = ("tasks", "shots", "loops", "exits")  # the new scope must hold at least the old one's
 
@@ -51,10 +54,14 @@ def choose(run_dir: Path, scope: dict) -> tuple[Path, str | None]:
     eval.json aside (when the new scope covers it)."""
     primary = run_dir / PRIMARY
     try:
-        old = json.loads(primary.read_text())
-    except (OSError, ValueError):
-        return primary, None  # none yet (or unreadable: nothing worth keeping)
-    old_scope = old.get("scope") if isinstance(old, dict) else None
+        old = read_eval(primary)
+        if old is None:
+            return primary, None  # none yet
+        old_scope = old.scope
+    except UnreadableResult:
+        return primary, None  # nothing worth keeping
+    except ResultError:
+        old_scope = None  # JSON that holds no eval result: it stays, as one that records no scope
     if old_scope == scope:
         return primary, None
     if old_scope is not None and covers(scope, old_scope):
