@@ -130,7 +130,8 @@ def test_bundled_sources_are_what_the_entry_imports_in_the_order_they_run(tmp_pa
 
 def test_exported_folder_carries_the_modules_its_features_import_and_no_others():
     """Every backbone's layers (the registry names their modules) and every scheme are bundled
-    because the model needs them (no list to extend); modules the remote code never imports are not, nor the package re-exports."""
+    because the model needs them (no list to extend); modules the remote code never imports are
+    not, nor the package re-exports."""
     from meshlm.backbones import BACKBONES
     from meshlm.hf.remote import bundled_modules, sources
 
