@@ -1,11 +1,11 @@
 """Write the shipped configs (src/meshlm/configs/, also reachable as configs/): one YAML per row of the paper's
-main table (spec §6) and the CPU-scale configs.
+main table (docs/results.md) and the CPU-scale configs.
 
     python scripts/make_configs.py          # rewrites configs/paper/*.yaml and configs/cpu/*.yaml
 
-Paper recipe (spec §5): GPT-NeoX (Pythia) tokenizer, seq 4096, global batch 512 sequences, one pass over
+Paper recipe (docs/training.md): GPT-NeoX (Pythia) tokenizer, seq 4096, global batch 512 sequences, one pass over
 250B tokens, AdamW (0.9, 0.95), wd 0.01, cosine to 10% after 1% warmup, bf16; peak LR per size from the
-spec §2 table. Each recursive split runs every scheme of the table; `vanilla` is the full-depth Pythia
+the Pythia paper's table. Each recursive split runs every scheme of the table; `vanilla` is the full-depth Pythia
 stack of the same size (same compute). The data path is a placeholder for a prepared Pile folder.
 """
 from __future__ import annotations

@@ -44,7 +44,7 @@ def test_non_embedding_formula_holds_for_every_layout():
 
 
 def test_mesh_flops_overhead_matches_the_paper():
-    """≈ 0.7551 GFLOPs per forward over 4096 tokens at 1.4B `4+8R2+4` (spec §4)."""
+    """≈ 0.7551 GFLOPs per forward over 4096 tokens at 1.4B `4+8R2+4` (the paper's figure)."""
     acc = describe(ModelConfig.from_preset("pythia-1.4b-4+8R2+4"))
     assert acc.scheme_flops_per_token * 4096 == 755_097_600
     assert acc.scheme_flops_per_token / acc.forward_flops_per_token < 2e-4

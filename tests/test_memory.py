@@ -1,4 +1,4 @@
-"""MeSH against a direct transcription of the spec's equations (§4), plus gradcheck and router facts."""
+"""MeSH against a direct transcription of the paper's equations, plus gradcheck and router facts."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,7 +8,7 @@ from meshlm.model import MeshLM
 
 
 def transcribed_mesh_logits(model: MeshLM, x: torch.Tensor) -> torch.Tensor:
-    """MeSH exactly as written in the spec, with an explicit list of B slot tensors and separate
+    """MeSH exactly as the paper writes it, with an explicit list of B slot tensors and separate
     write/read routers Linear(d, B) (the model fuses each pair into one Linear(d, 2B))."""
     cfg = model.config
     B = model.scheme.slots
@@ -91,7 +91,7 @@ def test_routers_start_near_uniform():
 
 
 def test_closed_form_gated_core_output_plus_retrieved_summary():
-    """h^{t+1} = Σ_b r_b m_b(before write) + (Σ_b r_b w_b)·u  (spec §4)."""
+    """h^{t+1} = Σ_b r_b m_b(before write) + (Σ_b r_b w_b)·u  (write, then read, expanded)."""
     model = build(tiny())
     randomise_routers(model)
     out = model(torch.randint(0, 97, (2, 8)), return_states=True)
@@ -129,7 +129,7 @@ def test_loops_override_needs_a_single_core():
 
 
 def test_buffer_view_equals_explicit_slot_arithmetic():
-    """The coefficient form holds exactly the slots m_b of the spec after every write."""
+    """The coefficient form holds exactly the slots m_b of the paper after every write."""
     from meshlm.model.schemes import LoopContext
 
     model = build(tiny(spec="1+1R3+1"))

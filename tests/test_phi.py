@@ -33,5 +33,5 @@ def test_loop_parameters_split_the_core_from_the_rest():
     cfg = ModelConfig(spec="1+2R4+1", d_model=64, n_heads=4, vocab_size=64, scheme="base")
     acc = describe(cfg).to_dict()
     once, rec, r = loop_params(cfg.to_dict(), acc)
-    layer = 12 * 64 ** 2 + 13 * 64  # a GPT-NeoX layer (spec §2)
+    layer = 12 * 64 ** 2 + 13 * 64  # a GPT-NeoX layer: 12d² + 13d
     assert (rec, r) == (2 * layer, 4) and once == 2 * layer + 2 * 64 == acc["non_embedding_params"] - rec

@@ -2,7 +2,7 @@
 
 Named presets are in meshlm.presets (`ModelConfig.from_preset`).
 
-A spec string describes the layer layout of a Prelude–Recurrent–Coda model (spec §2):
+A spec string describes the layer layout of a Prelude–Recurrent–Coda model (docs/design.md):
 
     "4+8R2+4"    prelude of 4 layers, one core of 8 layers run 2 times (shared weights), coda of 4
     "4+8+8+4"    prelude 4, two different cores of 8 layers run once each, coda 4 (non-shared)
@@ -128,7 +128,7 @@ class ModelConfig:
     scale_embeddings: bool = True  # MeSH paper: embeddings × √d (Pythia: off)
     init_std: float = 0.02  # std of the normal weight init (meshlm.model.init)
     scale_output_init: bool = True  # output projections × 1/√(2·unrolled depth) (MeSH paper)
-    router_init_std: float = 0.02  # routers start near-uniform (spec §8)
+    router_init_std: float = 0.02  # routers start near-uniform (docs/design.md)
 
     def __post_init__(self) -> None:
         self.validate()

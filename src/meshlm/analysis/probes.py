@@ -1,4 +1,4 @@
-"""Hidden-state probes of the paper (§2; spec §7) plus router behaviour, per sample, then mean ± std.
+"""Hidden-state probes of the paper (§2; docs/evaluation.md) plus router behaviour, per sample, then mean ± std.
 
 For every held-out sample (one window of T tokens) the model runs once with `return_states=True`, giving
 the stage matrices (T × d each; tokens are the examples):

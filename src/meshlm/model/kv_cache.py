@@ -7,7 +7,7 @@ pass needs its own keys and values. The cache therefore has one slot per unrolle
                 prelude  │ core, pass 0 │ core, pass 1 │ coda        (modules: prelude.0-1, cores.0.0-2, coda.0)
 
 `slot_offsets` gives the first slot of every stage; `MeshLM.forward` hands each stage its offset. The MeSH
-buffer, the anchors and every scheme state are per token, so decoding needs no cache for them (spec §4).
+buffer, the anchors and every scheme state are per token, so decoding needs no cache for them (docs/hf.md).
 
 Any object with `update(key, value, layer_idx) -> (keys, values)` and `get_seq_length() -> int` works as a
 cache: this `KVCache`, or a `transformers` `DynamicCache` (the public `Cache` API, which `generate()` passes

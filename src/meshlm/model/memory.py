@@ -1,4 +1,4 @@
-"""MeSH: Memory-as-State-Highways (spec §4) — the paper's contribution in one file.
+"""MeSH: Memory-as-State-Highways (arXiv 2510.07739) — the paper's contribution in one file.
 
 A buffer of B slots, each the shape of a hidden state, replaces the single recurrent state. K + 1 router
 pairs (write, read), one pair per step, each `Linear(d, B)` + softmax over slots per token, read the *same*
@@ -144,7 +144,7 @@ class MeSH(Scheme):
 
     @staticmethod
     def buffer(ctx: LoopContext) -> torch.Tensor:
-        """The slots m_b as the spec defines them, rebuilt from the coefficients: (B, T, slots, d)."""
+        """The paper's slots m_b, rebuilt from the coefficients: (B, T, slots, d)."""
         values = torch.stack(ctx.values, dim=0)  # (J, B, T, d)
         return torch.einsum("btsj,jbtd->btsd", ctx.coefficients.to(values.dtype), values)
 

@@ -1,4 +1,4 @@
-"""State-passing schemes: how the loop's state is updated around each core pass (spec §3).
+"""State-passing schemes: how the loop's state is updated around each core pass (docs/design.md).
 
 The model runs one loop for every scheme (see meshlm.model.lm); a scheme only answers two questions:
 

@@ -1,4 +1,4 @@
-"""AdamW with the paper's weight-decay split and the cosine learning-rate schedule (spec §5).
+"""AdamW with the paper's weight-decay split and the cosine learning-rate schedule (docs/training.md).
 
 Weight decay applies to every matrix (ndim >= 2: layer weights, embeddings, MeSH routers, the dynamic-mix
 projection) and to nothing else (biases, LayerNorm weights/biases, static-mix α). The schedule is a pure

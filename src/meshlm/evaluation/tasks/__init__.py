@@ -1,4 +1,4 @@
-"""The paper's downstream suite as local lm-evaluation-harness tasks (spec §6).
+"""The paper's downstream suite as local lm-evaluation-harness tasks (docs/evaluation.md).
 
 Each meshlm task runs lm-eval's *own* task definition (prompt, choices, target, metrics: the YAML shipped
 in `lm_eval/tasks/`) with only its data source replaced: `dataset_path: json` and ABSOLUTE `data_files`
@@ -38,7 +38,7 @@ from meshlm.evaluation.tasks.sets import eval_set_files, mmlu_subjects
 
 SUITE_GROUP = "meshlm_suite"
 MMLU_GROUP = "mmlu"
-PAPER_TASKS = 9  # the spec's average: the eight below plus LAMBADA-standard
+PAPER_TASKS = 9  # the paper's average: the eight below plus LAMBADA-standard
 LAMBADA_STANDARD = "lambada_standard"
 
 
