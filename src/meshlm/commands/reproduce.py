@@ -1,6 +1,6 @@
 """`meshlm reproduce`: run a study (variants × seeds: train, eval, probe, report) from one YAML file.
 
-    meshlm reproduce --quick                                   # configs/studies/quick.yaml (~15 min on 2 CPUs)
+    meshlm reproduce --quick                                   # configs/studies/quick.yaml (~13 min on 2 CPUs)
     meshlm reproduce configs/studies/cpu-12layer.yaml          # the CPU-scale study of docs/results.md
     meshlm reproduce configs/studies/paper-410m.yaml --plan    # print runs, tokens, FLOPs, GPU-hours; exit
     meshlm reproduce STUDY.yaml train.steps=50                 # dotted overrides for every run

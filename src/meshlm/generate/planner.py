@@ -21,8 +21,8 @@ PRIOR_TOKENS = 4  # the prompt's last positions whose draft agreement seeds each
 # read teacher-forced, while a draft's coda sees the verified tokens' full-depth keys/values, so the
 # two can differ (91% vs. 32% on one model, 91% vs. 97% on another)
 MIN_GAIN = 1.25  # auto starts speculating only where the cost model predicts this speed-up (it is
-# optimistic: it leaves out Python overhead that does not scale with the stages; measured 0.93x
-# where it predicted 1.37x)
+# optimistic: it leaves out Python overhead that does not scale with the stages; 1:4 measured
+# 1.44x where it predicted 1.69x)
 LOSS_BUDGET = 0.02  # auto's rounds may cost at most this share of the plain decode's time more than
 # plain steps would have: it starts a round only if the round's worst outcome (one token) keeps the
 # loss within it, shortening γ to fit, and otherwise decodes plainly for good. The prompt's
@@ -32,8 +32,8 @@ EXPLORE_TOKENS, EXPLORE_GAMMA = 8, 2  # until a K_d has drafted this many tokens
 # most 2 per round: a round that turns out to lose then loses little, and a first look fits a small
 # budget
 KEEP_GAIN = 1.1  # and keeps speculating while it predicts this much: one unlucky round (a rejection
-# right after a fully accepted one) must not end speculation for good where it pays (1.36x,
-# measured)
+# right after a fully accepted one) must not end speculation for good where it pays
+# (docs/benchmarks.md)
 PLAIN_SAMPLES = 3  # plain steps timed before the first round: their median is a plain token's cost
 
 

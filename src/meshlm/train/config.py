@@ -83,8 +83,7 @@ class TrainConfig:
     # scale)
     micro_batch: int = 8  # sequences per forward on one rank; accumulation = global / (world ×
     # micro)
-    steps: int = 300  # optimizer steps; 0 -> derived from `tokens` (300 × 8 × 256: ~7 min on 2 CPU
-    # cores)
+    steps: int = 300  # optimizer steps; 0 -> derived from `tokens` (300 × 8 × 256)
     tokens: int = 0  # training tokens (used only when steps = 0)
     # -- depth (meshlm.train.depth) ---------------------------------------------------------------
     loops: str = "fixed"  # loop steps per training step: fixed, fixed:N, uniform:LO-HI,
