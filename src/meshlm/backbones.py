@@ -20,10 +20,35 @@ A new backbone is therefore two pieces: its layer module in meshlm/model/ and it
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
-if TYPE_CHECKING:
-    from meshlm.config import ModelConfig
+
+class ConfigView(Protocol):
+    """What a backbone reads of a model: the fields of meshlm.config.ModelConfig named here. A
+    protocol, so the registry below the config imports nothing of it (the config validates through
+    the registry, not the other way round)."""
+
+    backbone: str
+    d_model: int
+    n_heads: int
+    n_kv_heads: int | None
+    mlp_ratio: int
+    qk_norm: bool | None
+    rotary_base: float
+    layer_norm_eps: float
+    n_experts: int
+    top_k: int
+    norm_topk_prob: bool
+    aux_loss_weight: float
+
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def rotary_fraction(self) -> float: ...
+    @property
+    def uses_qk_norm(self) -> bool: ...
 
 BACKBONES: dict[str, Backbone] = {}
 
@@ -68,15 +93,15 @@ class Backbone:
     def __init__(self) -> None:
         self.layer: type | None = None  # set by @layer_of: meshlm.model imports layer_module
 
-    def norm(self, cfg: ModelConfig):
+    def norm(self, cfg: ConfigView):
         """The backbone's normalisation module for width cfg.d_model (needs meshlm.model imported)."""
         return self.layer.norm(cfg)
 
-    def mlp_width(self, cfg: ModelConfig) -> int:
+    def mlp_width(self, cfg: ConfigView) -> int:
         """Hidden width of the MLP (of each expert for MoE) when mlp_hidden is None."""
         return cfg.mlp_ratio * cfg.d_model
 
-    def problems(self, cfg: ModelConfig) -> list[str]:
+    def problems(self, cfg: ConfigView) -> list[str]:
         """Problems with fields this backbone does not accept (the fields' own types are checked by the config)."""
         out = []
         if not self.grouped_query and cfg.n_kv_heads not in (None, cfg.n_heads):
@@ -96,15 +121,15 @@ class Backbone:
         """ModelConfig fields read from the family's config.json, beyond the shape every family shares."""
         return {}
 
-    def hf_config_kwargs(self, cfg: ModelConfig) -> dict[str, Any]:
+    def hf_config_kwargs(self, cfg: ConfigView) -> dict[str, Any]:
         """transformers config kwargs for cfg, beyond the shape every family shares."""
         return {}
 
-    def legacy_config(self, cfg: ModelConfig) -> dict[str, Any]:
+    def legacy_config(self, cfg: ConfigView) -> dict[str, Any]:
         """Extra config.json keys older transformers versions read."""
         return {}
 
-    def export_problems(self, cfg: ModelConfig) -> list[str]:
+    def export_problems(self, cfg: ConfigView) -> list[str]:
         """Why the vanilla model cfg has no exact counterpart in this family (empty: it converts)."""
         if cfg.backbone != self.name:
             return [f"a {cfg.backbone!r}-backbone model converts to {BACKBONES[cfg.backbone].title}, not {self.title}"]
