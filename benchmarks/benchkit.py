@@ -1,6 +1,7 @@
 """What every benchmark shares: the model-shape and timing options, and interleaved median timing.
 
-Benchmarks run as scripts (`python benchmarks/x.py`), so this module is imported from the script's folder.
+Benchmarks run as scripts (`python benchmarks/x.py`), so this module is imported from the script's
+folder.
 """
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ def add_shape_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vocab", type=int, default=8192)
 
 
-def add_timing_arguments(p: argparse.ArgumentParser, rounds: int, rounds_help: str | None = None) -> None:
+def add_timing_arguments(p: argparse.ArgumentParser, rounds: int,
+                         rounds_help: str | None = None) -> None:
     p.add_argument("--rounds", type=int, default=rounds, help=rounds_help)
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="wall time, or this process's CPU time")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="wall time, or this process's CPU time")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
 
 
@@ -33,9 +36,10 @@ def timing_setup(args: argparse.Namespace) -> Callable[[], float]:
     return time.process_time if args.clock == "cpu" else time.perf_counter
 
 
-def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, clock) -> dict[str, float]:
-    """Median seconds per call of each step: one warm-up each, then `rounds` rounds that run every step once,
-    so machine noise hits all of them alike."""
+def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, clock) -> dict[str,
+                                                                                          float]:
+    """Median seconds per call of each step: one warm-up each, then `rounds` rounds that run every
+    step once, so machine noise hits all of them alike."""
     times: dict[str, list[float]] = {name: [] for name in steps}
     for step in steps.values():
         step()
@@ -64,10 +68,11 @@ def corpus_prompts(tok, count: int, length: int) -> list[list[int]]:
 
 
 def corpus_windows(tok, count: int, length: int) -> list[list[int]]:
-    """`count` prompts of `length` tokens cut at evenly spaced places of the held-out documents (validation
-    split, joined): more prompts than `corpus_prompts` finds documents for."""
+    """`count` prompts of `length` tokens cut at evenly spaced places of the held-out documents
+    (validation split, joined): more prompts than `corpus_prompts` finds documents for."""
     from meshlm.data.corpus import split_documents
 
     ids = [t for doc in split_documents("val") for t in tok.encode(doc["text"])]
     stride = max((len(ids) - length) // max(count, 1), 1)
-    return [ids[i * stride:i * stride + length] for i in range(count) if i * stride + length <= len(ids)]
+    return [ids[i * stride:i * stride + length] for i in range(count)
+            if i * stride + length <= len(ids)]

@@ -1,11 +1,13 @@
 """How closely a bf16-autocast training run's loss curve tracks the same run in fp32.
 
-    .venv/bin/python benchmarks/bf16_tracking.py                                  # tiny model, 40 steps
-    .venv/bin/python benchmarks/bf16_tracking.py model.preset=mesh-small steps=300  # the default job (needs bf16 units)
+    .venv/bin/python benchmarks/bf16_tracking.py
+        # tiny model, 40 steps
+    .venv/bin/python benchmarks/bf16_tracking.py model.preset=mesh-small steps=300
+        # the default job (needs bf16 units)
 
-Both runs use the same seed, data order and schedule (the trainer's own loop); only train.dtype differs.
-Prints the per-step train-loss differences (bf16 − fp32) and both final validation losses. On a CPU without
-native bf16 the bf16 run is emulated and very slow, hence the tiny default.
+Both runs use the same seed, data order and schedule (the trainer's own loop); only train.dtype
+differs. Prints the per-step train-loss differences (bf16 − fp32) and both final validation losses.
+On a CPU without native bf16 the bf16 run is emulated and very slow, hence the tiny default.
 """
 from __future__ import annotations
 
@@ -14,8 +16,10 @@ import statistics
 import tempfile
 import time
 
-TINY = ["model.preset=tiny", "model.vocab_size=8192", "seq_len=128", "global_batch=8", "micro_batch=8", "steps=40",
-        "lr=3e-3", "warmup=0.05", "eval_every=0", "save_every=0", "eval_windows=64", "progress=false",
+TINY = ["model.preset=tiny", "model.vocab_size=8192", "seq_len=128", "global_batch=8",
+        "micro_batch=8", "steps=40",
+        "lr=3e-3", "warmup=0.05", "eval_every=0", "save_every=0", "eval_windows=64",
+        "progress=false",
         "tensorboard=false", "peak_flops=1e11"]
 
 
@@ -29,10 +33,12 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as out:
         for dtype in ("fp32", "bf16"):
-            cfg = load_config(None, [*TINY, *args.overrides, f"dtype={dtype}", f"out_dir={out}", f"name={dtype}"])
+            cfg = load_config(None, [*TINY, *args.overrides, f"dtype={dtype}", f"out_dir={out}",
+                                     f"name={dtype}"])
             start = time.perf_counter()
             results[dtype] = train(cfg, log=lambda message: None)
-            print(f"{dtype}: {time.perf_counter() - start:.0f} s, final val loss {results[dtype].val_loss:.4f}",
+            print(f"{dtype}: {time.perf_counter() - start:.0f} s, final val loss "
+                  f"{results[dtype].val_loss:.4f}",
                   flush=True)
     fp32, bf16 = results["fp32"].losses, results["bf16"].losses
     diffs = [bf16[s] - fp32[s] for s in sorted(fp32)]

@@ -1,16 +1,18 @@
-"""Greedy decoding in fp32 and under bf16 autocast: how often each decoding path changes the tokens, and what
-decoding in fp32 costs. The measurement behind `--dtype auto` = fp32 for decoding (docs/serve.md).
+"""Greedy decoding in fp32 and under bf16 autocast: how often each decoding path changes the tokens,
+and what decoding in fp32 costs. The measurement behind `--dtype auto` = fp32 for decoding
+(docs/serve.md).
 
     .venv/bin/python benchmarks/decode_precision.py RUN --prompts 30 --new-tokens 32 --threads 1
 
-For each precision the reference is every prompt decoded alone, cached, plainly (meshlm.generate). A prompt
-counts as a mismatch when any of its tokens differs on another path:
+For each precision the reference is every prompt decoded alone, cached, plainly (meshlm.generate). A
+prompt counts as a mismatch when any of its tokens differs on another path:
     batched     all prompts in one left-padded batch
     uncached    the whole sequence recomputed at every step (cache=False)
     speculate   --speculate K_d:γ (lossless in exact arithmetic)
-    served      the continuous batcher (meshlm.serve.batcher), one request joining per token boundary
-Then the speed of plain cached decoding at batch 1 and 16, fp32 vs bf16, as interleaved medians and ratios.
-Prompts are windows of the held-out documents (benchkit.corpus_windows); EOS is ignored.
+    served      the continuous batcher (meshlm.serve.batcher), one request joining per token
+                boundary
+Then the speed of plain cached decoding at batch 1 and 16, fp32 vs bf16, as interleaved medians and
+ratios. Prompts are windows of the held-out documents (benchkit.corpus_windows); EOS is ignored.
 """
 from __future__ import annotations
 
@@ -31,8 +33,10 @@ def paths(model, prompts, n: int, speculate: str, pad_id: int) -> dict[str, list
     out = {"alone": [generate(model, [p], s, pad_id=pad_id)[0] for p in prompts],
            "batched": generate(model, prompts, s, pad_id=pad_id),
            "uncached": [generate(model, [p], s, pad_id=pad_id, cache=False)[0] for p in prompts],
-           "speculate": [generate(model, [p], s, pad_id=pad_id, speculate=speculate)[0] for p in prompts]}
-    batcher, requests = Batcher(model, eos_id=-1, pad_id=pad_id, max_batch=16), [Request(p, s) for p in prompts]
+           "speculate": [generate(model, [p], s, pad_id=pad_id, speculate=speculate)[0]
+                         for p in prompts]}
+    batcher, requests = Batcher(model, eos_id=-1, pad_id=pad_id,
+                                max_batch=16), [Request(p, s) for p in prompts]
     waiting = list(requests)
     while waiting or batcher.step():
         if waiting:
@@ -44,13 +48,16 @@ def paths(model, prompts, n: int, speculate: str, pad_id: int) -> dict[str, list
 
 def mismatches(model, prompts, args, pad_id: int) -> None:
     for name, dtype in PRECISIONS.items():
-        with torch.no_grad(), torch.autocast("cpu", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype or torch.bfloat16,
+                                             enabled=dtype is not None):
             out = paths(model, prompts, args.new_tokens, args.speculate, pad_id)
         ref = out.pop("alone")
         counts = {path: sum(a != b for a, b in zip(ref, rows)) for path, rows in out.items()}
-        tokens = {path: sum(x != y for a, b in zip(ref, rows) for x, y in zip(a, b)) for path, rows in out.items()}
+        tokens = {path: sum(x != y for a, b in zip(ref, rows) for x, y in zip(a, b)) for path,
+                  rows in out.items()}
         total = len(prompts) * args.new_tokens
-        print(f"{name}: prompts differing from plain decoding alone (of {len(prompts)}; tokens of {total}): "
+        print(f"{name}: prompts differing from plain decoding alone (of {len(prompts)}; tokens of "
+              f"{total}): "
               + ", ".join(f"{p} {counts[p]} ({tokens[p]})" for p in counts), flush=True)
 
 
@@ -63,10 +70,12 @@ def speeds(model, prompts, args, pad_id: int, clock) -> None:
 
         def run(dtype, rows=rows):
             def step():
-                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16,
+                                                     enabled=dtype is not None):
                     generate(model, rows, s, pad_id=pad_id)
             return step
-        t = interleaved_medians({name: run(dtype) for name, dtype in PRECISIONS.items()}, args.rounds, clock)
+        t = interleaved_medians({name: run(dtype) for name, dtype in PRECISIONS.items()},
+                                args.rounds, clock)
         rate = {name: batch * args.new_tokens / sec for name, sec in t.items()}
         print(f"batch {batch}: fp32 {rate['fp32']:.0f} tokens/s, bf16 {rate['bf16']:.0f} tokens/s; "
               f"fp32/bf16 speed {rate['fp32'] / rate['bf16']:.2f}x", flush=True)
@@ -80,7 +89,8 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=30)
     p.add_argument("--prompt-tokens", type=int, default=24)
     p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--speculate", default="2:3", help="the speculation setting compared (default 2:3)")
+    p.add_argument("--speculate", default="2:3",
+                   help="the speculation setting compared (default 2:3)")
     add_timing_arguments(p, rounds=3)
     args = p.parse_args()
     clock = timing_setup(args)

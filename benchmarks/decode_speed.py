@@ -1,26 +1,29 @@
-"""Decode speed: looped KV cache vs. recomputation, and MeSH vs. base, side by side in one run; prints ratios.
+"""Decode speed: looped KV cache vs. recomputation, and MeSH vs. base, side by side in one run;
+prints ratios.
 
-    .venv/bin/python benchmarks/decode_speed.py                  # d=256, spec 2+4R2+2, 256 new tokens
+    .venv/bin/python benchmarks/decode_speed.py                  # d=256, spec 2+4R2+2, 256 new
+                                                                   tokens
     .venv/bin/python benchmarks/decode_speed.py --d-model 512 --spec 4+8R2+4 --batch 4 --threads 2
 
 Comparisons (targets from the Hugging Face / generation issue):
   1. cached vs. uncached greedy decoding of 256 new tokens (MeSH): tokens/s ≥ 5× with the cache.
   2. MeSH vs. base at the same spec, both cached: tokens/s ≥ 0.95×.
-  4. (--versus-transformers) a vanilla stack of --layers (default 12) layers at --d-model against transformers'
-     GPTNeoXForCausalLM.generate on the same weights: transformers fp32 and bf16, meshlm fp32 (what
-     `--dtype auto` decodes in), bf16 (weights stored in bf16), int8 and int4 (meshlm.quant, every layer and
-     the head), with the weight bytes each reads per token against this core's measured copy bandwidth:
+  4. (--versus-transformers) a vanilla stack of --layers (default 12) layers at --d-model against
+     transformers' GPTNeoXForCausalLM.generate on the same weights: transformers fp32 and bf16,
+     meshlm fp32 (what `--dtype auto` decodes in), bf16 (weights stored in bf16), int8 and int4
+     (meshlm.quant, every layer and the head), with the weight bytes each reads per token against
+     this core's measured copy bandwidth:
          .venv/bin/python benchmarks/decode_speed.py --versus-transformers --d-model 768 --heads 12 \
              --vocab 50304 --new-tokens 64 --rounds 3 --threads 1
-  3. (--append) the cache's in-place appends vs. appending by concatenation (each step copying every slot's
-     whole history), MeSH cached; it shows at long contexts:
+  3. (--append) the cache's in-place appends vs. appending by concatenation (each step copying every
+     slot's whole history), MeSH cached; it shows at long contexts:
          .venv/bin/python benchmarks/decode_speed.py --append --skip-uncached --prompt 1024 --new-tokens 128
 
-Each round runs every variant once, in turn (interleaved, so machine noise hits all alike); the table shows
-medians. `--clock cpu` measures this process's CPU time instead of wall time: on a shared machine it
-ignores the time other jobs hold the cores (use it with --threads 1). Prompts are random tokens; decoding
-is greedy with EOS ignored, so every run makes exactly --new-tokens tokens per row (the time includes the
-prompt's prefill).
+Each round runs every variant once, in turn (interleaved, so machine noise hits all alike); the
+table shows medians. `--clock cpu` measures this process's CPU time instead of wall time: on a
+shared machine it ignores the time other jobs hold the cores (use it with --threads 1). Prompts are
+random tokens; decoding is greedy with EOS ignored, so every run makes exactly --new-tokens tokens
+per row (the time includes the prompt's prefill).
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ def build(scheme: str, args) -> torch.nn.Module:
     from meshlm.model import MeshLM
 
     torch.manual_seed(0)
-    cfg = ModelConfig(spec=args.spec, d_model=args.d_model, n_heads=args.heads, vocab_size=args.vocab,
+    cfg = ModelConfig(spec=args.spec, d_model=args.d_model, n_heads=args.heads,
+                      vocab_size=args.vocab,
                       context_length=args.prompt + args.new_tokens, scheme=scheme)
     return MeshLM(cfg).eval()
 
@@ -60,7 +64,8 @@ def decode_seconds(model, prompts, args, cache: bool, concatenate: bool = False)
 
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     s = Sampling(max_new_tokens=args.new_tokens, temperature=0, stop_at_eos=False)
-    meshlm.generate.KVCache = concatenating_cache() if concatenate else KVCache  # the cache generate() decodes into
+    # the cache generate() decodes into
+    meshlm.generate.KVCache = concatenating_cache() if concatenate else KVCache
     start = clock()
     out = generate(model, prompts, s, cache=cache)
     elapsed = clock() - start
@@ -70,9 +75,9 @@ def decode_seconds(model, prompts, args, cache: bool, concatenate: bool = False)
 
 
 def copy_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
-    """Bytes/s of the best of `reps` copies between two `megabytes` tensors, both touched first (read + write
-    counted; no page faults timed): this core's memory bandwidth, the ceiling of batch-1 decoding, which
-    reads every weight once per token."""
+    """Bytes/s of the best of `reps` copies between two `megabytes` tensors, both touched first
+    (read + write counted; no page faults timed): this core's memory bandwidth, the ceiling of
+    batch-1 decoding, which reads every weight once per token."""
     a, b = torch.ones(megabytes * 2**20 // 4), torch.zeros(megabytes * 2**20 // 4)
     best = float("inf")
     for _ in range(reps + 1):  # the first is a warm-up
@@ -83,8 +88,10 @@ def copy_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
 
 
 def weight_bytes_per_token(model) -> int:
-    """Bytes of weights one decoded token reads: everything but the input embedding table (one row of it)."""
-    state = model.state_dict()  # meshlm's "embed_in.weight", transformers' "gpt_neox.embed_in.weight"
+    """Bytes of weights one decoded token reads: everything but the input embedding table (one row
+    of it)."""
+    # meshlm's "embed_in.weight", transformers' "gpt_neox.embed_in.weight"
+    state = model.state_dict()
     table = next(t for name, t in state.items() if name.endswith("embed_in.weight"))
     total = sum(t.numel() * t.element_size() for t in state.values())
     return total - table.numel() * table.element_size() + table[0].nbytes
@@ -105,43 +112,51 @@ def versus_transformers(args) -> None:
     from meshlm.runtime import precision
 
     torch.manual_seed(0)
-    cfg = ModelConfig(spec=str(args.layers), d_model=args.d_model, n_heads=args.heads, vocab_size=args.vocab,
-                      context_length=args.prompt + args.new_tokens, scheme="vanilla", scale_embeddings=False)
+    cfg = ModelConfig(spec=str(args.layers), d_model=args.d_model, n_heads=args.heads,
+                      vocab_size=args.vocab,
+                      context_length=args.prompt + args.new_tokens, scheme="vanilla",
+                      scale_embeddings=False)
     ours = MeshLM(cfg).eval()
     hf = GPTNeoXForCausalLM(GPTNeoXConfig(**hf_config_kwargs(cfg, BACKBONES["neox"]))).eval()
     hf.load_state_dict(from_meshlm(ours.state_dict(), cfg.layout, BACKBONES["neox"]), strict=False)
-    bf16, fp32 = precision.Precision(torch.bfloat16, "as requested"), precision.Precision(None, "as requested")
+    bf16, fp32 = precision.Precision(torch.bfloat16,
+                                     "as requested"), precision.Precision(None, "as requested")
     stored = copy.deepcopy(ours)
     precision.store_weights(stored, bf16)
     models = {"transformers fp32": hf, "transformers bf16": copy.deepcopy(hf).to(torch.bfloat16),
               "meshlm fp32": ours, "meshlm bf16": stored,
-              "meshlm int8": quantize_model(ours, 8, PARTS)[0], "meshlm int4": quantize_model(ours, 4, PARTS)[0]}
-    prompt = torch.randint(2, args.vocab, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+              "meshlm int8": quantize_model(ours, 8, PARTS)[0],
+              "meshlm int4": quantize_model(ours, 4, PARTS)[0]}
+    prompt = torch.randint(2, args.vocab, (1, args.prompt),
+                           generator=torch.Generator().manual_seed(0))
     s = Sampling(max_new_tokens=args.new_tokens, temperature=0, stop_at_eos=False)
 
     def step(name: str, model):
         def run():
             with torch.no_grad(), precision.autocast(CPU, bf16 if name == "meshlm bf16" else fp32):
                 if name.startswith("transformers"):
-                    model.generate(prompt, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                    model.generate(prompt, max_new_tokens=args.new_tokens,
+                                   min_new_tokens=args.new_tokens,
                                    do_sample=False, pad_token_id=0)
                 else:
                     generate(model, prompt.tolist(), s)
         return run
 
-    t = interleaved_medians({name: step(name, m) for name, m in models.items()}, args.rounds, clock_of(args))
+    t = interleaved_medians({name: step(name, m) for name, m in models.items()}, args.rounds,
+                            clock_of(args))
     rate = {name: args.new_tokens / sec for name, sec in t.items()}
     bandwidth = copy_bandwidth()
-    print(f"vanilla {args.layers} layers, d_model {args.d_model}, vocab {args.vocab}, batch 1, prompt {args.prompt}, "
-          f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads, {args.rounds} rounds (medians); "
-          f"copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"vanilla {args.layers} layers, d_model {args.d_model}, vocab {args.vocab}, batch 1, "
+          f"prompt {args.prompt}, {args.new_tokens} new tokens, {torch.get_num_threads()} threads, "
+          f"{args.rounds} rounds (medians); copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     for name, r in rate.items():
         moved = weight_bytes_per_token(models[name]) * r
-        print(f"  {name:<18} {r:7.2f} tokens/s  weights {moved / 1e9:5.2f} GB/s = {moved / bandwidth:4.0%} of "
-              f"bandwidth")
+        print(f"  {name:<18} {r:7.2f} tokens/s  weights {moved / 1e9:5.2f} GB/s = "
+              f"{moved / bandwidth:4.0%} of bandwidth")
     for a, b in (("meshlm fp32", "transformers fp32"), ("meshlm bf16", "transformers bf16"),
                  ("meshlm bf16", "transformers fp32"), ("meshlm int8", "transformers fp32"),
-                 ("meshlm int8", "meshlm fp32"), ("meshlm int4", "meshlm fp32"), ("meshlm bf16", "meshlm fp32")):
+                 ("meshlm int8", "meshlm fp32"), ("meshlm int4", "meshlm fp32"),
+                 ("meshlm bf16", "meshlm fp32")):
         print(f"{a} / {b}: {rate[a] / rate[b]:.2f}x")
 
 
@@ -153,16 +168,21 @@ def clock_of(args):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_shape_arguments(p)
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens per row")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--batch", type=int, default=1)
     add_timing_arguments(p, rounds=5)
-    p.add_argument("--skip-uncached", action="store_true", help="only MeSH vs. base (uncached is slow at size)")
-    p.add_argument("--append", action="store_true", help="also MeSH cached with appends by concatenation")
-    p.add_argument("--versus-transformers", action="store_true", help="comparison 4 (module docstring) only")
-    p.add_argument("--layers", type=int, default=12, help="with --versus-transformers: the vanilla stack's depth")
+    p.add_argument("--skip-uncached", action="store_true",
+                   help="only MeSH vs. base (uncached is slow at size)")
+    p.add_argument("--append", action="store_true",
+                   help="also MeSH cached with appends by concatenation")
+    p.add_argument("--versus-transformers", action="store_true",
+                   help="comparison 4 (module docstring) only")
+    p.add_argument("--layers", type=int, default=12,
+                   help="with --versus-transformers: the vanilla stack's depth")
     args = p.parse_args()
     timing_setup(args)
     if args.versus_transformers:
@@ -171,31 +191,38 @@ def main() -> None:
     models = {"mesh": build("mesh", args), "base": build("base", args)}
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(2, args.vocab, (args.batch, args.prompt), generator=g).tolist()
-    variants = {"mesh cached": ("mesh", True), "base cached": ("base", True), "mesh uncached": ("mesh", False)}
+    variants = {"mesh cached": ("mesh", True), "base cached": ("base", True),
+                "mesh uncached": ("mesh", False)}
     if args.skip_uncached:
         del variants["mesh uncached"]
     if args.append:
         variants["mesh cat-append"] = ("mesh", "concatenate")
-    decode_seconds(models["mesh"], prompts, argparse.Namespace(**{**vars(args), "new_tokens": 4}), True)  # warm-up
+    # warm-up
+    decode_seconds(models["mesh"], prompts, argparse.Namespace(**{**vars(args), "new_tokens": 4}),
+                   True)
     times: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(args.rounds):
         for name, (scheme, cache) in variants.items():
-            times[name].append(decode_seconds(models[scheme], prompts, args, bool(cache), cache == "concatenate"))
+            times[name].append(decode_seconds(models[scheme], prompts, args, bool(cache),
+                                              cache == "concatenate"))
 
     tokens = args.batch * args.new_tokens
     rate = {name: tokens / statistics.median(t) for name, t in times.items()}
-    print(f"spec {args.spec}, d_model {args.d_model}, vocab {args.vocab}, batch {args.batch}, prompt {args.prompt}, "
-          f"{args.new_tokens} new tokens, {torch.get_num_threads()} threads, {args.clock} clock, "
-          f"{args.rounds} rounds (medians)")
+    print(f"spec {args.spec}, d_model {args.d_model}, vocab {args.vocab}, batch {args.batch}, "
+          f"prompt {args.prompt}, {args.new_tokens} new tokens, {torch.get_num_threads()} threads, "
+          f"{args.clock} clock, {args.rounds} rounds (medians)")
     for name, r in rate.items():
         print(f"  {name:<14} {r:9.1f} tokens/s   ({statistics.median(times[name]):.2f} s)")
     if "mesh uncached" in rate:
         speedup = rate["mesh cached"] / rate["mesh uncached"]
-        print(f"cache speed-up (MeSH):      {speedup:6.2f}x   target >= 5x    {'ok' if speedup >= 5 else 'MISSED'}")
+        print(f"cache speed-up (MeSH):      {speedup:6.2f}x   target >= 5x    "
+              f"{'ok' if speedup >= 5 else 'MISSED'}")
     if "mesh cat-append" in rate:
-        print(f"in-place / concatenating appends (MeSH cached): {rate['mesh cached'] / rate['mesh cat-append']:6.3f}x")
+        print("in-place / concatenating appends (MeSH cached): "
+              f"{rate['mesh cached'] / rate['mesh cat-append']:6.3f}x")
     ratio = rate["mesh cached"] / rate["base cached"]
-    print(f"MeSH / base (cached):       {ratio:6.3f}x   target >= 0.95x {'ok' if ratio >= 0.95 else 'MISSED'}")
+    print(f"MeSH / base (cached):       {ratio:6.3f}x   target >= 0.95x "
+          f"{'ok' if ratio >= 0.95 else 'MISSED'}")
 
 
 if __name__ == "__main__":

@@ -1,13 +1,15 @@
-"""Decode speed of adaptive exit against fixed depth on the reasoning suite, at the accuracy each reaches.
+"""Decode speed of adaptive exit against fixed depth on the reasoning suite, at the accuracy each
+reaches.
 
     python benchmarks/reasoning_exit.py RUN --exit state:0.1,state:0.3 --threads 1 --clock cpu --rounds 7
 
-For a run trained on task data: its test problems (--limit per task and difficulty, the trained difficulties
-by default) are answered by greedy cached decoding at fixed depth (the trained K, or --loops) and under each
-exit rule (at most as many loops). Every round times each setting once, in an order that flips every round,
-so machine drift hits them alike; the ratios are the medians of the round-by-round ratios of tokens/s (prompt
-and answer tokens processed) to fixed depth. Each setting's accuracy and loops per answer token print beside
-its ratio: the issue's target reads "at <= 1 point below fixed depth, >= 1.3x the tokens/s".
+For a run trained on task data: its test problems (--limit per task and difficulty, the trained
+difficulties by default) are answered by greedy cached decoding at fixed depth (the trained K, or
+--loops) and under each exit rule (at most as many loops). Every round times each setting once, in
+an order that flips every round, so machine drift hits them alike; the ratios are the medians of the
+round-by-round ratios of tokens/s (prompt and answer tokens processed) to fixed depth. Each
+setting's accuracy and loops per answer token print beside its ratio: the issue's target reads "at
+<= 1 point below fixed depth, >= 1.3x the tokens/s".
 """
 from __future__ import annotations
 
@@ -47,12 +49,15 @@ def chosen_problems(loaded, limit: int, beyond: bool) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run")
     p.add_argument("--exit", default="state:0.1", help="comma-separated exit rules")
-    p.add_argument("--loops", type=int, default=None, help="fixed depth to compare with (default: trained K)")
+    p.add_argument("--loops", type=int, default=None,
+                   help="fixed depth to compare with (default: trained K)")
     p.add_argument("--limit", type=int, default=50, help="problems per task and difficulty")
-    p.add_argument("--beyond", action="store_true", help="the difficulties beyond the training range instead")
+    p.add_argument("--beyond", action="store_true",
+                   help="the difficulties beyond the training range instead")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--clock", choices=("wall", "cpu"), default="cpu")
@@ -72,22 +77,26 @@ def main() -> None:
             names = list(settings) if r % 2 else list(reversed(settings))
             for name in names:
                 start = clock()
-                answers = decode(model, tok, problems, loops=k, exit=settings[name], batch_size=args.batch_size)
+                answers = decode(model, tok, problems, loops=k, exit=settings[name],
+                                 batch_size=args.batch_size)
                 elapsed = clock() - start
                 if r == 0:
                     accuracy[name] = sum(a.correct for a in answers) / len(answers)
                     means = loop_means(problems, list(range(len(problems))), answers)
-                    loops[name] = (means["avg_loops"], means["answer_loops"]) if settings[name] else (k, k)
+                    loops[name] = ((means["avg_loops"], means["answer_loops"]) if settings[name]
+                                   else (k, k))
                 else:
                     times[name].append(elapsed)
-    print(f"{args.run}: {len(problems)} problems ({'beyond' if args.beyond else 'inside'} the training range), "
-          f"{tokens:,} tokens, fixed depth {k}, batch {args.batch_size}, {args.rounds} rounds, {args.clock} clock")
+    print(f"{args.run}: {len(problems)} problems ({'beyond' if args.beyond else 'inside'} the "
+          f"training range), {tokens:,} tokens, fixed depth {k}, batch {args.batch_size}, "
+          f"{args.rounds} rounds, {args.clock} clock")
     for name in settings:
         ratios = [f / t for f, t in zip(times["fixed"], times[name])]
         every, answer = loops[name]
-        print(f"  {name:<14} acc {100 * accuracy[name]:5.1f}%  loops/token {every:.2f} ({100 * every / k:.0f}% of "
-              f"{k}; answer tokens {answer:.2f})  tokens/s {tokens / statistics.median(times[name]):7.0f}  "
-              f"x{statistics.median(ratios):.3f} vs fixed (range {min(ratios):.3f}-{max(ratios):.3f})")
+        print(f"  {name:<14} acc {100 * accuracy[name]:5.1f}%  loops/token {every:.2f} "
+              f"({100 * every / k:.0f}% of {k}; answer tokens {answer:.2f})  tokens/s "
+              f"{tokens / statistics.median(times[name]):7.0f}  x{statistics.median(ratios):.3f} "
+              f"vs fixed (range {min(ratios):.3f}-{max(ratios):.3f})")
 
 
 if __name__ == "__main__":

@@ -3,15 +3,16 @@ inter-token latency (p50, p99) at several concurrencies, for plain decoding, exi
 
     .venv/bin/python benchmarks/serve_load.py RUN --exit state:1.0 --speculate auto --requests 32 --tokens 32
 
-The server runs in a subprocess on a free 127.0.0.1 port with one torch thread (`--server-threads`), the client
-in this process. For every mode (plain; `exit`; `speculate`) and concurrency (1, 4, 16), `--requests` streamed,
-greedy requests of `--tokens` tokens each (EOS ignored, so every request makes exactly that many), prompts cut
-from the held-out corpus, at most `--concurrency` in flight. Each level also sends `--bad` bad requests (an
-unknown field, a negative temperature: both must be 400) and `--disconnects` streams that hang up after two
-chunks; a good request that fails is counted and printed. A level stops starting requests after `--seconds`.
-Every mode runs at every level once per round, rounds alternating the order, and the figures are the medians
-over rounds: on a shared machine, read the ratios (concurrency c over one at a time, exit and speculation over
-plain at the same concurrency) rather than the absolute tokens/s.
+The server runs in a subprocess on a free 127.0.0.1 port with one torch thread (`--server-threads`),
+the client in this process. For every mode (plain; `exit`; `speculate`) and concurrency (1, 4, 16),
+`--requests` streamed, greedy requests of `--tokens` tokens each (EOS ignored, so every request
+makes exactly that many), prompts cut from the held-out corpus, at most `--concurrency` in flight.
+Each level also sends `--bad` bad requests (an unknown field, a negative temperature: both must be
+400) and `--disconnects` streams that hang up after two chunks; a good request that fails is counted
+and printed. A level stops starting requests after `--seconds`. Every mode runs at every level once
+per round, rounds alternating the order, and the figures are the medians over rounds: on a shared
+machine, read the ratios (concurrency c over one at a time, exit and speculation over plain at the
+same concurrency) rather than the absolute tokens/s.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # servekit: the tests' server runner
+# servekit: the tests' server runner
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from benchkit import corpus_windows  # noqa: E402
 from servekit import Server, hang_up  # noqa: E402
@@ -39,7 +41,8 @@ async def one(client, prompt: str, tokens: int, extra: dict) -> tuple[float, lis
     """One streamed request: (time to first token, gaps between later tokens, tokens received)."""
     start = last = time.perf_counter()
     ttft, gaps, got = None, [], 0
-    stream = await client.completions.create(model="bench", prompt=prompt, max_tokens=tokens, temperature=0,
+    stream = await client.completions.create(model="bench", prompt=prompt, max_tokens=tokens,
+                                             temperature=0,
                                              stream=True, extra_body={"ignore_eos": True, **extra},
                                              stream_options={"include_usage": True})
     async for chunk in stream:
@@ -57,13 +60,15 @@ async def one(client, prompt: str, tokens: int, extra: dict) -> tuple[float, lis
 
 
 async def bad_and_disconnect(client, prompt: str, args) -> int:
-    """The bad requests and hang-ups of a level; returns how many did not behave (400 / a clean close)."""
+    """The bad requests and hang-ups of a level; returns how many did not behave (400 / a clean
+    close)."""
     import openai
 
     wrong = 0
     for body in [{"bogus_field": 1}, {"temperature": -1}][:args.bad] * max(args.bad // 2, 1):
         try:
-            await client.completions.create(model="bench", prompt=prompt, max_tokens=4, extra_body=body)
+            await client.completions.create(model="bench", prompt=prompt, max_tokens=4,
+                                            extra_body=body)
             wrong += 1
         except openai.BadRequestError:
             pass
@@ -100,9 +105,12 @@ async def level(server: Server, prompts: list[str], concurrency: int, extra: dic
     ttfts, gaps = [r[0] for r in done], [g for r in done for g in r[1]]
     tokens = sum(r[2] for r in done)
     short = sum(r[2] != args.tokens for r in done)
-    return {"tokens/s": tokens / wall, "loops/token": loops, "requests": len(done), "failed": len(failures) + short,
-            "bad not 400": wrong, "ttft p50": percentile(ttfts, 50), "ttft p99": percentile(ttfts, 99),
-            "itl p50": percentile(gaps, 50), "itl p99": percentile(gaps, 99), "errors": failures[:3]}
+    return {"tokens/s": tokens / wall, "loops/token": loops, "requests": len(done),
+            "failed": len(failures) + short,
+            "bad not 400": wrong, "ttft p50": percentile(ttfts, 50),
+            "ttft p99": percentile(ttfts, 99),
+            "itl p50": percentile(gaps, 50), "itl p99": percentile(gaps, 99),
+            "errors": failures[:3]}
 
 
 def modes(args) -> dict[str, dict]:
@@ -118,10 +126,12 @@ def report(name: str, c: int, runs: list[dict], base: float | None) -> float:
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "errors"}
     ratio = "" if base is None else f" ({med['tokens/s'] / base:.2f}x plain)"
     ms = {k: med[k] * 1e3 for k in ("ttft p50", "ttft p99", "itl p50", "itl p99")}
-    print(f"{name:>20} c={c:<3} {med['tokens/s']:7.1f} tokens/s{ratio} | TTFT p50 {ms['ttft p50']:6.1f} ms "
-          f"p99 {ms['ttft p99']:6.1f} ms | ITL p50 {ms['itl p50']:6.1f} ms p99 {ms['itl p99']:6.1f}"
-          f" ms | {med['loops/token']:.2f} loops/token | {med['requests']:.0f} req, failed "
-          f"{sum(r['failed'] for r in runs)}, bad not 400 {sum(r['bad not 400'] for r in runs)}", flush=True)
+    print(f"{name:>20} c={c:<3} {med['tokens/s']:7.1f} tokens/s{ratio} | TTFT p50 "
+          f"{ms['ttft p50']:6.1f} ms p99 {ms['ttft p99']:6.1f} ms | ITL p50 {ms['itl p50']:6.1f} "
+          f"ms p99 {ms['itl p99']:6.1f} ms | {med['loops/token']:.2f} loops/token | "
+          f"{med['requests']:.0f} req, failed {sum(r['failed'] for r in runs)}, bad not 400 "
+          f"{sum(r['bad not 400'] for r in runs)}",
+          flush=True)
     for r in runs:
         for e in r["errors"]:
             print(f"    failed: {e}", flush=True)
@@ -132,24 +142,30 @@ def main() -> None:
     from meshlm.loading import open_model
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("checkpoint", help="a model folder (meshlm.loading); a looped one for exit and speculation")
+    p.add_argument("checkpoint",
+                   help="a model folder (meshlm.loading); a looped one for exit and speculation")
     p.add_argument("--concurrency", default="1,4,16")
     p.add_argument("--requests", type=int, default=32, help="good requests per level (default 32)")
     p.add_argument("--tokens", type=int, default=32, help="tokens per request (default 32)")
     p.add_argument("--prompt-tokens", type=int, default=24)
-    p.add_argument("--seconds", type=float, default=60, help="a level starts no request after this (default 60)")
+    p.add_argument("--seconds", type=float, default=60,
+                   help="a level starts no request after this (default 60)")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--exit", default=None, help="the exit mode's rule, e.g. state:1.0 (omit: no exit mode)")
-    p.add_argument("--speculate", default=None, help="the speculation mode's setting, e.g. auto or 2:3")
+    p.add_argument("--exit", default=None,
+                   help="the exit mode's rule, e.g. state:1.0 (omit: no exit mode)")
+    p.add_argument("--speculate", default=None,
+                   help="the speculation mode's setting, e.g. auto or 2:3")
     p.add_argument("--bad", type=int, default=2, help="bad requests per level (default 2)")
-    p.add_argument("--disconnects", type=int, default=2, help="streams per level that hang up early (default 2)")
+    p.add_argument("--disconnects", type=int, default=2,
+                   help="streams per level that hang up early (default 2)")
     p.add_argument("--server-threads", type=int, default=1)
     p.add_argument("--max-batch", type=int, default=16)
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     tok = open_model(args.checkpoint).tokenizer
     prompts = [tok.decode(w) for w in corpus_windows(tok, args.requests, args.prompt_tokens)]
-    server = Server(Path(args.checkpoint), "--max-batch", str(args.max_batch), "--max-queue", "1024",
+    server = Server(Path(args.checkpoint), "--max-batch", str(args.max_batch), "--max-queue",
+                    "1024",
                     "--threads", str(args.server_threads), name="bench")
     try:
         results: dict[tuple[str, int], list[dict]] = {}
@@ -164,7 +180,8 @@ def main() -> None:
                 report(name, c, results[(name, c)], base)
         plain = {c: statistics.median(r["tokens/s"] for r in results[("plain", c)]) for c in levels}
         for c in levels[1:]:
-            print(f"plain: concurrency {c} / one at a time: {plain[c] / plain[levels[0]]:.2f}x tokens/s")
+            print(f"plain: concurrency {c} / one at a time: {plain[c] / plain[levels[0]]:.2f}x "
+                  "tokens/s")
     finally:
         server.stop()
 

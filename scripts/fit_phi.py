@@ -1,6 +1,7 @@
 """Fit the recurrence-equivalence exponent φ per scheme from a finished study (meshlm.analysis.phi).
 
-    meshlm reproduce configs/studies/phi.yaml --jobs 8     # widths x r in {1, 2, 4, 8} x schemes (a GPU study)
+    meshlm reproduce configs/studies/phi.yaml --jobs 8     # widths x r in {1, 2, 4, 8} x schemes (a
+                                                             GPU study)
     python scripts/fit_phi.py runs/studies/phi             # φ, α and R² per scheme
 """
 from __future__ import annotations
@@ -13,7 +14,8 @@ from meshlm.evaluation.results import read_eval
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("study_dir")
     args = p.parse_args()
     evals = Path(args.study_dir).glob("*/eval.json")
@@ -24,8 +26,8 @@ def main() -> None:
             print(f"{scheme}: {len(points)} runs, too few to fit (need >= 5)")
             continue
         f = fit(points)
-        print(f"{scheme}: φ = {f['phi']:.3f}, α = {f['alpha']:.3f}, E = {f['E']:.3f}, R² = {f['r2']:.4f} "
-              f"({f['points']} runs)")
+        print(f"{scheme}: φ = {f['phi']:.3f}, α = {f['alpha']:.3f}, E = {f['E']:.3f}, R² = "
+              f"{f['r2']:.4f} ({f['points']} runs)")
 
 
 if __name__ == "__main__":

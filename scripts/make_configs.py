@@ -1,12 +1,13 @@
-"""Write the shipped configs (src/meshlm/configs/, also reachable as configs/): one YAML per row of the paper's
-main table (docs/results.md) and the CPU-scale configs.
+"""Write the shipped configs (src/meshlm/configs/, also reachable as configs/): one YAML per row of
+the paper's main table (docs/results.md) and the CPU-scale configs.
 
     python scripts/make_configs.py          # rewrites configs/paper/*.yaml and configs/cpu/*.yaml
 
-Paper recipe (docs/training.md): GPT-NeoX (Pythia) tokenizer, seq 4096, global batch 512 sequences, one pass over
-250B tokens, AdamW (0.9, 0.95), wd 0.01, cosine to 10% after 1% warmup, bf16; peak LR per size from the
-the Pythia paper's table. Each recursive split runs every scheme of the table; `vanilla` is the full-depth Pythia
-stack of the same size (same compute). The data path is a placeholder for a prepared Pile folder.
+Paper recipe (docs/training.md): GPT-NeoX (Pythia) tokenizer, seq 4096, global batch 512 sequences,
+one pass over 250B tokens, AdamW (0.9, 0.95), wd 0.01, cosine to 10% after 1% warmup, bf16; peak LR
+per size from the the Pythia paper's table. Each recursive split runs every scheme of the table;
+`vanilla` is the full-depth Pythia stack of the same size (same compute). The data path is a
+placeholder for a prepared Pile folder.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from pathlib import Path
 
 import yaml
 
-CONFIGS = Path(__file__).resolve().parents[1] / "src" / "meshlm" / "configs"  # package data, shipped in the wheel
+# package data, shipped in the wheel
+CONFIGS = Path(__file__).resolve().parents[1] / "src" / "meshlm" / "configs"
 SCHEMES = ("base", "residual", "anchor", "anchor*", "mesh")
 PAPER = {  # size: (peak lr, recursive splits, micro batch per GPU, FSDP + activation checkpointing)
     "160m": (6.0e-4, ["2+4R2+2"], 16, False),
@@ -23,7 +25,8 @@ PAPER = {  # size: (peak lr, recursive splits, micro batch per GPU, FSDP + activ
     "1.4b": (2.0e-4, ["4+8R2+4"], 4, True),
 }
 PAPER_TRAIN = dict(
-    data="data/pile-pythia",  # `meshlm prepare <pile jsonl files> data/pile-pythia --tokenizer pythia`
+    # `meshlm prepare <pile jsonl files> data/pile-pythia --tokenizer pythia`
+    data="data/pile-pythia",
     tokenizer="pythia", seq_len=4096, global_batch=512, tokens=250_000_000_000, steps=0,
     warmup=0.01, min_lr_ratio=0.1, weight_decay=0.01, grad_clip=1.0, betas=[0.9, 0.95], eps=1.0e-8,
     eval_every=1000, eval_windows=512, save_every=1000, keep_last=3, log_every=10, dtype="auto",
@@ -45,13 +48,15 @@ def paper_configs() -> dict[str, dict]:
         for spec in splits:
             for scheme in SCHEMES:
                 name = f"{size}-{spec}-{slug(scheme)}"
-                out[f"paper/{name}"] = {"model": {"preset": f"pythia-{size}-{spec}", "scheme": scheme},
+                out[f"paper/{name}"] = {"model": {"preset": f"pythia-{size}-{spec}",
+                                                  "scheme": scheme},
                                         "train": {"name": f"pythia-{name}", **run}}
     return out
 
 
 def cpu_configs() -> dict[str, dict]:
-    """CPU scale: the default job spelled out, every scheme at the same shape, and its vanilla match."""
+    """CPU scale: the default job spelled out, every scheme at the same shape, and its vanilla
+    match."""
     out = {"cpu/default": {"model": {"preset": "mesh-small"}, "train": {"name": "mesh-small-mesh"}}}
     for scheme in SCHEMES:
         out[f"cpu/small-{slug(scheme)}"] = {"model": {"preset": "mesh-small", "scheme": scheme},
@@ -60,7 +65,8 @@ def cpu_configs() -> dict[str, dict]:
     out["cpu/small-vanilla"] = {"model": {"preset": "mesh-small", "spec": "8", "scheme": "vanilla"},
                                 "train": {"name": "small-vanilla"}}
     out["cpu/tiny"] = {"model": {"preset": "tiny", "vocab_size": 8192},
-                       "train": {"name": "tiny", "steps": 50, "seq_len": 64, "global_batch": 8, "micro_batch": 8,
+                       "train": {"name": "tiny", "steps": 50, "seq_len": 64, "global_batch": 8,
+                                 "micro_batch": 8,
                                  "eval_every": 25, "save_every": 25}}
     return out
 

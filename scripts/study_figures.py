@@ -2,11 +2,13 @@
 
     python scripts/study_figures.py runs/studies/elastic docs/figures/elastic
 
-loops.png  validation loss against the loop count K' (every `<variant>-s<seed>/eval.json` "loops" row)
-exit.png   adaptive exit: loss change against fixed depth at the trained mean, against average loops per
-           token, one point per rule (the "exit" rows), per variant
+loops.png  validation loss against the loop count K' (every `<variant>-s<seed>/eval.json` "loops"
+           row)
+exit.png   adaptive exit: loss change against fixed depth at the trained mean, against average loops
+           per token, one point per rule (the "exit" rows), per variant
 
-`meshlm report` overlays every run; with several seeds per variant that is unreadable, so these average.
+`meshlm report` overlays every run; with several seeds per variant that is unreadable, so these
+average.
 """
 from __future__ import annotations
 
@@ -41,9 +43,11 @@ def loops_figure(runs: dict[str, list[EvalResult]], out: Path) -> None:
         counts = sorted({row.loops for e in evals for row in e.loops})
         stats = [spread([row.loss for e in evals for row in e.loops if row.loops == k])
                  for k in counts]
-        ax.errorbar(counts, [m for m, _ in stats], yerr=[s for _, s in stats], marker="o", ms=3, capsize=2,
+        ax.errorbar(counts, [m for m, _ in stats], yerr=[s for _, s in stats], marker="o", ms=3,
+                    capsize=2,
                     label=f"{variant} ({len(evals)})", ls="--" if "fixed" in variant else "-")
-    ax.set(xlabel="loop steps K' at evaluation (trained: K = 4, or mean 4)", ylabel="validation loss (nats/token)",
+    ax.set(xlabel="loop steps K' at evaluation (trained: K = 4, or mean 4)",
+           ylabel="validation loss (nats/token)",
            title="Loss vs. loop count, mean ± std over seeds", xscale="log", ylim=(5.3, 5.9))
     ax.set_xticks([1, 2, 3, 4, 6, 8, 12, 16], ["1", "2", "3", "4", "6", "8", "12", "16"])
     ax.legend(fontsize=7, ncol=2)
@@ -68,7 +72,8 @@ def exit_figure(runs: dict[str, list[EvalResult]], out: Path) -> None:
                 ls="--" if "fixed" in variant else "-")
     ax.axhline(0.01, color="grey", lw=0.8, ls=":")
     ax.axvline(0.7 * 4, color="grey", lw=0.8, ls=":")
-    ax.set(xlabel="average loop steps per token (at most 4)", ylabel="loss − loss at 4 loops (nats)",
+    ax.set(xlabel="average loop steps per token (at most 4)",
+           ylabel="loss − loss at 4 loops (nats)",
            title="Adaptive exit, mean over seeds (dotted: 0.01 nats; 70% of 4 loops)")
     ax.set_yscale("symlog", linthresh=0.01)
     ax.set_ylim(-0.003, 1.5)

@@ -4,12 +4,12 @@
     python scripts/task_learnability.py --task chase --task-option chase.statements=6,chase.distractors=1 \
         --train-difficulty 1-3 --curriculum 200
 
-A quick check before sizing a study (docs/reasoning.md): it trains a MeshLM on fresh problems drawn every step
-(no prepared data, so no epochs), with the answer-only loss that task data turns on (meshlm.data.tasks: the
-answer's tokens and its EOS), and prints answer accuracy per test difficulty × loop count, teacher-forced (every
-answer token's argmax right, EOS included). `--curriculum N` opens the training range one difficulty every N
-steps, starting from its lowest. The optimizer and schedule are the trainer's (meshlm.train.optim), one thread,
-fp32.
+A quick check before sizing a study (docs/reasoning.md): it trains a MeshLM on fresh problems drawn
+every step (no prepared data, so no epochs), with the answer-only loss that task data turns on
+(meshlm.data.tasks: the answer's tokens and its EOS), and prints answer accuracy per test difficulty
+× loop count, teacher-forced (every answer token's argmax right, EOS included). `--curriculum N`
+opens the training range one difficulty every N steps, starting from its lowest. The optimizer and
+schedule are the trainer's (meshlm.train.optim), one thread, fp32.
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ IGNORE = -100
 
 
 def encode_batch(tok, problems) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, T) inputs `prompt answer EOS` right-padded, and targets that are IGNORE except at the answer."""
+    """(B, T) inputs `prompt answer EOS` right-padded, and targets that are IGNORE except at the
+    answer."""
     eos, pad = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|padding|>")
     rows = [(tok.encode(p.prompt).ids, tok.encode(p.answer).ids + [eos]) for p in problems]
     width = max(len(q) + len(a) for q, a in rows)
@@ -50,8 +51,10 @@ def train(args, task: Task, tok, model: MeshLM) -> None:
     scheduler = build_scheduler(optimizer, cfg, args.steps)
     rng, start, smooth = random.Random(args.seed), time.time(), None
     for step in range(args.steps):
-        top = min(levels[-1], levels[0] + step // args.curriculum) if args.curriculum else levels[-1]
-        x, y = encode_batch(tok, [task.sample(rng, rng.randint(levels[0], top)) for _ in range(args.batch)])
+        top = (min(levels[-1], levels[0] + step // args.curriculum) if args.curriculum
+               else levels[-1])
+        x, y = encode_batch(tok, [task.sample(rng, rng.randint(levels[0], top))
+                                  for _ in range(args.batch)])
         loss = model(x, targets=y).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -60,7 +63,8 @@ def train(args, task: Task, tok, model: MeshLM) -> None:
         scheduler.step()
         smooth = loss.item() if smooth is None else 0.98 * smooth + 0.02 * loss.item()
         if step % 250 == 0 or step == args.steps - 1:
-            print(f"step {step:5d}  difficulty <= {top}  answer loss {smooth:.3f}  {time.time() - start:.0f} s",
+            print(f"step {step:5d}  difficulty <= {top}  answer loss {smooth:.3f}  "
+                  f"{time.time() - start:.0f} s",
                   flush=True)
 
 
@@ -76,8 +80,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--task", default="chase")
     p.add_argument("--task-option", default="", help="generator knobs, e.g. chase.statements=8")
-    p.add_argument("--train-difficulty", default="", help="LO-HI (default: the task's training range)")
-    p.add_argument("--curriculum", type=int, default=0, help="steps per opened difficulty (0: all at once)")
+    p.add_argument("--train-difficulty", default="",
+                   help="LO-HI (default: the task's training range)")
+    p.add_argument("--curriculum", type=int, default=0,
+                   help="steps per opened difficulty (0: all at once)")
     p.add_argument("--spec", default="1+1R4+1")
     p.add_argument("--scheme", default="base")
     p.add_argument("--d-model", type=int, default=64)
@@ -94,12 +100,15 @@ def main() -> None:
     torch.set_num_threads(1)
     task = parse_tasks(args.task, args.task_option)[0]
     tok = build_tokenizer(task.alphabet)
-    model = MeshLM(ModelConfig(spec=args.spec, scheme=args.scheme, d_model=args.d_model, n_heads=args.heads,
-                               rotary_pct=args.rotary_pct, vocab_size=tok.get_vocab_size(), context_length=256))
+    model = MeshLM(ModelConfig(spec=args.spec, scheme=args.scheme, d_model=args.d_model,
+                               n_heads=args.heads,
+                               rotary_pct=args.rotary_pct, vocab_size=tok.get_vocab_size(),
+                               context_length=256))
     train(args, task, tok, model)
     model.eval()
     levels = list(task.test_levels)
-    table = {loops: [round(100 * accuracy(task, tok, model, lv, loops, args.per_level), 1) for lv in levels]
+    table = {loops: [round(100 * accuracy(task, tok, model, lv, loops, args.per_level), 1)
+                     for lv in levels]
              for loops in map(int, args.loops.split(","))}
     print("difficulty      " + " ".join(f"{lv:5d}" for lv in levels))
     for loops, row in table.items():

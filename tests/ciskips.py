@@ -1,9 +1,10 @@
-"""pytest plugin (loaded by conftest.py): under CI=true, run the slow tests too and fail on any skip but GPU.
+"""pytest plugin (loaded by conftest.py): under CI=true, run the slow tests too and fail on any skip
+but GPU.
 
-A skipped test is a test that did not run; in CI that hides a missing install step (an uncached eval wheel,
-no browser), so CI turns the skip into a failure that names the reason. Tests that need a GPU are the
-exception: CI has none. They are the ones marked `gpu`, or whose skip reason names CUDA or a GPU.
-Locally nothing changes: slow tests stay deselected (`-m slow` runs them) and skips stay skips.
+A skipped test is a test that did not run; in CI that hides a missing install step (an uncached eval
+wheel, no browser), so CI turns the skip into a failure that names the reason. Tests that need a GPU
+are the exception: CI has none. They are the ones marked `gpu`, or whose skip reason names CUDA or a
+GPU. Locally nothing changes: slow tests stay deselected (`-m slow` runs them) and skips stay skips.
 """
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def _needs_gpu(item, report) -> bool:
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if in_ci() and report.skipped and not hasattr(report, "wasxfail") and not _needs_gpu(item, report):
+    if (in_ci() and report.skipped and not hasattr(report, "wasxfail")
+        and not _needs_gpu(item, report)):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
-        report.longrepr = (f"skipped under CI=true: {reason}. CI runs every test except those needing a GPU; "
-                           f"make setup.sh provide what this test needs")
+        report.longrepr = (f"skipped under CI=true: {reason}. CI runs every test except those "
+                           "needing a GPU; make setup.sh provide what this test needs")

@@ -9,20 +9,23 @@ from meshlm.model import MeshLM
 
 pytest_plugins = ["ciskips"]  # under CI=true: slow tests run, skips fail (except GPU tests)
 
-# Tiny models gain nothing from intra-op threads, and on a busy 2-core machine two threads per process make
-# them up to 100× slower (threads wait on each other). Subprocesses the tests start set their own.
+# Tiny models gain nothing from intra-op threads, and on a busy 2-core machine two threads per
+# process make them up to 100× slower (threads wait on each other). Subprocesses the tests start set
+# their own.
 torch.set_num_threads(1)
 
 
-# bf16 autocast vs. fp32 logits of the tiny models (|logits| <= 0.51): the largest difference measured over 20
-# seeds per backbone (GPT-NeoX, Llama, OLMoE) is 2.1e-3, about one bf16 rounding step (2^-8 · 0.5 = 2e-3). The
-# bound is about twice that: torch's own bf16 rtol (1.6e-2, 4 bf16 steps) plus atol 4e-3.
+# bf16 autocast vs. fp32 logits of the tiny models (|logits| <= 0.51): the largest difference
+# measured over 20 seeds per backbone (GPT-NeoX, Llama, OLMoE) is 2.1e-3, about one bf16 rounding
+# step (2^-8 · 0.5 = 2e-3). The bound is about twice that: torch's own bf16 rtol (1.6e-2, 4 bf16
+# steps) plus atol 4e-3.
 BF16_LOGITS = dict(rtol=1.6e-2, atol=4e-3)
 
 
 def tiny(**overrides) -> ModelConfig:
     """A 4-layer-equivalent model small enough for float64 gradchecks."""
-    base = dict(spec="1+1R2+1", d_model=32, n_heads=4, vocab_size=97, context_length=64, scheme="mesh")
+    base = dict(spec="1+1R2+1", d_model=32, n_heads=4, vocab_size=97, context_length=64,
+                scheme="mesh")
     return ModelConfig(**{**base, **overrides})
 
 
@@ -49,8 +52,9 @@ def prepared(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def llama_folder(tmp_path_factory):
-    """A small random LlamaForCausalLM (4 layers, GQA) saved the transformers way, with a tokenizer.json
-    (a copy of meshlm's default, so prepared data match); returns (folder, the transformers model)."""
+    """A small random LlamaForCausalLM (4 layers, GQA) saved the transformers way, with a
+    tokenizer.json (a copy of meshlm's default, so prepared data match); returns (folder, the
+    transformers model)."""
     import shutil
 
     from transformers import LlamaForCausalLM
@@ -59,7 +63,8 @@ def llama_folder(tmp_path_factory):
     from meshlm.data.tokenizer import DEFAULT_PATH
     from meshlm.interop.families import hf_config
 
-    cfg = ModelConfig(spec="4", d_model=64, n_heads=4, n_kv_heads=2, vocab_size=8192, context_length=64,
+    cfg = ModelConfig(spec="4", d_model=64, n_heads=4, n_kv_heads=2, vocab_size=8192,
+                      context_length=64,
                       mlp_hidden=96, backbone="llama", scheme="vanilla", scale_embeddings=False)
     torch.manual_seed(0)
     hf = LlamaForCausalLM(hf_config(cfg, BACKBONES["llama"])).eval()

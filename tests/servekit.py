@@ -1,4 +1,5 @@
-"""`meshlm serve` in a fresh subprocess on a free loopback port, and the openai client that talks to it."""
+"""`meshlm serve` in a fresh subprocess on a free loopback port, and the openai client that talks to
+it."""
 from __future__ import annotations
 
 import contextlib
@@ -22,7 +23,8 @@ def free_port() -> int:
 
 
 def clean_env() -> dict[str, str]:
-    """Only what the interpreter needs: no proxies, no MESHLM_* or torch settings of the caller's."""
+    """Only what the interpreter needs: no proxies, no MESHLM_* or torch settings of the
+    caller's."""
     keep = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "TMPDIR") if k in os.environ}
     return {**keep, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
 
@@ -31,9 +33,11 @@ class Server:
     def __init__(self, folder: Path, *options: str, name: str = "tiny"):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "meshlm.cli", "serve", str(folder), "--port", str(self.port), "--name", name,
+        cmd = [sys.executable, "-m", "meshlm.cli", "serve", str(folder), "--port", str(self.port),
+               "--name", name,
                "--threads", "1", *options]
-        self.proc = subprocess.Popen(cmd, env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        self.proc = subprocess.Popen(cmd, env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE,
                                      text=True)
         self._wait_ready()
 
@@ -41,7 +45,8 @@ class Server:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"meshlm serve exited {self.proc.returncode}: {self.proc.stderr.read()}")
+                raise RuntimeError(f"meshlm serve exited {self.proc.returncode}: "
+                                   f"{self.proc.stderr.read()}")
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.url + "/health", timeout=1, trust_env=False).status_code == 200:
                     return
@@ -62,7 +67,8 @@ class Server:
         return httpx.get(self.url + path, trust_env=False, timeout=30)
 
     def metric(self, name: str) -> float:
-        """A sample's value from /metrics, e.g. 'meshlm_requests_finished_total{reason="cancelled"}'."""
+        """A sample's value from /metrics, e.g.
+        'meshlm_requests_finished_total{reason="cancelled"}'."""
         for line in self.get("/metrics").text.splitlines():
             if line.startswith(name + " "):
                 return float(line.split()[-1])
@@ -81,8 +87,10 @@ class Server:
 
 
 async def hang_up(client, model: str, prompt: str, tokens: int, after: int) -> None:
-    """Stream a long completion and close the connection after `after` chunks (a client that leaves)."""
-    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=tokens, stream=True,
+    """Stream a long completion and close the connection after `after` chunks (a client that
+    leaves)."""
+    stream = await client.completions.create(model=model, prompt=prompt, max_tokens=tokens,
+                                             stream=True,
                                              extra_body={"ignore_eos": True})
     seen = 0
     async for _ in stream:

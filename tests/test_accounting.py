@@ -1,6 +1,6 @@
-"""Parameter counts and FLOPs reproduce the papers' figures exactly (Pythia's, and the MeSH paper's 1.4B rows),
-computed on the meta device. The 160M and 410M router counts are not in the paper: they are derived from
-2·(K+1)·B·(d+1)."""
+"""Parameter counts and FLOPs reproduce the papers' figures exactly (Pythia's, and the MeSH paper's
+1.4B rows), computed on the meta device. The 160M and 410M router counts are not in the paper: they
+are derived from 2·(K+1)·B·(d+1)."""
 import resource
 
 import pytest
@@ -34,12 +34,14 @@ def test_paper_parameter_counts(preset, scheme, non_embedding, scheme_params):
 
 
 def test_non_embedding_formula_holds_for_every_layout():
-    """layers·(12d² + 13d) + 2d over unique layers, plus 2·(K+1)·B·(d+1) router parameters for MeSH."""
+    """layers·(12d² + 13d) + 2d over unique layers, plus 2·(K+1)·B·(d+1) router parameters for
+    MeSH."""
     for spec in ["3+6R3+3", "4+8+8+4", "1+2R2+3R2+1"]:
         cfg = ModelConfig.from_preset("pythia-410m", spec=spec, scheme="mesh")
         d, lay = cfg.d_model, cfg.layout
         b = lay.n_steps + 3
-        expected = lay.unique_depth * (12 * d * d + 13 * d) + 2 * d + 2 * (lay.n_steps + 1) * b * (d + 1)
+        expected = lay.unique_depth * (12 * d * d + 13 * d) + 2 * d + 2 * (lay.n_steps
+                                                                           + 1) * b * (d + 1)
         assert describe(cfg).non_embedding_params == expected
 
 
@@ -65,7 +67,8 @@ def test_describe_allocates_nothing():
     peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     acc = describe(cfg)
     grown_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before) / 1024
-    assert grown_mib < 256, grown_mib  # meta tensors: the 6.9B parameters (27 GB in fp32) are never allocated
+    # meta tensors: the 6.9B parameters (27 GB in fp32) are never allocated
+    assert grown_mib < 256, grown_mib
     assert acc.total_params > 4e9
     with torch.device("meta"):
         assert all(p.is_meta for p in MeshLM(cfg).parameters())

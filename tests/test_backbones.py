@@ -30,7 +30,8 @@ def test_mesh_equals_the_transcribed_equations(backbone, spec):
     randomise_routers(model)
     x = x_batch(model.config, t=11)
     with torch.no_grad():
-        torch.testing.assert_close(model(x).logits, transcribed_mesh_logits(model, x), rtol=0, atol=1e-5)
+        torch.testing.assert_close(model(x).logits, transcribed_mesh_logits(model, x), rtol=0,
+                                   atol=1e-5)
 
 
 def test_tied_embeddings_share_one_table():
@@ -144,13 +145,15 @@ def test_the_registry_drives_what_names_backbones():
     from meshlm.hf.modeling import MeshForCausalLM
 
     assert MeshForCausalLM._no_split_modules == [b.layer.__name__ for b in BACKBONES.values()]
-    to = next(a for a in build_parser()._subparsers._group_actions[0].choices["convert"]._actions if a.dest == "to")
+    to = next(a for a in build_parser()._subparsers._group_actions[0].choices["convert"]._actions
+              if a.dest == "to")
     assert to.choices == ("meshlm", "hf", *BACKBONES)
     assert [name for name, b in BACKBONES.items() if b.moe] == ["olmoe"]
 
 
-# -- the Hugging Face wrapper -------------------------------------------------------------------------------
-@pytest.mark.parametrize("backbone, extra", [("llama", {}), ("llama", {"tie_embeddings": True}), ("olmoe", {})])
+# -- the Hugging Face wrapper ----------------------------------------------------------------------
+@pytest.mark.parametrize("backbone, extra",
+                         [("llama", {}), ("llama", {"tie_embeddings": True}), ("olmoe", {})])
 def test_hf_save_load_round_trip(backbone, extra, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -183,23 +186,28 @@ def test_generated_code_runs_as_its_own_package_with_moe(tmp_path):
         assert torch.equal(loaded(x).logits, model(x).logits)
 
 
-# -- config ---------------------------------------------------------------------------------------------------
+# -- config ----------------------------------------------------------------------------------------
 def test_backbone_problems_are_named_in_one_message():
     with pytest.raises(ConfigError) as info:
-        ModelConfig(backbone="olmoe", n_heads=8, n_kv_heads=3, n_experts=4, top_k=5, aux_loss_weight=-1,
+        ModelConfig(backbone="olmoe", n_heads=8, n_kv_heads=3, n_experts=4, top_k=5,
+                    aux_loss_weight=-1,
                     tie_embeddings="yes", mlp_hidden=0)
     message = str(info.value)
-    for needle in ["n_kv_heads=3 must be a positive divisor of n_heads=8", "top_k=5 must be an integer in [1, "
+    for needle in ["n_kv_heads=3 must be a positive divisor of n_heads=8",
+                   "top_k=5 must be an integer in [1, "
                    "n_experts=4]", "aux_loss_weight=-1", "tie_embeddings='yes'", "mlp_hidden=0"]:
         assert needle in message, needle
-    with pytest.raises(ConfigError, match="backbone='gpt2' is unknown; choose one of: neox, llama, olmoe"):
+    with pytest.raises(ConfigError,
+                       match="backbone='gpt2' is unknown; choose one of: neox, llama, olmoe"):
         ModelConfig(backbone="gpt2")
-    with pytest.raises(ConfigError, match="neox backbone has no grouped-query attention.*neox backbone has no QK-norm"):
+    with pytest.raises(ConfigError, match="neox backbone has no grouped-query attention.*neox "
+                                          "backbone has no QK-norm"):
         ModelConfig(n_kv_heads=2, qk_norm=True)
 
 
 def test_backbone_defaults():
-    neox, llama, olmoe = (ModelConfig(d_model=256, n_heads=8, backbone=b) for b in ("neox", "llama", "olmoe"))
+    neox, llama, olmoe = (ModelConfig(d_model=256, n_heads=8, backbone=b)
+                          for b in ("neox", "llama", "olmoe"))
     assert (neox.rotary_dims, llama.rotary_dims, olmoe.rotary_dims) == (8, 32, 32)
     assert (neox.mlp_width, llama.mlp_width, olmoe.mlp_width) == (1024, 704, 128)
     assert (neox.uses_qk_norm, llama.uses_qk_norm, olmoe.uses_qk_norm) == (False, False, True)
@@ -209,13 +217,14 @@ def test_backbone_defaults():
 
 
 def test_backbone_presets():
-    for name in ["tiny-llama", "tiny-olmoe", "llama-small", "llama-mesh-small", "olmoe-small", "olmoe-1b-7b",
+    for name in ["tiny-llama", "tiny-olmoe", "llama-small", "llama-mesh-small", "olmoe-small",
+                 "olmoe-1b-7b",
                  "olmoe-2.6b-a512m", "olmoe-2.6b-a512m-4+8R2+4"]:
         assert name in PRESETS
         ModelConfig.from_preset(name)
 
 
-# -- retrofit from a Llama checkpoint ------------------------------------------------------------------------
+# -- retrofit from a Llama checkpoint --------------------------------------------------------------
 def test_retrofit_with_one_pass_reproduces_the_llama_source(llama_folder):
     from meshlm.interop.retrofit import retrofit
     from meshlm.loading import read_family
@@ -234,11 +243,14 @@ def test_retrofit_llama_to_mesh_starts_as_plain_recursion(llama_folder, tmp_path
     from meshlm.loading import open_model
 
     folder, _ = llama_folder
-    assert main(["retrofit", str(folder), str(tmp_path / "mesh"), "--spec", "1+1R2+1", "--core-init", "block"]) == 0
-    assert main(["retrofit", str(folder), str(tmp_path / "base"), "--spec", "1+1R2+1", "--core-init", "block",
-                 "--scheme", "base"]) == 0
+    assert (main(["retrofit", str(folder), str(tmp_path / "mesh"), "--spec", "1+1R2+1",
+                  "--core-init", "block"]) == 0)
+    assert (main(["retrofit", str(folder), str(tmp_path / "base"), "--spec", "1+1R2+1",
+                  "--core-init", "block",
+                  "--scheme", "base"]) == 0)
     mesh, base = open_model(tmp_path / "mesh").model, open_model(tmp_path / "base").model
-    assert (mesh.config.backbone, mesh.config.scheme, mesh.config.scale_embeddings) == ("llama", "mesh", False)
+    assert (mesh.config.backbone, mesh.config.scheme,
+            mesh.config.scale_embeddings) == ("llama", "mesh", False)
     x = torch.randint(0, 8192, (4, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():  # base-started routers: MeSH begins (almost) where the looped source is
         gap = (mesh(x).logits.softmax(-1) - base(x).logits.softmax(-1)).abs().sum(-1).max()

@@ -1,4 +1,5 @@
-"""Checkpoints: round trip, atomic layout, pruning, refusal of non-finite weights, corruption detection."""
+"""Checkpoints: round trip, atomic layout, pruning, refusal of non-finite weights, corruption
+detection."""
 from __future__ import annotations
 
 import math
@@ -19,7 +20,8 @@ def write(run, step, val_loss=1.0, keep_last=3, is_best=False, model=None):
     model = model or MeshLM(CFG)
     state = {"step": step, "optimizer": {"state": {}, "param_groups": []}, "best_val": val_loss}
     meta = {"model": CFG.to_dict(), "train": {}, "val_loss": val_loss}
-    return checkpoint.save_checkpoint(run, step, model.state_dict(), state, meta, keep_last=keep_last,
+    return checkpoint.save_checkpoint(run, step, model.state_dict(), state, meta,
+                                      keep_last=keep_last,
                                       is_best=is_best)
 
 
@@ -39,7 +41,8 @@ def test_prune_keeps_last_n_and_best(tmp_path):
     write(tmp_path, 1, val_loss=0.5, is_best=True, keep_last=2)
     for step in (2, 3, 4):
         write(tmp_path, step, keep_last=2)
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-000004", "step-000003", "step-000001"]
+    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-000004", "step-000003",
+                                                                       "step-000001"]
     assert (tmp_path / "best").read_text().strip() == "step-000001"
 
 
@@ -87,7 +90,8 @@ def test_state_loads_without_executing_code(tmp_path):
     torch.load(path / "state.pt", weights_only=True)
 
 
-# -- the manifest: config.json and every needed file are checksummed; nothing unchecked is loaded --------------
+# -- the manifest: config.json and every needed file are checksummed; nothing unchecked is loaded
+# --------------
 def _edit_json(path, change):
     import json
 
@@ -98,7 +102,8 @@ def _edit_json(path, change):
 
 def test_an_edited_config_json_is_refused(tmp_path):
     path = write(tmp_path, 1)
-    _edit_json(path / "config.json", lambda d: d["model"].update(scheme="base"))  # same shapes: would load silently
+    # same shapes: would load silently
+    _edit_json(path / "config.json", lambda d: d["model"].update(scheme="base"))
     with pytest.raises(CheckpointError, match="config.json was edited or is corrupt"):
         open_model(path)
 
@@ -129,7 +134,8 @@ def test_a_checkpoint_from_before_manifests_is_refused_until_resealed(tmp_path):
     path = write(tmp_path, 1)
     files = {n: {"bytes": (path / n).stat().st_size, "sha256": checkpoint.sha256_file(path / n)}
              for n in ("model.safetensors", "state.pt")}
-    _edit_json(path / "config.json", lambda d: d.update(files=files))  # the old layout: files inside config.json
+    # the old layout: files inside config.json
+    _edit_json(path / "config.json", lambda d: d.update(files=files))
     (path / "manifest.json").unlink()
     with pytest.raises(CheckpointError, match="python -m meshlm.checkpoint reseal"):
         open_model(path)
@@ -138,7 +144,8 @@ def test_a_checkpoint_from_before_manifests_is_refused_until_resealed(tmp_path):
 
 
 def test_reseal_refuses_to_sign_an_edit_of_a_sealed_checkpoint_unless_forced(tmp_path):
-    """An edited config.json (here: another model width) must not become trusted by running reseal on it."""
+    """An edited config.json (here: another model width) must not become trusted by running reseal
+    on it."""
     import subprocess
     import sys
 
@@ -148,14 +155,17 @@ def test_reseal_refuses_to_sign_an_edit_of_a_sealed_checkpoint_unless_forced(tmp
     assert checkpoint.reseal(path) == path / "manifest.json"  # sealed and intact: left alone
     before = (path / "manifest.json").read_bytes()
     _edit_json(path / "config.json", lambda d: d.update(note="edited"))
-    with pytest.raises(CheckpointError, match="already sealed and no longer matches its manifest.json .*--force"):
+    with pytest.raises(CheckpointError,
+                       match="already sealed and no longer matches its manifest.json .*--force"):
         checkpoint.reseal(path)
     assert (path / "manifest.json").read_bytes() == before
     cmd, env = cli_command()
-    refused = subprocess.run([sys.executable, "-m", "meshlm.checkpoint", "reseal", str(path)], capture_output=True,
+    refused = subprocess.run([sys.executable, "-m", "meshlm.checkpoint", "reseal", str(path)],
+                             capture_output=True,
                              text=True, env=env)
     assert refused.returncode == 1 and "pass --force" in refused.stderr
-    forced = subprocess.run([sys.executable, "-m", "meshlm.checkpoint", "reseal", str(path), "--force"],
+    forced = subprocess.run([sys.executable, "-m", "meshlm.checkpoint", "reseal", str(path),
+                             "--force"],
                             capture_output=True, text=True, env=env)
     assert forced.returncode == 0, forced.stderr
     checkpoint.verify(path)
@@ -166,20 +176,25 @@ class Payload:
 
 
 def test_state_is_loaded_without_executing_code(tmp_path):
-    """A state.pt that needs unpickling of arbitrary objects is refused even when its checksum matches."""
+    """A state.pt that needs unpickling of arbitrary objects is refused even when its checksum
+    matches."""
     path = write(tmp_path, 1)
     torch.save({"step": 1, "payload": Payload()}, path / "state.pt")  # not an allowed global
     files = {n: {"bytes": (path / n).stat().st_size, "sha256": checkpoint.sha256_file(path / n)}
              for n in ("model.safetensors", "state.pt", "config.json")}
-    _edit_json(path / "manifest.json", lambda d: d.update(files=files, sha256=checkpoint._digest(files)))
-    with pytest.raises(CheckpointError, match="state.pt holds pickled Python objects beyond plain tensors, which "
-                                              "meshlm never unpickles") as err:
+    _edit_json(path / "manifest.json",
+               lambda d: d.update(files=files, sha256=checkpoint._digest(files)))
+    with pytest.raises(CheckpointError,
+                       match="state.pt holds pickled Python objects beyond plain tensors, which "
+                             "meshlm never unpickles") as err:
         checkpoint.load_checkpoint(path)
-    assert "weights_only" not in str(err.value)  # torch's advice (weights_only=False) would run the file's code
+    # torch's advice (weights_only=False) would run the file's code
+    assert "weights_only" not in str(err.value)
 
 
 @pytest.mark.parametrize("fail_in", ["save_file", "torch.save", "_write_json"])
-def test_a_full_disk_leaves_no_temporary_folder_and_keeps_earlier_checkpoints(tmp_path, monkeypatch, fail_in):
+def test_a_full_disk_leaves_no_temporary_folder_and_keeps_earlier_checkpoints(tmp_path, monkeypatch,
+                                                                              fail_in):
     import errno
 
     from meshlm.errors import StorageError
@@ -189,7 +204,8 @@ def test_a_full_disk_leaves_no_temporary_folder_and_keeps_earlier_checkpoints(tm
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "x"))
     monkeypatch.setattr(f"meshlm.checkpoint.{fail_in}", full)
-    with pytest.raises(StorageError, match=r"writing checkpoint .*step-000002: no space left on device \(.* free\)"):
+    with pytest.raises(StorageError, match=r"writing checkpoint .*step-000002: no space left on "
+                                           r"device \(.* free\)"):
         write(tmp_path, 2)
     assert not list(tmp_path.glob(".t*"))
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-000001"]
@@ -198,8 +214,9 @@ def test_a_full_disk_leaves_no_temporary_folder_and_keeps_earlier_checkpoints(tm
 
 
 def test_write_failures_reported_by_safetensors_or_torch_are_storage_errors(tmp_path, monkeypatch):
-    """On a real full disk safetensors raises SafetensorError ("os error 28") and torch.save a RuntimeError
-    ("unexpected pos …"), not OSError (seen on a 16 MB tmpfs); both become the one-line StorageError."""
+    """On a real full disk safetensors raises SafetensorError ("os error 28") and torch.save a
+    RuntimeError ("unexpected pos …"), not OSError (seen on a 16 MB tmpfs); both become the one-line
+    StorageError."""
     import shutil as shutil_module
     from collections import namedtuple
 
@@ -210,26 +227,29 @@ def test_write_failures_reported_by_safetensors_or_torch_are_storage_errors(tmp_
     write(tmp_path, 1)
 
     def safetensors_full(*args, **kwargs):
-        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os "
+                              "error 28)")
     with monkeypatch.context() as mp:
         mp.setattr("meshlm.checkpoint.save_file", safetensors_full)
         with pytest.raises(StorageError, match="no space left on device"):
             write(tmp_path, 2)
 
     def torch_full(*args, **kwargs):
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 2117568 vs 2117520")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 2117568 vs "
+                           "2117520")
     usage = namedtuple("usage", "total used free")
     with monkeypatch.context() as mp:
         mp.setattr("meshlm.checkpoint.torch.save", torch_full)
         mp.setattr(shutil_module, "disk_usage", lambda path: usage(10, 10, 0))
         with pytest.raises(StorageError, match="no space left on device"):
             write(tmp_path, 2)
-    assert not list(tmp_path.glob(".t*")) and [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-000001"]
+    assert (not list(tmp_path.glob(".t*"))
+            and [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-000001"])
 
 
 def test_every_checkpoint_file_gets_the_same_permissions(tmp_path):
-    """model.safetensors came out 0600 (safetensors' own default) beside 0644 files: unreadable to a group that
-    could read the rest of the checkpoint."""
+    """model.safetensors came out 0600 (safetensors' own default) beside 0644 files: unreadable to a
+    group that could read the rest of the checkpoint."""
     path = write(tmp_path, 1)
     modes = {p.name: p.stat().st_mode & 0o777 for p in path.iterdir()}
     assert len(set(modes.values())) == 1, modes
@@ -252,5 +272,6 @@ def test_a_damaged_config_json_is_one_line_from_the_one_json_reader(tmp_path, te
             read(tmp_path)  # the run dir: its `latest` checkpoint
         assert "\n" not in str(err.value)
     (path / "config.json").unlink()
-    with pytest.raises(CheckpointError, match="config.json is missing: the checkpoint is incomplete"):
+    with pytest.raises(CheckpointError,
+                       match="config.json is missing: the checkpoint is incomplete"):
         checkpoint.read_meta(path)

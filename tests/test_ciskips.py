@@ -1,4 +1,5 @@
-"""The CI plugin: under CI=true slow tests run and a skip fails, except a GPU test's; locally nothing changes."""
+"""The CI plugin: under CI=true slow tests run and a skip fails, except a GPU test's; locally
+nothing changes."""
 from __future__ import annotations
 
 import os
@@ -30,10 +31,13 @@ def test_cuda_reason():
 
 def run_sample(tmp_path: Path, ci: str) -> str:
     (tmp_path / "test_sample.py").write_text(SAMPLE)
-    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -m 'not slow'\nmarkers =\n  slow: s\n  gpu: g\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\naddopts = -m 'not slow'\nmarkers =\n  slow: "
+                                         "s\n  gpu: g\n")
     env = {**os.environ, "CI": ci, "PYTHONPATH": str(HERE)}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "ciskips", "-p", "no:cacheprovider",
-                           str(tmp_path)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "ciskips", "-p",
+                           "no:cacheprovider",
+                           str(tmp_path)], capture_output=True, text=True, env=env, cwd=tmp_path,
+                          timeout=120)
     return proc.stdout.splitlines()[-1]
 
 

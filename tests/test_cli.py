@@ -25,7 +25,8 @@ def test_describe_overrides(capsys):
 
 
 def test_bad_config_is_one_line_and_exit_code_2():
-    proc = subprocess.run([sys.executable, "-m", "meshlm.cli", "describe", "--spec", "4+8R0+4", "--scheme", "x"],
+    proc = subprocess.run([sys.executable, "-m", "meshlm.cli", "describe", "--spec", "4+8R0+4",
+                           "--scheme", "x"],
                           capture_output=True, text=True)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -72,17 +73,21 @@ def test_debug_shows_the_traceback(capsys, monkeypatch):
     results.append(run_main(capsys, "describe", "--spec", "x"))
     for code, _, err in results:
         assert code == 2 and "Traceback (most recent call last)" in err
-        assert err.strip().splitlines()[-1].startswith("meshlm describe: error: invalid model config")
+        assert err.strip().splitlines()[-1].startswith("meshlm describe: error: invalid model "
+                                                       "config")
 
 
 def test_an_unavailable_device_is_one_line_in_every_command(tmp_path, capsys, monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for command in (["eval", str(tmp_path)], ["probe", str(tmp_path)], ["generate", str(tmp_path), "hi"]):
+    for command in (["eval", str(tmp_path)], ["probe", str(tmp_path)],
+                    ["generate", str(tmp_path), "hi"]):
         code, out, err = run_main(capsys, *command, "--device", "cuda")
-        assert code == 2 and "--device cuda but no CUDA device is visible; use --device cpu or auto" in err, err
+        assert (code == 2 and "--device cuda but no CUDA device is visible; use --device cpu or "
+                              "auto" in err), err
         assert len(err.strip().splitlines()) == 1 and not out
     code, out, err = run_main(capsys, "train", "train.device=cuda", "train.data=/nonexistent")
-    assert code == 2 and "train.device=cuda but no CUDA device is visible; use train.device=cpu" in err
+    assert (code == 2
+            and "train.device=cuda but no CUDA device is visible; use train.device=cpu" in err)
     assert "train.data=/nonexistent" in err  # both problems in one message

@@ -1,5 +1,5 @@
-"""The command line explains itself: field help from the config classes, the resolved config, "did you mean",
-shell completion and the version."""
+"""The command line explains itself: field help from the config classes, the resolved config, "did
+you mean", shell completion and the version."""
 from __future__ import annotations
 
 import dataclasses
@@ -33,16 +33,21 @@ def test_train_help_lists_every_config_field_with_type_default_and_meaning(capsy
     assert "  d_model: int = 256\n      hidden width" in text
     assert "mesh-small" in text  # the presets model.preset takes
     docs = {d.name: d for d in field_docs(TrainConfig)}
-    assert docs["init_from"].meaning.endswith("fresh optimizer and schedule")  # continued comment lines joined
-    assert all(d.meaning for d in field_docs(ModelConfig)), [d.name for d in field_docs(ModelConfig) if not d.meaning]
+    # continued comment lines joined
+    assert docs["init_from"].meaning.endswith("fresh optimizer and schedule")
+    assert all(
+        d.meaning for d in field_docs(ModelConfig)), [d.name for d in field_docs(ModelConfig)
+                                                      if not d.meaning]
 
 
 def test_print_config_expands_the_preset_and_trains_the_same(capsys, tmp_path):
-    assert main(["train", "model.preset=tiny", "model.d_model=96", "train.lr=1e-3", "--print-config"]) == 0
+    assert (main(["train", "model.preset=tiny", "model.d_model=96", "train.lr=1e-3",
+                  "--print-config"]) == 0)
     printed = yaml.safe_load(capsys.readouterr().out)
     resolved = ModelConfig.from_preset("tiny", d_model=96)
     assert {k: printed["model"][k] for k in ("d_model", "n_heads", "spec", "scheme")} == {
-        "d_model": 96, "n_heads": resolved.n_heads, "spec": resolved.spec, "scheme": resolved.scheme}
+        "d_model": 96, "n_heads": resolved.n_heads, "spec": resolved.spec,
+        "scheme": resolved.scheme}
     assert set(printed["model"]) == {"preset"} | {f.name for f in dataclasses.fields(ModelConfig)}
     (tmp_path / "printed.yaml").write_text(yaml.safe_dump(printed))
     again = load_config(tmp_path / "printed.yaml")
@@ -75,8 +80,10 @@ def complete(tmp_path, line: str) -> list[str]:
     """What bash completion offers for `line` (argcomplete's protocol, in a fresh interpreter)."""
     out = tmp_path / "completions"
     env = {**os.environ, "_ARGCOMPLETE": "1", "_ARGCOMPLETE_SHELL": "bash", "COMP_LINE": line,
-           "COMP_POINT": str(len(line)), "_ARGCOMPLETE_STDOUT_FILENAME": str(out), "_ARGCOMPLETE_IFS": "\n"}
-    done = subprocess.run([sys.executable, "-m", "meshlm.cli"], env=env, capture_output=True, text=True, timeout=120)
+           "COMP_POINT": str(len(line)), "_ARGCOMPLETE_STDOUT_FILENAME": str(out),
+           "_ARGCOMPLETE_IFS": "\n"}
+    done = subprocess.run([sys.executable, "-m", "meshlm.cli"], env=env, capture_output=True,
+                          text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     return [word.strip() for word in out.read_text().split("\n")]  # a lone match ends with a space
 

@@ -17,7 +17,8 @@ from meshlm.errors import ConfigError
 ])
 def test_parse_spec(spec, prelude, cores, repeats, coda, unique, unrolled, steps):
     layout = parse_spec(spec)
-    assert (layout.prelude, layout.cores, layout.repeats, layout.coda) == (prelude, cores, repeats, coda)
+    assert (layout.prelude, layout.cores, layout.repeats, layout.coda) == (prelude, cores, repeats,
+                                                                           coda)
     assert (layout.unique_depth, layout.unrolled_depth, layout.n_steps) == (unique, unrolled, steps)
 
 
@@ -27,7 +28,8 @@ def test_schedule_orders_cores():
     assert parse_spec("1+2R2+3+1").schedule == (0, 0, 1)
 
 
-@pytest.mark.parametrize("spec", ["abc", "4+8R0+4", "4+0+4", "4+8", "", "4++4", "a+8R2+4", "4+8R2+x", "4+R2+4",
+@pytest.mark.parametrize("spec", ["abc", "4+8R0+4", "4+0+4", "4+8", "", "4++4", "a+8R2+4",
+                                  "4+8R2+x", "4+R2+4",
                                   "4+8R2R2+4", "-1+8+4"])
 def test_malformed_specs_are_rejected_with_the_grammar(spec):
     with pytest.raises(ConfigError, match=r'P\+CrK\+D'):
@@ -80,12 +82,14 @@ def test_json_round_trip_and_unknown_fields():
 def test_presets_cover_every_pythia_size_and_paper_split():
     for size in ["70m", "160m", "410m", "1b", "1.4b", "2.8b", "6.9b"]:
         assert PRESETS[f"pythia-{size}"]["scheme"] == "vanilla"
-    for name in ["pythia-160m-2+4R2+2", "pythia-410m-4+8R2+4", "pythia-410m-3+6R3+3", "pythia-1b-3+5R2+3",
+    for name in ["pythia-160m-2+4R2+2", "pythia-410m-4+8R2+4", "pythia-410m-3+6R3+3",
+                 "pythia-1b-3+5R2+3",
                  "pythia-1.4b-4+8R2+4", "pythia-1.4b-4+8+8+4"]:
         assert ModelConfig.from_preset(name).scheme == "mesh"
     for name in PRESETS:  # every preset validates
         ModelConfig.from_preset(name)
-    with pytest.raises(ConfigError, match=r"unknown preset 'pythia-3b' \(did you mean 'pythia-1b', .*\); choose"):
+    with pytest.raises(ConfigError, match=r"unknown preset 'pythia-3b' \(did you mean "
+                                          r"'pythia-1b', .*\); choose"):
         ModelConfig.from_preset("pythia-3b")
 
 

@@ -1,6 +1,7 @@
-"""Strict config types: every model.* and train.* field refuses a value of the wrong type with a ConfigError
-naming it, all problems come in one message, and no spec string, override or YAML document gets past the
-config as anything but a valid config or a ConfigError (property tests with hypothesis)."""
+"""Strict config types: every model.* and train.* field refuses a value of the wrong type with a
+ConfigError naming it, all problems come in one message, and no spec string, override or YAML
+document gets past the config as anything but a valid config or a ConfigError (property tests with
+hypothesis)."""
 from __future__ import annotations
 
 import dataclasses
@@ -35,7 +36,8 @@ def _cases(cls):
             if cls is TrainConfig and name in ("name", "init_from") and value is None:
                 continue
             if cls is TrainConfig and name == "compile" and isinstance(value, bool):
-                continue  # compile is "auto", "true" or "false"; YAML's true/false mean the last two
+                # compile is "auto", "true" or "false"; YAML's true/false mean the last two
+                continue
             yield name, value
 
 
@@ -59,22 +61,27 @@ def test_direct_construction_is_as_strict():
 
 
 def test_floats_and_integers_parse_from_yaml_strings():
-    cfg = load_config(None, ["train.lr=1e-3", "model.layer_norm_eps=1e-6", "train.steps=1e2", "model.spec=24",
+    cfg = load_config(None, ["train.lr=1e-3", "model.layer_norm_eps=1e-6", "train.steps=1e2",
+                             "model.spec=24",
                              "model.scheme=vanilla", "train.progress=false"])
     assert cfg.lr == 1e-3 and cfg.steps == 100 and cfg.progress is False
     model = cfg.derive_model()
     assert model.layer_norm_eps == 1e-6 and model.spec == "24"
-    data = yaml.safe_load("model:\n  layer_norm_eps: 1e-5\ntrain:\n  eps: 1e-8\n")  # YAML 1.1: both strings
+    # YAML 1.1: both strings
+    data = yaml.safe_load("model:\n  layer_norm_eps: 1e-5\ntrain:\n  eps: 1e-8\n")
     cfg = TrainConfig.from_file_dict(data)
     assert cfg.eps == 1e-8 and cfg.derive_model().layer_norm_eps == 1e-5
 
 
 def test_every_problem_is_reported_at_once():
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["train.progress=1", "train.lr=fast", "train.steps=1.5", "train.micro_batch=0",
-                           "model.d_model=x", "model.tie_embeddings=2", "model.n_heads=0", "model.spec=4R0"])
+        load_config(None,
+                    ["train.progress=1", "train.lr=fast", "train.steps=1.5", "train.micro_batch=0",
+                     "model.d_model=x", "model.tie_embeddings=2", "model.n_heads=0",
+                     "model.spec=4R0"])
     message = str(err.value)
-    for needle in ("progress=1", "lr='fast'", "steps=1.5", "micro_batch=0", "d_model='x'", "tie_embeddings=2",
+    for needle in ("progress=1", "lr='fast'", "steps=1.5", "micro_batch=0", "d_model='x'",
+                   "tie_embeddings=2",
                    "n_heads=0", "4R0"):
         assert needle in message, needle
     assert len(message.splitlines()) == 1
@@ -93,11 +100,12 @@ def test_non_mapping_sections_are_config_errors(tmp_path):
             load_config(path)
 
 
-# -- properties ---------------------------------------------------------------------------------------------
+# -- properties ------------------------------------------------------------------------------------
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
                     st.text(max_size=12))
-VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6),
-                                                                                           inner, max_size=3),
+VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
+                      | st.dictionaries(st.text(max_size=6),
+                                        inner, max_size=3),
                       max_leaves=6)
 MODEL_FIELDS = st.sampled_from(sorted(kinds(ModelConfig)))
 TRAIN_FIELDS = st.sampled_from(sorted(kinds(TrainConfig)))
@@ -114,7 +122,8 @@ def test_any_spec_string_parses_or_is_a_config_error(spec):
 
 
 @SETTINGS
-@given(st.integers(0, 6), st.lists(st.tuples(st.integers(1, 9), st.integers(1, 4)), min_size=1, max_size=3),
+@given(st.integers(0, 6),
+       st.lists(st.tuples(st.integers(1, 9), st.integers(1, 4)), min_size=1, max_size=3),
        st.integers(0, 6))
 def test_generated_specs_round_trip(prelude, cores, coda):
     body = "+".join(f"{c}R{k}" if k > 1 else str(c) for c, k in cores)
@@ -150,7 +159,8 @@ def test_any_overrides_give_a_config_or_a_config_error(items):
 
 @SETTINGS
 @given(st.dictionaries(st.sampled_from(["model", "train", "extra"]),
-                       st.one_of(VALUES, st.dictionaries(TRAIN_FIELDS | MODEL_FIELDS, VALUES, max_size=4)),
+                       st.one_of(VALUES,
+                                 st.dictionaries(TRAIN_FIELDS | MODEL_FIELDS, VALUES, max_size=4)),
                        max_size=2))
 def test_any_yaml_document_gives_a_config_or_a_config_error(tmp_path_factory, document):
     path = tmp_path_factory.mktemp("yaml") / "config.yaml"

@@ -1,4 +1,5 @@
-"""GPT-NeoX <-> meshlm conversion (exact), meshlm -> HF folders, retrofit, and clear errors for bad input."""
+"""GPT-NeoX <-> meshlm conversion (exact), meshlm -> HF folders, retrofit, and clear errors for bad
+input."""
 import json
 
 import pytest
@@ -17,7 +18,8 @@ from meshlm.interop.retrofit import plan, retrofit
 from meshlm.loading import open_model, read_family
 from meshlm.model import MeshLM
 
-NEOX = ModelConfig(spec="4", d_model=32, n_heads=4, vocab_size=211, context_length=64, scheme="vanilla",
+NEOX = ModelConfig(spec="4", d_model=32, n_heads=4, vocab_size=211, context_length=64,
+                   scheme="vanilla",
                    scale_embeddings=False, rotary_pct=0.5, rotary_base=500.0)
 
 
@@ -56,7 +58,8 @@ def test_neox_meshlm_neox_round_trip_is_exact(pythia, tmp_path):
     assert all(torch.equal(back.state_dict()[k], reference[k]) for k in reference)
     assert torch.equal(logits_of(back, x), expected)
     # the source carries no tokenizer and its 211 ids are not the default's 8,192: none is made up
-    assert not (tmp_path / "ckpt" / "tokenizer.json").exists() and not (tmp_path / "back" / "tokenizer.json").exists()
+    assert (not (tmp_path / "ckpt" / "tokenizer.json").exists()
+            and not (tmp_path / "back" / "tokenizer.json").exists())
 
 
 def test_scaled_embeddings_fold_into_gpt_neox(tmp_path):
@@ -77,7 +80,7 @@ def test_meshlm_to_hf_and_back_is_exact(tmp_path):
     assert torch.equal(logits_of(open_model(tmp_path / "again").model, x), logits_of(model, x))
 
 
-# -- retrofit ------------------------------------------------------------------------------------------------
+# -- retrofit --------------------------------------------------------------------------------------
 def test_retrofit_plan_blocks():
     p = plan(24, "4+8R2+4")
     assert p.prelude == [0, 1, 2, 3] and p.coda == [20, 21, 22, 23]
@@ -101,7 +104,8 @@ def test_retrofit_core_inits(pythia):
     avg, _ = retrofit(cfg, state, "1+1R2+1", scheme="mesh", core_init="average")
     mean = (state[f"cores.0.1.{key}"] + state[f"cores.0.2.{key}"]) / 2
     torch.testing.assert_close(avg.state_dict()[f"cores.0.0.{key}"], mean)
-    assert torch.equal(avg.state_dict()["coda.0.mlp.dense_4h_to_h.weight"], state["cores.0.3.mlp.dense_4h_to_h.weight"])
+    assert torch.equal(avg.state_dict()["coda.0.mlp.dense_4h_to_h.weight"],
+                       state["cores.0.3.mlp.dense_4h_to_h.weight"])
 
 
 def test_retrofit_mesh_router_start_base_routes_each_step_to_its_own_slot(pythia):
@@ -121,7 +125,7 @@ def test_cli_retrofit_writes_a_trainable_checkpoint(pythia, tmp_path):
     assert meta["retrofit"]["layers"]["cores"] == [[[1], [2]]] and meta["step"] == 0
 
 
-# -- bad input -------------------------------------------------------------------------------------------------
+# -- bad input -------------------------------------------------------------------------------------
 def test_bad_inputs_are_clear_errors(pythia, tmp_path):
     folder = pythia[0]
     not_neox = tmp_path / "bert"

@@ -52,7 +52,8 @@ def test_split_is_deterministic_and_order_independent(docs):
 def test_split_guarantees_both_sides_with_two_or_more_documents():
     few = plan_split(["a", "b"], 1e-9)  # no hash falls this low: the lowest-hash id is moved to val
     assert sorted(few.split_of(i) for i in "ab") == [TRAIN, VAL]
-    most = plan_split([str(i) for i in range(5)], 0.999999)  # all hash into val: one is kept for train
+    # all hash into val: one is kept for train
+    most = plan_split([str(i) for i in range(5)], 0.999999)
     assert sorted(most.split_of(str(i)) for i in range(5)).count(TRAIN) == 1
     assert plan_split(["only"], 0.5).split_of("only") in (TRAIN, VAL)
     assert {plan_split(["a", "b"], 0.0).split_of(i) for i in "ab"} == {TRAIN}  # 0 = no validation
@@ -65,7 +66,8 @@ def test_split_rejects_bad_fractions(fraction):
 
 
 def load_build_script():
-    spec = importlib.util.spec_from_file_location("build_corpus", ROOT / "scripts" / "build_corpus.py")
+    spec = importlib.util.spec_from_file_location("build_corpus",
+                                                  ROOT / "scripts" / "build_corpus.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -73,8 +75,9 @@ def load_build_script():
 
 def test_osis_markup_becomes_plain_verses():
     build = load_build_script()
-    osis = ('<div osisID="Hos" sID="g1" type="book"/><title type="main">Hosea</title> <w lemma="x">Yahweh’s</w>'
-            '<note placement="foot">a note</note><w>word</w> came<note>n</note>. A &amp; B')
+    osis = ('<div osisID="Hos" sID="g1" type="book"/><title type="main">Hosea</title> <w '
+            'lemma="x">Yahweh’s</w><note placement="foot">a note</note><w>word</w> '
+            'came<note>n</note>. A &amp; B')
     assert build.osis_to_text(osis) == "Hosea\nYahweh’s word came. A & B"
     parts = build.START.split('intro <chapter osisID="Hos.2" sID="Hos.2"/> verse')
     assert parts == ["intro ", '<chapter osisID="Hos.2" sID="Hos.2"/>', "Hos", " verse"]

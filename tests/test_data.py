@@ -1,4 +1,5 @@
-"""`meshlm prepare` (inputs, splits, dtypes, EOS, bad bytes, errors, streaming) and reading batches back."""
+"""`meshlm prepare` (inputs, splits, dtypes, EOS, bad bytes, errors, streaming) and reading batches
+back."""
 from __future__ import annotations
 
 import json
@@ -72,7 +73,8 @@ def test_folder_is_read_recursively(tmp_path, tok):
     root = tmp_path / "corpus"
     write(root / "a.txt", DOCS[0])
     write(root / "sub/deeper/b.md", DOCS[1])
-    write(root / "sub/c.jsonl", json.dumps({"text": DOCS[2]}) + "\n" + json.dumps({"text": DOCS[3]}) + "\n")
+    write(root / "sub/c.jsonl",
+          json.dumps({"text": DOCS[2]}) + "\n" + json.dumps({"text": DOCS[3]}) + "\n")
     write(root / "skip.py", "print('not text')")
     write(root / ".hidden/d.txt", "hidden")
     write(root / "blank.txt", "  \n\n ")
@@ -89,7 +91,8 @@ def test_an_input_named_twice_or_also_inside_a_folder_given_is_read_once(tmp_pat
 
 
 def test_jsonl_with_text_field_blank_lines_and_nulls(tmp_path, tok):
-    lines = [json.dumps({"body": d, "n": i}) for i, d in enumerate(DOCS)] + ["", json.dumps({"body": None})]
+    lines = [json.dumps({"body": d, "n": i}) for i,
+             d in enumerate(DOCS)] + ["", json.dumps({"body": None})]
     path = write(tmp_path / "data.jsonl", "\n".join(lines) + "\n")
     m = run_prepare([path], tmp_path / "out", text_field="body")
     assert m["documents"] == 5 and documents_in(tmp_path / "out", tok) == sorted(DOCS)
@@ -105,12 +108,14 @@ def test_save_to_disk_dataset_and_dataset_dict(tmp_path, tok):
     dd.save_to_disk(str(tmp_path / "dd"))
     m = run_prepare([tmp_path / "dd"], tmp_path / "out2")
     assert m["documents"] == 5 and documents_in(tmp_path / "out2", tok) == sorted(DOCS)
-    with pytest.raises(DataError, match=r"no column 'body' \(columns: text, id\); pass --text-field"):
+    with pytest.raises(DataError,
+                       match=r"no column 'body' \(columns: text, id\); pass --text-field"):
         run_prepare([tmp_path / "ds"], tmp_path / "out3", text_field="body")
 
 
 def test_large_vocab_uses_uint32(tmp_path):
-    vocab = {"<|endoftext|>": 0, "<|padding|>": 1, "[UNK]": 2} | {f"w{i}": i for i in range(3, 70_000)}
+    vocab = {"<|endoftext|>": 0, "<|padding|>": 1,
+             "[UNK]": 2} | {f"w{i}": i for i in range(3, 70_000)}
     big = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     big.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     big.save(str(tmp_path / "big.json"))
@@ -139,7 +144,8 @@ def test_invalid_utf8_is_replaced_and_counted(tmp_path, tok, capsys):
     manifest = json.loads((tmp_path / "out/manifest.json").read_text())
     assert manifest["replaced_bytes"] == 4  # \xff \xfe, a bare \xe9, and a lone-surrogate escape
     assert "4 bytes were not valid UTF-8" in capsys.readouterr().err
-    assert documents_in(tmp_path / "out", tok) == sorted(["café ok \ufffd\ufffd bad\n", "x \ufffd y \ufffd"])
+    assert documents_in(tmp_path / "out",
+                        tok) == sorted(["café ok \ufffd\ufffd bad\n", "x \ufffd y \ufffd"])
 
 
 # ---------------------------------------------------------------- errors
@@ -149,9 +155,11 @@ def bad_inputs(tmp_path: Path) -> list[tuple[list, dict, str]]:
         ([write(tmp_path / "empty.txt", "")], {}, "no text found"),
         ([write(tmp_path / "ws/blank.md", " \n\t\n")], {}, "no text found"),
         ([write(tmp_path / "nodocs/x.csv", "a,b").parent], {}, "holds no .txt"),
-        ([write(tmp_path / "f.jsonl", '{"body": "x"}\n')], {}, "line 1 of .* has no field 'text' \\(fields: body\\)"),
+        ([write(tmp_path / "f.jsonl", '{"body": "x"}\n')], {},
+         "line 1 of .* has no field 'text' \\(fields: body\\)"),
         ([write(tmp_path / "g.jsonl", '{"text": 3}\n')], {}, "is a int, not a string"),
-        ([write(tmp_path / "h.jsonl", '{"text": "a"}\n{oops\n')], {}, "line 2 of .* is not valid JSON"),
+        ([write(tmp_path / "h.jsonl", '{"text": "a"}\n{oops\n')], {},
+         "line 2 of .* is not valid JSON"),
         ([write(tmp_path / "i.jsonl", '["text"]\n')], {}, "is a JSON list, not an object"),
         ([write(tmp_path / "ok.txt", "fine")], {"val_fraction": 1.5}, "validation fraction 1.5"),
         ([write(tmp_path / "ok2.txt", "fine")], {"tokenizer": "nope"}, "not 'default', 'pythia'"),
@@ -171,7 +179,8 @@ def test_cli_exit_code_is_nonzero_on_bad_input(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("meshlm prepare: error:") and "does not exist" in err and "\n" not in err
     write(tmp_path / "in.jsonl", '{"body": "x"}\n')
-    assert main(["prepare", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out"), "--quiet"]) != 0
+    assert (main(["prepare", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out"), "--quiet"])
+            != 0)
     assert main(["prepare", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out"), "--quiet",
                  "--text-field", "body"]) == 0
 
@@ -188,8 +197,9 @@ def test_existing_output_needs_overwrite(tmp_path):
 
 # ---------------------------------------------------------------- streaming
 def test_memory_stays_bounded_by_the_batch(tmp_path):
-    """~1.5 MB of JSONL prepared in 16k-character batches: Python-side peak allocation (text, id lists,
-    arrays; tracked by tracemalloc) stays far below the input, and shards are flushed as they fill."""
+    """~1.5 MB of JSONL prepared in 16k-character batches: Python-side peak allocation (text, id
+    lists, arrays; tracked by tracemalloc) stays far below the input, and shards are flushed as they
+    fill."""
     rng = random.Random(0)
     words = "the king and queen of the land said unto people thou art".split()
     path = tmp_path / "big.jsonl"
@@ -214,7 +224,8 @@ def test_memory_stays_bounded_by_the_batch(tmp_path):
 def sharded(tmp_path) -> Path:
     """A prepared folder whose train split spans several small shards."""
     text = " ".join(f"w{i}" for i in range(3000))
-    run_prepare([write(tmp_path / "a.txt", text), write(tmp_path / "b.txt", text[::-1])], tmp_path / "out",
+    run_prepare([write(tmp_path / "a.txt", text), write(tmp_path / "b.txt", text[::-1])],
+                tmp_path / "out",
                 shard_tokens=700, val_fraction=0.0)
     return tmp_path / "out"
 
@@ -227,7 +238,8 @@ def test_sequences_cross_shard_boundaries(sharded):
     assert d.num_sequences(seq_len) == (len(whole) - 1) // seq_len
     for i in range(d.num_sequences(seq_len)):
         window = d.sequence(i, seq_len)
-        assert window.dtype == np.int64 and np.array_equal(window, whole[i * seq_len:(i + 1) * seq_len + 1])
+        assert (window.dtype == np.int64
+                and np.array_equal(window, whole[i * seq_len:(i + 1) * seq_len + 1]))
     with pytest.raises(IndexError):
         d.sequence(d.num_sequences(seq_len), seq_len)
     with pytest.raises(ValueError):
@@ -236,12 +248,14 @@ def test_sequences_cross_shard_boundaries(sharded):
 
 def test_too_short_split_and_damaged_folders(sharded, tmp_path):
     d = PreparedData(sharded, "train")
-    with pytest.raises(DataError, match=f"sequence length {d.num_tokens} exceeds the {d.num_tokens} tokens of "
-                                        "the training split; lower seq_len or add data"):
+    with pytest.raises(DataError,
+                       match=f"sequence length {d.num_tokens} exceeds the {d.num_tokens} tokens of "
+                             "the training split; lower seq_len or add data"):
         d.num_sequences(d.num_tokens)
     val = PreparedData(sharded, "val")  # val_fraction 0: empty
-    with pytest.raises(DataError, match="the validation split of .* is empty; prepare the data again with "
-                                        "--val-fraction 0.02"):
+    with pytest.raises(DataError,
+                       match="the validation split of .* is empty; prepare the data again with "
+                             "--val-fraction 0.02"):
         get_batch(val, 0, 2, 8, seed=0)
     with pytest.raises(DataError, match="manifest.json missing"):
         PreparedData(tmp_path / "nowhere")
@@ -256,9 +270,11 @@ def test_batch_indices_are_deterministic_epoch_permutations():
     assert batch_indices(3, b, 7, n) == batch_indices(3, b, 7, n)
     assert batch_indices(0, b, 7, n) != batch_indices(0, b, 8, n)
     for epoch in range(3):  # steps 2e, 2e+1 cover epoch e exactly once
-        assert sorted(batch_indices(2 * epoch, b, 7, n) + batch_indices(2 * epoch + 1, b, 7, n)) == list(range(n))
+        assert sorted(batch_indices(2 * epoch, b, 7, n)
+                      + batch_indices(2 * epoch + 1, b, 7, n)) == list(range(n))
     straddle = batch_indices(1, 7, 0, n)  # positions 7..13: end of epoch 0, start of epoch 1
-    assert straddle[:3] == batch_indices(0, 10, 0, n)[7:] and straddle[3:] == batch_indices(1, 10, 0, n)[:4]
+    assert (straddle[:3] == batch_indices(0, 10, 0, n)[7:]
+            and straddle[3:] == batch_indices(1, 10, 0, n)[:4])
     assert len(batch_indices(0, 25, 0, n)) == 25  # batch larger than the data: several epochs
 
 
@@ -271,7 +287,8 @@ def test_rank_slices_are_disjoint_and_make_the_global_batch(sharded):
     order = batch_indices(5, gb, 1, d.num_sequences(seq_len))
     expected = torch.stack([torch.from_numpy(d.sequence(i, seq_len)) for i in order])
     assert torch.equal(x_all, expected[:, :-1]) and torch.equal(y_all, expected[:, 1:])
-    pieces = [get_batch(d, 5, gb, seq_len, seed=1, rank=r, world=world, micro_batches=micro) for r in range(world)]
+    pieces = [get_batch(d, 5, gb, seq_len, seed=1, rank=r, world=world, micro_batches=micro)
+              for r in range(world)]
     assert all(len(p) == micro and p[0][0].shape == (gb // world // micro, seq_len) for p in pieces)
     assert torch.equal(torch.cat([x for p in pieces for x, _ in p]), x_all)
     assert torch.equal(torch.cat([y for p in pieces for _, y in p]), y_all)
@@ -300,7 +317,8 @@ def test_prepare_default_caches_by_tokenizer(tmp_path, monkeypatch):
     assert PreparedData(first, "train").num_tokens > 0 and PreparedData(first, "val").num_tokens > 0
     monkeypatch.setattr(data_mod, "prepare", lambda *a, **k: pytest.fail("prepared twice"))
     assert prepare_default(tmp_path) == first
-    assert [p.name for p in (tmp_path / "prepared").iterdir()] == [first.name]  # no temp folders left
+    # no temp folders left
+    assert [p.name for p in (tmp_path / "prepared").iterdir()] == [first.name]
 
 
 @pytest.mark.slow
@@ -334,9 +352,11 @@ def test_shards_record_their_checksum_and_largest_id(tmp_path):
     writer.write([3, 9, 4])
     writer.write([70, 1, 2, 8])  # crosses into a second shard
     entry = writer.close()
-    assert [s["tokens"] for s in entry["shards"]] == [5, 2] and [s["max_id"] for s in entry["shards"]] == [70, 8]
+    assert ([s["tokens"] for s in entry["shards"]] == [5, 2]
+            and [s["max_id"] for s in entry["shards"]] == [70, 8])
     for shard in entry["shards"]:
-        assert shard["sha256"] == hashlib.sha256((tmp_path / shard["file"]).read_bytes()).hexdigest()
+        assert (shard["sha256"] == hashlib.sha256((tmp_path
+                                                   / shard["file"]).read_bytes()).hexdigest())
 
 
 def test_progress_off_a_terminal_is_plain_lines_without_carriage_returns():
@@ -349,7 +369,8 @@ def test_progress_off_a_terminal_is_plain_lines_without_carriage_returns():
         for _ in range(4):
             bar.update(250)
     text = log.getvalue()
-    assert "\r" not in text and text.splitlines()[-1] == "tokenizing: 100% (1,000 of 1,000 characters)"
+    assert ("\r" not in text
+            and text.splitlines()[-1] == "tokenizing: 100% (1,000 of 1,000 characters)")
     assert len(text.splitlines()) == 10
     quiet = io.StringIO()
     with progress_bar(1000, False, stream=quiet) as bar:

@@ -1,5 +1,6 @@
-"""Decoding's precision policy with the bf16 run policy forced (so this runs the same on CPUs without bf16):
-`--dtype auto` decodes in fp32, where speculation and batching give exactly plain greedy's tokens."""
+"""Decoding's precision policy with the bf16 run policy forced (so this runs the same on CPUs
+without bf16): `--dtype auto` decodes in fp32, where speculation and batching give exactly plain
+greedy's tokens."""
 import pytest
 import torch
 from conftest import build, tiny
@@ -30,12 +31,14 @@ def test_auto_decodes_in_fp32_where_the_run_policy_picks_bf16(bf16_machine):
     assert precision.for_model("auto", model)[1].dtype == torch.bfloat16  # eval and probe keep bf16
 
 
-def test_generate_and_the_batcher_under_the_decoding_policy_are_exact(bf16_machine, tmp_path, capsys):
+def test_generate_and_the_batcher_under_the_decoding_policy_are_exact(bf16_machine, tmp_path,
+                                                                      capsys):
     model = build(tiny(spec="1+1R4+1", vocab_size=8192, context_length=64))
     save_model(model, tmp_path / "ckpt")
     outputs = []
     for extra in ([], ["--speculate", "2:3"]):
-        assert main(["generate", str(tmp_path / "ckpt"), "To be, or not", "-t", "0", "-n", "16", *extra]) == 0
+        assert (main(["generate", str(tmp_path / "ckpt"), "To be, or not", "-t", "0", "-n", "16",
+                      *extra]) == 0)
         captured = capsys.readouterr()
         assert f"generated in fp32 ({precision.DECODING_FP32})" in captured.err
         outputs.append(captured.out)

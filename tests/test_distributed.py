@@ -1,5 +1,5 @@
-"""Two CPU processes (torchrun, gloo) under DDP and FSDP2 train exactly like one process with the same
-global batch; an FSDP-written checkpoint loads in a single process."""
+"""Two CPU processes (torchrun, gloo) under DDP and FSDP2 train exactly like one process with the
+same global batch; an FSDP-written checkpoint loads in a single process."""
 from __future__ import annotations
 
 import pytest
@@ -12,8 +12,9 @@ from meshlm.train.trainer import train
 STEPS = 5
 
 
-# Equalities across process layouts hold in fp32; under bf16 autocast (the policy's pick where the CPU has native
-# bf16) FSDP's gathered-parameter arithmetic rounds differently from one process's (~3e-5 in the loss).
+# Equalities across process layouts hold in fp32; under bf16 autocast (the policy's pick where the
+# CPU has native bf16) FSDP's gathered-parameter arithmetic rounds differently from one process's
+# (~3e-5 in the loss).
 FP32 = dict(dtype="fp32")
 
 
@@ -28,7 +29,8 @@ def single(prepared, tmp_path_factory):
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_two_processes_match_one(prepared, tmp_path, single, mode):
     losses, weights = single
-    cfg = tiny_train(prepared, tmp_path, steps=STEPS, save_every=0, distributed=mode, **FP32)  # 4 per rank
+    # 4 per rank
+    cfg = tiny_train(prepared, tmp_path, steps=STEPS, save_every=0, distributed=mode, **FP32)
     done = cli("train", *as_overrides(cfg), launcher=TORCHRUN)
     assert done.returncode == 0, done.stderr[-3000:]
     got = train_losses(run_dir(cfg))
@@ -37,7 +39,8 @@ def test_two_processes_match_one(prepared, tmp_path, single, mode):
         assert abs(got[step] - loss) <= 1e-5, (step, got[step], loss)
     model = open_model(run_dir(cfg)).model  # written by rank 0 from gathered (FSDP: full) state
     for name, tensor in model.state_dict().items():
-        # Adam turns ~1e-9 gradient differences on rarely seen embedding rows into ~1e-5 weight differences
+        # Adam turns ~1e-9 gradient differences on rarely seen embedding rows into ~1e-5 weight
+        # differences
         torch.testing.assert_close(tensor, weights[name], atol=1e-4, rtol=0, msg=name)
 
 
@@ -52,8 +55,8 @@ def test_fsdp_run_resumes_under_fsdp(prepared, tmp_path):
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
 def test_sampled_depth_keeps_ranks_in_lockstep(prepared, tmp_path, mode):
-    """Every rank draws the same loop count per step (MeSH routers of undrawn steps get no gradient on any
-    rank), so two processes still train exactly like one."""
+    """Every rank draws the same loop count per step (MeSH routers of undrawn steps get no gradient
+    on any rank), so two processes still train exactly like one."""
     depth = dict(steps=STEPS, save_every=0, loops="uniform:1-4", backprop_loops=2, **FP32)
     ref = train(tiny_train(prepared, tmp_path / "one", **depth))
     cfg = tiny_train(prepared, tmp_path / "two", distributed=mode, **depth)

@@ -1,4 +1,5 @@
-"""A run's eval.json is never replaced by a narrower evaluation without a word (meshlm.evaluation.scope)."""
+"""A run's eval.json is never replaced by a narrower evaluation without a word
+(meshlm.evaluation.scope)."""
 from __future__ import annotations
 
 import json
@@ -8,14 +9,16 @@ from meshlm.evaluation.scope import choose, covers, scope_hash, scope_of
 
 
 def scope(**kw):
-    base = dict(data=None, suite="auto", tasks="piqa,arc_easy", shots=[0, 5], limit=None, loops=None, exits=[],
+    base = dict(data=None, suite="auto", tasks="piqa,arc_easy", shots=[0, 5], limit=None,
+                loops=None, exits=[],
                 exit_loops=None)
     return scope_of(**{**base, **kw})
 
 
 def test_what_covers_what():
     full = scope()
-    assert covers(full, full) and covers(full, scope(limit=50)) and covers(scope(limit=80), scope(limit=50))
+    assert (covers(full, full) and covers(full, scope(limit=50))
+            and covers(scope(limit=80), scope(limit=50)))
     assert not covers(scope(limit=50), full) and not covers(scope(tasks="piqa"), full)
     assert covers(full, scope(tasks="piqa", shots=[0]))
     assert not covers(full, scope(data="other")) and not covers(scope(loops=[1, 2]), full)
@@ -40,7 +43,8 @@ def test_a_narrower_eval_goes_beside_a_wider_one_replaces_and_keeps_the_old(tmp_
     write_eval(tmp_path, quick, "quick")
     out, note = choose(tmp_path, full)
     assert out == tmp_path / "eval.json" and f"eval-{scope_hash(quick)}.json" in note
-    assert json.loads((tmp_path / f"eval-{scope_hash(quick)}.json").read_text())["marker"] == "quick"
+    assert json.loads((tmp_path
+                       / f"eval-{scope_hash(quick)}.json").read_text())["marker"] == "quick"
 
     write_eval(tmp_path, full, "full")
     assert choose(tmp_path, full) == (tmp_path / "eval.json", None)  # a rerun updates in place

@@ -1,5 +1,6 @@
-"""Evaluation: the lm-eval adapter against the model's own loss, perplexity and loss vs. loops, the eval-set
-extraction, and lm-eval end to end on every task with no network (under `unshare --net` when possible)."""
+"""Evaluation: the lm-eval adapter against the model's own loss, perplexity and loss vs. loops, the
+eval-set extraction, and lm-eval end to end on every task with no network (under `unshare --net`
+when possible)."""
 from __future__ import annotations
 
 import json
@@ -32,14 +33,16 @@ def tokenizer():
 def random_pairs(n: int, seed: int = 0, vocab: int = 97) -> list[tuple[list[int], list[int]]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, 90, (n, 2), generator=g).tolist()  # some exceed context_length = 64
-    return [(torch.randint(0, vocab, (c,), generator=g).tolist(), torch.randint(0, vocab, (k % 12 + 1,), generator=g)
+    return [(torch.randint(0, vocab, (c,), generator=g).tolist(),
+             torch.randint(0, vocab, (k % 12 + 1,), generator=g)
              .tolist()) for c, k in lengths]
 
 
 @pytest.mark.parametrize("scheme", ["mesh", "base"])
 def test_batched_scores_equal_the_models_own_loss(scheme, tokenizer):
     model = build(tiny(scheme=scheme))
-    lm = MeshLMEval(model, tokenizer, batch_tokens=150)  # several batches of mixed lengths, right-padded
+    # several batches of mixed lengths, right-padded
+    lm = MeshLMEval(model, tokenizer, batch_tokens=150)
     pairs = random_pairs(12)
     scores = lm.score(pairs)
     for (ctx, cont), (logprob, greedy) in zip(pairs, scores):
@@ -74,13 +77,15 @@ def test_perplexity_and_loss_vs_loops(prepared):
     model = build(tiny(vocab_size=8192))
     data = PreparedData(prepared, "val")
     result = mean_loss(model, data, 16, batch_size=2, max_sequences=3)
-    windows = [data.sequence(i, 16) for i in (0, data.num_sequences(16) // 3, 2 * data.num_sequences(16) // 3)]
+    windows = [data.sequence(i, 16) for i in (0, data.num_sequences(16) // 3,
+                                              2 * data.num_sequences(16) // 3)]
     manual = sum(model(torch.tensor(w[None, :-1]), targets=torch.tensor(w[None, 1:])).loss.item()
                  for w in windows) / 3
     assert result["loss"] == pytest.approx(manual, rel=1e-5) and result["tokens"] == 48
     rows = loss_vs_loops(model, data, 16, [1, 2, 3], max_sequences=3)
     assert [r["trained"] for r in rows] == [False, True, False]
-    assert rows[1]["loss"] == pytest.approx(result["loss"], rel=1e-6) and rows[0]["loss"] != rows[2]["loss"]
+    assert (rows[1]["loss"] == pytest.approx(result["loss"], rel=1e-6)
+            and rows[0]["loss"] != rows[2]["loss"])
     assert default_loop_counts(model) == [1, 2, 3, 4]
     assert default_loop_counts(build(tiny(spec="4", scheme="vanilla"))) == []
 
@@ -101,11 +106,14 @@ def test_lambada_standard_joins_the_suite_only_from_the_local_datasets_cache(tmp
     assert [t.name for t in resolve_tasks("all")] == [n for n in SUITE if n != "lambada_standard"]
     with pytest.raises(DataError, match="cimec/lambada.*datasets cache"):
         resolve_tasks("piqa,lambada_standard")
-    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", fake_lambada_standard_cache(tmp_path / "hf"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE",
+                        fake_lambada_standard_cache(tmp_path / "hf"))
     assert [t.name for t in resolve_tasks("all")] == list(SUITE) and len(SUITE) == 9
-    assert task_specs(resolve_tasks("lambada_standard"), tmp_path)[0]["task"] == [{"task": "lambada_standard"}]
+    assert task_specs(resolve_tasks("lambada_standard"),
+                      tmp_path)[0]["task"] == [{"task": "lambada_standard"}]
     summary = {"shots": 0, "items": 2, "seconds": 1.0, "average": 0.5, "covered": 8, "of": 9,
-               "tasks": {"piqa": {"metric": "acc_norm", "score": 0.5, "acc": 0.5, "acc_norm": 0.5, "items": 2}}}
+               "tasks": {"piqa": {"metric": "acc_norm", "score": 0.5, "acc": 0.5, "acc_norm": 0.5,
+                                  "items": 2}}}
     assert "50.00  (8 of the paper's 9 tasks)" in format_suite(Suite.from_dict(summary))
 
 
@@ -129,10 +137,12 @@ def test_task_specs_point_lm_eval_at_absolute_local_files(tmp_path):
     cache = wheel_cache(tmp_path)
     [suite] = task_specs(resolve_tasks("piqa,arc_challenge"), cache)
     piqa, arc = suite["task"]
-    assert piqa["task"] == "piqa" and piqa["dataset_path"] == "json" and piqa["validation_split"] == "validation"
+    assert (piqa["task"] == "piqa" and piqa["dataset_path"] == "json"
+            and piqa["validation_split"] == "validation")
     assert arc["test_split"] == "test" and arc["fewshot_split"] == "validation"
     for spec in (piqa, arc):
-        assert all(os.path.isabs(p) and os.path.isfile(p) for p in spec["dataset_kwargs"]["data_files"].values())
+        assert all(os.path.isabs(p)
+                   and os.path.isfile(p) for p in spec["dataset_kwargs"]["data_files"].values())
 
 
 @pytest.mark.slow
@@ -142,23 +152,30 @@ def test_lm_eval_runs_every_task_offline_and_matches_our_loglikelihoods(tmp_path
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "MESHLM_CACHE": str(cache),
            "HF_DATASETS_CACHE": str(tmp_path / "hf"), "OMP_NUM_THREADS": "1"}
     no_net = ["unshare", "--net"] if shutil.which("unshare") and os.geteuid() == 0 else []
-    command = [*no_net, sys.executable, "-m", "meshlm.cli", "eval", str(run), "--limit", "2", "--shots", "0,5",
-               "--loops", "1,3", "--log-samples", "--dtype", "fp32"]  # compared below with fp32 losses
+    command = [*no_net, sys.executable, "-m", "meshlm.cli", "eval", str(run), "--limit", "2",
+               "--shots", "0,5",
+               # compared below with fp32 losses
+               "--loops", "1,3", "--log-samples", "--dtype", "fp32"]
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((run / "eval.json").read_text())
-    assert [r["loops"] for r in result["loops"]] == [1, 3] and result["perplexity"]["sequences"] == 2
+    assert ([r["loops"] for r in result["loops"]] == [1, 3]
+            and result["perplexity"]["sequences"] == 2)
     for shots in ("0", "5"):
         suite = result["downstream"][shots]
-        assert list(suite["tasks"]) == [n for n in SUITE if n != "lambada_standard"] and 0 <= suite["average"] <= 1
+        assert (list(suite["tasks"]) == [n for n in SUITE if n != "lambada_standard"]
+                and 0 <= suite["average"] <= 1)
         assert (suite["covered"], suite["of"]) == (8, 9)
         assert suite["tasks"]["piqa"]["items"] == 2 and suite["tasks"]["mmlu"]["items"] == 2 * 57
     # lm-eval's loglikelihoods (batched, padded) == the model's own loss on the same token sequences
     loaded = open_model(run)
     lm = MeshLMEval(loaded.model, loaded.tokenizer)
-    items = [json.loads(line) for line in (run / "eval-samples" / "5-shot.jsonl").read_text().splitlines()]
-    assert {i["task"] for i in items} >= {"lambada_openai", "piqa", "winogrande", "mmlu_anatomy_continuation"}
-    checked = [i for i in items if not i["task"].startswith("mmlu") or i["task"] < "mmlu_b"]  # a few subjects
+    items = [json.loads(line) for line in (run / "eval-samples"
+                                           / "5-shot.jsonl").read_text().splitlines()]
+    assert {i["task"] for i in items} >= {"lambada_openai", "piqa", "winogrande",
+                                          "mmlu_anatomy_continuation"}
+    # a few subjects
+    checked = [i for i in items if not i["task"].startswith("mmlu") or i["task"] < "mmlu_b"]
     for item in checked:
         for (context, continuation), response in zip(item["arguments"], item["resps"]):
             ours = continuation_logprob(loaded.model, *lm.encode_pair(context, continuation))
@@ -170,9 +187,13 @@ def test_exit_frontier_reports_loss_loops_and_compute(prepared):
 
     model = build(tiny(vocab_size=8192, max_loops=4))
     data = PreparedData(prepared, "val")
-    rows = exit_frontier(model, data, 16, ["state:0", "state:inf", "kl:0"], loops=4, max_sequences=3)
+    rows = exit_frontier(model, data, 16, ["state:0", "state:inf", "kl:0"], loops=4,
+                         max_sequences=3)
     full = mean_loss(model, data, 16, max_sequences=3, loops=4)
     one = mean_loss(model, data, 16, max_sequences=3, loops=1)
-    assert rows[0]["loss"] == full["loss"] and rows[0]["avg_loops"] == 4 and rows[0]["flops_ratio"] == 1
-    assert rows[1]["loss"] == one["loss"] and rows[1]["avg_loops"] == 1 and rows[1]["flops_ratio"] < 1
-    assert rows[2]["avg_probes"] == 5 and rows[2]["flops_ratio"] > 1  # kl pays a coda + head per step
+    assert (rows[0]["loss"] == full["loss"] and rows[0]["avg_loops"] == 4
+            and rows[0]["flops_ratio"] == 1)
+    assert (rows[1]["loss"] == one["loss"] and rows[1]["avg_loops"] == 1
+            and rows[1]["flops_ratio"] < 1)
+    # kl pays a coda + head per step
+    assert rows[2]["avg_probes"] == 5 and rows[2]["flops_ratio"] > 1

@@ -77,7 +77,8 @@ def test_without_exit_the_loop_is_the_plain_computation_to_the_last_bit(scheme):
 
 
 def decode(model, prompts, new_tokens, rule, cache):
-    """Greedy decoding of left-padded prompts, returning every step's last logits and exit loop counts."""
+    """Greedy decoding of left-padded prompts, returning every step's last logits and exit loop
+    counts."""
     from meshlm.generate import left_pad
 
     ids, mask = left_pad(prompts, pad_id=1)
@@ -99,7 +100,8 @@ def decode(model, prompts, new_tokens, rule, cache):
 def test_cached_decoding_equals_uncached_with_exit_on_left_padded_batch(criterion):
     model = model_for()
     prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18, 19]]
-    # kl values of this random model are ~1e-6, near fp32 rounding of the logits: a fixed τ clear of the ties
+    # kl values of this random model are ~1e-6, near fp32 rounding of the logits: a fixed τ clear of
+    # the ties
     kl = CRITERIA[criterion] is ProbeKL
     threshold = 3e-6 if kl else mid_threshold(model, x_batch(), criterion)
     rule = ExitRule(criterion, threshold)
@@ -121,7 +123,8 @@ def test_gathering_and_masking_compute_the_same_thing(criterion, monkeypatch):
             results[name] = model(x, loops=LOOPS, exit=rule)
     assert torch.equal(results["mask"].exit_loops, results["gather"].exit_loops)
     assert 1 < results["mask"].exit_loops.float().mean() < LOOPS
-    torch.testing.assert_close(results["mask"].logits, results["gather"].logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results["mask"].logits, results["gather"].logits, rtol=1e-5,
+                               atol=1e-5)
 
 
 def test_an_exited_token_runs_no_further_core_passes():
@@ -134,7 +137,8 @@ def test_an_exited_token_runs_no_further_core_passes():
         calls.clear()
         model(torch.tensor([[3]]), cache=kv, loops=LOOPS, exit="state:inf")
     assert len(calls) == 1  # one core pass of LOOPS: the token exited after it
-    assert all(k is not None and k.shape[-2] == 6 for k in kv.keys)  # skipped steps' slots still got its K/V
+    # skipped steps' slots still got its K/V
+    assert all(k is not None and k.shape[-2] == 6 for k in kv.keys)
 
 
 @pytest.mark.parametrize("text, needle", [

@@ -1,5 +1,5 @@
-"""The training memory estimate (exact state bytes, what sharding and checkpointing change) and the schedule
-warnings; the refusals themselves are rows of tests/faultkit.py."""
+"""The training memory estimate (exact state bytes, what sharding and checkpointing change) and the
+schedule warnings; the refusals themselves are rows of tests/faultkit.py."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +10,8 @@ from meshlm.train.footprint import estimate, memory_problem, schedule_problem, s
 
 
 def config(**overrides) -> TrainConfig:
-    return TrainConfig(**{"model": {"preset": "tiny", "vocab_size": 8192}, "seq_len": 32, **overrides})
+    return TrainConfig(**{"model": {"preset": "tiny", "vocab_size": 8192}, "seq_len": 32,
+                          **overrides})
 
 
 def test_state_is_16_bytes_per_parameter_and_fsdp_shards_it():
@@ -39,9 +40,12 @@ def test_a_run_that_fits_is_not_refused():
 def test_schedule_warnings_and_the_absurd_step_count():
     assert schedule_warnings(config(steps=300), 300, 32) == []
     both = schedule_warnings(config(steps=10, tokens=1000, save_every=0, eval_every=0), 10, 32)
-    assert both == ["train.tokens=1,000 is ignored because train.steps=10 is set; set train.steps=0 to train by "
-                    "tokens"]
+    assert both == ["train.tokens=1,000 is ignored because train.steps=10 is set; set "
+                    "train.steps=0 to train by tokens"]
     short = schedule_warnings(config(steps=0, tokens=100, save_every=0, eval_every=0), 1, 32)
-    assert short == ["train.tokens=100 is less than one step (global_batch x seq_len tokens); training 1 step"]
-    assert schedule_problem(config(steps=10_000), 10_000, windows=8) is None  # 10,000 epochs: allowed
-    assert "passes over the 8 training windows 10,001 times" in schedule_problem(config(), 10_001, windows=8)
+    assert short == ["train.tokens=100 is less than one step (global_batch x seq_len tokens); "
+                     "training 1 step"]
+    # 10,000 epochs: allowed
+    assert schedule_problem(config(steps=10_000), 10_000, windows=8) is None
+    assert "passes over the 8 training windows 10,001 times" in schedule_problem(config(), 10_001,
+                                                                                 windows=8)

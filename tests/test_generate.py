@@ -1,4 +1,5 @@
-"""Native generation: cached greedy decoding equals an uncached argmax loop; sampling filters; the CLI."""
+"""Native generation: cached greedy decoding equals an uncached argmax loop; sampling filters; the
+CLI."""
 import pytest
 import torch
 from conftest import build, tiny
@@ -64,7 +65,8 @@ def test_bad_sampling_settings_are_one_clear_error():
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """A tiny MeSH model as a meshlm checkpoint and as a Hugging Face folder (shipped 8192 tokenizer)."""
+    """A tiny MeSH model as a meshlm checkpoint and as a Hugging Face folder (shipped 8192
+    tokenizer)."""
     root = tmp_path_factory.mktemp("gen")
     model = build(tiny(vocab_size=8192, context_length=48))
     save_model(model, root / "ckpt")
@@ -74,7 +76,8 @@ def checkpoints(tmp_path_factory):
 
 @pytest.mark.parametrize("kind", ["ckpt", "hf"])
 def test_cli_generate_streams_a_continuation(checkpoints, kind, capsys):
-    args = ["generate", str(checkpoints / kind), "Once upon a time", "-n", "12", "--seed", "1", "--top-k", "40"]
+    args = ["generate", str(checkpoints / kind), "Once upon a time", "-n", "12", "--seed", "1",
+            "--top-k", "40"]
     assert main(args) == 0
     first = capsys.readouterr().out
     assert first.startswith("Once upon a time") and len(first) > len("Once upon a time\n")
@@ -84,11 +87,13 @@ def test_cli_generate_streams_a_continuation(checkpoints, kind, capsys):
 
 def test_cli_generate_greedy_batch_matches_library(checkpoints, capsys):
     texts = ["To be", "or not"]
-    assert main(["generate", str(checkpoints / "ckpt"), *texts, "-t", "0", "-n", "5", "--ignore-eos"]) == 0
+    assert (main(["generate", str(checkpoints / "ckpt"), *texts, "-t", "0", "-n", "5",
+                  "--ignore-eos"]) == 0)
     printed = capsys.readouterr().out
     opened = open_model(checkpoints / "ckpt")
     model, tok = opened.model, opened.tokenizer
-    new = generate(model, [tok.encode(t) for t in texts], Sampling(max_new_tokens=5, temperature=0, stop_at_eos=False),
+    new = generate(model, [tok.encode(t) for t in texts],
+                   Sampling(max_new_tokens=5, temperature=0, stop_at_eos=False),
                    eos_id=tok.eos_id, pad_id=tok.pad_id)
     assert all(len(row) == 5 for row in new)
     expected = "".join(f"{text}{tok.decode(t for t in row if t != tok.eos_id)}\n{'-' * 40}\n"
@@ -105,12 +110,14 @@ def test_cli_generate_errors_exit_2(checkpoints, tmp_path, args, message, capsys
     args = [a.format(ckpt=checkpoints / "ckpt", tmp=tmp_path) for a in args]
     assert main(["generate", *args]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("meshlm generate: error:") and message in lines[0], lines
+    assert (len(lines) == 1 and lines[0].startswith("meshlm generate: error:")
+            and message in lines[0]), lines
 
 
 def test_cli_generate_with_depth_and_exit(checkpoints, capsys):
-    assert main(["generate", str(checkpoints / "ckpt"), "To be", "-t", "0", "-n", "5", "--loops", "3",
-                 "--exit", "state:0.1"]) == 0
+    assert (main(["generate", str(checkpoints / "ckpt"), "To be", "-t", "0", "-n", "5", "--loops",
+                  "3",
+                  "--exit", "state:0.1"]) == 0)
     assert capsys.readouterr().out.startswith("To be")
     assert main(["generate", str(checkpoints / "ckpt"), "To be", "--exit", "halt:1"]) == 2
     assert "exit criterion 'halt' is unknown; use one of: state, kl" in capsys.readouterr().err

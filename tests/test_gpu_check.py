@@ -1,5 +1,6 @@
-"""benchmarks/gpu_check.py runs where only torch and meshlm's light dependencies are installed: a tiny CPU
-smoke run in a subprocess in which lm-eval, datasets and transformers cannot be imported."""
+"""benchmarks/gpu_check.py runs where only torch and meshlm's light dependencies are installed: a
+tiny CPU smoke run in a subprocess in which lm-eval, datasets and transformers cannot be
+imported."""
 from __future__ import annotations
 
 import json
@@ -23,15 +24,19 @@ runpy.run_path("benchmarks/gpu_check.py", run_name="__main__")
 def test_gpu_check_smoke_runs_without_lm_eval_datasets_or_transformers(tmp_path_factory, tmp_path):
     data = make_prepared(tmp_path_factory)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    args = ["--device", "cpu", "--smoke", "--eager-steps", "1", "--warmup", "1", "--steps", "2", "--data", str(data),
+    args = ["--device", "cpu", "--smoke", "--eager-steps", "1", "--warmup", "1", "--steps", "2",
+            "--data", str(data),
             "--out", str(tmp_path)]
-    proc = subprocess.run([sys.executable, "-c", BLOCKED, *args], cwd=ROOT, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", BLOCKED, *args], cwd=ROOT, env=env,
+                          capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert result["backend"] == "gloo" and result["ddp"] and result["steps_total"] == 5  # 1 + 1 eager, 1 + 2
+    # 1 + 1 eager, 1 + 2
+    assert result["backend"] == "gloo" and result["ddp"] and result["steps_total"] == 5
     assert result["compile"] and result["eager_tokens_per_s"] > 0 and result["compile_speedup"] > 0
-    # the run policy's choice for this CPU: bf16 autocast where it has native bf16 (a probe), else fp32
+    # the run policy's choice for this CPU: bf16 autocast where it has native bf16 (a probe), else
+    # fp32
     import torch
 
     from meshlm.runtime.precision import choose

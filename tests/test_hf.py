@@ -1,4 +1,5 @@
-"""transformers integration: save/load round trips, trust_remote_code without meshlm, generate() with the cache."""
+"""transformers integration: save/load round trips, trust_remote_code without meshlm, generate()
+with the cache."""
 import ast
 import json
 import os
@@ -35,7 +36,8 @@ def left_padded_batch(vocab, lengths=(5, 2, 7), seed=0):
 def test_save_load_round_trip_is_exact(scheme, tmp_path):
     model = build(tiny(scheme=scheme, spec=spec_for(scheme), vocab_size=VOCAB))
     save_hf(model, tmp_path)
-    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()  # registered: no trust_remote_code needed
+    # registered: no trust_remote_code needed
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert isinstance(loaded, MeshForCausalLM)
     x = torch.randint(0, VOCAB, (2, 9))
     with torch.no_grad():
@@ -56,7 +58,8 @@ def test_folder_contents_and_tokenizer(tmp_path):
     assert tok(text).input_ids == ours.encode(text)
     assert (tok.eos_token_id, tok.pad_token_id) == (ours.eos_id, ours.pad_id)
     batch = tok(["Hello", "To be, or not to be"], padding=True).attention_mask
-    assert tok.padding_side == "left" and batch[0][0] == 0 and batch[0][-1] == 1  # pads before the prompt
+    # pads before the prompt
+    assert tok.padding_side == "left" and batch[0][0] == 0 and batch[0][-1] == 1
 
 
 def test_model_card_states_spec_scheme_training_and_loading(tmp_path, prepared):
@@ -68,7 +71,8 @@ def test_model_card_states_spec_scheme_training_and_loading(tmp_path, prepared):
     assert main(["convert", str(run), str(tmp_path / "hf"), "--to", "hf"]) == 0
     card = (tmp_path / "hf" / "README.md").read_text()
     for fact in ("`1+2R2+1`", "state scheme: `mesh` (5 slots)", f"training data: {prepared}",
-                 "training tokens: 128 (1 steps)", "trust_remote_code=True", "pipeline(\"text-generation\"",
+                 "training tokens: 128 (1 steps)", "trust_remote_code=True",
+                 "pipeline(\"text-generation\"",
                  "lm_eval --model hf"):
         assert fact in card, fact
     bare = save_hf(build(tiny(vocab_size=VOCAB)), tmp_path / "bare")
@@ -86,9 +90,12 @@ def test_batched_pipeline_output_equals_one_prompt_at_a_time(tmp_path):
     alone = [generate(p, **kwargs)[0]["generated_text"] for p in prompts]
     batched = [out[0]["generated_text"] for out in generate(prompts, batch_size=2, **kwargs)]
     assert batched == alone and all(alone)
-    # the same with the tokenizer and generate() directly (the pipeline pads by itself; a user's batch does not)
-    tok, model = AutoTokenizer.from_pretrained(tmp_path), AutoModelForCausalLM.from_pretrained(tmp_path)
-    out = model.generate(**tok(prompts, return_tensors="pt", padding=True), max_new_tokens=8, min_new_tokens=8,
+    # the same with the tokenizer and generate() directly (the pipeline pads by itself; a user's
+    # batch does not)
+    tok, model = (AutoTokenizer.from_pretrained(tmp_path),
+                  AutoModelForCausalLM.from_pretrained(tmp_path))
+    out = model.generate(**tok(prompts, return_tensors="pt", padding=True), max_new_tokens=8,
+                         min_new_tokens=8,
                          do_sample=False)
     assert tok.batch_decode(out[:, -8:]) == alone
 
@@ -150,9 +157,9 @@ def test_exported_folder_carries_the_modules_its_features_import_and_no_others()
 def test_bundler_rewrites_every_meshlm_import_form_and_refuses_the_rest():
     from meshlm.hf.remote import BundleError, _localize_imports
 
-    source = ("from meshlm.a import x\nfrom meshlm.a import x as y  # noqa\nfrom meshlm.model import llama\n"
-              "import meshlm.model.moe as experts\nimport torch\n\n\ndef f():\n    from meshlm.b import (\n"
-              "        later as z,\n    )\n    return z\n")
+    source = ("from meshlm.a import x\nfrom meshlm.a import x as y  # noqa\nfrom meshlm.model "
+              "import llama\nimport meshlm.model.moe as experts\nimport torch\n\n\ndef f():\n    "
+              "from meshlm.b import (\n        later as z,\n    )\n    return z\n")
     out = _localize_imports(source, "t.py", earlier={"x"}, everywhere={"x", "later"}).splitlines()
     assert out[:5] == ["pass", "y = x  # noqa", "llama = _BundledModule('meshlm.model.llama')",
                        "experts = _BundledModule('meshlm.model.moe')", "import torch"]
@@ -160,7 +167,8 @@ def test_bundler_rewrites_every_meshlm_import_form_and_refuses_the_rest():
     refused = {"import meshlm.config\n": "import meshlm.config` cannot be bundled",
                "from .x import y\n": "relative import",
                "from meshlm.a import nowhere\n": "`nowhere` from meshlm.a is not defined",
-               "from meshlm.a import later\n": "`later` from meshlm.a is not defined by a bundled source before it",
+               "from meshlm.a import later\n": "`later` from meshlm.a is not defined by a bundled "
+                                               "source before it",
                "if True: from meshlm.a import x\n": "on a line of its own"}
     for text, message in refused.items():
         with pytest.raises(BundleError, match=message):
@@ -168,7 +176,8 @@ def test_bundler_rewrites_every_meshlm_import_form_and_refuses_the_rest():
 
 
 def test_generated_code_runs_as_its_own_package(tmp_path):
-    """Fast in-process stand-in for the fresh-process test: the generated module alone builds the same model."""
+    """Fast in-process stand-in for the fresh-process test: the generated module alone builds the
+    same model."""
     import importlib
 
     model = build(tiny(scheme="dynamic-mix", vocab_size=VOCAB))
@@ -186,9 +195,10 @@ def test_generated_code_runs_as_its_own_package(tmp_path):
         assert torch.equal(loaded(x).logits, model(x).logits)
 
 
-# Every documented way to call the exported model's generate(), as code both this process (meshlm's own class)
-# and the clean one (the folder's remote code) run: plain greedy, speculation by name, the assistant knobs as
-# arguments and in a GenerationConfig, sampled speculation, and config.loops / config.exit.
+# Every documented way to call the exported model's generate(), as code both this process (meshlm's
+# own class) and the clean one (the folder's remote code) run: plain greedy, speculation by name,
+# the assistant knobs as arguments and in a GenerationConfig, sampled speculation, and config.loops
+# / config.exit.
 GENERATE_CALLS = """
 import torch
 from transformers import GenerationConfig
@@ -212,8 +222,9 @@ def generate_calls(model, ids, mask):
 
 @pytest.mark.slow  # a fresh interpreter imports torch and transformers: ~10 s
 def test_exported_folder_runs_every_generate_feature_where_meshlm_cannot_be_imported(tmp_path):
-    """The folder's own code, in a clean process with meshlm blocked, gives meshlm's logits and generate()
-    outputs exactly, for every call in GENERATE_CALLS, in a pipeline, and after saving the remote model again."""
+    """The folder's own code, in a clean process with meshlm blocked, gives meshlm's logits and
+    generate() outputs exactly, for every call in GENERATE_CALLS, in a pipeline, and after saving
+    the remote model again."""
     from cleanenv import run_without_meshlm
 
     folder = tmp_path / "mesh-model"
@@ -223,8 +234,10 @@ def test_exported_folder_runs_every_generate_feature_where_meshlm_cannot_be_impo
     namespace = {}
     exec(GENERATE_CALLS, namespace)
     ours = namespace["generate_calls"](from_meshlm(model), x, mask)
-    assert all(torch.equal(ours[name], ours["greedy"]) for name in ("speculate", "auto", "assistant_knobs",
-                                                                      "generation_config"))  # lossless
+    assert all(torch.equal(ours[name], ours["greedy"])
+               for name in ("speculate", "auto", "assistant_knobs",
+                                                                      # lossless
+                                                                      "generation_config"))
     with torch.no_grad():
         logits = model(x, padding_mask=mask).logits
     torch.save({"x": x, "mask": mask, "logits": logits, "generated": ours}, tmp_path / "ref.pt")
@@ -248,7 +261,8 @@ with torch.no_grad():
 
 
 def test_dynamic_cache_gets_one_entry_per_unrolled_layer():
-    """The public Cache API (update/get_seq_length) is all the model uses; transformers' DynamicCache works."""
+    """The public Cache API (update/get_seq_length) is all the model uses; transformers'
+    DynamicCache works."""
     hf = from_meshlm(build(tiny(spec="1+2R2+1")))
     ids, mask = left_padded_batch(97)
     cache = DynamicCache()
@@ -277,14 +291,16 @@ def test_greedy_generate_equals_manual_argmax_without_cache(scheme):
     model = build(tiny(scheme=scheme, spec="1+2R2+1"))
     hf = from_meshlm(model)
     ids, mask = left_padded_batch(97)
-    out = hf.generate(ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    out = hf.generate(ids, attention_mask=mask, max_new_tokens=20, min_new_tokens=20,
+                      do_sample=False)
     assert torch.equal(out, manual_greedy(model, ids, mask, 20))
 
 
 def test_sampling_generate_with_and_without_cache_agree():
     hf = from_meshlm(build(tiny(spec="1+2R2+1")))
     ids, mask = left_padded_batch(97)
-    kwargs = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=True, top_k=20,
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=True,
+                  top_k=20,
                   top_p=0.9, temperature=0.8)
     torch.manual_seed(3)
     cached = hf.generate(ids, **kwargs)
@@ -316,7 +332,8 @@ def test_missing_or_truncated_weights_are_clear_errors(tmp_path):
 
 
 def test_exported_model_takes_depth_and_exit_settings():
-    """config.loops / config.exit (or per-call loops=, exit=) reach the model, also through generate()."""
+    """config.loops / config.exit (or per-call loops=, exit=) reach the model, also through
+    generate()."""
     from meshlm.generate import Sampling, generate
 
     model = build(tiny(spec="1+2R2+1", max_loops=4))
@@ -328,7 +345,8 @@ def test_exported_model_takes_depth_and_exit_settings():
     hf.config.loops, hf.config.exit = 4, "state:0.3"
     out = hf.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False)
     prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
-    ours = generate(model, prompts, Sampling(max_new_tokens=6, temperature=0, stop_at_eos=False), pad_id=1,
+    ours = generate(model, prompts, Sampling(max_new_tokens=6, temperature=0, stop_at_eos=False),
+                    pad_id=1,
                     loops=4, exit="state:0.3")
     assert out[:, ids.shape[1]:].tolist() == ours
 
@@ -342,7 +360,8 @@ def test_hidden_states_are_the_stage_boundaries_and_attention_weights_are_refuse
         stages = model(ids, padding_mask=mask, return_states=True).stages
         assert hf(ids, attention_mask=mask).hidden_states is None  # only when asked for
     expected = (stages.embeddings, stages.prelude, *stages.states[1:], stages.coda)
-    assert len(out.hidden_states) == 2 + 3 + 1 and all(torch.equal(a, b) for a, b in zip(out.hidden_states, expected))
+    assert (len(out.hidden_states) == 2 + 3 + 1
+            and all(torch.equal(a, b) for a, b in zip(out.hidden_states, expected)))
     with pytest.raises(ValueError, match="returns no attention weights"):
         hf(ids, attention_mask=mask, output_attentions=True)
 
@@ -351,5 +370,6 @@ def test_model_card_states_the_sequence_length_a_default_seq_len_trained_at():
     from meshlm.hf.card import model_card
 
     cfg = tiny(context_length=48)
-    assert "sequence length 48)" in model_card(cfg, {"train": {"seq_len": 0}})  # 0: the model's context length
+    # 0: the model's context length
+    assert "sequence length 48)" in model_card(cfg, {"train": {"seq_len": 0}})
     assert "sequence length 32)" in model_card(cfg, {"train": {"seq_len": 32}})

@@ -1,6 +1,6 @@
-"""Hugging Face Hub names (meshlm.hub) in every command that takes a model folder, offline against a Hub cache
-laid out as huggingface_hub lays one out (made here; huggingface_hub's own scan_cache_dir reads it back). Only
-the download itself is not exercised."""
+"""Hugging Face Hub names (meshlm.hub) in every command that takes a model folder, offline against a
+Hub cache laid out as huggingface_hub lays one out (made here; huggingface_hub's own scan_cache_dir
+reads it back). Only the download itself is not exercised."""
 from __future__ import annotations
 
 import hashlib
@@ -21,8 +21,9 @@ REPO = "acme/llama-tiny"
 
 
 def hub_cache(cache, repo, folder, refs=("main",)):
-    """Put `folder`'s files into a Hub cache as one commit of `repo` that every ref in `refs` points to:
-    blobs/<sha256>, snapshots/<commit>/<file> -> ../../blobs/<sha256>, refs/<ref> = commit. Returns the commit."""
+    """Put `folder`'s files into a Hub cache as one commit of `repo` that every ref in `refs` points
+    to: blobs/<sha256>, snapshots/<commit>/<file> -> ../../blobs/<sha256>, refs/<ref> = commit.
+    Returns the commit."""
     from huggingface_hub.file_download import repo_folder_name
 
     storage = cache / repo_folder_name(repo_id=repo, repo_type="model")
@@ -44,7 +45,8 @@ def hub_cache(cache, repo, folder, refs=("main",)):
 @pytest.fixture
 def offline_cache(tmp_path, llama_folder, monkeypatch):
     """HF_HUB_OFFLINE=1 and HF_HUB_CACHE=<a cache holding acme/llama-tiny at main and v1>, set where
-    huggingface_hub reads them (its constants, read from the environment at import); cwd is tmp_path."""
+    huggingface_hub reads them (its constants, read from the environment at import); cwd is
+    tmp_path."""
     from huggingface_hub import constants
 
     cache = tmp_path / "hub-cache"
@@ -63,14 +65,17 @@ def test_the_cache_made_here_is_huggingface_hubs_own_layout(offline_cache):
     assert not info.warnings
     (repo,) = info.repos
     (revision,) = repo.revisions
-    assert repo.repo_id == REPO and revision.commit_hash == commit and revision.refs == {"main", "v1"}
-    assert {f.file_name for f in revision.files} >= {"config.json", "model.safetensors", "tokenizer.json"}
+    assert (repo.repo_id == REPO and revision.commit_hash == commit
+            and revision.refs == {"main", "v1"})
+    assert {f.file_name for f in revision.files} >= {"config.json", "model.safetensors",
+                                                     "tokenizer.json"}
 
 
 def test_names_paths_and_revisions(offline_cache, tmp_path):
     cache, commit = offline_cache
     assert is_hub_name(REPO) and is_hub_name(f"{REPO}@v1") and is_hub_name("runs/nope")
-    assert not is_hub_name("/abs/path") and not is_hub_name("./rel/x") and not is_hub_name("one-part")
+    assert (not is_hub_name("/abs/path") and not is_hub_name("./rel/x")
+            and not is_hub_name("one-part"))
     (tmp_path / "acme" / "llama-tiny").mkdir(parents=True)
     assert resolve(REPO) == (Path("acme/llama-tiny"), None)  # an existing local path always wins
     (tmp_path / "acme" / "llama-tiny").rmdir()
@@ -81,10 +86,12 @@ def test_names_paths_and_revisions(offline_cache, tmp_path):
 
 
 def test_offline_without_a_cached_copy_is_one_clear_line(offline_cache, capsys):
-    with pytest.raises(CheckpointError, match=r"acme/absent is not a local folder nor in the Hugging Face cache .*"
-                                              r"HF_HUB_OFFLINE is set; download it once online"):
+    with pytest.raises(CheckpointError,
+                       match=r"acme/absent is not a local folder nor in the Hugging Face cache .*"
+                             r"HF_HUB_OFFLINE is set; download it once online"):
         resolve("acme/absent")
-    with pytest.raises(CheckpointError, match="acme/llama-tiny@nope is not a local folder nor in the Hugging Face"):
+    with pytest.raises(CheckpointError,
+                       match="acme/llama-tiny@nope is not a local folder nor in the Hugging Face"):
         resolve(f"{REPO}@nope")  # a revision the cache does not hold
     assert main(["generate", "acme/absent", "Hello", "-n", "2"]) == 1  # a CheckpointError
     err = capsys.readouterr().err.strip()
@@ -92,7 +99,8 @@ def test_offline_without_a_cached_copy_is_one_clear_line(offline_cache, capsys):
 
 
 def test_unknown_name_online_is_one_clear_line(monkeypatch):
-    """The mapping of huggingface_hub's not-found error (the one piece that would need the network)."""
+    """The mapping of huggingface_hub's not-found error (the one piece that would need the
+    network)."""
     import httpx
     import huggingface_hub
     from huggingface_hub.errors import RepositoryNotFoundError
@@ -100,15 +108,18 @@ def test_unknown_name_online_is_one_clear_line(monkeypatch):
     def not_found(*args, **kwargs):
         url = "https://huggingface.co/api/models/acme/nope/revision/main"
         raise RepositoryNotFoundError("404 Client Error. Repository Not Found",
-                                      response=httpx.Response(404, request=httpx.Request("GET", url)))
+                                      response=httpx.Response(404,
+                                                              request=httpx.Request("GET", url)))
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", not_found)
-    with pytest.raises(CheckpointError, match=r"^acme/nope is neither a local folder nor a model on the Hugging "
-                                              r"Face Hub \(or it is private"):
+    with pytest.raises(CheckpointError,
+                       match=r"^acme/nope is neither a local folder nor a model on the Hugging "
+                             r"Face Hub \(or it is private"):
         resolve("acme/nope")
 
 
-def test_every_command_that_takes_a_folder_takes_a_hub_name(offline_cache, llama_folder, prepared, tmp_path,
+def test_every_command_that_takes_a_folder_takes_a_hub_name(offline_cache, llama_folder, prepared,
+                                                            tmp_path,
                                                             capsys):
     from meshlm.loading import locate, open_model
 
@@ -124,19 +135,25 @@ def test_every_command_that_takes_a_folder_takes_a_hub_name(offline_cache, llama
     assert (tmp_path / "retrofitted" / "tokenizer.json").is_file()
     capsys.readouterr()
     prompt = ["Once upon a time", "-n", "5", "-t", "0", "--dtype", "fp32"]
-    assert main(["generate", REPO, *prompt]) == 0 and main(["generate", str(llama_folder[0]), *prompt]) == 0
+    assert (main(["generate", REPO, *prompt]) == 0
+            and main(["generate", str(llama_folder[0]), *prompt]) == 0)
     from_hub, from_folder = capsys.readouterr().out.split("\n", 1)
     assert from_hub + "\n" == from_folder and from_hub.strip()
-    assert main(["eval", REPO, "--tasks", "none", "--loops", "none", "--data", str(prepared), "--limit", "2",
-                 "--dtype", "fp32"]) == 0
-    result = json.loads((tmp_path / "acme--llama-tiny" / "eval.json").read_text())  # results beside, not in the cache
+    assert (main(["eval", REPO, "--tasks", "none", "--loops", "none", "--data", str(prepared),
+                  "--limit", "2",
+                  "--dtype", "fp32"]) == 0)
+    # results beside, not in the cache
+    result = json.loads((tmp_path / "acme--llama-tiny" / "eval.json").read_text())
     assert result["perplexity"]
-    assert main(["train", f"train.init_from={REPO}", f"train.data={prepared}", f"train.out_dir={tmp_path}",
-                 "train.name=from-hub", "train.steps=1", "train.seq_len=32", "train.global_batch=4",
-                 "train.micro_batch=4", "train.progress=false", "train.tensorboard=false",
-                 "train.eval_every=0"]) == 0
+    assert (main(["train", f"train.init_from={REPO}", f"train.data={prepared}",
+                  f"train.out_dir={tmp_path}",
+                  "train.name=from-hub", "train.steps=1", "train.seq_len=32",
+                  "train.global_batch=4",
+                  "train.micro_batch=4", "train.progress=false", "train.tensorboard=false",
+                  "train.eval_every=0"]) == 0)
     trained = locate(tmp_path / "from-hub")
-    assert trained.train["init_from"] == REPO and trained.model_config() == open_model(REPO).model.config
+    assert (trained.train["init_from"] == REPO
+            and trained.model_config() == open_model(REPO).model.config)
 
 
 @pytest.mark.slow  # a fresh interpreter: the environment variables, as a user sets them

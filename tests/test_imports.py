@@ -11,10 +11,12 @@ from pathlib import Path
 import meshlm
 
 PACKAGE = Path(meshlm.__file__).resolve().parent
-# The only imports that may stay inside functions outside meshlm/commands (whose modules the CLI loads lazily
-# to keep `meshlm --help` fast): heavy dependencies that most commands never touch. meshlm.hf and
-# meshlm.evaluation.harness are the transformers and lm-eval integrations: importing them imports those.
-LAZY_ALLOWED = ("transformers", "huggingface_hub", "argcomplete", "wandb", "mlflow", "peft", "lm_eval",
+# The only imports that may stay inside functions outside meshlm/commands (whose modules the CLI
+# loads lazily to keep `meshlm --help` fast): heavy dependencies that most commands never touch.
+# meshlm.hf and meshlm.evaluation.harness are the transformers and lm-eval integrations: importing
+# them imports those.
+LAZY_ALLOWED = ("transformers", "huggingface_hub", "argcomplete", "wandb", "mlflow", "peft",
+                "lm_eval",
                 "matplotlib", "datasets", "pyarrow",
                 "torch.utils.tensorboard", "meshlm.hf", "meshlm.evaluation.harness")
 
@@ -50,7 +52,8 @@ def imports(name: str, type_checking: bool = False) -> list[tuple[ast.AST, list[
 def imports_in(tree: ast.AST, type_checking: bool = False) -> list[tuple[ast.AST, list[str], bool]]:
     """imports() of one parsed module."""
     skip, out = set() if type_checking else _type_checking_only(tree), []
-    in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+    in_function = {id(n) for f in ast.walk(tree)
+                   if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
                    for n in ast.walk(f)}
     for node in ast.walk(tree):
         if id(node) in skip:
@@ -58,8 +61,10 @@ def imports_in(tree: ast.AST, type_checking: bool = False) -> list[tuple[ast.AST
         if isinstance(node, ast.Import):
             targets = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            # `from pkg import sub` imports the module pkg.sub where there is one, else names from pkg
-            targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES else node.module
+            # `from pkg import sub` imports the module pkg.sub where there is one, else names from
+            # pkg
+            targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in MODULES
+                       else node.module
                        for a in node.names]
         else:
             continue
@@ -110,7 +115,8 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_meshlm_modules_import_each_other_without_a_cycle():
     edges = graph()
     assert sum(map(len, edges.values())) > 100  # the graph is really built
-    assert "meshlm.config" in edges["meshlm.model.lm"] and "meshlm.backbones" in edges["meshlm.config"]
+    assert ("meshlm.config" in edges["meshlm.model.lm"]
+            and "meshlm.backbones" in edges["meshlm.config"])
     cycle = find_cycle(edges)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -136,13 +142,13 @@ def test_the_model_imports_nothing_of_training_data_or_files():
                "meshlm.presets"}
     assert "meshlm.model.lm" in ours
     assert [m for m in ours if m not in allowed and not m.startswith("meshlm.model")] == []
-    assert not any(m.split(".")[0] in ("transformers", "datasets", "safetensors", "tokenizers") for m in loaded)
+    assert not any(m.split(".")[0] in ("transformers", "datasets", "safetensors", "tokenizers")
+                   for m in loaded)
 
 
 def test_the_config_and_both_registries_need_no_torch():
-    code = ("import sys, json, meshlm.config; "
-            "meshlm.config.ModelConfig(backbone='olmoe', scheme='mesh', scheme_options={'slots': 6}); "
-            "print(json.dumps(sorted(sys.modules)))")
+    code = ("import sys, json, meshlm.config; meshlm.config.ModelConfig(backbone='olmoe', "
+            "scheme='mesh', scheme_options={'slots': 6}); print(json.dumps(sorted(sys.modules)))")
     loaded = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                        check=True).stdout)
     assert "torch" not in loaded and not any(m.startswith("meshlm.model") for m in loaded)
@@ -211,7 +217,8 @@ def test_no_circle_even_through_type_checking_imports():
 
 def test_every_import_points_down_the_layers():
     """Lazy and TYPE_CHECKING-only imports too: the backbone registry reads a model config through
-    a protocol (meshlm.backbones.ConfigView), not by importing the config that validates through it."""
+    a protocol (meshlm.backbones.ConfigView), not by importing the config that validates through
+    it."""
     assert upward_arrows() == []
 
 

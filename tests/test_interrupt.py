@@ -1,5 +1,6 @@
-"""Ctrl-C / SIGTERM during training: a checkpoint at the current step, advice to resume, exit 130 / 143,
-and a resumed run that is bit-identical to an uninterrupted one; a second Ctrl-C aborts at once."""
+"""Ctrl-C / SIGTERM during training: a checkpoint at the current step, advice to resume, exit 130 /
+143, and a resumed run that is bit-identical to an uninterrupted one; a second Ctrl-C aborts at
+once."""
 from __future__ import annotations
 
 import signal
@@ -14,10 +15,12 @@ from meshlm import checkpoint
 
 
 def start_and_signal(cfg, at_step: int, signals: list[int]) -> subprocess.CompletedProcess:
-    """Run `meshlm train` in a subprocess; once it logged `at_step` steps, send `signals`, each after the
-    process reported the previous one (its stderr line), so none is merged with the next by the kernel."""
+    """Run `meshlm train` in a subprocess; once it logged `at_step` steps, send `signals`, each
+    after the process reported the previous one (its stderr line), so none is merged with the next
+    by the kernel."""
     cmd, env = cli_command("train", *as_overrides(cfg))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     metrics, deadline = run_dir(cfg) / "metrics.jsonl", time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         if metrics.exists() and len(train_losses(run_dir(cfg))) >= at_step:
@@ -26,7 +29,8 @@ def start_and_signal(cfg, at_step: int, signals: list[int]) -> subprocess.Comple
     err = []
     for i, sig in enumerate(signals):
         proc.send_signal(sig)
-        while i + 1 < len(signals) and (line := proc.stderr.readline()):  # wait for "SIGINT: stopping ..."
+        # wait for "SIGINT: stopping ..."
+        while i + 1 < len(signals) and (line := proc.stderr.readline()):
             err.append(line)
             if "stopping after this step" in line:
                 break
@@ -39,7 +43,8 @@ def test_sigint_saves_the_current_step_and_resume_is_bit_identical(prepared, tmp
     ref_cfg = tiny_train(prepared, tmp_path / "ref", steps=steps, save_every=0)
     assert cli("train", *as_overrides(ref_cfg)).returncode == 0
 
-    cfg = tiny_train(prepared, tmp_path / "int", steps=steps, save_every=0)  # no periodic checkpoints at all
+    # no periodic checkpoints at all
+    cfg = tiny_train(prepared, tmp_path / "int", steps=steps, save_every=0)
     done = start_and_signal(cfg, 5, [signal.SIGINT])
     assert done.returncode == 130, done.stderr
     assert "Traceback" not in done.stderr and not done.stdout
@@ -66,8 +71,10 @@ def test_sigterm_exits_143_with_a_checkpoint(prepared, tmp_path):
 
 
 def test_a_second_ctrl_c_aborts_at_once(prepared, tmp_path):
-    cfg = tiny_train(prepared, tmp_path, steps=400, save_every=0, model={"preset": "tiny", "vocab_size": 8192,
-                                                                          "d_model": 128, "spec": "2+4R4+2"})
+    cfg = tiny_train(prepared, tmp_path, steps=400, save_every=0,
+                     model={"preset": "tiny", "vocab_size": 8192,
+                            "d_model": 128,
+                            "spec": "2+4R4+2"})
     done = start_and_signal(cfg, 2, [signal.SIGINT, signal.SIGINT])
     assert done.returncode == 130, done.stderr
     assert "Traceback" not in done.stderr

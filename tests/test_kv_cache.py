@@ -44,7 +44,8 @@ def decode_both_ways(model, loops=None, steps=STEPS):
 
 # Cached == uncached decoding for every backbone × scheme and loop count: test_model_battery.py.
 def test_left_padded_rows_decode_like_unpadded_prompts():
-    """Row r of a left-padded batch gives the same logits as its prompt alone (positions count real tokens)."""
+    """Row r of a left-padded batch gives the same logits as its prompt alone (positions count real
+    tokens)."""
     model = build(tiny(spec="1+2R2+1"))
     ids, mask = left_padded(PROMPT_LENGTHS, model.config.vocab_size)
     with torch.no_grad():
@@ -55,7 +56,8 @@ def test_left_padded_rows_decode_like_unpadded_prompts():
 
 
 def test_chunked_prefill_without_padding_mask():
-    """Several new tokens after a cached past are causal with respect to each other and see the whole past."""
+    """Several new tokens after a cached past are causal with respect to each other and see the
+    whole past."""
     model = build(tiny())
     x = torch.randint(0, model.config.vocab_size, (2, 11))
     cache = KVCache()
@@ -96,8 +98,9 @@ def test_cache_beyond_context_is_a_clear_error():
 
 
 def test_appends_write_in_place_and_the_buffers_double_when_full():
-    """A decode step writes its own keys/values into the slot's buffer (no copy of the history) until the
-    buffer is full; then it doubles. The filled views always equal the concatenated history."""
+    """A decode step writes its own keys/values into the slot's buffer (no copy of the history)
+    until the buffer is full; then it doubles. The filled views always equal the concatenated
+    history."""
     cache, history = KVCache(), []
     pointers = []
     for t in (3, 1, 1, 1, 1):  # a 3-token prefill, then single tokens: room 3 → 6 → 6 → 6 → 12
@@ -114,13 +117,15 @@ def test_appends_write_in_place_and_the_buffers_double_when_full():
 
 
 def test_a_cache_under_autograd_gives_the_gradients_of_the_whole_sequence():
-    """Chunks run with grad through a cache concatenate (nothing autograd saved is written over): the
-    gradients equal those of one forward over the whole sequence."""
+    """Chunks run with grad through a cache concatenate (nothing autograd saved is written over):
+    the gradients equal those of one forward over the whole sequence."""
     model = build(tiny(scheme="mesh"))
     x = torch.randint(0, model.config.vocab_size, (2, 9))
     cache = KVCache()
-    # room 4, then 8 (a copy), then the third chunk would be written in place into a buffer autograd saved
-    chunked = torch.cat([model(x[:, a:b], cache=cache).logits for a, b in ((0, 4), (4, 6), (6, 7), (7, 9))], 1)
+    # room 4, then 8 (a copy), then the third chunk would be written in place into a buffer autograd
+    # saved
+    chunked = torch.cat([model(x[:, a:b], cache=cache).logits for a,
+                         b in ((0, 4), (4, 6), (6, 7), (7, 9))], 1)
     chunked.square().mean().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
@@ -133,4 +138,5 @@ def test_another_batch_in_the_same_cache_is_a_clear_error():
     with torch.no_grad():
         cache.update(torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4), 0)
         with pytest.raises(ValueError, match="start a new cache for another batch"):
-            cache.update(torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4), 0)  # (would broadcast silently)
+            # (would broadcast silently)
+            cache.update(torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4), 0)

@@ -1,5 +1,5 @@
-"""meshlm's llama backbone is Llama: same logits as transformers' LlamaForCausalLM with copied weights, and
-exact conversion both ways (state dicts and Hugging Face folders)."""
+"""meshlm's llama backbone is Llama: same logits as transformers' LlamaForCausalLM with copied
+weights, and exact conversion both ways (state dicts and Hugging Face folders)."""
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -15,8 +15,10 @@ LLAMA = BACKBONES["llama"]
 
 
 def llama_cfg(**overrides) -> ModelConfig:
-    base = dict(spec="3", d_model=64, n_heads=4, n_kv_heads=2, vocab_size=211, context_length=64, mlp_hidden=96,
-                rotary_base=500.0, layer_norm_eps=1e-6, backbone="llama", scheme="vanilla", scale_embeddings=False)
+    base = dict(spec="3", d_model=64, n_heads=4, n_kv_heads=2, vocab_size=211, context_length=64,
+                mlp_hidden=96,
+                rotary_base=500.0, layer_norm_eps=1e-6, backbone="llama", scheme="vanilla",
+                scale_embeddings=False)
     return ModelConfig(**{**base, **overrides})
 
 
@@ -25,7 +27,8 @@ def llama_pair(cfg: ModelConfig):
     hf = LlamaForCausalLM(hf_config(cfg, LLAMA, tied=cfg.tie_embeddings)).eval()
     state = to_meshlm(hf.state_dict(), cfg.layout, LLAMA)
     if cfg.tie_embeddings:
-        assert torch.equal(state.pop("embed_out.weight"), state["embed_in.weight"])  # the same tied table
+        # the same tied table
+        assert torch.equal(state.pop("embed_out.weight"), state["embed_in.weight"])
     ours = MeshLM(cfg).eval()
     ours.load_state_dict(state, strict=True)
     return hf, ours
@@ -35,9 +38,11 @@ def llama_pair(cfg: ModelConfig):
     llama_cfg(),  # grouped-query attention (2 kv heads for 4 query heads)
     llama_cfg(n_kv_heads=None, mlp_hidden=None),  # multi-head attention, the default SwiGLU width
     llama_cfg(tie_embeddings=True),
-    llama_cfg(n_kv_heads=1, spec="1+1+1"),  # multi-query attention; the grouping of layers does not matter
-    # a Llama-like shape: 32k vocabulary, d 256, 8 heads over 2 kv heads, 2 layers
-    llama_cfg(spec="2", d_model=256, n_heads=8, n_kv_heads=2, vocab_size=32000, mlp_hidden=688, rotary_base=1e4),
+    # multi-query attention; the grouping of layers does not matter a Llama-like shape: 32k
+    # vocabulary, d 256, 8 heads over 2 kv heads, 2 layers
+    llama_cfg(n_kv_heads=1, spec="1+1+1"),
+    llama_cfg(spec="2", d_model=256, n_heads=8, n_kv_heads=2, vocab_size=32000, mlp_hidden=688,
+              rotary_base=1e4),
 ], ids=["gqa", "mha", "tied", "mqa-grouped", "llama-like"])
 def test_logits_equal_llama(cfg):
     hf, ours = llama_pair(cfg)
@@ -65,7 +70,8 @@ def test_loss_equals_llama():
     x = torch.randint(0, cfg.vocab_size, (2, 16))
     targets = torch.cat([x[:, 1:], torch.full_like(x[:, :1], -100)], 1)
     with torch.no_grad():
-        torch.testing.assert_close(ours(x, targets=targets).loss, hf(x, labels=x).loss, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ours(x, targets=targets).loss, hf(x, labels=x).loss, rtol=0,
+                                   atol=1e-5)
 
 
 def test_state_dict_round_trip_is_exact():
@@ -99,7 +105,8 @@ def test_hf_folder_round_trip_is_exact(tmp_path, tied):
 
 
 def test_scaled_tied_model_exports_untied_with_equal_logits(tmp_path):
-    """√d is folded into the input table; the output layer keeps the unscaled one, so the export unties."""
+    """√d is folded into the input table; the output layer keeps the unscaled one, so the export
+    unties."""
     from meshlm.checkpoint import save_model
 
     torch.manual_seed(0)
@@ -122,7 +129,9 @@ def test_unsupported_llama_variant_is_named(tmp_path):
     hf, _ = llama_pair(cfg)
     hf.save_pretrained(tmp_path / "llama")
     raw = json.loads((tmp_path / "llama" / "config.json").read_text())
-    raw.update(attention_bias=True, rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0})
+    raw.update(attention_bias=True,
+               rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0})
     (tmp_path / "llama" / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ConfigError, match="Llama variant is not supported.*rope_type='llama3'.*attention with bias"):
+    with pytest.raises(ConfigError, match="Llama variant is not "
+                                          "supported.*rope_type='llama3'.*attention with bias"):
         read_family(tmp_path / "llama")

@@ -1,8 +1,10 @@
-"""meshlm.loading: every model folder opens through one function, with one tokenizer rule and one data rule.
+"""meshlm.loading: every model folder opens through one function, with one tokenizer rule and one
+data rule.
 
-The regression at the heart of it: a run trained with `train.init_from` from a Hugging Face folder that has its
-own tokenizer (more than the default's 8,192 ids) must be evaluated and probed with that tokenizer, not with
-meshlm's default one (whose smaller vocabulary would pass the vocabulary check).
+The regression at the heart of it: a run trained with `train.init_from` from a Hugging Face folder
+that has its own tokenizer (more than the default's 8,192 ids) must be evaluated and probed with
+that tokenizer, not with meshlm's default one (whose smaller vocabulary would pass the vocabulary
+check).
 """
 from __future__ import annotations
 
@@ -32,8 +34,9 @@ WIDE_VOCAB = DEFAULT_VOCAB + 128  # the wide tokenizer's ids, and the Llama mode
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
-    """A Llama folder whose own tokenizer.json has 8,320 ids (the default BPE plus 128 added tokens, common
-    words among them, so text tokenises differently), and data prepared with that tokenizer."""
+    """A Llama folder whose own tokenizer.json has 8,320 ids (the default BPE plus 128 added tokens,
+    common words among them, so text tokenises differently), and data prepared with that
+    tokenizer."""
     from transformers import LlamaForCausalLM
 
     from meshlm.backbones import BACKBONES
@@ -44,7 +47,8 @@ def wide(tmp_path_factory):
     words = [" the", " and", " of", " to", " in", " was", " that", " his", " he", " it"]
     tok.add_tokens(words + [f"<extra_{i}>" for i in range(WIDE_VOCAB - DEFAULT_VOCAB - len(words))])
     assert tok.get_vocab_size() == WIDE_VOCAB
-    cfg = ModelConfig(spec="4", d_model=64, n_heads=4, n_kv_heads=2, vocab_size=WIDE_VOCAB, context_length=64,
+    cfg = ModelConfig(spec="4", d_model=64, n_heads=4, n_kv_heads=2, vocab_size=WIDE_VOCAB,
+                      context_length=64,
                       mlp_hidden=96, backbone="llama", scheme="vanilla", scale_embeddings=False)
     torch.manual_seed(0)
     hf = LlamaForCausalLM(hf_config(cfg, BACKBONES["llama"])).eval()
@@ -56,7 +60,8 @@ def wide(tmp_path_factory):
     for i, doc in enumerate(itertools.islice(default_documents(), 12)):
         (texts / f"doc{i:02d}.txt").write_text(doc["text"][:20_000])
     data = root / "prepared"
-    prepare(sorted(texts.glob("*.txt")), data, str(folder / "tokenizer.json"), val_fraction=0.2, progress=False)
+    prepare(sorted(texts.glob("*.txt")), data, str(folder / "tokenizer.json"), val_fraction=0.2,
+            progress=False)
     return folder, hf, data
 
 
@@ -65,13 +70,17 @@ def logits(model, x):
         return model(x).logits
 
 
-def test_a_run_initialised_from_a_hf_folder_is_evaluated_and_probed_with_its_tokenizer(wide, tmp_path, capsys):
+def test_a_run_initialised_from_a_hf_folder_is_evaluated_and_probed_with_its_tokenizer(
+    wide, tmp_path, capsys):
     folder, _, data = wide
     own = load_tokenizer(folder / "tokenizer.json")
-    cfg = tiny_train(data, tmp_path, model={"preset": "mesh-small"}, init_from=str(folder), steps=2, save_every=0)
+    cfg = tiny_train(data, tmp_path, model={"preset": "mesh-small"}, init_from=str(folder), steps=2,
+                     save_every=0)
     run = train(cfg).run_dir
-    assert (run / "latest").is_file() and json.loads((checkpoint.resolve(run) / "config.json").read_text())[
-        "train"]["tokenizer"] == "default"  # the config says "default"; the carried file is what counts
+    assert ((run / "latest").is_file()
+            and json.loads((checkpoint.resolve(run) / "config.json").read_text())[
+        # the config says "default"; the carried file is what counts
+        "train"]["tokenizer"] == "default")
     opened = open_model(run)
     assert (opened.tokenizer.hash, opened.tokenizer.vocab_size) == (own.hash, WIDE_VOCAB)
     assert main(["eval", str(run), "--tasks", "none", "--loops", "none", "--limit", "4"]) == 0
@@ -81,11 +90,13 @@ def test_a_run_initialised_from_a_hf_folder_is_evaluated_and_probed_with_its_tok
     assert (run / "probe" / "probe.json").is_file()
     capsys.readouterr()
     # the default tokenizer is not the run's: refused before anything runs
-    assert main(["eval", str(run), "--tasks", "none", "--loops", "none", "--limit", "4", "--tokenizer", "default"]) == 2
+    assert (main(["eval", str(run), "--tasks", "none", "--loops", "none", "--limit", "4",
+                  "--tokenizer", "default"]) == 2)
     assert "does not encode like" in capsys.readouterr().err
     # forcing it is still caught: the run's data were not tokenised with it
-    assert main(["eval", str(run), "--tasks", "none", "--loops", "none", "--limit", "4", "--tokenizer", "default",
-                 "--force-tokenizer"]) == 2
+    assert (main(["eval", str(run), "--tasks", "none", "--loops", "none", "--limit", "4",
+                  "--tokenizer", "default",
+                  "--force-tokenizer"]) == 2)
     assert "was tokenised with" in capsys.readouterr().err
 
 
@@ -100,10 +111,13 @@ def test_every_format_opens_to_the_same_model_and_tokenizer(wide, tmp_path):
     for path, kind in [(folder, "llama"), (converted, "meshlm"), (as_hf, "hf")]:
         opened = open_model(path)
         assert opened.format == kind and opened.run_dir == path, path
-        assert opened.tokenizer.encode(text) == own.encode(text) and opened.tokenizer.vocab_size == WIDE_VOCAB, path
+        assert (opened.tokenizer.encode(text) == own.encode(text)
+                and opened.tokenizer.vocab_size == WIDE_VOCAB), path
         assert (logits(opened.model, x) - reference).abs().max() <= 1e-5, path
-    assert open_model(converted).tokenizer.hash == own.hash  # a meshlm checkpoint carries the file as is
-    assert json.loads((converted / "config.json").read_text())["tokenizer"] == "tokenizer.json"  # carried
+    # a meshlm checkpoint carries the file as is
+    assert open_model(converted).tokenizer.hash == own.hash
+    # carried
+    assert json.loads((converted / "config.json").read_text())["tokenizer"] == "tokenizer.json"
 
 
 def test_retrofit_carries_the_source_tokenizer(wide, tmp_path):
@@ -116,25 +130,30 @@ def test_retrofit_carries_the_source_tokenizer(wide, tmp_path):
 
 
 def test_a_folder_naming_no_tokenizer(wide, tmp_path):
-    """Rule 4: the default is never guessed for a vocabulary it did not make; an explicit choice wins."""
+    """Rule 4: the default is never guessed for a vocabulary it did not make; an explicit choice
+    wins."""
     folder, _, _ = wide
     bare = tmp_path / "bare"
     shutil.copytree(folder, bare, ignore=shutil.ignore_patterns("tokenizer.json"))
     opened = open_model(bare)
     assert opened.tokenizer_source is None and opened.tokenizer_file is None
-    with pytest.raises(DataError, match="names no tokenizer.*8,320-token vocabulary.*pass --tokenizer"):
+    with pytest.raises(DataError,
+                       match="names no tokenizer.*8,320-token vocabulary.*pass --tokenizer"):
         _ = opened.tokenizer
     explicit = open_model(bare, tokenizer=str(folder / "tokenizer.json"))
     assert explicit.tokenizer.vocab_size == WIDE_VOCAB
-    converted = convert(bare, tmp_path / "converted")  # conversion needs no tokenizer and invents none
-    assert not (converted / "tokenizer.json").exists() and locate(converted).tokenizer_source() is None
+    # conversion needs no tokenizer and invents none
+    converted = convert(bare, tmp_path / "converted")
+    assert (not (converted / "tokenizer.json").exists()
+            and locate(converted).tokenizer_source() is None)
 
 
 def test_results_go_to_the_run_of_a_step_and_to_any_other_folder_itself(tmp_path):
     from conftest import build, tiny
 
     model = build(tiny(vocab_size=DEFAULT_VOCAB))
-    step = checkpoint.save_checkpoint(tmp_path / "run", 3, model.state_dict(), {}, {"model": model.config.to_dict()})
+    step = checkpoint.save_checkpoint(tmp_path / "run", 3, model.state_dict(), {},
+                                      {"model": model.config.to_dict()})
     assert locate(tmp_path / "run").path == step and locate(step).run_dir == tmp_path / "run"
     alone = checkpoint.save_model(model, tmp_path / "alone")
     assert locate(alone).run_dir == alone
@@ -152,7 +171,8 @@ class Gadget:
     ("gadget", "holds pickled Python objects beyond plain tensors, which meshlm never unpickles"),
     ("truncated", "is truncated or corrupt"),
 ])
-def test_pickle_weights_that_do_not_load_get_one_line_that_never_advises_unsafe_loading(wide, tmp_path, content,
+def test_pickle_weights_that_do_not_load_get_one_line_that_never_advises_unsafe_loading(
+    wide, tmp_path, content,
                                                                                         message):
     import shutil
 
@@ -162,7 +182,8 @@ def test_pickle_weights_that_do_not_load_get_one_line_that_never_advises_unsafe_
     shutil.copytree(wide[0], folder)
     (folder / "model.safetensors").unlink()
     if content == "gadget":
-        torch.save({"model.embed_tokens.weight": torch.zeros(2), "x": Gadget()}, folder / "pytorch_model.bin")
+        torch.save({"model.embed_tokens.weight": torch.zeros(2), "x": Gadget()},
+                   folder / "pytorch_model.bin")
     else:
         torch.save({"model.embed_tokens.weight": torch.zeros(1000)}, folder / "pytorch_model.bin")
         data = (folder / "pytorch_model.bin").read_bytes()
@@ -191,8 +212,9 @@ def calls(monkeypatch):
 
 
 def test_a_folder_is_recognised_read_built_and_checked_once(wide, tmp_path, calls):
-    """Through open_model a Hugging Face family folder is located once, its config translated once, its
-    weights read once, its model built once and the weights checked once; a meshlm run likewise."""
+    """Through open_model a Hugging Face family folder is located once, its config translated once,
+    its weights read once, its model built once and the weights checked once; a meshlm run
+    likewise."""
     from meshlm import hub, loading
     from meshlm.interop import folders
     from meshlm.model import MeshLM

@@ -1,6 +1,7 @@
-"""Per-loop LoRA (relaxed recursion): zero deltas are the base model, equal deltas are one shared (PEFT) LoRA,
-each pass gets its own delta in every path (cache, exit, speculation, checkpointed backward), deeper loops
-reuse the last delta, and the accounting counts r·(in + out) per targeted Linear per pass."""
+"""Per-loop LoRA (relaxed recursion): zero deltas are the base model, equal deltas are one shared
+(PEFT) LoRA, each pass gets its own delta in every path (cache, exit, speculation, checkpointed
+backward), deeper loops reuse the last delta, and the accounting counts r·(in + out) per targeted
+Linear per pass."""
 import pytest
 import torch
 from conftest import build, tiny
@@ -60,7 +61,8 @@ def test_equal_deltas_are_one_shared_peft_lora():
                 first[name] = (a.clone(), b.clone())
     shared = build(tiny(scheme="base"))
     shared.load_state_dict({k: v for k, v in model.state_dict().items() if "loop_lora" not in k})
-    shared = inject_adapter_in_model(LoraConfig(r=RANK, lora_alpha=RANK, target_modules=list(first)), shared)
+    shared = inject_adapter_in_model(LoraConfig(r=RANK, lora_alpha=RANK,
+                                                target_modules=list(first)), shared)
     with torch.no_grad():
         for name, (a, b) in first.items():
             module = shared.get_submodule(name)
@@ -97,13 +99,15 @@ def test_depth_beyond_the_last_trained_delta_reuses_it():
     deeper.load_state_dict(state)
     x = x_batch()
     with torch.no_grad():
-        torch.testing.assert_close(capped(x, loops=4).logits, deeper(x, loops=4).logits, rtol=0, atol=0)
+        torch.testing.assert_close(capped(x, loops=4).logits, deeper(x, loops=4).logits, rtol=0,
+                                   atol=0)
         assert not torch.equal(capped(x, loops=4).logits, capped(x, loops=2).logits)
 
 
 @pytest.mark.parametrize("scheme", ["mesh", "base"])
 def test_cached_decoding_equals_uncached_left_padded(scheme):
-    model = randomise_deltas(build(tiny(scheme=scheme, spec="1+2R2+1", loop_lora_rank=RANK, max_loops=3)))
+    model = randomise_deltas(build(tiny(scheme=scheme, spec="1+2R2+1", loop_lora_rank=RANK,
+                                        max_loops=3)))
     for loops in (None, 3):
         worst, _ = decode_both_ways(model, loops=loops, steps=6)
         assert worst <= 1e-5, (loops, worst)
@@ -122,7 +126,8 @@ def test_cached_decoding_equals_uncached_with_exit():
 def test_greedy_speculation_is_plain_greedy():
     from meshlm.generate import Sampling, generate
 
-    model = randomise_deltas(build(tiny(spec="1+2R4+1", context_length=96, loop_lora_rank=RANK)), scale=0.1)
+    model = randomise_deltas(build(tiny(spec="1+2R4+1", context_length=96, loop_lora_rank=RANK)),
+                             scale=0.1)
     s = Sampling(max_new_tokens=24, temperature=0, stop_at_eos=False)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
     assert generate(model, prompts, s, speculate="2:3") == generate(model, prompts, s)
@@ -145,12 +150,14 @@ def test_checkpointed_backward_sees_each_pass_delta():
 
 
 def test_accounting_counts_every_pass_delta():
-    cfg = tiny(loop_lora_rank=RANK, max_loops=3)  # 1 core layer: qkv 32->96, dense 32->32, MLP 32->128->32
+    # 1 core layer: qkv 32->96, dense 32->32, MLP 32->128->32
+    cfg = tiny(loop_lora_rank=RANK, max_loops=3)
     per_pass = RANK * ((32 + 96) + (32 + 32) + (32 + 128) + (128 + 32))
     acc, base = describe(cfg), describe(tiny(max_loops=3))
     assert acc.loop_lora_params == 3 * per_pass
     assert acc.total_params == base.total_params + 3 * per_pass
-    assert acc.forward_flops_per_token == base.forward_flops_per_token + 2 * 2 * per_pass  # K = 2 passes
+    # K = 2 passes
+    assert acc.forward_flops_per_token == base.forward_flops_per_token + 2 * 2 * per_pass
 
 
 @pytest.mark.parametrize("overrides, needle", [
@@ -170,7 +177,8 @@ def test_hugging_face_export_carries_the_deltas(tmp_path):
 
     model = randomise_deltas(lora_model())
     save_hf(model, tmp_path / "hf")
-    assert "class LoopLoRALinear" in (tmp_path / "hf" / MODELING_FILE).read_text()  # trust_remote_code has it
+    # trust_remote_code has it
+    assert "class LoopLoRALinear" in (tmp_path / "hf" / MODELING_FILE).read_text()
     x = x_batch()
     with torch.no_grad():
         assert torch.equal(load_hf(tmp_path / "hf").model(x).logits, model(x).logits)

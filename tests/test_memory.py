@@ -20,7 +20,8 @@ def transcribed_mesh_logits(model: MeshLM, x: torch.Tensor) -> torch.Tensor:
         r = model.scheme.routers[pair]
         w_write, w_read = r.weight[:B], r.weight[B:]
         b_write, b_read = r.bias[:B], r.bias[B:]
-        return (lambda q: F.softmax(q @ w_write.T + b_write, -1)), (lambda q: F.softmax(q @ w_read.T + b_read, -1))
+        return (lambda q: F.softmax(q @ w_write.T + b_write,
+                                    -1)), (lambda q: F.softmax(q @ w_read.T + b_read, -1))
 
     def write_read(pair, query, value, slots):
         write, read = routers(pair)
@@ -56,7 +57,8 @@ def test_mesh_equals_the_transcribed_equations(spec, slots):
     randomise_routers(model)
     x = torch.randint(0, model.config.vocab_size, (2, 11))
     with torch.no_grad():
-        torch.testing.assert_close(model(x).logits, transcribed_mesh_logits(model, x), rtol=0, atol=1e-5)
+        torch.testing.assert_close(model(x).logits, transcribed_mesh_logits(model, x), rtol=0,
+                                   atol=1e-5)
 
 
 def test_slot_count_defaults_to_k_plus_3_and_router_count_to_cap_plus_1():
@@ -75,7 +77,8 @@ def test_gradcheck_float64():
     params = dict(model.named_parameters())
 
     def loss(*tensors):
-        out = torch.func.functional_call(model, dict(zip(names, tensors)), (x,), {"targets": torch.roll(x, -1, 1)})
+        out = torch.func.functional_call(model, dict(zip(names, tensors)), (x,),
+                                         {"targets": torch.roll(x, -1, 1)})
         return out.loss
 
     inputs = tuple(params[n].detach().clone().requires_grad_(True) for n in names)
@@ -147,20 +150,23 @@ def test_buffer_view_equals_explicit_slot_arithmetic():
         explicit = [m + w[..., b:b + 1] * value for b, m in enumerate(explicit)]
     torch.testing.assert_close(scheme.buffer(ctx), torch.stack(explicit, -2), rtol=0, atol=1e-5)
     r_last = ctx.routing[-1][1]
-    torch.testing.assert_close(h, sum(r_last[..., b:b + 1] * m for b, m in enumerate(explicit)), rtol=0, atol=1e-5)
+    torch.testing.assert_close(h, sum(r_last[..., b:b + 1] * m for b, m in enumerate(explicit)),
+                               rtol=0, atol=1e-5)
 
 
-# -- elastic depth: router pairs up to the cap, uniform-routing ablation ---------------------------------------
+# -- elastic depth: router pairs up to the cap, uniform-routing ablation ---------------------------
 def test_router_pairs_follow_max_loops_and_fewer_loops_read_through_pair_k():
     model = build(tiny(spec="1+1R2+1", max_loops=6))
-    assert len(model.scheme.routers) == 7 and model.scheme.slots == 5  # cap + 1 pairs; slots stay K + 3
+    # cap + 1 pairs; slots stay K + 3
+    assert len(model.scheme.routers) == 7 and model.scheme.slots == 5
     randomise_routers(model)
     x = torch.randint(0, 97, (1, 6))
     for loops in (1, 3, 6, 9):
         out = model(x, loops=loops, return_states=True)
         assert len(out.stages.routing) == loops + 1
         for step, ((w, r), h) in enumerate(zip(out.stages.routing[1:], out.stages.states[:-1])):
-            pair = model.scheme.routers[min(step + 1, 6)]  # step t uses pair t+1; beyond the cap the last
+            # step t uses pair t+1; beyond the cap the last
+            pair = model.scheme.routers[min(step + 1, 6)]
             torch.testing.assert_close((w, r), pair(h))
 
 

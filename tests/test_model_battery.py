@@ -14,8 +14,8 @@ from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.model import SCHEMES
 
-# fields beyond tiny()'s that exercise what a backbone has (grouped-query heads, experts); a backbone
-# not named here runs with its defaults
+# fields beyond tiny()'s that exercise what a backbone has (grouped-query heads, experts); a
+# backbone not named here runs with its defaults
 FIELDS = {"llama": dict(n_kv_heads=2),
           "olmoe": dict(n_kv_heads=2, n_experts=4, top_k=2, mlp_hidden=16)}
 CASES = [(b, s) for b in BACKBONES for s in sorted(SCHEMES)]
@@ -37,7 +37,7 @@ def x_batch(cfg, b=2, t=12, seed=1):
     return torch.randint(0, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
-# -- the checks -------------------------------------------------------------------------------------
+# -- the checks ------------------------------------------------------------------------------------
 def check_causal(cfg: ModelConfig) -> None:
     model = build(cfg)
     x = x_batch(cfg, t=10)
@@ -72,12 +72,13 @@ def check_cached_decoding(cfg: ModelConfig, loops: int | None = None,
     worst, cache = decode_both_ways(model, loops=loops, steps=steps)
     assert worst <= 1e-5, worst
     layout = cfg.layout  # a loops override runs the one core `loops` times
-    slots = layout.prelude + loops * layout.cores[0] + layout.coda if loops else layout.unrolled_depth
+    slots = (layout.prelude + loops * layout.cores[0] + layout.coda if loops
+             else layout.unrolled_depth)
     assert len(cache) == slots
     assert cache.get_seq_length() == max(PROMPT_LENGTHS) + steps
 
 
-# -- every backbone × every scheme ------------------------------------------------------------------
+# -- every backbone × every scheme -----------------------------------------------------------------
 CHECKS = {"causal": check_causal, "gradients": check_gradients_reach_every_parameter,
           "deterministic": check_deterministic, "cached-decoding": check_cached_decoding}
 
@@ -92,11 +93,12 @@ def test_every_backbone_and_scheme(check, backbone, scheme):
 @pytest.mark.parametrize("scheme", ["mesh", "base", "residual+anchor", "dynamic-mix"])
 @pytest.mark.parametrize("loops", [1, 3])
 def test_cached_decoding_with_other_loop_counts(backbone, scheme, loops):
-    """Extrapolating (or shrinking) the loop at inference: the cache grows a slot per unrolled layer."""
+    """Extrapolating (or shrinking) the loop at inference: the cache grows a slot per unrolled
+    layer."""
     check_cached_decoding(cfg_for(backbone, scheme), loops=loops, steps=6)
 
 
-# -- every backbone ---------------------------------------------------------------------------------
+# -- every backbone --------------------------------------------------------------------------------
 @pytest.mark.parametrize("backbone", BACKBONES)
 def test_base_with_one_loop_equals_vanilla_with_the_same_layers(backbone):
     vanilla = build(tiny(spec="4", scheme="vanilla", **fields_of(backbone)))

@@ -1,5 +1,6 @@
-"""meshlm's olmoe backbone is OLMoE: logits and auxiliary losses equal transformers' OlmoeForCausalLM with
-copied weights; dispatch computes only the selected experts; conversion is exact; accounting is honest."""
+"""meshlm's olmoe backbone is OLMoE: logits and auxiliary losses equal transformers'
+OlmoeForCausalLM with copied weights; dispatch computes only the selected experts; conversion is
+exact; accounting is honest."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,8 @@ OLMOE = BACKBONES["olmoe"]
 
 
 def olmoe_cfg(**overrides) -> ModelConfig:
-    base = dict(spec="3", d_model=64, n_heads=4, n_kv_heads=2, vocab_size=211, context_length=64, mlp_hidden=48,
+    base = dict(spec="3", d_model=64, n_heads=4, n_kv_heads=2, vocab_size=211, context_length=64,
+                mlp_hidden=48,
                 n_experts=6, top_k=2, backbone="olmoe", scheme="vanilla", scale_embeddings=False)
     return ModelConfig(**{**base, **overrides})
 
@@ -61,7 +63,8 @@ def test_logits_and_auxiliary_losses_equal_olmoe(cfg):
 
 
 def test_training_loss_adds_the_weighted_auxiliary_losses_like_olmoe():
-    """transformers adds router_aux_loss_coef·aux_loss to the loss (no z-loss); meshlm adds both, in train mode."""
+    """transformers adds router_aux_loss_coef·aux_loss to the loss (no z-loss); meshlm adds both, in
+    train mode."""
     cfg = olmoe_cfg(aux_loss_weight=0.05, z_loss_weight=0.0)
     hf, ours = olmoe_pair(cfg)
     x = torch.randint(0, cfg.vocab_size, (2, 16))
@@ -100,10 +103,11 @@ def test_every_pass_of_a_looped_core_contributes_router_logits():
     logits = out.stages.router_logits
     assert len(logits) == model.config.layout.unrolled_depth == 8
     assert all(r.shape == (18, 6) for r in logits)
-    assert not torch.allclose(logits[1], logits[3])  # the same core layer, a different pass and input
+    # the same core layer, a different pass and input
+    assert not torch.allclose(logits[1], logits[3])
 
 
-# -- dispatch -----------------------------------------------------------------------------------------------
+# -- dispatch --------------------------------------------------------------------------------------
 class CountRows(TorchFunctionMode):
     """Counts the rows every expert matmul sees (F.linear calls whose weight is an expert's)."""
 
@@ -118,10 +122,12 @@ class CountRows(TorchFunctionMode):
 
 
 def dense_reference(moe: SparseMoE, x: torch.Tensor) -> torch.Tensor:
-    """Every expert on every token, weighted by the (top-k, else zero) routing weights: the slow definition."""
+    """Every expert on every token, weighted by the (top-k, else zero) routing weights: the slow
+    definition."""
     flat = x.reshape(-1, x.shape[-1])
     _, weights, chosen = moe.gate(flat)
-    dense = torch.zeros(flat.shape[0], moe.experts.gate_up_proj.shape[0]).scatter(1, chosen, weights)
+    dense = torch.zeros(flat.shape[0], moe.experts.gate_up_proj.shape[0]).scatter(1, chosen,
+                                                                                  weights)
     out = 0
     for e, (gate_up, down) in enumerate(zip(moe.experts.gate_up_proj, moe.experts.down_proj)):
         gate, up = F.linear(flat, gate_up).chunk(2, -1)
@@ -155,7 +161,8 @@ def test_unselected_experts_get_zero_gradient_and_selected_ones_a_real_one():
 
 
 def test_gradcheck_float64_through_router_and_experts():
-    cfg = olmoe_cfg(d_model=8, n_heads=2, n_kv_heads=None, mlp_hidden=4, n_experts=4, top_k=2, norm_topk_prob=True)
+    cfg = olmoe_cfg(d_model=8, n_heads=2, n_kv_heads=None, mlp_hidden=4, n_experts=4, top_k=2,
+                    norm_topk_prob=True)
     layer = MeshLM(cfg).cores[0][0].mlp.double()
     x = torch.randn(1, 5, 8, dtype=torch.float64)
     names = ["gate.weight", "experts.gate_up_proj", "experts.down_proj"]
@@ -181,17 +188,19 @@ def test_uniform_routing_gives_the_minimum_balance_loss_k():
     from meshlm.model.moe import router_losses
 
     balance, z = router_losses([torch.zeros(12, 4), torch.zeros(12, 4)], n_experts=4, top_k=2)
-    assert balance.item() == pytest.approx(2.0) and z.item() == pytest.approx(torch.log(torch.tensor(4.0)).item() ** 2)
+    assert (balance.item() == pytest.approx(2.0)
+            and z.item() == pytest.approx(torch.log(torch.tensor(4.0)).item() ** 2))
 
 
-# -- conversion ---------------------------------------------------------------------------------------------
+# -- conversion ------------------------------------------------------------------------------------
 def test_state_dict_round_trip_and_per_expert_files_are_exact():
     cfg = olmoe_cfg()
     hf, ours = olmoe_pair(cfg)
     back, reference = from_meshlm(ours.state_dict(), cfg.layout, OLMOE), hf.state_dict()
     assert set(back) == set(reference) and all(torch.equal(back[k], reference[k]) for k in back)
     files = split_experts(back)
-    assert "model.layers.0.mlp.experts.5.up_proj.weight" in files and len(files) == len(back) + 3 * (3 * 6 - 2)
+    assert ("model.layers.0.mlp.experts.5.up_proj.weight" in files
+            and len(files) == len(back) + 3 * (3 * 6 - 2))
     restacked = stack_experts(files)
     assert all(torch.equal(restacked[k], back[k]) for k in back)
 
@@ -216,7 +225,7 @@ def test_hf_folder_round_trip_is_exact(tmp_path):
         assert torch.equal(again(x).logits, expected)
 
 
-# -- accounting ---------------------------------------------------------------------------------------------
+# -- accounting ------------------------------------------------------------------------------------
 def test_active_parameters_and_flops_count_k_of_e_experts():
     cfg = olmoe_cfg()
     acc = describe(cfg)
@@ -239,7 +248,9 @@ def test_olmoe_1b_7b_shape_matches_its_published_size():
 
 def test_paper_olmoe_comparison_shape():
     vanilla = describe(ModelConfig.from_preset("olmoe-2.6b-a512m"))
-    assert round(vanilla.total_params / 1e9, 1) == 2.6 and round(vanilla.active_params / 1e6, -1) == 510
+    assert (round(vanilla.total_params / 1e9, 1) == 2.6
+            and round(vanilla.active_params / 1e6, -1) == 510)
     looped = describe(ModelConfig.from_preset("olmoe-2.6b-a512m-4+8R2+4"))
     assert looped.unrolled_layers == 24 and looped.slots == 5
-    assert looped.forward_flops_per_token - looped.scheme_flops_per_token == vanilla.forward_flops_per_token
+    assert (looped.forward_flops_per_token - looped.scheme_flops_per_token
+            == vanilla.forward_flops_per_token)

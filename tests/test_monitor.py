@@ -1,4 +1,5 @@
-"""What training reports: periodic progress lines without a terminal, TensorBoard events or a clear note."""
+"""What training reports: periodic progress lines without a terminal, TensorBoard events or a clear
+note."""
 from __future__ import annotations
 
 import io
@@ -22,17 +23,21 @@ def test_without_a_terminal_progress_is_periodic_lines():
     lines = log.getvalue().splitlines()
     assert "\r" not in log.getvalue() and max(map(len, lines)) < 200
     progress = [line for line in lines if line.startswith("run: step ")]
-    assert len(progress) == 20 and progress[0].startswith("run: step 10/200 (5%) | loss 4.910 | 2,900 tok/s")
-    assert progress[-1].startswith("run: step 200/200 (100%)") and "MFU 3.1% | lr 1.00e-03 | elapsed" in progress[-1]
+    assert (len(progress) == 20
+            and progress[0].startswith("run: step 10/200 (5%) | loss 4.910 | 2,900 tok/s"))
+    assert (progress[-1].startswith("run: step 200/200 (100%)")
+            and "MFU 3.1% | lr 1.00e-03 | elapsed" in progress[-1])
     assert lines[-1] == "step 200/200: val loss 3.0"
 
 
 def test_a_resumed_run_counts_from_its_step_and_time_also_triggers_a_line():
     log = io.StringIO()
-    bar = Progress(True, True, total=100, initial=90, desc="run", stream=log, every_s=0.0)  # every step is due
+    # every step is due
+    bar = Progress(True, True, total=100, initial=90, desc="run", stream=log, every_s=0.0)
     for _ in range(10):
         bar.update(1.0, 1.0, 0.0, 1e-3)
-    assert [line.split(" (")[0] for line in log.getvalue().splitlines()] == [f"run: step {s}/100" for s in
+    assert [line.split(" (")[0] for line in log.getvalue().splitlines()] == [f"run: step {s}/100"
+                                                                             for s in
                                                                             range(91, 101)]
 
 
@@ -53,7 +58,8 @@ def test_tensorboard_events_are_written(tmp_path):
 
 
 def test_tensorboard_asked_for_but_missing_says_so(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if the package were not installed
+    # as if the package were not installed
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)
     metrics = Metrics(tmp_path, enabled=True, loggers=["tensorboard"])
     metrics.log({"kind": "train", "step": 1, "loss": 2.5})
     assert metrics.tb is None and (tmp_path / "metrics.jsonl").is_file()

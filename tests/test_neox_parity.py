@@ -1,4 +1,5 @@
-"""meshlm vanilla is Pythia: same logits as transformers' GPTNeoXForCausalLM with the same weights."""
+"""meshlm vanilla is Pythia: same logits as transformers' GPTNeoXForCausalLM with the same
+weights."""
 import pytest
 import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
@@ -18,7 +19,8 @@ def neox_pair(cfg: ModelConfig):
 
 
 @pytest.mark.parametrize("cfg", [
-    ModelConfig(spec="3", d_model=64, n_heads=4, vocab_size=211, context_length=64, scheme="vanilla",
+    ModelConfig(spec="3", d_model=64, n_heads=4, vocab_size=211, context_length=64,
+                scheme="vanilla",
                 scale_embeddings=False),
     # Pythia-160M's exact shape (12 layers, d 768, 12 heads, 50,304-row vocabulary)
     ModelConfig.from_preset("pythia-160m", scale_embeddings=False),
@@ -42,7 +44,8 @@ def test_non_shared_spec_maps_layers_in_order():
 
 
 def test_padding_mask_matches_gpt_neox():
-    cfg = ModelConfig(spec="2", d_model=32, n_heads=4, vocab_size=50, scheme="vanilla", scale_embeddings=False)
+    cfg = ModelConfig(spec="2", d_model=32, n_heads=4, vocab_size=50, scheme="vanilla",
+                      scale_embeddings=False)
     hf, ours = neox_pair(cfg)
     x = torch.randint(0, 50, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)

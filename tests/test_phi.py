@@ -1,4 +1,5 @@
-"""The φ fit (meshlm.analysis.phi) recovers a known exponent, and reads the loop parameters off an eval.json."""
+"""The φ fit (meshlm.analysis.phi) recovers a known exponent, and reads the loop parameters off an
+eval.json."""
 import numpy as np
 import pytest
 
@@ -12,7 +13,8 @@ def synthetic(phi: float, noise: float = 0.0, seed: int = 0):
     for width in (1e6, 2e6, 4e6, 8e6):
         for r in (1, 2, 4, 8):
             once, rec = 0.4 * width, 0.6 * width
-            points.append((once, rec, r, 1.7 + 40 * (once + r ** phi * rec) ** -0.3 + rng.normal(0, noise)))
+            points.append((once, rec, r,
+                           1.7 + 40 * (once + r ** phi * rec) ** -0.3 + rng.normal(0, noise)))
     return points
 
 
@@ -34,4 +36,5 @@ def test_loop_parameters_split_the_core_from_the_rest():
     acc = describe(cfg).to_dict()
     once, rec, r = loop_params(cfg.to_dict(), acc)
     layer = 12 * 64 ** 2 + 13 * 64  # a GPT-NeoX layer: 12d² + 13d
-    assert (rec, r) == (2 * layer, 4) and once == 2 * layer + 2 * 64 == acc["non_embedding_params"] - rec
+    assert ((rec, r) == (2 * layer, 4)
+            and once == 2 * layer + 2 * 64 == acc["non_embedding_params"] - rec)

@@ -22,7 +22,8 @@ KERNELS = ["rbf", "linear"]
 
 
 def orthogonal(d: int, seed: int = 0) -> torch.Tensor:
-    q, _ = torch.linalg.qr(torch.randn(d, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+    q, _ = torch.linalg.qr(torch.randn(d, d, generator=torch.Generator().manual_seed(seed),
+                                       dtype=torch.float64))
     return q
 
 
@@ -57,14 +58,15 @@ def test_linear_cka_of_two_vectors_is_their_squared_correlation():
 
 
 def direct_rbf_cka(x: np.ndarray, y: np.ndarray) -> float:
-    """Textbook formula with explicit loops: K_ij = exp(−|x_i − x_j|² / 2σ²), σ = median distance over i < j,
-    HSIC = tr(K H L H) / (n − 1)², CKA = HSIC(K, L) / √(HSIC(K, K) HSIC(L, L))."""
+    """Textbook formula with explicit loops: K_ij = exp(−|x_i − x_j|² / 2σ²), σ = median distance
+    over i < j, HSIC = tr(K H L H) / (n − 1)², CKA = HSIC(K, L) / √(HSIC(K, K) HSIC(L, L))."""
     n = len(x)
 
     def gram(z):
         dist = [[float(np.linalg.norm(z[i] - z[j])) for j in range(n)] for i in range(n)]
         sigma = float(np.median([dist[i][j] for i in range(n) for j in range(i + 1, n)]))
-        return np.array([[math.exp(-dist[i][j] ** 2 / (2 * sigma**2)) for j in range(n)] for i in range(n)])
+        return np.array([[math.exp(-dist[i][j] ** 2 / (2 * sigma**2)) for j in range(n)]
+                         for i in range(n)])
 
     h = np.eye(n) - np.ones((n, n)) / n
     k, l_ = gram(x), gram(y)
@@ -75,7 +77,8 @@ def direct_rbf_cka(x: np.ndarray, y: np.ndarray) -> float:
 def test_rbf_cka_matches_the_direct_formula_on_a_small_case():
     x = np.array([[0.0, 1.0], [1.0, 0.5], [3.0, -1.0], [0.5, 2.0], [2.0, 2.0]])
     y = np.array([[1.0], [0.0], [2.5], [0.7], [-1.0]])
-    assert cka(torch.tensor(x), torch.tensor(y), "rbf") == pytest.approx(direct_rbf_cka(x, y), abs=1e-12)
+    assert cka(torch.tensor(x), torch.tensor(y), "rbf") == pytest.approx(direct_rbf_cka(x, y),
+                                                                         abs=1e-12)
 
 
 def test_cka_matrix_is_symmetric_with_unit_diagonal():
@@ -133,7 +136,8 @@ def test_probe_reports_every_measure_as_mean_std_and_per_sample(scheme):
     assert r["stages"] == ["e", *(f"h{t}" for t in range(k + 1)), "coda"]
     assert r["blocks"] == ["prelude", *(f"loop {t + 1}" for t in range(k)), "coda"]
     s = len(r["stages"])
-    assert np.array(r["cka_rbf"]["mean"]).shape == (s, s) and np.array(r["cka_linear"]["std"]).shape == (s, s)
+    assert (np.array(r["cka_rbf"]["mean"]).shape == (s, s)
+            and np.array(r["cka_linear"]["std"]).shape == (s, s))
     assert np.array(r["spectrum"]["mean"]).shape == (s, 16)  # min(T, d) = 16 values
     assert len(r["per_sample"]["update_core"]) == 3 and len(r["effective_rank"]["mean"]) == s
     assert len(states) == 3 and states[0].shape == (s, 16, model.config.d_model)
@@ -141,6 +145,7 @@ def test_probe_reports_every_measure_as_mean_std_and_per_sample(scheme):
         assert r["update_core"] == r["update_state"] and "write_usage" not in r
     else:
         assert r["slots"] == k + 3 and r["max_entropy"] == pytest.approx(math.log(k + 3))
-        usage = np.array(r["read_usage"]["mean"])  # (pairs, slots); each read is a convex combination
+        # (pairs, slots); each read is a convex combination
+        usage = np.array(r["read_usage"]["mean"])
         assert usage.shape == (k + 1, k + 3) and np.allclose(usage.sum(-1), 1.0)
         assert all(0 < v <= math.log(k + 3) + 1e-9 for v in r["write_entropy"]["mean"])

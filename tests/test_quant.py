@@ -1,5 +1,6 @@
-"""Weight-only quantization (meshlm.quant): round-trip bounds, batch-independent kernels, calibration over every
-loop visit, exact decoding paths of the quantized model, and its checkpoint verified and reopened like any other."""
+"""Weight-only quantization (meshlm.quant): round-trip bounds, batch-independent kernels,
+calibration over every loop visit, exact decoding paths of the quantized model, and its checkpoint
+verified and reopened like any other."""
 import json
 
 import pytest
@@ -26,7 +27,8 @@ def test_round_trip_is_within_half_a_step_per_layer(bits):
     error = (dequantize(stored, 32) - w).abs()
     steps = stored["scales"].float()
     step = steps[:, None].expand_as(w) if bits == 8 else steps.repeat_interleave(32, 1)
-    assert (error <= step * 0.51 + 1e-7).all()  # round to nearest: half a step (bf16 scales: a hair over)
+    # round to nearest: half a step (bf16 scales: a hair over)
+    assert (error <= step * 0.51 + 1e-7).all()
     assert error[4].max() < 0.05 * (0.5 / 127 if bits == 8 else 0.5) + 1e-3
 
 
@@ -38,8 +40,10 @@ def test_the_kernel_multiplies_by_the_stored_weight_and_each_row_alone(bits):
     x = torch.randn(5, 64)
     y = q(x)
     reference = x @ q.weight_fp32().T + linear.bias
-    assert (y - reference).abs().max() < 2e-2 * reference.abs().max()  # bf16 activations, fp32 accumulation
-    assert torch.equal(torch.cat([q(x[i:i + 1]) for i in range(5)]), y)  # a row's output ignores the batch
+    # bf16 activations, fp32 accumulation
+    assert (y - reference).abs().max() < 2e-2 * reference.abs().max()
+    # a row's output ignores the batch
+    assert torch.equal(torch.cat([q(x[i:i + 1]) for i in range(5)]), y)
     assert y.dtype == torch.float32 and q(x.bfloat16()).dtype == torch.bfloat16
 
 
@@ -50,7 +54,8 @@ def test_calibration_sees_every_loop_visit_of_a_shared_layer():
     visits = spec["calibration"]["visits"]
     assert visits and set(visits) == set(spec["layers"])
     for name, count in visits.items():
-        assert count == 4 * (3 if name.startswith("cores.") else 1), name  # 3 loop passes per forward
+        # 3 loop passes per forward
+        assert count == 4 * (3 if name.startswith("cores.") else 1), name
         assert spec["calibration"]["rows"][name] == count * 2 * 16
 
 
@@ -82,7 +87,8 @@ def test_quantized_decoding_is_exact_across_cache_and_speculation(bits, spec):
 def test_the_quantized_checkpoint_is_verified_and_reopens_bit_exactly(tmp_path):
     model = build(tiny(spec="1+1R3+1", vocab_size=256, tie_embeddings=False))
     quantized, spec = quantize_model(model, 4, ("cores", "head"), group_size=32)
-    assert "embed_out" in spec["layers"] and not targets(quantized, {"cores", "head"})  # all replaced
+    # all replaced
+    assert "embed_out" in spec["layers"] and not targets(quantized, {"cores", "head"})
     meta = {"model": model.config.to_dict(), "step": 0, "quantization": spec}
     folder = save_model(quantized, tmp_path / "q", meta)
     assert verify(folder)["quantization"]["bits"] == 4
@@ -103,7 +109,8 @@ def test_a_quantized_checkpoint_is_not_converted_silently(tmp_path):
 
     model = build(tiny(spec="1+1R2+1", vocab_size=256))
     quantized, spec = quantize_model(model, 8)
-    folder = save_model(quantized, tmp_path / "q", {"quantization": {**spec, "source": {"path": "runs/x"}}})
+    folder = save_model(quantized, tmp_path / "q",
+                        {"quantization": {**spec, "source": {"path": "runs/x"}}})
     with pytest.raises(ConfigError, match=r"int8 .* \(runs/x\)"):
         convert(folder, tmp_path / "hf", to="hf")
 
@@ -127,5 +134,6 @@ def test_the_continuous_batcher_serves_a_quantized_model_as_it_decodes_alone(bit
     quantized, _ = quantize_model(model, bits, ("prelude", "cores", "coda"), group_size=32)
     rs = requests(speculate=speculate)
     with torch.no_grad():
-        staggered(Batcher(quantized, eos_id=0, pad_id=1), rs, every=1)  # rows join at token boundaries
+        # rows join at token boundaries
+        staggered(Batcher(quantized, eos_id=0, pad_id=1), rs, every=1)
         assert [r.tokens for r in rs] == [reference(quantized, r) for r in rs]

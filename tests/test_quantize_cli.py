@@ -1,5 +1,6 @@
-"""`meshlm quantize` end to end, each command in a fresh subprocess with a clean environment: the written
-checkpoint is verified, opened by `meshlm generate` (greedy == under speculation) and `meshlm eval`."""
+"""`meshlm quantize` end to end, each command in a fresh subprocess with a clean environment: the
+written checkpoint is verified, opened by `meshlm generate` (greedy == under speculation) and
+`meshlm eval`."""
 import json
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from meshlm.checkpoint import save_model, verify
 
 
 def meshlm(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshlm.cli", *args], env=env, cwd=ROOT, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "meshlm.cli", *args], env=env, cwd=ROOT,
+                          capture_output=True,
                           text=True, timeout=300)
 
 
@@ -21,23 +23,28 @@ def meshlm(*args: str, env: dict) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantize_then_generate_and_eval_in_fresh_processes(tmp_path, bits):
     torch.manual_seed(0)
-    source = save_model(build(tiny(spec="1+1R3+1", vocab_size=8192, context_length=64, d_model=64)), tmp_path / "m")
+    source = save_model(build(tiny(spec="1+1R3+1", vocab_size=8192, context_length=64, d_model=64)),
+                        tmp_path / "m")
     env = {**clean_env(), "MESHLM_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path)}
-    done = meshlm("quantize", str(source), "--bits", str(bits), "--group-size", "32", "--parts", "cores,coda",
+    done = meshlm("quantize", str(source), "--bits", str(bits), "--group-size", "32", "--parts",
+                  "cores,coda",
                   "--seq-len", "32", "--calibration", "4", "--report-windows", "4", env=env)
     assert done.returncode == 0, done.stderr
     assert "(trained)" in done.stdout and "state distance" in done.stdout  # the per-loop report
     folder = source / f"int{bits}"
     entry = verify(folder)["quantization"]  # hashes like any checkpoint
     assert entry["bits"] == bits and len(entry["report"]["states"]) == 4  # h⁰ … h³
-    assert all(entry["calibration"]["visits"][n] == (3 if n.startswith("cores.") else 1) for n in entry["layers"])
+    assert all(entry["calibration"]["visits"][n] == (3 if n.startswith("cores.") else 1)
+               for n in entry["layers"])
     texts = []
     for extra in ([], ["--speculate", "2:3"]):
-        done = meshlm("generate", str(folder), "To be, or not", "-t", "0", "-n", "12", *extra, env=env)
+        done = meshlm("generate", str(folder), "To be, or not", "-t", "0", "-n", "12", *extra,
+                      env=env)
         assert done.returncode == 0, done.stderr
         texts.append(done.stdout)
     assert texts[0] == texts[1]  # speculation exact with respect to the quantized model
-    done = meshlm("eval", str(folder), "--tasks", "none", "--loops", "2,3", "--out", str(tmp_path / "e.json"), env=env)
+    done = meshlm("eval", str(folder), "--tasks", "none", "--loops", "2,3", "--out",
+                  str(tmp_path / "e.json"), env=env)
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "e.json").read_text())
 
@@ -45,7 +52,9 @@ def test_quantize_then_generate_and_eval_in_fresh_processes(tmp_path, bits):
 def test_quantizing_a_quantized_checkpoint_names_its_source(tmp_path):
     from meshlm.cli import main
 
-    source = save_model(build(tiny(spec="1+1R2+1", vocab_size=8192, context_length=64)), tmp_path / "m")
-    assert main(["quantize", str(source), "--bits", "8", "--seq-len", "16", "--calibration", "2", "--no-report"]) == 0
+    source = save_model(build(tiny(spec="1+1R2+1", vocab_size=8192, context_length=64)),
+                        tmp_path / "m")
+    assert (main(["quantize", str(source), "--bits", "8", "--seq-len", "16", "--calibration", "2",
+                  "--no-report"]) == 0)
     assert main(["quantize", str(source / "int8"), "--bits", "4", "--no-report"]) != 0
     assert main(["quantize", str(source), "--bits", "8", "--parts", "cores,bogus"]) != 0

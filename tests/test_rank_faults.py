@@ -1,7 +1,7 @@
-"""A rank that is stopped (SIGSTOP) or killed under torchrun (two CPU processes, gloo): the other fails within
-train.collective_timeout with one line naming that rank (PID, state, step) and how to go on, instead of
-waiting out a 30-minute process-group timeout (meshlm.train.watchdog). tests/faultkit.py has the same two
-faults as rows of docs/errors.md."""
+"""A rank that is stopped (SIGSTOP) or killed under torchrun (two CPU processes, gloo): the other
+fails within train.collective_timeout with one line naming that rank (PID, state, step) and how to
+go on, instead of waiting out a 30-minute process-group timeout (meshlm.train.watchdog).
+tests/faultkit.py has the same two faults as rows of docs/errors.md."""
 from __future__ import annotations
 
 import pytest
@@ -14,8 +14,11 @@ def test_the_other_rank_fails_naming_the_one_that_hangs_or_dies(prepared, tmp_pa
     code, stderr, pids = train_with_rank_fault(prepared, tmp_path, fault)
     assert code != 0
     errors = [line for line in stderr.splitlines() if "error:" in line]
-    assert len(errors) == 1 and errors[0] == stderr.strip().splitlines()[-1] and "Traceback" not in stderr, stderr
-    words = "is stopped (SIGSTOP or a debugger)" if fault == "stopped" else "has exited (killed or crashed)"
-    why = f"no step for train.collective_timeout={RANK_TIMEOUT_S}s" if fault == "stopped" else "its connection closed"
+    assert (len(errors) == 1 and errors[0] == stderr.strip().splitlines()[-1]
+            and "Traceback" not in stderr), stderr
+    words = ("is stopped (SIGSTOP or a debugger)" if fault == "stopped"
+             else "has exited (killed or crashed)")
+    why = (f"no step for train.collective_timeout={RANK_TIMEOUT_S}s" if fault == "stopped"
+           else "its connection closed")
     assert errors[0].startswith(f"meshlm train: error: rank 1 (PID {pids[1]} on "), errors[0]
     assert words in errors[0] and why in errors[0] and "--resume" in errors[0], errors[0]

@@ -1,6 +1,6 @@
-"""The run policy (meshlm.runtime): precision by detection + cached probe, malloc tuning before torch loads,
-the compile rule, and cached MFU peaks. The bf16-CPU path is tested by faking the detection, so these tests
-pass the same on CPUs with and without native bf16."""
+"""The run policy (meshlm.runtime): precision by detection + cached probe, malloc tuning before
+torch loads, the compile rule, and cached MFU peaks. The bf16-CPU path is tested by faking the
+detection, so these tests pass the same on CPUs with and without native bf16."""
 from __future__ import annotations
 
 import json
@@ -27,8 +27,10 @@ def private_cache(tmp_path, monkeypatch):
 
 
 def fake_cpu(monkeypatch, flags=(), bf16_gflops=None, fp32_gflops=100.0):
-    """Pretend this CPU lists `flags` and its probe measures the given GEMM speeds (counting probes)."""
-    monkeypatch.setattr(machine, "cpu_info", lambda: {"model": "Fake CPU", "flags": frozenset(flags)})
+    """Pretend this CPU lists `flags` and its probe measures the given GEMM speeds (counting
+    probes)."""
+    monkeypatch.setattr(machine, "cpu_info",
+                        lambda: {"model": "Fake CPU", "flags": frozenset(flags)})
     probes = []
 
     def gemm(dtype, reps=5):
@@ -65,7 +67,8 @@ def test_auto_is_bf16_when_the_flag_and_the_probe_agree(monkeypatch, flag):
 
 
 def test_auto_falls_back_to_fp32_when_a_listed_flag_is_slow(monkeypatch):
-    fake_cpu(monkeypatch, flags=("avx512_bf16",), bf16_gflops=1.5)  # e.g. a hypervisor hiding the units
+    # e.g. a hypervisor hiding the units
+    fake_cpu(monkeypatch, flags=("avx512_bf16",), bf16_gflops=1.5)
     chosen = precision.choose("auto", CPU)
     assert chosen.dtype is None and "avx512_bf16 listed but" in chosen.reason
 
@@ -89,10 +92,12 @@ def test_compile_rule():
     assert not compile_policy.choose("auto", cpu, 10**6).enabled
     assert compile_policy.choose("auto", cuda, compile_policy.CUDA_MIN_STEPS).enabled
     assert not compile_policy.choose("auto", cuda, compile_policy.CUDA_MIN_STEPS - 1).enabled
-    assert compile_policy.choose("true", cpu, 1).enabled and not compile_policy.choose("false", cuda, 10**6).enabled
+    assert (compile_policy.choose("true", cpu, 1).enabled
+            and not compile_policy.choose("false", cuda, 10**6).enabled)
 
 
-@pytest.mark.parametrize("value, expected", [(True, "true"), (False, "false"), ("auto", "auto"), ("True", "true")])
+@pytest.mark.parametrize("value, expected",
+                         [(True, "true"), (False, "false"), ("auto", "auto"), ("True", "true")])
 def test_train_compile_accepts_booleans_and_auto(value, expected):
     assert TrainConfig(compile=value).compile == expected
     assert load_config(None, [f"compile={value}"]).compile == expected
@@ -109,7 +114,8 @@ def test_peaks_are_measured_once_and_cached_with_date_and_method(monkeypatch):
     first = peaks.device_peak(CPU, None)
     second = peaks.device_peak(CPU, None)
     assert first == second and first[0] == 5e10 and len(calls) == 1
-    assert "float32 2048^3 matmul" in first[1] and "measured 20" in first[1] and "cached in" in first[1]
+    assert ("float32 2048^3 matmul" in first[1] and "measured 20" in first[1]
+            and "cached in" in first[1])
     assert peaks.device_peak(CPU, None, override=1e12) == (1e12, "train.peak_flops")
 
 
@@ -117,10 +123,12 @@ def test_the_cpu_peak_is_timed_on_cpu_time_so_a_busy_machine_does_not_lower_it(m
     import time
 
     clocks = []
-    monkeypatch.setattr(peaks, "measure_matmul_peak", lambda *a, clock, **k: clocks.append(clock) or 5e10)
+    monkeypatch.setattr(peaks, "measure_matmul_peak",
+                        lambda *a, clock, **k: clocks.append(clock) or 5e10)
     peaks.device_peak(CPU, None)
     start = clocks[0]()
-    time.sleep(0.05)  # time the process is not running (as when other work has the cores) does not count
+    # time the process is not running (as when other work has the cores) does not count
+    time.sleep(0.05)
     assert clocks[0]() - start < 0.01
     assert "timed on CPU time per thread" in peaks.device_peak(CPU, None)[1]
 
@@ -133,14 +141,18 @@ def test_a_peak_cached_by_another_method_is_measured_again(monkeypatch):
     peaks.device_peak(CPU, None)
     data = machine.read()
     (key,) = data
-    data[key] = {**data[key], "value": 8e9, "method": "best float32 2048^3 matmul over 2 s, 2 threads"}  # wall clock
+    # wall clock
+    data[key] = {**data[key], "value": 8e9,
+                 "method": "best float32 2048^3 matmul over 2 s, 2 threads"}
     machine.path().write_text(json.dumps(data))
     assert peaks.device_peak(CPU, None)[0] == 5e10 and len(calls) == 2
 
 
 def test_a_bf16_run_divides_by_the_bf16_peak(monkeypatch):
-    monkeypatch.setattr(peaks, "measure_matmul_peak", lambda device, dtype, **k: {torch.float32: 1e11}.get(dtype, 7e11))
-    assert peaks.device_peak(CPU, torch.bfloat16)[0] == 7e11 and peaks.device_peak(CPU, None)[0] == 1e11
+    monkeypatch.setattr(peaks, "measure_matmul_peak",
+                        lambda device, dtype, **k: {torch.float32: 1e11}.get(dtype, 7e11))
+    assert (peaks.device_peak(CPU, torch.bfloat16)[0] == 7e11
+            and peaks.device_peak(CPU, None)[0] == 1e11)
 
 
 def test_runs_record_the_chosen_precision_and_compile(prepared, tmp_path, monkeypatch, capsys):
@@ -150,14 +162,16 @@ def test_runs_record_the_chosen_precision_and_compile(prepared, tmp_path, monkey
     first = json.loads((result.run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert first["kind"] == "run" and first["dtype"] == "fp32" and first["compile"] is False
     assert "no native bf16" in first["dtype_reason"] and first["peak_source"] == "train.peak_flops"
-    assert "fp32 (auto: this CPU has no native bf16" in lines[0] and "compile off (auto: on CPU" in lines[0]
+    assert ("fp32 (auto: this CPU has no native bf16" in lines[0]
+            and "compile off (auto: on CPU" in lines[0])
 
 
 def test_detected_bf16_cpu_trains_under_bf16_autocast(prepared, tmp_path, monkeypatch):
     fake_cpu(monkeypatch, flags=("amx_bf16",), bf16_gflops=700.0)
     seen = []
     original = precision.autocast
-    monkeypatch.setattr(precision, "autocast", lambda device, p: seen.append(p.dtype) or original(device, p))
+    monkeypatch.setattr(precision, "autocast",
+                        lambda device, p: seen.append(p.dtype) or original(device, p))
     result = train(tiny_train(prepared, tmp_path, steps=1, micro_batch=8, save_every=0))
     first = json.loads((result.run_dir / "metrics.jsonl").read_text().splitlines()[0])
     assert first["dtype"] == "bf16" and "amx_bf16" in first["dtype_reason"]
@@ -192,7 +206,8 @@ cli.main(sys.argv[1:])
 def test_meshlm_train_tunes_malloc_before_torch_loads():
     _, env = cli_command()
     env = {k: v for k, v in env.items() if not k.startswith("MALLOC_") and k != allocator.OPT_OUT}
-    out = subprocess.run([sys.executable, "-c", PROBE, "train", "--print-config"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", PROBE, "train", "--print-config"],
+                         capture_output=True, text=True,
                          env=env, cwd=ROOT, timeout=120).stdout
     assert "torch imported before tuning: False" in out
     if allocator._glibc() is not None:
@@ -200,21 +215,27 @@ def test_meshlm_train_tunes_malloc_before_torch_loads():
 
 
 @pytest.mark.parametrize("argv", [["eval", "/nonexistent"], ["probe", "/nonexistent"],
-                                  ["generate", "/nonexistent", "hi"], ["reproduce", "/nonexistent.yaml"],
-                                  ["serve", "/nonexistent"], ["finetune", "/nonexistent", "/nonexistent.jsonl"]])
+                                  ["generate", "/nonexistent", "hi"],
+                                  ["reproduce", "/nonexistent.yaml"],
+                                  ["serve", "/nonexistent"],
+                                  ["finetune", "/nonexistent", "/nonexistent.jsonl"]])
 def test_every_long_running_command_tunes_malloc_first(argv, monkeypatch, capsys):
     from meshlm import cli
 
     calls = []
     monkeypatch.setattr(allocator, "tune", lambda: calls.append(argv[0]) or "")
     assert cli.main(argv) != 0  # each fails on its missing input, after tuning
-    assert calls == [argv[0]] and set(cli.LONG_RUNNING) == {"train", "finetune", "eval", "probe", "generate",
-                                                                 "reproduce", "serve"}
+    assert (calls == [argv[0]]
+            and set(cli.LONG_RUNNING) == {"train", "finetune", "eval", "probe", "generate",
+                                          "reproduce", "serve"})
 
 
 def test_malloc_opt_out_leaves_the_defaults():
     _, env = cli_command()
-    env = {**{k: v for k, v in env.items() if not k.startswith("MALLOC_")}, allocator.OPT_OUT: "default"}
-    code = "from meshlm.runtime import allocator; import os; print(allocator.tune(), os.environ.get('MALLOC_TOP_PAD_'))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60).stdout
+    env = {**{k: v for k, v in env.items() if not k.startswith("MALLOC_")},
+           allocator.OPT_OUT: "default"}
+    code = ("from meshlm.runtime import allocator; import os; print(allocator.tune(), "
+            "os.environ.get('MALLOC_TOP_PAD_'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=60).stdout
     assert out.strip() == "malloc left at its defaults (MESHLM_MALLOC=default) None"

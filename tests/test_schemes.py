@@ -25,9 +25,11 @@ def test_registering_an_undeclared_scheme_says_where_to_declare_it():
 
 
 def test_config_checks_scheme_options_without_the_model():
-    with pytest.raises(ConfigError, match=r"scheme_options.slots=1 must be an integer >= 2 \(default K\+3 = 5\)"):
+    with pytest.raises(ConfigError, match=r"scheme_options.slots=1 must be an integer >= 2 "
+                                          r"\(default K\+3 = 5\)"):
         ModelConfig(spec="1+2R2+1", scheme="mesh", scheme_options={"slots": 1})
-    with pytest.raises(ConfigError, match=r"\['slots'\] are not options of scheme 'anchor-emb' \(valid: none\)"):
+    with pytest.raises(ConfigError,
+                       match=r"\['slots'\] are not options of scheme 'anchor-emb' \(valid: none\)"):
         ModelConfig(scheme="anchor*", scheme_options={"slots": 4})
 
 
@@ -39,7 +41,7 @@ def x_batch(cfg, b=2, t=12, seed=1):
     return torch.randint(0, cfg.vocab_size, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
-# -- equivalences ------------------------------------------------------------------------------------------
+# -- equivalences ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("scheme", ["base", "residual", "anchor", "anchor-emb", "residual+anchor",
                                     "residual+anchor+anchor-emb", "anchor+anchor-emb"])
 def test_fixed_scheme_formula(scheme):
@@ -49,7 +51,8 @@ def test_fixed_scheme_formula(scheme):
     e, p, h, u = torch.randn(4, 2, 3, cfg.d_model).unbind(0)
     ctx = LoopContext(e=e)
     assert s.begin(ctx, p) is p
-    expected = u + (h if "residual" in scheme else 0) + (p if "anchor" in scheme.replace("anchor-emb", "") else 0) \
+    expected = u + (h if "residual" in scheme
+                    else 0) + (p if "anchor" in scheme.replace("anchor-emb", "") else 0) \
         + (e if "anchor-emb" in scheme else 0)
     torch.testing.assert_close(s.update(0, h, u, ctx), expected, rtol=0, atol=1e-6)
 
@@ -64,13 +67,15 @@ def test_fixed_scheme_formula(scheme):
     ("anchor+anchor-emb", "e", "anchor"),
     ("anchor+anchor-emb", "h0", "anchor-emb"),
 ])
-def test_each_fixed_scheme_reduces_to_the_one_below_when_its_extra_term_is_zeroed(scheme, zeroed, below):
+def test_each_fixed_scheme_reduces_to_the_one_below_when_its_extra_term_is_zeroed(scheme, zeroed,
+                                                                                  below):
     cfg = tiny(scheme=scheme)
     upper, lower = build_scheme(cfg), build_scheme(tiny(scheme=below))
     terms = dict(zip(["e", "h0", "h", "u"], torch.randn(4, 2, 3, cfg.d_model).unbind(0)))
     terms[zeroed] = torch.zeros_like(terms[zeroed])
     ctx = LoopContext(e=terms["e"], h0=terms["h0"])
-    assert torch.equal(upper.update(0, terms["h"], terms["u"], ctx), lower.update(0, terms["h"], terms["u"], ctx))
+    assert torch.equal(upper.update(0, terms["h"], terms["u"], ctx),
+                       lower.update(0, terms["h"], terms["u"], ctx))
 
 
 @pytest.mark.parametrize("alpha, fixed", [
@@ -89,7 +94,8 @@ def test_dynamic_mix_with_zero_weights_equals_static_mix():
     dyn = build(tiny(scheme="dynamic-mix", scheme_options={"alpha_init": [0.7, 1.2, 0.3]}))
     with torch.no_grad():
         dyn.scheme.alpha.proj.weight.zero_()
-    static = build(tiny(scheme="static-mix", scheme_options={"alpha_init": [0.7, 1.2, 0.3]}), seed=5)
+    static = build(tiny(scheme="static-mix", scheme_options={"alpha_init": [0.7, 1.2, 0.3]}),
+                   seed=5)
     copy_layers(dyn, static)
     x = x_batch(dyn.config)
     torch.testing.assert_close(dyn(x).logits, static(x).logits, rtol=0, atol=1e-5)
@@ -134,7 +140,8 @@ def test_loss_is_next_token_cross_entropy(scheme):
     targets = torch.roll(x, -1, 1)
     targets[:, -1] = -100
     out = model(x, targets=targets)
-    expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1), targets[:, :-1].flatten())
+    expected = torch.nn.functional.cross_entropy(out.logits[:, :-1].flatten(0, 1),
+                                                 targets[:, :-1].flatten())
     torch.testing.assert_close(out.loss, expected)
 
 

@@ -1,4 +1,5 @@
-"""`meshlm serve` end to end: a fresh subprocess on a free loopback port, driven by the real openai client."""
+"""`meshlm serve` end to end: a fresh subprocess on a free loopback port, driven by the real openai
+client."""
 import asyncio
 import json
 import signal
@@ -45,14 +46,16 @@ def solo(opened, text: str, n: int, **kw) -> str:
     tok = opened.tokenizer
     s = Sampling(max_new_tokens=n, temperature=0)
     with torch.no_grad():
-        new = generate(opened.model, [tok.encode(text)], s, eos_id=tok.eos_id, pad_id=tok.pad_id, **kw)[0]
+        new = generate(opened.model, [tok.encode(text)], s, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                       **kw)[0]
     return tok.decode(t for t in new if t != tok.eos_id)
 
 
 def complete(server, prompt=PROMPT, n=12, **extra):
     async def go():
         async with server.client() as c:
-            r = await c.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, **extra)
+            r = await c.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0,
+                                           **extra)
             return r.choices[0]
     return asyncio.run(go())
 
@@ -66,11 +69,13 @@ def test_completion_equals_meshlm_generate(server, folder, opened):
 
 
 def test_chat_uses_the_default_template(server, opened):
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello"}]
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Say hello"}]
 
     async def go():
         async with server.client() as c:
-            return await c.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
+            return await c.chat.completions.create(model="tiny", messages=messages, max_tokens=10,
+                                                   temperature=0)
     reply = asyncio.run(go())
     rendered = render_chat(DEFAULT_CHAT_TEMPLATE, messages, bos_token="", eos_token="")
     assert rendered == "System: Be brief.\nUser: Say hello\nAssistant:"
@@ -84,13 +89,15 @@ def test_streaming_sends_the_same_text_in_pieces(server):
     async def go():
         async with server.client() as c:
             pieces, finish = [], None
-            async for chunk in await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0,
+            async for chunk in await c.completions.create(model="tiny", prompt=PROMPT,
+                                                          max_tokens=20, temperature=0,
                                                           stream=True):
                 pieces.append(chunk.choices[0].text)
                 finish = chunk.choices[0].finish_reason or finish
             return pieces, finish
     pieces, finish = asyncio.run(go())
-    assert "".join(pieces) == whole and len([p for p in pieces if p]) >= 5 and finish in ("length", "stop")
+    assert ("".join(pieces) == whole and len([p for p in pieces if p]) >= 5
+            and finish in ("length", "stop"))
 
 
 def test_stop_strings_cut_the_text_before_them(server):
@@ -102,11 +109,13 @@ def test_stop_strings_cut_the_text_before_them(server):
 
 def test_concurrent_requests_equal_solo_ones(server, opened):
     prompts = ["To be, or not to be", "The king", "Once", "A long time ago in a land far", "And"]
-    settings = [{}, {"exit": "state:0.3"}, {"speculate": "1:2"}, {"loops": 2}, {}, {"speculate": "auto"}]
+    settings = [{}, {"exit": "state:0.3"}, {"speculate": "1:2"}, {"loops": 2}, {},
+                {"speculate": "auto"}]
 
     async def go():
         async with server.client() as c:
-            calls = [c.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0, extra_body=kw)
+            calls = [c.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0,
+                                          extra_body=kw)
                      for kw in settings for p in prompts]
             return [r.choices[0].text for r in await asyncio.gather(*calls)]
     texts = asyncio.run(go())
@@ -118,7 +127,8 @@ def test_concurrent_requests_equal_solo_ones(server, opened):
 
 @pytest.mark.parametrize("body, message", [
     ({"model": "tiny", "prompt": "x", "bogus": 1}, "bogus: Extra inputs are not permitted"),
-    ({"model": "tiny", "prompt": "x", "temperature": -1}, "temperature: Input should be greater than or equal to 0"),
+    ({"model": "tiny", "prompt": "x", "temperature": -1},
+     "temperature: Input should be greater than or equal to 0"),
     ({"model": "tiny", "prompt": "x", "top_p": 0}, "top_p: Input should be greater than 0"),
     ({"model": "other", "prompt": "x"}, "model 'other' is not served here"),
     ({"model": "tiny", "prompt": "x " * 300}, "shorten it to at most 255 tokens"),
@@ -135,7 +145,8 @@ def test_bad_requests_are_400_with_an_openai_error_body(server, body, message):
 
 
 def test_invalid_json_is_400_and_the_server_keeps_serving(server):
-    r = server.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = server.post("/v1/completions", content=b"{not json",
+                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError):
         complete(server, n=300)
@@ -150,7 +161,8 @@ def test_full_queue_is_429_and_a_disconnect_frees_its_slot(folder):
     try:
         async def one(c):
             try:
-                r = await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=240, temperature=0,
+                r = await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=240,
+                                               temperature=0,
                                                extra_body={"ignore_eos": True})
                 return r.choices[0].text
             except openai.RateLimitError as err:
@@ -173,11 +185,14 @@ def test_full_queue_is_429_and_a_disconnect_frees_its_slot(folder):
             time.sleep(0.02)
         assert server.get("/health").json()["running"] == 0
         assert server.metric('meshlm_requests_finished_total{reason="cancelled"}') == 1
-        with pytest.raises(httpx.TimeoutException):  # a whole (not streamed) request whose client gives up
-            server.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 240,
-                                                 "ignore_eos": True}, timeout=0.1)
+        # a whole (not streamed) request whose client gives up
+        with pytest.raises(httpx.TimeoutException):
+            server.post("/v1/completions",
+                        json={"model": "tiny", "prompt": PROMPT, "max_tokens": 240,
+                              "ignore_eos": True}, timeout=0.1)
         deadline = time.monotonic() + 5
-        while server.metric('meshlm_requests_finished_total{reason="cancelled"}') < 2 and time.monotonic() < deadline:
+        while (server.metric('meshlm_requests_finished_total{reason="cancelled"}') < 2
+               and time.monotonic() < deadline):
             time.sleep(0.02)
         assert server.metric('meshlm_requests_finished_total{reason="cancelled"}') == 2
         assert server.metric('meshlm_requests_refused_total{status="429"}') == results.count(429)
@@ -190,8 +205,10 @@ def test_sigterm_stops_admitting_drains_running_requests_and_exits_0(folder):
     try:
         async def drained():
             async with server.client() as c:
-                streams = [await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=200, stream=True,
-                                                      temperature=0, extra_body={"ignore_eos": True})
+                streams = [await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=200,
+                                                      stream=True,
+                                                      temperature=0,
+                                                      extra_body={"ignore_eos": True})
                            for _ in range(2)]
                 firsts = [await s.__anext__() for s in streams]
                 server.proc.send_signal(signal.SIGTERM)
@@ -217,7 +234,8 @@ def test_a_port_in_use_is_a_one_line_error(folder):
         taken.listen()
         done = cli("serve", str(folder), "--port", str(taken.getsockname()[1]), timeout=120)
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
-    assert "meshlm serve: error: cannot listen on 127.0.0.1:" in done.stderr and "pass another --port" in done.stderr
+    assert ("meshlm serve: error: cannot listen on 127.0.0.1:" in done.stderr
+            and "pass another --port" in done.stderr)
 
 
 def test_a_hugging_face_folder_is_served_with_its_own_chat_template(folder, tmp_path):
@@ -225,7 +243,8 @@ def test_a_hugging_face_folder_is_served_with_its_own_chat_template(folder, tmp_
 
     opened = open_model(folder)
     save_hf(opened.model, tmp_path / "hf")
-    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+    template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor "
+                "%}[assistant]")
     (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     server = Server(tmp_path / "hf")
     try:
@@ -233,7 +252,8 @@ def test_a_hugging_face_folder_is_served_with_its_own_chat_template(folder, tmp_
 
         async def go():
             async with server.client() as c:
-                return await c.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+                return await c.chat.completions.create(model="tiny", messages=messages,
+                                                       max_tokens=8, temperature=0)
         reply = asyncio.run(go())
         assert server.get("/v1/models").json()["data"][0]["meshlm"]["chat_template"] == "folder"
         assert reply.choices[0].message.content == solo(opened, "[user] Say hello\n[assistant]", 8)

@@ -1,5 +1,6 @@
-"""Continuous batching on its own (no HTTP): requests that join and leave a running batch decode exactly what
-they decode alone and what meshlm.generate decodes, for every scheme, with exit and with speculation."""
+"""Continuous batching on its own (no HTTP): requests that join and leave a running batch decode
+exactly what they decode alone and what meshlm.generate decodes, for every scheme, with exit and
+with speculation."""
 import pytest
 import torch
 from conftest import build, tiny
@@ -20,7 +21,8 @@ def greedy(n, **kw):
 
 
 def reference(model, r: Request) -> list[int]:
-    """What meshlm.generate decodes for the request alone (speculation is lossless: plain greedy)."""
+    """What meshlm.generate decodes for the request alone (speculation is lossless: plain
+    greedy)."""
     return generate(model, [r.prompt], r.sampling, loops=r.loops, exit=r.exit)[0]
 
 
@@ -55,7 +57,8 @@ def test_joining_and_leaving_rows_decode_as_alone(scheme):
 @pytest.mark.parametrize("criterion", ["state", "kl"])
 def test_exit_inside_a_batch_decodes_as_alone_and_skips_loops(scheme, criterion):
     model = build(tiny(scheme=scheme, spec=f"1+1R{LOOPS}+1"))
-    rule = f"{criterion}:{mid_threshold(model, x_batch(), criterion)}"  # splits tokens after the first step
+    # splits tokens after the first step
+    rule = f"{criterion}:{mid_threshold(model, x_batch(), criterion)}"
     batcher = Batcher(model, eos_id=0, pad_id=1)
     rs = requests(exit=rule)
     staggered(batcher, rs, every=1)
@@ -80,8 +83,10 @@ def test_mixed_settings_loops_and_seeded_sampling_decode_as_alone():
     model = build(tiny(spec="1+1R3+1"))
     rs = [Request(PROMPTS[0], greedy(8), loops=2), Request(PROMPTS[1], greedy(8), exit="state:0.2"),
           Request(PROMPTS[2], greedy(8), speculate="1:2"), Request(PROMPTS[3], greedy(8)),
-          Request(PROMPTS[4], Sampling(max_new_tokens=8, temperature=0.9, top_k=20, seed=3, stop_at_eos=False)),
-          Request(PROMPTS[0], Sampling(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=4, stop_at_eos=False))]
+          Request(PROMPTS[4],
+                  Sampling(max_new_tokens=8, temperature=0.9, top_k=20, seed=3, stop_at_eos=False)),
+          Request(PROMPTS[0], Sampling(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=4,
+                                       stop_at_eos=False))]
     staggered(Batcher(model, eos_id=0, pad_id=1), rs, every=1)
     assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
 
@@ -96,7 +101,8 @@ def test_slots_are_freed_and_reused_and_the_cache_holds_live_rows_only():
     while batcher.step():
         assert batcher.running <= 2
         for cohort in batcher.cohorts.values():
-            live = [len(r.prompt) + len(r.tokens) - 1 for r in cohort.requests]  # fed positions per row
+            # fed positions per row
+            live = [len(r.prompt) + len(r.tokens) - 1 for r in cohort.requests]
             assert cohort.state.kv.get_seq_length() == cohort.state.mask.shape[1] == max(live)
             widths.append(len(cohort))
     assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
@@ -118,7 +124,8 @@ def test_cancel_and_timeout_free_the_slot_at_the_next_boundary():
     while batcher.step():
         pass
     assert other.tokens == reference(model, other)
-    assert batcher.stats.finished == {"stop": 0, "length": 1, "cancelled": 1, "timeout": 1, "error": 0}
+    assert batcher.stats.finished == {"stop": 0, "length": 1, "cancelled": 1, "timeout": 1,
+                                      "error": 0}
 
 
 def test_eos_ends_a_row_and_one_token_requests_never_join():
@@ -126,7 +133,8 @@ def test_eos_ends_a_row_and_one_token_requests_never_join():
     with torch.no_grad():
         model.embed_out.weight[0] += 10.0 * model.embed_out.weight[7]  # token 0 (EOS) often wins
     batcher = Batcher(model, eos_id=0, pad_id=1)
-    rs = [Request(p, Sampling(max_new_tokens=n, temperature=0)) for p, n in zip(PROMPTS, [1, 12, 12, 12, 12])]
+    rs = [Request(p, Sampling(max_new_tokens=n, temperature=0)) for p,
+          n in zip(PROMPTS, [1, 12, 12, 12, 12])]
     staggered(batcher, rs, every=1)
     assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
     assert all(r.finish == ("stop" if r.tokens[-1] == 0 else "length") for r in rs)
@@ -142,14 +150,16 @@ def test_bounded_queue_and_bad_requests_are_refused_before_any_work():
     for bad, message in [(Request(list(range(2, 17)), greedy(4)), "exceeds context_length=16"),
                          (Request([5], greedy(3), exit="state"), "is not CRITERION:THRESHOLD"),
                          (Request([5], greedy(3), speculate="9"), "must be in 1"),
-                         (Request([5], greedy(3), speculate="1", exit="state:0.1"), "cannot be combined"),
+                         (Request([5], greedy(3), speculate="1", exit="state:0.1"),
+                          "cannot be combined"),
                          (Request([500], greedy(3)), "token ids must be in 0")]:
         with pytest.raises(ConfigError, match=message):
             batcher.check(bad)
 
 
-@pytest.mark.parametrize("settings", [{}, {"exit": "state:0.2"}, {"exit": "kl:0.002"}, {"speculate": "2:2"},
-                                      {"speculate": "auto"}, {"loops": 2}])
+@pytest.mark.parametrize("settings",
+                         [{}, {"exit": "state:0.2"}, {"exit": "kl:0.002"}, {"speculate": "2:2"},
+                          {"speculate": "auto"}, {"loops": 2}])
 def test_newcomers_prefilled_together_decode_as_alone(settings):
     model = build(tiny(spec="1+1R4+1"))
     batcher = Batcher(model, eos_id=0, pad_id=1)

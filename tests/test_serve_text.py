@@ -19,7 +19,8 @@ def feed(stream, text):
 def test_deltas_add_up_to_the_text_and_stop_strings_cut_across_tokens():
     s = TextStream(chars, ["END", "xyz"], eos_id=0)
     deltas = feed(s, "abcEN")
-    assert "".join(deltas) == "abc" and deltas[-2:] == ["", ""]  # "E", "EN" could start "END": held back
+    # "E", "EN" could start "END": held back
+    assert "".join(deltas) == "abc" and deltas[-2:] == ["", ""]
     assert s.add([ord("D")]) == "" and s.stopped and s.text == "abc"
     assert s.add([ord("q")]) == "" and s.finish() == ""
 
@@ -29,7 +30,8 @@ def test_a_held_back_tail_that_does_not_stop_is_released():
     assert "".join(feed(s, "aEN")) == "a"
     assert s.add([ord("o")]) == "ENo" and not s.stopped
     s.add([ord("E")])
-    assert s.finish() == "E" and s.text == "aENoE"  # generation ended: the held tail is the text's end
+    # generation ended: the held tail is the text's end
+    assert s.finish() == "E" and s.text == "aENoE"
 
 
 def test_eos_is_not_text_and_incomplete_characters_wait():
@@ -42,10 +44,12 @@ def test_eos_is_not_text_and_incomplete_characters_wait():
 def test_chat_templates_default_and_folder(tmp_path):
     messages = [{"role": "user", "content": "hi"}]
     assert chat_template(tmp_path) == (DEFAULT_CHAT_TEMPLATE, False)
-    own = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}<|assistant|>"
+    own = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor "
+           "%}<|assistant|>")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": own}))
     template, is_own = chat_template(tmp_path)
-    assert is_own and render_chat(template, messages, eos_token="</s>") == "<|user|>hi</s><|assistant|>"
+    assert (is_own
+            and render_chat(template, messages, eos_token="</s>") == "<|user|>hi</s><|assistant|>")
     refusing = "{{ raise_exception('only user turns') }}"
     with pytest.raises(ConfigError, match="refused these messages: only user turns"):
         render_chat(refusing, messages)
@@ -54,8 +58,9 @@ def test_chat_templates_default_and_folder(tmp_path):
 
 
 def test_the_folder_template_is_read_as_finetune_reads_it(tmp_path):
-    """One reader (meshlm.data.tokenizer.folder_chat_template) for serve and finetune: chat_template.jinja wins
-    over tokenizer_config.json, and transformers' named list gives its "default" entry."""
+    """One reader (meshlm.data.tokenizer.folder_chat_template) for serve and finetune:
+    chat_template.jinja wins over tokenizer_config.json, and transformers' named list gives its
+    "default" entry."""
     named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
     assert chat_template(tmp_path) == ("D", True)

@@ -1,4 +1,5 @@
-"""Self-speculative decoding: the staged forward, cache rollback, exact greedy output, the sampling rule."""
+"""Self-speculative decoding: the staged forward, cache rollback, exact greedy output, the sampling
+rule."""
 import itertools
 
 import pytest
@@ -24,8 +25,9 @@ SETTINGS = ["1:3", "2:2", "3:5", "1:1", "2", "auto"]  # K_d:γ, K_d with γ chos
 
 @pytest.mark.parametrize("scheme", sorted(set(SCHEMES) - {"vanilla"}))
 def test_a_loop_stopped_joined_and_resumed_equals_the_forward(scheme):
-    """Draft runs of one token each, stopped after K_d steps, joined along T and resumed to K: same logits as
-    one cached forward over those tokens (the per-token scheme state carries over exactly)."""
+    """Draft runs of one token each, stopped after K_d steps, joined along T and resumed to K: same
+    logits as one cached forward over those tokens (the per-token scheme state carries over
+    exactly)."""
     model = build(tiny(scheme=scheme, spec="1+2R3+1"))
     schedule, ids = model.config.layout.schedule, torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
@@ -52,7 +54,8 @@ def test_runs_join_only_when_consecutive_at_one_step():
 
 
 def test_readout_of_the_last_positions_is_the_tail_of_the_full_readout():
-    """Calibration reads only the positions it compares: the coda still sees every position (attention)."""
+    """Calibration reads only the positions it compares: the coda still sees every position
+    (attention)."""
     model = build(tiny(scheme="mesh", spec="1+2R3+1"))
     ids, schedule = torch.tensor([[5, 6, 7, 8, 9, 10]]), model.config.layout.schedule
     with torch.no_grad():
@@ -64,14 +67,16 @@ def test_readout_of_the_last_positions_is_the_tail_of_the_full_readout():
 
 @pytest.mark.parametrize("scheme", ["mesh", "anchor"])
 def test_calibration_reads_every_candidate_draft_as_a_draft_does(scheme):
-    """The prefill's agreement for each (K_d, readout), all candidates in one batched coda, equals Σ min(p, q)
-    of drafts read one at a time: the prompt's earlier positions at full depth, the last ones stopped at K_d,
-    their coda seeing the earlier positions' full-depth keys/values; p the full model's distribution."""
+    """The prefill's agreement for each (K_d, readout), all candidates in one batched coda, equals Σ
+    min(p, q) of drafts read one at a time: the prompt's earlier positions at full depth, the last
+    ones stopped at K_d, their coda seeing the earlier positions' full-depth keys/values; p the full
+    model's distribution."""
     model = build(tiny(scheme=scheme, spec="1+2R4+1"))
     schedule, s = model.config.layout.schedule, Sampling(temperature=1.3, top_k=40)
     ids, mask = left_pad(PROMPTS, 1, torch.device("cpu"))
     torch.manual_seed(0)
-    with torch.no_grad():  # away from the initialisation, where MeSH's final read is close to the loop state
+    # away from the initialisation, where MeSH's final read is close to the loop state
+    with torch.no_grad():
         for weight in model.parameters():
             weight.add_(torch.randn_like(weight) * 0.05)
     last, head = plans.PRIOR_TOKENS, ids.shape[1] - plans.PRIOR_TOKENS
@@ -79,18 +84,21 @@ def test_calibration_reads_every_candidate_draft_as_a_draft_does(scheme):
         _, agreement, positions = Rounds(model, schedule, s).prefill(ids, mask, [1, 3], last)
         p = probabilities(model(ids, padding_mask=mask).logits[:, -last:], s)
         real = mask[:, -last:].bool()
-        reads = [(1, True), (1, False), (3, True), (3, False)] if scheme == "mesh" else [(1, False), (3, False)]
+        reads = ([(1, True), (1, False), (3, True), (3, False)] if scheme == "mesh"
+                 else [(1, False), (3, False)])
         assert sorted(agreement) == sorted(reads) and positions == int(real.sum())
         for k_d, read in reads:
             cache = KVCache()
-            model(ids[:, :head], padding_mask=mask[:, :head], cache=cache)  # every slot, earlier positions
+            # every slot, earlier positions
+            model(ids[:, :head], padding_mask=mask[:, :head], cache=cache)
             run = model.advance(model.enter(ids[:, head:], mask, cache=cache), schedule, stop=k_d)
             if read:
                 run.h = model.scheme.early_exit(run.h, run.ctx, len(schedule))
             q = probabilities(model.readout(run, schedule), s)
             expected = float(torch.minimum(p, q).sum(-1)[real].mean())
             assert abs(agreement[(k_d, read)] - expected) <= 1e-5, (k_d, read)
-        assert len({round(a, 4) for a in agreement.values()}) == len(reads)  # the candidates do differ
+        # the candidates do differ
+        assert len({round(a, 4) for a in agreement.values()}) == len(reads)
 
 
 def test_crop_forgets_the_tail_of_chosen_slots():
@@ -107,16 +115,19 @@ def test_crop_forgets_the_tail_of_chosen_slots():
 def greedy_both_ways(model, prompts, n, speculate):
     s = Sampling(max_new_tokens=n, temperature=0, stop_at_eos=False)
     stats = SpeculationStats()
-    return generate(model, prompts, s), generate(model, prompts, s, speculate=speculate, stats=stats), stats
+    return generate(model, prompts, s), generate(model, prompts, s, speculate=speculate,
+                                                 stats=stats), stats
 
 
 @pytest.mark.parametrize("scheme", LOOPED)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_speculation_is_token_for_token_plain_cached_greedy(scheme, batch):
-    """Every scheme, batch 1 and batch 3 left-padded, 64 new tokens; the K_d:γ setting varies by scheme."""
+    """Every scheme, batch 1 and batch 3 left-padded, 64 new tokens; the K_d:γ setting varies by
+    scheme."""
     model = build(tiny(scheme=scheme, spec="1+2R4+1", context_length=96))
     speculate = SETTINGS[LOOPED.index(scheme) % len(SETTINGS)]
-    plain, spec, stats = greedy_both_ways(model, PROMPTS[:batch] if batch == 1 else PROMPTS, 64, speculate)
+    plain, spec, stats = greedy_both_ways(model, PROMPTS[:batch] if batch == 1 else PROMPTS, 64,
+                                          speculate)
     assert spec == plain, (speculate, stats.summary())
     assert all(len(row) == 64 for row in spec)
     assert stats.tokens == 64 * batch and stats.rounds > 0
@@ -127,17 +138,19 @@ def test_auto_is_exact_and_reports_its_choice(scheme):
     model = build(tiny(scheme=scheme, spec="1+2R4+1", context_length=96))
     plain, spec, stats = greedy_both_ways(model, PROMPTS, 64, "auto")
     assert spec == plain
-    assert stats.setting and stats.acceptance_by_depth and stats.plain_steps >= 1  # calibrated, then timed
+    # calibrated, then timed
+    assert stats.setting and stats.acceptance_by_depth and stats.plain_steps >= 1
 
 
 def planner_with_costs(speculate="auto", new_tokens=100):
-    """A planner for `1+2R4+1` whose loop steps took 2 s and enter and readout 0.5 s each (a plain token: 9 s,
-    a K_d = 1 draft token 3 s), with a prompt prior of α = 0.9."""
+    """A planner for `1+2R4+1` whose loop steps took 2 s and enter and readout 0.5 s each (a plain
+    token: 9 s, a K_d = 1 draft token 3 s), with a prompt prior of α = 0.9."""
     from meshlm.config import parse_spec
 
     layout = parse_spec("1+2R4+1")
     planner = Planner(Speculation.parse(speculate), layout, layout.schedule, new_tokens)
-    for stage, seconds in [("enter", 0.5), ("readout", 0.5), *[(("step", k), 2.0) for k in range(4)]]:
+    for stage, seconds in [("enter", 0.5), ("readout", 0.5),
+                           *[(("step", k), 2.0) for k in range(4)]]:
         for n in (1, 9):
             planner.costs.add(stage, n, seconds)
     assert planner.next() is None  # no plain step timed yet
@@ -148,18 +161,22 @@ def planner_with_costs(speculate="auto", new_tokens=100):
 
 
 def test_auto_starts_a_round_only_if_its_worst_outcome_keeps_the_loss_within_the_budget():
-    """A round emits at least one token, so it can lose at most its cost minus one plain token: auto shortens
-    γ until that fits in what is left of the budget, and decodes plainly for good when not even γ = 1 does."""
+    """A round emits at least one token, so it can lose at most its cost minus one plain token: auto
+    shortens γ until that fits in what is left of the budget, and decodes plainly for good when not
+    even γ = 1 does."""
     planner = planner_with_costs()
     plain = planner.costs.plain_token()  # 9 s
     budget = plans.LOSS_BUDGET * 100 * plain  # a share of 100 plain tokens
     worst = {g: planner.costs.round(1, g) - plain for g in (1, 2)}
-    assert worst == {1: 3.0, 2: 6.0} and budget > 7.0  # γ·3 s of drafts + 2.5 s shared + 6.5 s verifying − 9 s
+    # γ·3 s of drafts + 2.5 s shared + 6.5 s verifying − 9 s
+    assert worst == {1: 3.0, 2: 6.0} and budget > 7.0
     assert planner.next() == (1, plans.EXPLORE_GAMMA)  # the prior says it pays: a short first look
-    planner.observe(1, torch.tensor([0]), 2, seconds=plain + budget - 7.0)  # one token: 7 s of room left
+    # one token: 7 s of room left
+    planner.observe(1, torch.tensor([0]), 2, seconds=plain + budget - 7.0)
     assert planner.loss == pytest.approx(budget - 7.0)
     assert planner.next() == (1, 2)
-    planner.observe(1, torch.tensor([1]), 2, seconds=2 * plain + 2.0)  # 5 s left: γ = 2 could lose 6
+    # 5 s left: γ = 2 could lose 6
+    planner.observe(1, torch.tensor([1]), 2, seconds=2 * plain + 2.0)
     assert planner.next() == (1, 1)
     planner.observe(1, torch.tensor([0]), 1, seconds=plain + 3.0)  # 2 s left, less than γ = 1's 3
     assert planner.next() is None and planner.plain_for_good and planner.setting == "plain"
@@ -170,7 +187,8 @@ def test_auto_starts_a_round_only_if_its_worst_outcome_keeps_the_loss_within_the
 
 def test_auto_drafts_short_rounds_until_a_depth_has_shown_what_it_accepts():
     planner = planner_with_costs()
-    planner.calibrate({(k_d, False): 0.95 for k_d in planner.candidates}, positions=4)  # long drafts predicted
+    # long drafts predicted
+    planner.calibrate({(k_d, False): 0.95 for k_d in planner.candidates}, positions=4)
     k_d, gamma = planner.next()
     assert gamma == plans.EXPLORE_GAMMA < planner.best(k_d, planner.alpha(k_d))[1]
     for _ in range(plans.EXPLORE_TOKENS // gamma):  # every drafted token accepted, in time
@@ -179,8 +197,8 @@ def test_auto_drafts_short_rounds_until_a_depth_has_shown_what_it_accepts():
 
 
 def test_auto_needs_more_to_start_than_to_carry_on():
-    """Starting needs a predicted 1.25x, carrying on 1.1x: one unlucky round (a rejection right after a fully
-    accepted one) must not end speculation where it pays."""
+    """Starting needs a predicted 1.25x, carrying on 1.1x: one unlucky round (a rejection right
+    after a fully accepted one) must not end speculation where it pays."""
     starting, speculating = planner_with_costs(), planner_with_costs()
     for planner in (starting, speculating):
         planner.calibrate({(k_d, False): 0.6 for k_d in planner.candidates}, positions=4)
@@ -192,8 +210,8 @@ def test_auto_needs_more_to_start_than_to_carry_on():
 
 
 def test_rejections_rollback_and_compaction_keep_greedy_exact(monkeypatch):
-    """A draft that often disagrees (base, K_d = 1), rows accepting different counts, and a context so tight
-    that rollback holes must be squeezed out (compact) for the rounds to fit."""
+    """A draft that often disagrees (base, K_d = 1), rows accepting different counts, and a context
+    so tight that rollback holes must be squeezed out (compact) for the rounds to fit."""
     compactions = []
     original = Batch.compact
     monkeypatch.setattr(Batch, "compact", lambda self: compactions.append(1) or original(self))
@@ -206,20 +224,24 @@ def test_rejections_rollback_and_compaction_keep_greedy_exact(monkeypatch):
 
 @pytest.mark.parametrize("final_read", [True, False])
 def test_either_draft_readout_is_exact(final_read):
-    """MeSH's draft may read its buffer with the final read router or take the loop state: both exact."""
+    """MeSH's draft may read its buffer with the final read router or take the loop state: both
+    exact."""
     model = build(tiny(scheme="mesh", spec="1+2R4+1", context_length=96))
-    plain, spec, stats = greedy_both_ways(model, PROMPTS, 32, Speculation(2, 3, final_read=final_read))
+    plain, spec, stats = greedy_both_ways(model, PROMPTS, 32,
+                                          Speculation(2, 3, final_read=final_read))
     assert spec == plain and stats.planner.final_read[2] is final_read
 
 
 def test_stops_at_eos_like_plain_decoding():
     model = build(tiny(scheme="anchor", spec="1+2R4+1", context_length=96))
     s = Sampling(max_new_tokens=40, temperature=0)
-    eos = generate(model, PROMPTS, Sampling(max_new_tokens=40, temperature=0, stop_at_eos=False))[1][5]
-    assert generate(model, PROMPTS, s, eos_id=eos, speculate="2:3") == generate(model, PROMPTS, s, eos_id=eos)
+    eos = generate(model, PROMPTS,
+                   Sampling(max_new_tokens=40, temperature=0, stop_at_eos=False))[1][5]
+    assert generate(model, PROMPTS, s, eos_id=eos, speculate="2:3") == generate(model, PROMPTS, s,
+                                                                                eos_id=eos)
 
 
-# -- sampling: the output distribution is exactly the full model's -------------------------------------------
+# -- sampling: the output distribution is exactly the full model's ---------------------------------
 V, L, N = 6, 3, 4000  # vocabulary, continuation length, samples (one batch of N identical prompts)
 PROMPT = [2, 3]
 
@@ -235,7 +257,8 @@ def peaked_model():
 
 
 def exact_distribution(model, s):
-    """Probability of each of the V^L continuations under the full model with the filters applied."""
+    """Probability of each of the V^L continuations under the full model with the filters
+    applied."""
     seqs = torch.tensor(list(itertools.product(range(V), repeat=L)))  # (V^L, L)
     ids = torch.cat([torch.tensor(PROMPT).expand(len(seqs), -1), seqs], 1)
     with torch.no_grad():
@@ -244,8 +267,8 @@ def exact_distribution(model, s):
 
 
 def chi_square(samples, p):
-    """Pearson's statistic of the samples' continuation counts against p (cells expected < 5 pooled), and the
-    critical value at significance 1e-4 (Wilson–Hilferty)."""
+    """Pearson's statistic of the samples' continuation counts against p (cells expected < 5
+    pooled), and the critical value at significance 1e-4 (Wilson–Hilferty)."""
     index = torch.tensor([sum(t * V ** (L - 1 - i) for i, t in enumerate(row)) for row in samples])
     counts = torch.bincount(index, minlength=V ** L).double()
     expected = p * len(samples)
@@ -267,32 +290,37 @@ def resample_from_p(p, q, d, s, generator):
 ORIGINAL_ACCEPT = rounds.accept
 
 
-@pytest.mark.parametrize("filters", [dict(temperature=1.0), dict(temperature=0.8, top_k=4, top_p=0.9)])
+@pytest.mark.parametrize("filters",
+                         [dict(temperature=1.0), dict(temperature=0.8, top_k=4, top_p=0.9)])
 def test_speculative_sampling_has_the_full_models_distribution(peaked_model, filters, monkeypatch):
     s = Sampling(max_new_tokens=L, seed=1, stop_at_eos=False, **filters)
     p = exact_distribution(peaked_model, s)
     stat, critical = chi_square(generate(peaked_model, [PROMPT] * N, s), p)
     assert stat < critical, ("plain", stat, critical)
     stats = SpeculationStats()
-    stat, critical = chi_square(generate(peaked_model, [PROMPT] * N, s, speculate="1:2", stats=stats), p)
+    stat, critical = chi_square(generate(peaked_model, [PROMPT] * N, s, speculate="1:2",
+                                         stats=stats), p)
     assert stat < critical, ("speculative", stat, critical)
-    assert 0.2 < stats.acceptance < 0.95, stats.summary()  # rejections are frequent: the residual matters
+    # rejections are frequent: the residual matters
+    assert 0.2 < stats.acceptance < 0.95, stats.summary()
     monkeypatch.setattr(rounds, "accept", resample_from_p)
     stat, critical = chi_square(generate(peaked_model, [PROMPT] * N, s, speculate="1:2"), p)
     assert stat > critical, ("the wrong rule passed", stat, critical)
 
 
-# -- settings, errors, the command line ----------------------------------------------------------------------
+# -- settings, errors, the command line ------------------------------------------------------------
 def test_bad_settings_are_one_line_errors():
     looped = build(tiny(spec="1+1R3+1"))
-    for text, message in [("3", "K_d=3 must be in 1 … 2"), ("0", "K_d=0 must be in 1"), ("1:0", "γ=0"),
+    for text, message in [("3", "K_d=3 must be in 1 … 2"), ("0", "K_d=0 must be in 1"),
+                          ("1:0", "γ=0"),
                           ("x", "not auto, K_d or K_d:γ")]:
         with pytest.raises(ConfigError, match=message):
             generate(looped, PROMPTS, Sampling(max_new_tokens=4), speculate=text)
     flat = build(tiny(scheme="vanilla", spec="1+1+1+1"))
     with pytest.raises(ConfigError, match="repeats none"):
         generate(flat, PROMPTS, Sampling(max_new_tokens=4), speculate="auto")
-    assert Speculation.parse("2:5") == Speculation(2, 5) and Speculation.parse("auto") == Speculation()
+    assert (Speculation.parse("2:5") == Speculation(2, 5)
+            and Speculation.parse("auto") == Speculation())
 
 
 def test_cli_prints_acceptance_and_speed_on_stderr(tmp_path, capsys):
@@ -311,10 +339,10 @@ def test_cli_prints_acceptance_and_speed_on_stderr(tmp_path, capsys):
 
 
 def test_hugging_face_generate_speculates_through_the_early_exit_knobs(tmp_path):
-    """The exported model: generate(assistant_early_exit=K_d, num_assistant_tokens=γ) and speculate="auto"
-    give transformers' own greedy output, left padding included. (With meshlm imported, transformers loads the
-    registered class even under trust_remote_code; the folder's own code is tested where meshlm cannot be
-    imported, in test_hf.py.)"""
+    """The exported model: generate(assistant_early_exit=K_d, num_assistant_tokens=γ) and
+    speculate="auto" give transformers' own greedy output, left padding included. (With meshlm
+    imported, transformers loads the registered class even under trust_remote_code; the folder's own
+    code is tested where meshlm cannot be imported, in test_hf.py.)"""
     from transformers import AutoModelForCausalLM
 
     from meshlm.hf import from_meshlm, save_hf
@@ -323,7 +351,8 @@ def test_hugging_face_generate_speculates_through_the_early_exit_knobs(tmp_path)
     hf = from_meshlm(model)
     ids = torch.tensor([[1, 1, 5, 6, 7], [8, 9, 10, 11, 12]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
-    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False, eos_token_id=None,
+    common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                  eos_token_id=None,
                   pad_token_id=1)
     reference = hf.generate(**common)
     stats = SpeculationStats()

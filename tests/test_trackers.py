@@ -1,6 +1,7 @@
-"""train.loggers: TensorBoard, Weights & Biases (offline), MLflow (a local file store) and CSV, each written
-for real by a short training run and read back with the tracker's own reader: the settings as
-hyperparameters/config/params, the metrics as curves; a missing package is a clear error before training."""
+"""train.loggers: TensorBoard, Weights & Biases (offline), MLflow (a local file store) and CSV, each
+written for real by a short training run and read back with the tracker's own reader: the settings
+as hyperparameters/config/params, the metrics as curves; a missing package is a clear error before
+training."""
 from __future__ import annotations
 
 import csv
@@ -23,7 +24,8 @@ STEPS = 4
 def tracked_run(tmp_path_factory, prepared_module):
     out = tmp_path_factory.mktemp("tracked")
     with pytest.MonkeyPatch.context() as patch:
-        for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(out)}.items():
+        for key, value in {"WANDB_MODE": "offline", "WANDB_SILENT": "true",
+                           "WANDB_DIR": str(out)}.items():
             patch.setenv(key, value)
         patch.delenv("MLFLOW_TRACKING_URI", raising=False)
         cfg = tiny_train(prepared_module, out, steps=STEPS, save_every=0, eval_every=2, lr=2e-3,
@@ -53,13 +55,15 @@ def test_tensorboard_gets_settings_as_hparams_and_metrics_as_scalars(tracked_run
     assert len(events.Scalars("train/loss")) == STEPS
     content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     hparams = HParamsPluginData.FromString(content).session_start_info.hparams
-    assert hparams["train.lr"].number_value == cfg.lr and hparams["model.d_model"].number_value == 64
+    assert (hparams["train.lr"].number_value == cfg.lr
+            and hparams["model.d_model"].number_value == 64)
     assert hparams["run.device"].string_value == "cpu"
 
 
 def wandb_records(path):
-    """The protobuf Records of an offline .wandb file: wandb's LevelDB-style log (a 7-byte header, then
-    records in 32 KiB blocks, each chunk with a crc32, a length and a full/first/middle/last type)."""
+    """The protobuf Records of an offline .wandb file: wandb's LevelDB-style log (a 7-byte header,
+    then records in 32 KiB blocks, each chunk with a crc32, a length and a full/first/middle/last
+    type)."""
     from wandb.proto import wandb_internal_pb2
 
     data, pos, pending, records = path.read_bytes(), 7, b"", []
@@ -80,12 +84,14 @@ def test_wandb_offline_run_holds_the_config_and_the_metrics(tracked_run):
     run_dir, cfg = tracked_run
     (log,) = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
     records = wandb_records(log)
-    config = {u.key: json.loads(u.value_json) for r in records if r.HasField("config") for u in r.config.update}
+    config = {u.key: json.loads(u.value_json) for r in records
+              if r.HasField("config") for u in r.config.update}
     assert config["train.lr"] == cfg.lr and config["model.spec"] == cfg.derive_model().spec
     history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
                for r in records if r.HasField("history")]
     losses = [(h["_step"], h["train/loss"]) for h in history if "train/loss" in h]
-    assert [step for step, _ in losses] == list(range(1, STEPS + 1)) and all(loss > 0 for _, loss in losses)
+    assert ([step for step, _ in losses] == list(range(1, STEPS + 1))
+            and all(loss > 0 for _, loss in losses))
     assert [h["_step"] for h in history if "eval/val_loss" in h] == [2, 4]
 
 
@@ -105,10 +111,12 @@ def test_mlflow_file_store_holds_params_and_metric_history(tracked_run):
 def test_csv_has_one_file_per_record_kind_and_the_settings(tracked_run):
     run_dir, cfg = tracked_run
     rows = list(csv.DictReader(open(run_dir / "csv" / "train.csv")))
-    assert [int(r["step"]) for r in rows] == list(range(1, STEPS + 1)) and float(rows[0]["loss"]) > 0
+    assert ([int(r["step"]) for r in rows] == list(range(1, STEPS + 1))
+            and float(rows[0]["loss"]) > 0)
     assert [int(r["step"]) for r in csv.DictReader(open(run_dir / "csv" / "eval.csv"))] == [2, 4]
     settings = dict(csv.reader(open(run_dir / "csv" / "hparams.csv")))
-    assert settings["train.lr"] == str(cfg.lr) and settings["train.loggers"] == "tensorboard,wandb,mlflow,csv"
+    assert (settings["train.lr"] == str(cfg.lr)
+            and settings["train.loggers"] == "tensorboard,wandb,mlflow,csv")
 
 
 def test_csv_rows_after_the_checkpoint_go_on_resume(tmp_path):
@@ -122,14 +130,17 @@ def test_csv_rows_after_the_checkpoint_go_on_resume(tmp_path):
 def test_an_unknown_logger_or_a_missing_package_is_a_clear_error(tmp_path, monkeypatch):
     from trainkit import make_prepared  # noqa: F401  (the preflight below needs no data: a config error first)
 
-    with pytest.raises(ConfigError, match=r"loggers='tensorbord': \['tensorbord'\] unknown \(did you mean "
-                                          r"'tensorboard'\?\)"):
+    with pytest.raises(ConfigError,
+                       match=r"loggers='tensorbord': \['tensorbord'\] unknown \(did you mean "
+                             r"'tensorboard'\?\)"):
         tiny_train(tmp_path, tmp_path, loggers="tensorbord")
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if the package were not installed
     monkeypatch.setitem(sys.modules, "mlflow", None)
     cfg = tiny_train("default", tmp_path, loggers="wandb,mlflow,csv")
     with pytest.raises(ConfigError) as err:
         preflight(resolve(cfg))
-    assert "train.loggers has wandb but the wandb package is not installed; pip install" in str(err.value)
+    assert "train.loggers has wandb but the wandb package is not installed; pip install" in str(
+        err.value)
     assert "pip install -c constraints.txt mlflow-skinny" in str(err.value)
-    assert trackers.parse_loggers("none") == [] and trackers.parse_loggers("csv, wandb") == ["csv", "wandb"]
+    assert (trackers.parse_loggers("none") == []
+            and trackers.parse_loggers("csv, wandb") == ["csv", "wandb"])

@@ -1,5 +1,5 @@
-"""The trainer: it learns, skips and aborts on non-finite losses, survives SIGKILL bit-for-bit, and turns bad
-input into one clear line and a non-zero exit."""
+"""The trainer: it learns, skips and aborts on non-finite losses, survives SIGKILL bit-for-bit, and
+turns bad input into one clear line and a non-zero exit."""
 from __future__ import annotations
 
 import json
@@ -51,12 +51,15 @@ def test_non_finite_steps_are_skipped(prepared, tmp_path, monkeypatch):
     poison(monkeypatch, {3, 4})
     cfg = tiny_train(prepared, tmp_path, steps=6, micro_batch=8, save_every=2)
     result = train(cfg)
-    assert math.isnan(result.losses[3]) and math.isnan(result.losses[4]) and math.isfinite(result.losses[6])
-    kinds = [line for line in (result.run_dir / "metrics.jsonl").read_text().splitlines() if '"skip"' in line]
+    assert (math.isnan(result.losses[3]) and math.isnan(result.losses[4])
+            and math.isfinite(result.losses[6]))
+    kinds = [line for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
+             if '"skip"' in line]
     assert len(kinds) == 2
     weights = load_file(str(result.run_dir / "step-000004" / "model.safetensors"))
     same = load_file(str(result.run_dir / "step-000002" / "model.safetensors"))
-    assert all(torch.equal(weights[k], same[k]) for k in weights)  # skipped steps leave weights untouched
+    # skipped steps leave weights untouched
+    assert all(torch.equal(weights[k], same[k]) for k in weights)
 
 
 def test_too_many_non_finite_steps_abort(prepared, tmp_path, monkeypatch):
@@ -69,7 +72,8 @@ def test_too_many_non_finite_steps_abort(prepared, tmp_path, monkeypatch):
 
 
 def test_sigkill_then_resume_is_bit_identical(prepared, tmp_path):
-    """Kill a real training process at a random step, resume it, compare with an uninterrupted run."""
+    """Kill a real training process at a random step, resume it, compare with an uninterrupted
+    run."""
     steps = 16
     ref_cfg = tiny_train(prepared, tmp_path / "ref", steps=steps, save_every=3)
     done = cli("train", *as_overrides(ref_cfg))
@@ -78,7 +82,8 @@ def test_sigkill_then_resume_is_bit_identical(prepared, tmp_path):
     cfg = tiny_train(prepared, tmp_path / "killed", steps=steps, save_every=3)
     kill_at = random.randint(4, steps - 3)  # printed on failure, so a failing draw can be replayed
     cmd, env = cli_command("train", *as_overrides(cfg))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     metrics = run_dir(cfg) / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
@@ -140,13 +145,15 @@ def test_refuses_to_overwrite_a_run_and_resumes_only_good_checkpoints(prepared, 
     assert "--resume" in capsys.readouterr().err
     state = run_dir(cfg) / "step-000004" / "state.pt"
     state.write_bytes(b"garbage")
-    assert main(["train", *as_overrides(cfg), "--resume"]) == 1  # a runtime failure, not a usage error
+    # a runtime failure, not a usage error
+    assert main(["train", *as_overrides(cfg), "--resume"]) == 1
     assert "no usable checkpoint" in capsys.readouterr().err
 
 
 def test_activation_checkpointing_changes_nothing_but_memory(prepared, tmp_path):
     plain = train(tiny_train(prepared, tmp_path / "plain", steps=3, save_every=0))
-    ckpt = train(tiny_train(prepared, tmp_path / "ckpt", steps=3, save_every=0, activation_checkpointing=True))
+    ckpt = train(tiny_train(prepared, tmp_path / "ckpt", steps=3, save_every=0,
+                            activation_checkpointing=True))
     assert ckpt.losses == plain.losses
     a, b = open_model(plain.run_dir).model.state_dict(), open_model(ckpt.run_dir).model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -156,7 +163,8 @@ def test_activation_checkpointing_changes_nothing_but_memory(prepared, tmp_path)
 
 def test_bf16_autocast_path_runs(prepared, tmp_path):
     """The GPU precision path, exercised on CPU (bf16 is emulated here: tiny shapes only)."""
-    result = train(tiny_train(prepared, tmp_path, steps=2, micro_batch=8, save_every=0, dtype="bf16"))
+    result = train(tiny_train(prepared, tmp_path, steps=2, micro_batch=8, save_every=0,
+                              dtype="bf16"))
     assert all(math.isfinite(v) for v in result.losses.values()) and math.isfinite(result.val_loss)
     weights = load_file(str(result.run_dir / "step-000002" / "model.safetensors"))
     assert all(t.dtype == torch.float32 for t in weights.values())  # autocast: fp32 master weights
@@ -168,8 +176,11 @@ def test_moe_runs_log_the_language_model_loss_and_the_router_losses(prepared, tm
     rows = [r for r in map(json.loads, (result.run_dir / "metrics.jsonl").read_text().splitlines())
             if r["kind"] == "train"]
     assert len(rows) == 3
-    for r in rows:  # loss = lm + 0.05 aux + 0.001 z; aux >= top_k = 2 (its minimum, at balanced routing), z > 0
-        assert r["loss"] == pytest.approx(r["lm_loss"] + 0.05 * r["aux_loss"] + 0.001 * r["z_loss"], abs=1e-5)
+    # loss = lm + 0.05 aux + 0.001 z; aux >= top_k = 2 (its minimum, at balanced routing), z > 0
+    for r in rows:
+        assert r["loss"] == pytest.approx(r["lm_loss"] + 0.05 * r["aux_loss"] + 0.001 * r["z_loss"],
+                                          abs=1e-5)
         assert 2 - 1e-4 < r["aux_loss"] < 2.5 and r["z_loss"] > 0 and r["lm_loss"] > 5
     dense = train(tiny_train(prepared, tmp_path, name="dense", steps=1, save_every=0))
-    assert "aux_loss" not in (dense.run_dir / "metrics.jsonl").read_text()  # no MoE, no router columns
+    # no MoE, no router columns
+    assert "aux_loss" not in (dense.run_dir / "metrics.jsonl").read_text()

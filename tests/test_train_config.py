@@ -1,4 +1,5 @@
-"""TrainConfig: defaults, YAML files, dotted overrides, one ConfigError for every problem, configs/ parse."""
+"""TrainConfig: defaults, YAML files, dotted overrides, one ConfigError for every problem, configs/
+parse."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,7 +13,8 @@ from meshlm.model import MeshLM
 from meshlm.train.config import SHIPPED_CONFIGS, TrainConfig, find_config, load_config
 from meshlm.train.optim import CosineSchedule, param_groups
 
-CONFIGS = sorted(p for d in ("paper", "cpu") for p in (SHIPPED_CONFIGS / d).rglob("*.yaml"))  # training configs
+# training configs
+CONFIGS = sorted(p for d in ("paper", "cpu") for p in (SHIPPED_CONFIGS / d).rglob("*.yaml"))
 
 
 def test_defaults_follow_the_paper_recipe():
@@ -33,7 +35,8 @@ def test_dotted_overrides_are_typed_and_nested():
 
 def test_yaml_file_then_overrides(tmp_path):
     path = tmp_path / "x.yaml"
-    path.write_text("model:\n  preset: tiny\n  vocab_size: 8192\ntrain:\n  lr: 6e-4\n  seq_len: 64\n")
+    path.write_text("model:\n  preset: tiny\n  vocab_size: 8192\ntrain:\n  lr: 6e-4\n  seq_len: "
+                    "64\n")
     cfg = load_config(path, ["train.seq_len=32"])
     assert cfg.lr == 6e-4 and cfg.seq_len == 32 and cfg.derive_model().d_model == 64
 
@@ -86,7 +89,8 @@ def test_configs_exist_for_every_paper_row():
                 assert f"{size}-{spec}-{scheme}" in names
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=[str(p.relative_to(SHIPPED_CONFIGS)) for p in CONFIGS])
+@pytest.mark.parametrize("path", CONFIGS,
+                         ids=[str(p.relative_to(SHIPPED_CONFIGS)) for p in CONFIGS])
 def test_every_config_file_parses_and_builds(path):
     cfg = load_config(path)
     model_cfg = cfg.derive_model()
@@ -124,7 +128,8 @@ def test_shipped_configs_resolve_by_name_from_any_directory(tmp_path, monkeypatc
     (tmp_path / "cpu").mkdir()
     (tmp_path / "cpu" / "small-anchor.yaml").write_text("train: {name: mine}\n")
     assert load_config("cpu/small-anchor.yaml").name == "mine"  # a file that exists as given wins
-    with pytest.raises(ConfigError, match="cpu/nothing.yaml does not exist, here or among the shipped configs"):
+    with pytest.raises(ConfigError,
+                       match="cpu/nothing.yaml does not exist, here or among the shipped configs"):
         load_config("cpu/nothing.yaml")
 
 
@@ -137,6 +142,8 @@ def test_resume_sees_no_change_in_naming_the_run_it_resumes():
     from meshlm.train.preflight import changed_settings
 
     saved = {"name": "", "lr": 1e-3, "steps": 10}
-    assert changed_settings(saved, {"name": "mesh-small-mesh", "lr": 1e-3, "steps": 10}, "mesh-small-mesh") == []
-    assert changed_settings({**saved, "name": "mesh-small-mesh"}, {**saved}, "mesh-small-mesh") == []
+    assert changed_settings(saved, {"name": "mesh-small-mesh", "lr": 1e-3, "steps": 10},
+                            "mesh-small-mesh") == []
+    assert changed_settings({**saved, "name": "mesh-small-mesh"}, {**saved},
+                            "mesh-small-mesh") == []
     assert changed_settings(saved, {"name": "", "lr": 2e-3, "steps": 20}, "run") == ["lr", "steps"]

@@ -1,4 +1,5 @@
-"""Elastic depth in training: loop-count sampling (train.loops) and truncated backprop (train.backprop_loops)."""
+"""Elastic depth in training: loop-count sampling (train.loops) and truncated backprop
+(train.backprop_loops)."""
 import shutil
 
 import numpy as np
@@ -17,7 +18,7 @@ def prepared(tmp_path_factory):
     return make_prepared(tmp_path_factory)
 
 
-# -- the sampler ---------------------------------------------------------------------------------------------
+# -- the sampler -----------------------------------------------------------------------------------
 def test_fixed_draws_the_model_default_and_fixed_n_draws_n():
     assert parse_loops("fixed").draw(0, 5) is None and parse_loops("fixed").cap(3) == 3
     assert parse_loops("fixed:6").draw(0, 5) == 6 and parse_loops("fixed:6").cap(2) == 6
@@ -34,7 +35,8 @@ def test_counts_depend_only_on_seed_and_step():
 
 
 def test_poisson_lognormal_has_its_mean_and_respects_the_cap():
-    counts = np.array([parse_loops("poisson-lognormal:mean=4,cap=64").draw(0, s) for s in range(4000)])
+    counts = np.array([parse_loops("poisson-lognormal:mean=4,cap=64").draw(0, s)
+                       for s in range(4000)])
     assert counts.min() >= 1 and counts.max() <= 64 and abs(counts.mean() - 4) < 0.15
     capped = [parse_loops("poisson-lognormal:mean=4,cap=6").draw(0, s) for s in range(500)]
     assert max(capped) == 6
@@ -46,7 +48,8 @@ def test_uniform_covers_its_range():
 
 
 @pytest.mark.parametrize("text, needle", [
-    ("gaussian:4", "is not a loop distribution; use fixed, fixed:N, uniform:LO-HI or poisson-lognormal"),
+    ("gaussian:4",
+     "is not a loop distribution; use fixed, fixed:N, uniform:LO-HI or poisson-lognormal"),
     ("uniform:5-2", "is not a loop distribution"),
     ("poisson-lognormal:mean=4", "is not a loop distribution"),
     ("poisson-lognormal:mean=8,cap=4", "cap=4 is below mean=8; the cap must be >= the mean"),
@@ -63,13 +66,16 @@ def test_backprop_loops_above_the_cap_and_multi_core_sampling_are_errors(prepare
     with pytest.raises(ConfigError, match="backprop_loops=3 is above the largest loop count 2"):
         tiny_train(prepared, tmp_path, backprop_loops=3)
     with pytest.raises(ConfigError, match="needs a single-core spec"):
-        tiny_train(prepared, tmp_path, model={"preset": "tiny", "vocab_size": 8192, "spec": "1+1+1+1"},
+        tiny_train(prepared, tmp_path,
+                   model={"preset": "tiny", "vocab_size": 8192, "spec": "1+1+1+1"},
                    loops="uniform:1-4")
 
 
-def test_sampling_gives_per_step_parameters_up_to_the_distributions_95th_percentile(prepared, tmp_path):
+def test_sampling_gives_per_step_parameters_up_to_the_distributions_95th_percentile(prepared,
+                                                                                    tmp_path):
     assert tiny_train(prepared, tmp_path, loops="uniform:1-8").derive_model().max_loops == 8
-    # mean 4, cap 16: 95% of draws are <= 8 (P(n >= 12) is 1%): pairs beyond 8 would hardly be trained
+    # mean 4, cap 16: 95% of draws are <= 8 (P(n >= 12) is 1%): pairs beyond 8 would hardly be
+    # trained
     huginn = tiny_train(prepared, tmp_path, loops="poisson-lognormal:mean=4,cap=16")
     assert huginn.derive_model().max_loops == 8
     draws = [huginn.loop_distribution().draw(0, step) for step in range(4000)]
@@ -82,14 +88,16 @@ def test_sampling_gives_per_step_parameters_up_to_the_distributions_95th_percent
     assert explicit.derive_model().max_loops == 6
 
 
-# -- training with sampled counts ------------------------------------------------------------------------------
+# -- training with sampled counts ------------------------------------------------------------------
 def test_mfu_of_sampled_and_truncated_depth_counts_the_drawn_loops(prepared, tmp_path):
-    """MFU = tokens/s x the mean training FLOPs per token of the steps run, each at its drawn loop count
-    (forward at the drawn count, backward over the last backprop_loops passes), not at the spec's K."""
+    """MFU = tokens/s x the mean training FLOPs per token of the steps run, each at its drawn loop
+    count (forward at the drawn count, backward over the last backprop_loops passes), not at the
+    spec's K."""
     from meshlm.model import MeshLM
     from meshlm.model.accounting import describe, train_flops_per_token
 
-    cfg = tiny_train(prepared, tmp_path, steps=6, save_every=0, loops="uniform:1-6", backprop_loops=2,
+    cfg = tiny_train(prepared, tmp_path, steps=6, save_every=0, loops="uniform:1-6",
+                     backprop_loops=2,
                      peak_flops=1e11)
     result = train(cfg, log=lambda m: None)
     drawn = [parse_loops(cfg.loops).draw(0, s) for s in range(6)]
@@ -117,10 +125,11 @@ def test_sampled_training_logs_the_drawn_counts_and_resumes_bit_exactly(prepared
     assert logged == [dist.draw(0, s) for s in range(8)] and len(set(logged)) > 1
 
 
-# -- truncated backprop ------------------------------------------------------------------------------------------
+# -- truncated backprop ----------------------------------------------------------------------------
 def reference_grads(model, x, y, loops, k):
-    """The loop written out with every step under autograd, detaching the carried state (h and the scheme's
-    written values/coefficients) where truncated backprop starts; e, p and h⁰ keep their gradients."""
+    """The loop written out with every step under autograd, detaching the carried state (h and the
+    scheme's written values/coefficients) where truncated backprop starts; e, p and h⁰ keep their
+    gradients."""
     model.zero_grad()
     e, rope, mask = model._prepare(x, None, None, None)
     from meshlm.model.schemes import LoopContext
@@ -129,22 +138,27 @@ def reference_grads(model, x, y, loops, k):
     h = model.scheme.begin(ctx, model.prelude(e, rope, mask))
     written = len(ctx.values)
     for step in range(loops):
-        if step == loops - k and step > 0:  # k = loops: no pass runs without autograd, nothing is cut
+        # k = loops: no pass runs without autograd, nothing is cut
+        if step == loops - k and step > 0:
             h = h.detach()
             ctx.values = ctx.values[:written] + [v.detach() for v in ctx.values[written:]]
             if ctx.coefficients is not None:
                 ctx.coefficients = ctx.coefficients.detach()
         h = model.scheme.update(step, h, model.cores[0](h, rope, mask), ctx)
-    logits = torch.nn.functional.linear(model.final_layer_norm(model.coda(h, rope, mask)), model.output_weight)
+    logits = torch.nn.functional.linear(model.final_layer_norm(model.coda(h, rope, mask)),
+                                        model.output_weight)
     torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("scheme, options", [("mesh", {}), ("mesh", {"slots": 2}), ("anchor", {}), ("base", {}),
-                                             ("dynamic-mix", {})])
+@pytest.mark.parametrize("scheme, options",
+                         [("mesh", {}), ("mesh", {"slots": 2}), ("anchor", {}), ("base", {}),
+                          ("dynamic-mix", {})])
 def test_truncated_backprop_equals_detaching_at_the_same_point(scheme, options):
-    """With 2 slots MeSH folds the no-grad steps' values into its slots (MeSH.truncate): still exact."""
-    model = build(tiny(scheme=scheme, scheme_options=options, max_loops=6), dtype=torch.float64).train()
+    """With 2 slots MeSH folds the no-grad steps' values into its slots (MeSH.truncate): still
+    exact."""
+    model = build(tiny(scheme=scheme, scheme_options=options, max_loops=6),
+                  dtype=torch.float64).train()
     x = torch.randint(0, 97, (2, 9))
     y = torch.roll(x, -1, 1)
     for loops, k in [(5, 2), (4, 1), (3, 3)]:
@@ -155,7 +169,9 @@ def test_truncated_backprop_equals_detaching_at_the_same_point(scheme, options):
         assert got.keys() == expected.keys()
         for name in got:
             torch.testing.assert_close(got[name], expected[name], rtol=1e-9, atol=1e-12, msg=name)
-    if scheme == "mesh" and not options:  # routers of the no-grad steps get nothing; the last k pairs do
+    # routers of the no-grad steps get nothing; the last k pairs do
+    if scheme == "mesh" and not options:
         model.zero_grad()
         model(x, targets=y, loops=5, backprop_loops=2).loss.backward()
-        assert model.scheme.routers[1].weight.grad is None and model.scheme.routers[5].weight.grad is not None
+        assert (model.scheme.routers[1].weight.grad is None
+                and model.scheme.routers[5].weight.grad is not None)

@@ -1,5 +1,6 @@
-"""Weights follow the compute precision (meshlm.runtime.precision.store_weights): under bf16 every nn.Linear is
-stored in bf16, with numbers bit-identical to bf16 autocast over fp32 weights; decoding under auto stays fp32."""
+"""Weights follow the compute precision (meshlm.runtime.precision.store_weights): under bf16 every
+nn.Linear is stored in bf16, with numbers bit-identical to bf16 autocast over fp32 weights; decoding
+under auto stays fp32."""
 import copy
 
 import pytest
@@ -17,8 +18,10 @@ def linear_dtypes(model) -> set[torch.dtype]:
     return {m.weight.dtype for m in model.modules() if type(m) is torch.nn.Linear}
 
 
-@pytest.mark.parametrize("cfg", [tiny(spec="1+1R3+1", vocab_size=256), tiny(spec="1+2R2+1", backbone="llama",
-                                                                           tie_embeddings=True, vocab_size=256)])
+@pytest.mark.parametrize("cfg", [tiny(spec="1+1R3+1", vocab_size=256),
+                                 tiny(spec="1+2R2+1", backbone="llama",
+                                      tie_embeddings=True,
+                                      vocab_size=256)])
 def test_stored_bf16_weights_compute_exactly_what_autocast_computes(cfg):
     model = build(cfg)
     ids = torch.randint(0, cfg.vocab_size, (2, 24))
@@ -28,7 +31,8 @@ def test_stored_bf16_weights_compute_exactly_what_autocast_computes(cfg):
         stored = copy.deepcopy(model)
         precision.store_weights(stored, bf16)
         assert linear_dtypes(stored) == {torch.bfloat16}
-        assert stored.embed_in.weight.dtype == torch.float32  # the table (and the tied head) stays fp32
+        # the table (and the tied head) stays fp32
+        assert stored.embed_in.weight.dtype == torch.float32
         out = stored(ids[:, :-1], ids[:, 1:])
         s = Sampling(max_new_tokens=8, temperature=0, stop_at_eos=False)
         assert generate(stored, [[3, 4, 5]], s) == generate(model, [[3, 4, 5]], s)
@@ -38,7 +42,8 @@ def test_stored_bf16_weights_compute_exactly_what_autocast_computes(cfg):
 def test_the_policy_stores_weights_in_the_precision_it_computes_in(bf16_machine):  # noqa: F811
     decoding, evaluating = build(tiny()), build(tiny())
     assert precision.for_decoding("auto", decoding)[1].dtype is None
-    assert linear_dtypes(decoding) == {torch.float32}  # decoding under auto: fp32, exact across paths
+    # decoding under auto: fp32, exact across paths
+    assert linear_dtypes(decoding) == {torch.float32}
     assert precision.for_model("auto", evaluating)[1].dtype == torch.bfloat16
     assert linear_dtypes(evaluating) == {torch.bfloat16}
     asked = build(tiny())

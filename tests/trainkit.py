@@ -21,8 +21,8 @@ _PREPARED: list[Path] = []
 
 
 def make_prepared(tmp_path_factory) -> Path:
-    """A prepared-data dir (default tokenizer) cut from the embedded corpus's first documents; made once
-    per session (test modules wrap it in their own `prepared` fixture)."""
+    """A prepared-data dir (default tokenizer) cut from the embedded corpus's first documents; made
+    once per session (test modules wrap it in their own `prepared` fixture)."""
     from meshlm.data.corpus import default_documents
     from meshlm.data.prepare import prepare
 
@@ -44,9 +44,12 @@ def make_prepared(tmp_path_factory) -> Path:
 
 def tiny_train(data: Path, out_dir: Path, **overrides) -> TrainConfig:
     """A 6-layer-equivalent MeSH model (d=64) on 32-token sequences: ~20 ms per step."""
-    base = dict(model={"preset": "tiny", "vocab_size": 8192}, data=str(data), out_dir=str(out_dir), name="run",
-                seq_len=32, global_batch=8, micro_batch=4, steps=12, lr=3e-3, warmup=0.1, eval_every=0,
-                eval_windows=8, save_every=4, keep_last=3, progress=False, tensorboard=False, peak_flops=1e11)
+    base = dict(model={"preset": "tiny", "vocab_size": 8192}, data=str(data), out_dir=str(out_dir),
+                name="run",
+                seq_len=32, global_batch=8, micro_batch=4, steps=12, lr=3e-3, warmup=0.1,
+                eval_every=0,
+                eval_windows=8, save_every=4, keep_last=3, progress=False, tensorboard=False,
+                peak_flops=1e11)
     return TrainConfig(**{**base, **overrides})
 
 
@@ -78,12 +81,15 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 
 def cli_command(*args: str, launcher: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
-    """Command line and environment to run `meshlm <args>` (optionally under torchrun) from the source tree."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}  # see one_thread()
+    """Command line and environment to run `meshlm <args>` (optionally under torchrun) from the
+    source tree."""
+    # see one_thread()
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
     return (launcher or [sys.executable]) + ["-m", "meshlm.cli", *args], env
 
 
-def cli(*args: str, timeout: float = 300, launcher: list[str] | None = None) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 300,
+        launcher: list[str] | None = None) -> subprocess.CompletedProcess:
     """Run `meshlm <args>` in a fresh interpreter."""
     cmd, env = cli_command(*args, launcher=launcher)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
@@ -101,7 +107,8 @@ def rank_pids(launcher: int) -> dict[int, int]:
             continue
         try:
             parent = int((proc / "stat").read_text().rsplit(")", 1)[-1].split()[1])
-            environ = dict(item.split("=", 1) for item in (proc / "environ").read_text().split("\0") if "=" in item)
+            environ = dict(item.split("=", 1)
+                           for item in (proc / "environ").read_text().split("\0") if "=" in item)
         except (OSError, ValueError):
             continue
         if parent == launcher and "RANK" in environ:
@@ -124,13 +131,17 @@ def wait_until(condition, seconds: float, what: str) -> None:
         time.sleep(0.05)
 
 def train_with_rank_fault(data: Path, tmp: Path, fault: str) -> tuple[int, str, dict[int, int]]:
-    """`meshlm train` under torchrun (2 CPU ranks, gloo, collective_timeout=RANK_TIMEOUT_S); once it has logged
-    three steps, rank 1 is stopped (SIGSTOP) or killed. Returns torchrun's exit code, what rank 0 wrote to
-    stderr (its own log file, without torchrun's report), and the ranks' PIDs."""
-    cfg = tiny_train(data, tmp, steps=100_000, save_every=0, collective_timeout=RANK_TIMEOUT_S, dtype="fp32")
+    """`meshlm train` under torchrun (2 CPU ranks, gloo, collective_timeout=RANK_TIMEOUT_S); once it
+    has logged three steps, rank 1 is stopped (SIGSTOP) or killed. Returns torchrun's exit code,
+    what rank 0 wrote to stderr (its own log file, without torchrun's report), and the ranks'
+    PIDs."""
+    cfg = tiny_train(data, tmp, steps=100_000, save_every=0, collective_timeout=RANK_TIMEOUT_S,
+                     dtype="fp32")
     logs = tmp / "torchrun-logs"
-    cmd, env = cli_command("train", *as_overrides(cfg), launcher=[*TORCHRUN, "--log-dir", str(logs), "-r", "3"])
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    cmd, env = cli_command("train", *as_overrides(cfg),
+                           launcher=[*TORCHRUN, "--log-dir", str(logs), "-r", "3"])
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL,
                             start_new_session=True)
     metrics = run_dir(cfg) / "metrics.jsonl"
     try:
@@ -139,10 +150,12 @@ def train_with_rank_fault(data: Path, tmp: Path, fault: str) -> tuple[int, str, 
         ranks = rank_pids(proc.pid)
         assert sorted(ranks) == [0, 1], ranks
         os.kill(ranks[1], signal.SIGSTOP if fault == "stopped" else signal.SIGKILL)
-        # the old default left rank 0 waiting 30 minutes; now it ends within the timeout and the watchdog's poll
+        # the old default left rank 0 waiting 30 minutes; now it ends within the timeout and the
+        # watchdog's poll
         wait_until(lambda: not alive(ranks[0]), RANK_TIMEOUT_S + 30, "rank 0 to fail")
         if fault == "stopped":
-            os.kill(ranks[1], signal.SIGKILL)  # spare torchrun's grace period for a process that cannot stop
+            # spare torchrun's grace period for a process that cannot stop
+            os.kill(ranks[1], signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:

@@ -1,26 +1,32 @@
-"""LoRA through PEFT on a MeshLM, which parameters train, and merging the adapters back into the base weights.
+"""LoRA through PEFT on a MeshLM, which parameters train, and merging the adapters back into the
+base weights.
 
-LoRA (`train.lora_rank` = r > 0) is PEFT's (`inject_adapter_in_model`): the model stays a MeshLM (its loop,
-cache, exit and speculation untouched); each targeted Linear becomes a PEFT `lora.Linear` around it. A Linear
-of a shared core is one module run on every pass, so its adapter is one delta shared by all passes (for one
-delta per pass, see per-loop LoRA: `model.loop_lora_rank`, meshlm.model.loop_lora).
+LoRA (`train.lora_rank` = r > 0) is PEFT's (`inject_adapter_in_model`): the model stays a MeshLM
+(its loop, cache, exit and speculation untouched); each targeted Linear becomes a PEFT `lora.Linear`
+around it. A Linear of a shared core is one module run on every pass, so its adapter is one delta
+shared by all passes (for one delta per pass, see per-loop LoRA: `model.loop_lora_rank`,
+meshlm.model.loop_lora).
 
 `train.lora_targets` picks the Linears, comma-separated:
-    attention, mlp              the layer projections of that kind (meshlm.model.loop_lora.ROLE_NAMES)
+    attention, mlp              the layer projections of that kind
+                                (meshlm.model.loop_lora.ROLE_NAMES)
     prelude, core, coda         restrict to those stacks (alone: every Linear of their layers)
-    routers                     MeSH's router pairs train in full (a Linear(d, 2B): a low-rank delta of it
-                                saves nothing, and its forward returns weights, not a tensor PEFT can add to)
+    routers                     MeSH's router pairs train in full (a Linear(d, 2B): a low-rank delta
+                                of it saves nothing, and its forward returns weights, not a tensor
+                                PEFT can add to)
     anything else               a layer-local name suffix, e.g. query_key_value or mlp.down_proj
 A selection matching no Linear (and no routers) is a ConfigError.
 
-`train.trainable` says which parameters get gradients (and so optimizer state; the others are frozen):
-"all", or comma-separated roles: lora (PEFT's adapters), loop_lora (per-loop deltas), routers, scheme,
-embeddings, prelude, core, coda. Empty: "all" without LoRA; with it "lora" (plus routers if targeted).
+`train.trainable` says which parameters get gradients (and so optimizer state; the others are
+frozen): "all", or comma-separated roles: lora (PEFT's adapters), loop_lora (per-loop deltas),
+routers, scheme, embeddings, prelude, core, coda. Empty: "all" without LoRA; with it "lora" (plus
+routers if targeted).
 
-A checkpoint of a LoRA run holds the base weights and the adapters under PEFT's names (`…base_layer.weight`,
-`…lora_A.default.weight`), so resuming restores both; `meshlm.loading.open_model` rebuilds the adapters from the
-checkpoint's training config and merges them (PEFT's merge: W + (α/r)·B A), giving a plain MeshLM that every
-command, `meshlm convert` (meshlm or Hugging Face) included, uses as any other.
+A checkpoint of a LoRA run holds the base weights and the adapters under PEFT's names
+(`…base_layer.weight`, `…lora_A.default.weight`), so resuming restores both;
+`meshlm.loading.open_model` rebuilds the adapters from the checkpoint's training config and merges
+them (PEFT's merge: W + (α/r)·B A), giving a plain MeshLM that every command, `meshlm convert`
+(meshlm or Hugging Face) included, uses as any other.
 """
 from __future__ import annotations
 
@@ -33,7 +39,8 @@ from meshlm.errors import ConfigError
 from meshlm.model.loop_lora import ROLE_NAMES, targets_of
 from meshlm.trainable import SECTIONS, trainable_roles, words
 
-_PREFIX = {"routers": ("scheme.routers.",), "scheme": ("scheme.",), "embeddings": ("embed_in.", "embed_out."),
+_PREFIX = {"routers": ("scheme.routers.",), "scheme": ("scheme.",),
+           "embeddings": ("embed_in.", "embed_out."),
            "prelude": ("prelude.",), "core": ("cores.",), "coda": ("coda.",)}
 
 
@@ -46,12 +53,14 @@ class LoraSpec:
 
     @classmethod
     def of(cls, train: dict[str, Any]) -> LoraSpec | None:
-        """From a TrainConfig's fields (a dict: a checkpoint's saved "train" works too); None without LoRA."""
+        """From a TrainConfig's fields (a dict: a checkpoint's saved "train" works too); None
+        without LoRA."""
         rank = int(train.get("lora_rank") or 0)
         if rank == 0:
             return None
         alpha = train.get("lora_alpha")
-        return cls(rank, float(alpha) if alpha else 2.0 * rank, str(train.get("lora_targets") or "attention,mlp"),
+        return cls(rank, float(alpha) if alpha else 2.0 * rank,
+                   str(train.get("lora_targets") or "attention,mlp"),
                    float(train.get("lora_dropout") or 0.0))
 
     @property
@@ -78,22 +87,26 @@ def target_names(model: nn.Module, targets: str) -> list[str]:
 
 
 def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
-    """Inject PEFT LoRA adapters into `model` in place (B = 0: the outputs are unchanged); returns it."""
+    """Inject PEFT LoRA adapters into `model` in place (B = 0: the outputs are unchanged); returns
+    it."""
     from peft import LoraConfig, inject_adapter_in_model
 
     names = target_names(model, spec.targets)
     if not names and not (spec.trains_routers and hasattr(model.scheme, "routers")):
-        raise ConfigError(f"lora_targets={spec.targets!r} matches no Linear of this {model.config.backbone} model; "
-                          f"use roles attention, mlp, prelude, core, coda, routers or layer-local names such as "
+        raise ConfigError(f"lora_targets={spec.targets!r} matches no Linear of this "
+                          f"{model.config.backbone} model; use roles attention, mlp, prelude, "
+                          "core, coda, routers or layer-local names such as "
                           f"{ROLE_NAMES['attention'][0]!r}")
     if names:
-        config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout, target_modules=names)
+        config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
+                            target_modules=names)
         inject_adapter_in_model(config, model)
     return model
 
 
 def merge_lora(model: nn.Module) -> nn.Module:
-    """Fold every PEFT adapter into its base Linear (PEFT's merge) and put the base Linear back: the plain model."""
+    """Fold every PEFT adapter into its base Linear (PEFT's merge) and put the base Linear back: the
+    plain model."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     for name, module in list(model.named_modules()):
@@ -105,7 +118,8 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 
 def set_trainable(model: nn.Module, roles: list[str]) -> int:
-    """requires_grad on exactly the parameters of `roles`; returns how many values train (ConfigError if none)."""
+    """requires_grad on exactly the parameters of `roles`; returns how many values train
+    (ConfigError if none)."""
     def picked(name: str) -> bool:
         return ("all" in roles or ("lora" in roles and (".lora_A." in name or ".lora_B." in name))
                 or ("loop_lora" in roles and ".loop_lora." in name)
@@ -116,13 +130,14 @@ def set_trainable(model: nn.Module, roles: list[str]) -> int:
         p.requires_grad_(picked(name))
         total += p.numel() if p.requires_grad else 0
     if total == 0:
-        raise ConfigError(f"trainable={','.join(roles)} selects no parameter of this model (no per-loop LoRA, "
-                          f"routers or adapters there?); choose roles it has")
+        raise ConfigError(f"trainable={','.join(roles)} selects no parameter of this model (no "
+                          "per-loop LoRA, routers or adapters there?); choose roles it has")
     return total
 
 
 def adapt(model: nn.Module, train: dict[str, Any]) -> int:
-    """What a training config asks of the model before the optimizer sees it: LoRA, then the trainable set."""
+    """What a training config asks of the model before the optimizer sees it: LoRA, then the
+    trainable set."""
     spec = LoraSpec.of(train)
     if spec is not None:
         apply_lora(model, spec)

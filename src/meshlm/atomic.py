@@ -1,17 +1,20 @@
-"""Atomic outputs: a file or folder meshlm writes appears complete or not at all, and what it replaces stays
-until then.
+"""Atomic outputs: a file or folder meshlm writes appears complete or not at all, and what it
+replaces stays until then.
 
     atomic.write_text(path, text)                 # eval.json, probe.json, report.html
     atomic.write_bytes(path, data)                # figures
-    atomic.write_with(path, lambda tmp: save_file(tensors, str(tmp)))   # any writer that takes a path
-    with atomic.new_folder(out) as tmp:           # a converted folder: built in tmp, then renamed to out
+    atomic.write_with(path, lambda tmp: save_file(tensors, str(tmp)))
+        # any writer that takes a path
+    with atomic.new_folder(out) as tmp:           # a converted folder: built in tmp, then renamed
+                                                    to out
         ...
 
-A file goes to a temp sibling `.<name>.<pid>.tmp` (same folder, so the rename cannot cross filesystems), is
-fsynced, and `os.replace`d over the target; then the folder is fsynced so the rename survives a crash. A
-failure (a full disk, Ctrl-C) removes the temp and leaves the old file untouched. Filesystem errors become a
-StorageError naming the target and its own filesystem's free space (meshlm.errors.describe_os_error).
-Checkpoints have their own writer (meshlm.checkpoint), which also seals a manifest.
+A file goes to a temp sibling `.<name>.<pid>.tmp` (same folder, so the rename cannot cross
+filesystems), is fsynced, and `os.replace`d over the target; then the folder is fsynced so the
+rename survives a crash. A failure (a full disk, Ctrl-C) removes the temp and leaves the old file
+untouched. Filesystem errors become a StorageError naming the target and its own filesystem's free
+space (meshlm.errors.describe_os_error). Checkpoints have their own writer (meshlm.checkpoint),
+which also seals a manifest.
 """
 from __future__ import annotations
 
@@ -41,8 +44,10 @@ def temp_sibling(path: Path, suffix: str = "tmp") -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{suffix}")
 
 
-def write_with(path: str | os.PathLike, write: Callable[[Path], object], doing: str = "writing") -> Path:
-    """`write(tmp)` writes the content to the temp path it is given; then it replaces `path` atomically."""
+def write_with(path: str | os.PathLike, write: Callable[[Path], object],
+               doing: str = "writing") -> Path:
+    """`write(tmp)` writes the content to the temp path it is given; then it replaces `path`
+    atomically."""
     path = Path(path)
     tmp = temp_sibling(path)
     try:
@@ -69,9 +74,9 @@ def write_text(path: str | os.PathLike, text: str, doing: str = "writing") -> Pa
 
 @contextlib.contextmanager
 def new_folder(final: str | os.PathLike, doing: str = "writing") -> Iterator[Path]:
-    """Yields a temp sibling folder to fill; when the block ends, its files are fsynced and it replaces `final`
-    (replace_folder). A failure inside the block removes the temp folder: no half-written folder is left to
-    block a rerun, and what `final` held stays."""
+    """Yields a temp sibling folder to fill; when the block ends, its files are fsynced and it
+    replaces `final` (replace_folder). A failure inside the block removes the temp folder: no
+    half-written folder is left to block a rerun, and what `final` held stays."""
     final = Path(final)
     tmp = temp_sibling(final, "partial")
     try:
@@ -91,8 +96,9 @@ def new_folder(final: str | os.PathLike, doing: str = "writing") -> Iterator[Pat
 
 
 def replace_folder(tmp: Path, final: Path) -> None:
-    """Rename the complete folder `tmp` to `final`, replacing a folder there (renamed aside first, removed after:
-    at every moment one complete version is in place, or for an instant none), then fsync the parent."""
+    """Rename the complete folder `tmp` to `final`, replacing a folder there (renamed aside first,
+    removed after: at every moment one complete version is in place, or for an instant none), then
+    fsync the parent."""
     fsync_path(tmp)
     if final.exists():
         trash = temp_sibling(final, "old")
@@ -105,11 +111,12 @@ def replace_folder(tmp: Path, final: Path) -> None:
 
 
 def as_os_error(err: Exception) -> OSError:
-    """The filesystem error behind a failed write: safetensors and torch.save report a full disk as their own
-    errors ("... os error 28", "file write failed"), not as OSError."""
+    """The filesystem error behind a failed write: safetensors and torch.save report a full disk as
+    their own errors ("... os error 28", "file write failed"), not as OSError."""
     if isinstance(err, OSError):
         return err
-    found = re.search(r"os error (\d+)|Os \{ code: (\d+)", str(err))  # io::Error's Display or Debug form
+    # io::Error's Display or Debug form
+    found = re.search(r"os error (\d+)|Os \{ code: (\d+)", str(err))
     if found:
         code = int(found.group(1) or found.group(2))
         return OSError(code, os.strerror(code))

@@ -1,4 +1,5 @@
-"""The backbone registry: the layer kinds a model is built from, each owning everything that is its own.
+"""The backbone registry: the layer kinds a model is built from, each owning everything that is its
+own.
 
     backbone  layer (meshlm.model)  norm       defaults (fields left at None)         Hugging Face family
     neox      layers.NeoXLayer      LayerNorm  rotary 25%, MLP 4d                     GPTNeoXForCausalLM (Pythia)
@@ -6,17 +7,19 @@
     olmoe     moe.OlmoeLayer        RMSNorm    as llama + QK-norm, experts d/2 wide   OlmoeForCausalLM
 
 A backbone is one class registered with `@register_backbone`. It owns
-- its defaults for the fields a config leaves at None (`rotary_fraction`, `mlp_width`, `qk_norm`) and the
-  checks of the fields only some backbones accept (`problems`); whether it is a mixture of experts (`moe`);
-- its Hugging Face family: `model_type`, the transformers class, the names of its top-level weights and
-  layers, the config translation both ways (`config_from_hf`, `hf_config_kwargs`) and what a meshlm model
-  of it cannot be exported with (`export_problems`);
+- its defaults for the fields a config leaves at None (`rotary_fraction`, `mlp_width`, `qk_norm`)
+  and the checks of the fields only some backbones accept (`problems`); whether it is a mixture of
+  experts (`moe`);
+- its Hugging Face family: `model_type`, the transformers class, the names of its top-level weights
+  and layers, the config translation both ways (`config_from_hf`, `hf_config_kwargs`) and what a
+  meshlm model of it cannot be exported with (`export_problems`);
 - its layer class (whose `norm` is also the model's final norm): `layer_module` names the module
   that defines it, and the layer attaches itself there with `@layer_of(name)`, so that this module
   imports nothing: meshlm.config reads defaults and checks here without importing torch or the
   model. Importing meshlm.model imports every registered backbone's `layer_module` (no other list).
-The loop, the schemes, conversion, accounting and training ask the registry; none of them names a backbone.
-A new backbone is therefore two pieces: its layer module in meshlm/model/ and its class here.
+The loop, the schemes, conversion, accounting and training ask the registry; none of them names a
+backbone. A new backbone is therefore two pieces: its layer module in meshlm/model/ and its class
+here.
 """
 from __future__ import annotations
 
@@ -60,7 +63,8 @@ def register_backbone(cls: type[Backbone]) -> type[Backbone]:
 
 
 def layer_of(name: str):
-    """Class decorator for a layer class (meshlm.model.layers.Layer): the layer of backbone `name`."""
+    """Class decorator for a layer class (meshlm.model.layers.Layer): the layer of backbone
+    `name`."""
     if name not in BACKBONES:
         raise ValueError(f"layer_of({name!r}): no backbone {name!r} is registered; add its class "
                          f"to meshlm.backbones with @register_backbone first")
@@ -76,7 +80,8 @@ class Backbone:
     name: ClassVar[str] = ""
     title: ClassVar[str] = ""  # for messages, e.g. "GPT-NeoX (Pythia)"
     layer_module: ClassVar[str] = ""  # the module defining its layer class with @layer_of(name)
-    moe: ClassVar[bool] = False  # a mixture of experts: router losses in training, active < total parameters
+    moe: ClassVar[bool] = False  # a mixture of experts: router losses in training, active < total
+    # parameters
     rotary_fraction: ClassVar[float] = 1.0  # of each head's dims, when rotary_pct is None
     grouped_query: ClassVar[bool] = True  # n_kv_heads < n_heads is possible
     qk_norm_possible: ClassVar[bool] = True
@@ -86,15 +91,19 @@ class Backbone:
     architecture: ClassVar[str] = ""  # the transformers class, e.g. "LlamaForCausalLM"
     hidden_act: ClassVar[str] = ""  # the activation its config.json must name
     layer_prefix: ClassVar[str] = ""  # its name of unique layer i is f"{layer_prefix}{i}."
-    top_level: ClassVar[tuple[tuple[str, str], ...]] = ()  # (its name, meshlm name); the first of duplicates is written
-    file_names: ClassVar[dict[str, str]] = {}  # module name -> the name its weight files use, where they differ
-    exports_tied: ClassVar[bool] = True  # its folders may tie the output layer to the input embedding
+    top_level: ClassVar[tuple[tuple[str, str], ...]] = ()  # (its name, meshlm name); the first of
+    # duplicates is written
+    file_names: ClassVar[dict[str, str]] = {}  # module name -> the name its weight files use, where
+    # they differ
+    exports_tied: ClassVar[bool] = True  # its folders may tie the output layer to the input
+    # embedding
 
     def __init__(self) -> None:
         self.layer: type | None = None  # set by @layer_of: meshlm.model imports layer_module
 
     def norm(self, cfg: ConfigView):
-        """The backbone's normalisation module for width cfg.d_model (needs meshlm.model imported)."""
+        """The backbone's normalisation module for width cfg.d_model (needs meshlm.model
+        imported)."""
         return self.layer.norm(cfg)
 
     def mlp_width(self, cfg: ConfigView) -> int:
@@ -102,23 +111,27 @@ class Backbone:
         return cfg.mlp_ratio * cfg.d_model
 
     def problems(self, cfg: ConfigView) -> list[str]:
-        """Problems with fields this backbone does not accept (the fields' own types are checked by the config)."""
+        """Problems with fields this backbone does not accept (the fields' own types are checked by
+        the config)."""
         out = []
         if not self.grouped_query and cfg.n_kv_heads not in (None, cfg.n_heads):
-            out.append(f"n_kv_heads={cfg.n_kv_heads}: the {self.name} backbone has no grouped-query attention; use "
-                       f"backbone {_those_with('grouped_query')}, or n_kv_heads=null")
+            out.append(f"n_kv_heads={cfg.n_kv_heads}: the {self.name} backbone has no "
+                       f"grouped-query attention; use backbone {_those_with('grouped_query')}, or "
+                       "n_kv_heads=null")
         if not self.qk_norm_possible and cfg.qk_norm:
             out.append(f"qk_norm=true: the {self.name} backbone has no QK-norm; use backbone "
                        f"{_those_with('qk_norm_possible')}")
         return out
 
-    # -- Hugging Face family ---------------------------------------------------------------------------------
+    # -- Hugging Face family -----------------------------------------------------------------------
     def hf_problems(self, raw: dict[str, Any]) -> list[str]:
-        """What in the family's config.json meshlm does not reproduce (empty: it converts exactly)."""
+        """What in the family's config.json meshlm does not reproduce (empty: it converts
+        exactly)."""
         return []
 
     def config_from_hf(self, raw: dict[str, Any]) -> dict[str, Any]:
-        """ModelConfig fields read from the family's config.json, beyond the shape every family shares."""
+        """ModelConfig fields read from the family's config.json, beyond the shape every family
+        shares."""
         return {}
 
     def hf_config_kwargs(self, cfg: ConfigView) -> dict[str, Any]:
@@ -130,9 +143,11 @@ class Backbone:
         return {}
 
     def export_problems(self, cfg: ConfigView) -> list[str]:
-        """Why the vanilla model cfg has no exact counterpart in this family (empty: it converts)."""
+        """Why the vanilla model cfg has no exact counterpart in this family (empty: it
+        converts)."""
         if cfg.backbone != self.name:
-            return [f"a {cfg.backbone!r}-backbone model converts to {BACKBONES[cfg.backbone].title}, not {self.title}"]
+            return [f"a {cfg.backbone!r}-backbone model converts to "
+                    f"{BACKBONES[cfg.backbone].title}, not {self.title}"]
         return []
 
 
@@ -142,7 +157,8 @@ def _those_with(flag: str) -> str:
 
 @register_backbone
 class NeoXBackbone(Backbone):
-    """GPT-NeoX (Pythia): LayerNorm, parallel residual, GELU MLP, biases, rotary on 25% of each head."""
+    """GPT-NeoX (Pythia): LayerNorm, parallel residual, GELU MLP, biases, rotary on 25% of each
+    head."""
 
     name, title = "neox", "GPT-NeoX (Pythia)"
     layer_module = "meshlm.model.layers"
@@ -169,12 +185,14 @@ class NeoXBackbone(Backbone):
 
     def config_from_hf(self, raw):
         rope = raw.get("rope_parameters") or {}
-        return dict(rotary_pct=float(raw.get("rotary_pct", rope.get("partial_rotary_factor", 0.25))),
+        return dict(rotary_pct=float(raw.get("rotary_pct",
+                                             rope.get("partial_rotary_factor", 0.25))),
                     layer_norm_eps=float(raw.get("layer_norm_eps", 1e-5)),
                     mlp_ratio=raw["intermediate_size"] // raw["hidden_size"])
 
     def hf_config_kwargs(self, cfg):
-        return dict(rotary_pct=cfg.rotary_fraction, rotary_emb_base=cfg.rotary_base, layer_norm_eps=cfg.layer_norm_eps,
+        return dict(rotary_pct=cfg.rotary_fraction, rotary_emb_base=cfg.rotary_base,
+                    layer_norm_eps=cfg.layer_norm_eps,
                     use_parallel_residual=True, attention_bias=True, hidden_dropout=0.0)
 
     def legacy_config(self, cfg):
@@ -183,7 +201,8 @@ class NeoXBackbone(Backbone):
 
 @register_backbone
 class LlamaBackbone(Backbone):
-    """Llama: RMSNorm, sequential residual, SwiGLU, no biases, rotary on every head dim, grouped-query attention."""
+    """Llama: RMSNorm, sequential residual, SwiGLU, no biases, rotary on every head dim,
+    grouped-query attention."""
 
     name, title = "llama", "Llama"
     layer_module = "meshlm.model.llama"
@@ -194,7 +213,8 @@ class LlamaBackbone(Backbone):
                  ("lm_head.weight", "embed_out.weight"))
 
     def mlp_width(self, cfg):
-        # SwiGLU has three matrices: ⅔·ratio·d keeps the MLP's parameters near neox's; rounded up to 64
+        # SwiGLU has three matrices: ⅔·ratio·d keeps the MLP's parameters near neox's; rounded up to
+        # 64
         return -(-2 * cfg.mlp_ratio * cfg.d_model // (3 * 64)) * 64
 
     def hf_problems(self, raw):
@@ -203,23 +223,27 @@ class LlamaBackbone(Backbone):
                   (raw.get("mlp_bias", False), "MLP with bias"),
                   (raw.get("clip_qkv") is not None, f"clip_qkv={raw.get('clip_qkv')}"),
                   (raw.get("head_dim") not in (None, d // heads if d and heads else None),
-                   f"head_dim={raw.get('head_dim')} (meshlm uses hidden_size / num_attention_heads)")]
+                   f"head_dim={raw.get('head_dim')} "
+                   "(meshlm uses hidden_size / num_attention_heads)")]
         return [message for bad, message in checks if bad]
 
     def config_from_hf(self, raw):
         return dict(n_kv_heads=raw.get("num_key_value_heads") or raw.get("num_attention_heads"),
-                    mlp_hidden=raw["intermediate_size"], layer_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                    mlp_hidden=raw["intermediate_size"],
+                    layer_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                     tie_embeddings=bool(raw.get("tie_word_embeddings", False)))
 
     def hf_config_kwargs(self, cfg):
-        return dict(num_key_value_heads=cfg.kv_heads, rms_norm_eps=cfg.layer_norm_eps, attention_bias=False,
+        return dict(num_key_value_heads=cfg.kv_heads, rms_norm_eps=cfg.layer_norm_eps,
+                    attention_bias=False,
                     rope_parameters={"rope_type": "default", "rope_theta": cfg.rotary_base},
                     head_dim=cfg.head_dim, mlp_bias=False)
 
     def export_problems(self, cfg):
         out = super().export_problems(cfg)
         if not out and cfg.rotary_fraction != 1.0:
-            out.append(f"{self.title} rotates every head dim; this model has rotary_pct={cfg.rotary_fraction}")
+            out.append(f"{self.title} rotates every head dim; this model has "
+                       f"rotary_pct={cfg.rotary_fraction}")
         elif not out and cfg.uses_qk_norm != self.qk_norm:
             out.append(f"{self.title} {'needs' if self.qk_norm else 'has no'} QK-norm "
                        f"(this model: qk_norm={cfg.uses_qk_norm})")
@@ -236,22 +260,28 @@ class OlmoeBackbone(LlamaBackbone):
     moe = qk_norm = True
 
     def mlp_width(self, cfg):
-        return max(1, cfg.mlp_ratio * cfg.d_model // 8)  # = d/2 at ratio 4, OLMoE-1B-7B's expert width
+        # = d/2 at ratio 4, OLMoE-1B-7B's expert width
+        return max(1, cfg.mlp_ratio * cfg.d_model // 8)
 
     def problems(self, cfg):
         out, e, k = super().problems(cfg), cfg.n_experts, cfg.top_k
         if not (type(e) is int and e >= 1):  # type(True) is bool: booleans are refused
             out.append(f"n_experts={e!r} must be an integer >= 1 (OLMoE-1B-7B: 64)")
         elif not (type(k) is int and 1 <= k <= e):
-            out.append(f"top_k={k!r} must be an integer in [1, n_experts={e}] (OLMoE-1B-7B: 8 of 64)")
+            out.append(f"top_k={k!r} must be an integer in [1, n_experts={e}] (OLMoE-1B-7B: 8 of "
+                       "64)")
         return out
 
     def config_from_hf(self, raw):
-        return dict(super().config_from_hf(raw), n_experts=raw["num_experts"], top_k=raw["num_experts_per_tok"],
+        return dict(super().config_from_hf(raw), n_experts=raw["num_experts"],
+                    top_k=raw["num_experts_per_tok"],
                     qk_norm=True, norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
                     aux_loss_weight=float(raw.get("router_aux_loss_coef", 0.01)))
 
     def hf_config_kwargs(self, cfg):
-        llama = {k: v for k, v in super().hf_config_kwargs(cfg).items() if k not in ("head_dim", "mlp_bias")}
-        return dict(llama, num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k, norm_topk_prob=cfg.norm_topk_prob,
-                    router_aux_loss_coef=cfg.aux_loss_weight, clip_qkv=None, output_router_logits=False)
+        llama = {k: v for k,
+                 v in super().hf_config_kwargs(cfg).items() if k not in ("head_dim", "mlp_bias")}
+        return dict(llama, num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
+                    norm_topk_prob=cfg.norm_topk_prob,
+                    router_aux_loss_coef=cfg.aux_loss_weight, clip_qkv=None,
+                    output_router_logits=False)

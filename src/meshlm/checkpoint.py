@@ -3,28 +3,32 @@
     <run>/
       step-000600/
         model.safetensors   full (unsharded) weights, fp32, names as MeshLM.state_dict()
-        state.pt            optimizer (keyed by parameter name), scheduler, RNG, step, best val loss;
-                            plain tensors and containers only: loaded with torch.load(weights_only=True)
-        tokenizer.json      the tokenizer, unless it is the shipped "default" (meshlm.loading: a folder's
-                            own tokenizer file wins over the one its training config names)
+        state.pt            optimizer (keyed by parameter name), scheduler, RNG, step, best val
+                            loss; plain tensors and containers only: loaded with
+                            torch.load(weights_only=True)
+        tokenizer.json      the tokenizer, unless it is the shipped "default" (meshlm.loading: a
+                            folder's own tokenizer file wins over the one its training config names)
         config.json         {"model": ModelConfig, "train": TrainConfig, "step", "val_loss"}
-        manifest.json       {"format", "files": {name: {"bytes", "sha256"}}, "sha256"}: every file above,
-                            config.json included, plus a digest of that list; written last, it seals them
+        manifest.json       {"format", "files": {name: {"bytes", "sha256"}}, "sha256"}: every file
+                            above, config.json included, plus a digest of that list; written last,
+                            it seals them
       latest                "step-000600": the newest complete checkpoint (replaced atomically)
       best                  the checkpoint with the lowest validation loss
       metrics.jsonl
 
-`write_checkpoint` is the one writer: training (`save_checkpoint`, which adds the pointers and pruning),
-`meshlm convert` and `meshlm retrofit` (a single step-0 folder without state.pt) all go through it.
+`write_checkpoint` is the one writer: training (`save_checkpoint`, which adds the pointers and
+pruning), `meshlm convert` and `meshlm retrofit` (a single step-0 folder without state.pt) all go
+through it.
 
-Atomicity: a checkpoint is written into `.tmp-step-…`, every file fsynced, then the directory is renamed
-into place (rename is atomic on POSIX) and the parent fsynced; pointers are written to a temp file and
-`os.replace`d. A crash leaves either the old state or the new one, never a half checkpoint under a real
-name. Loading checks every file's size and SHA-256 against manifest.json, so truncation, corruption or an
-edit (of config.json too) is reported with the file's path, and `find_resumable` falls back to the previous
-good checkpoint. A checkpoint without a manifest, or whose manifest leaves out a file it needs or was edited,
-is refused. A failed write (full disk, no permission) removes its temporary folder and names the path and
-the free space; the checkpoints written before stay as they were.
+Atomicity: a checkpoint is written into `.tmp-step-…`, every file fsynced, then the directory is
+renamed into place (rename is atomic on POSIX) and the parent fsynced; pointers are written to a
+temp file and `os.replace`d. A crash leaves either the old state or the new one, never a half
+checkpoint under a real name. Loading checks every file's size and SHA-256 against manifest.json, so
+truncation, corruption or an edit (of config.json too) is reported with the file's path, and
+`find_resumable` falls back to the previous good checkpoint. A checkpoint without a manifest, or
+whose manifest leaves out a file it needs or was edited, is refused. A failed write (full disk, no
+permission) removes its temporary folder and names the path and the free space; the checkpoints
+written before stay as they were.
 
 Loading never executes code: weights via safetensors, the rest via torch.load(weights_only=True).
 """
@@ -74,20 +78,23 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
-# -- writing ----------------------------------------------------------------------------------------------
+# -- writing ---------------------------------------------------------------------------------------
 def write_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], meta: dict[str, Any],
                      state: dict[str, Any] | None = None, tokenizer: Path | None = None) -> Path:
-    """Write one checkpoint folder atomically: the one writer of meshlm checkpoints (training, conversion,
-    retrofit). `meta` must hold "model" and "step"; `state` (optimizer, RNG, …) is only for resumable runs;
-    `tokenizer`: a tokenizer.json to carry, so the checkpoint stands alone. An existing `folder` is replaced."""
+    """Write one checkpoint folder atomically: the one writer of meshlm checkpoints (training,
+    conversion, retrofit). `meta` must hold "model" and "step"; `state` (optimizer, RNG, …) is only
+    for resumable runs; `tokenizer`: a tokenizer.json to carry, so the checkpoint stands alone. An
+    existing `folder` is replaced."""
     folder = Path(folder)
     tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        os.chmod(tmp / WEIGHTS, 0o666 & ~UMASK)  # safetensors writes 0600; the others follow the umask
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp / WEIGHTS),
+                  metadata={"format": "pt"})
+        # safetensors writes 0600; the others follow the umask
+        os.chmod(tmp / WEIGHTS, 0o666 & ~UMASK)
         names = [WEIGHTS]
         if state is not None:
             _save_state(state, tmp / STATE)
@@ -99,15 +106,18 @@ def write_checkpoint(folder: str | Path, weights: dict[str, torch.Tensor], meta:
         seal(tmp, meta, names)
         atomic.replace_folder(tmp, folder)
     except (OSError, SafetensorError) as err:
-        shutil.rmtree(tmp, ignore_errors=True)  # first, so the message shows the space there really is
+        # first, so the message shows the space there really is
+        shutil.rmtree(tmp, ignore_errors=True)
         raise storage_error(as_os_error(err), folder, "writing checkpoint") from None
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # gone after the rename; after a failure, the partial write
+        # gone after the rename; after a failure, the partial write
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
 def _read_umask() -> int:
-    mask = os.umask(0)  # the only way to read it: set and restore, once at import (before any thread writes)
+    # the only way to read it: set and restore, once at import (before any thread writes)
+    mask = os.umask(0)
     os.umask(mask)
     return mask
 
@@ -117,23 +127,29 @@ UMASK = _read_umask()
 
 def save_model(model, folder: str | Path, meta: dict[str, Any] | None = None,
                tokenizer: Path | None = None) -> Path:
-    """A MeshLM as a step-0 checkpoint folder without optimizer state (what convert and retrofit write);
-    meshlm.loading.open_model reads it back and `train.init_from` continues training from it."""
-    return write_checkpoint(folder, model.state_dict(), {"model": model.config.to_dict(), "step": 0, **(meta or {})},
+    """A MeshLM as a step-0 checkpoint folder without optimizer state (what convert and retrofit
+    write); meshlm.loading.open_model reads it back and `train.init_from` continues training from
+    it."""
+    return write_checkpoint(folder, model.state_dict(),
+                            {"model": model.config.to_dict(), "step": 0, **(meta or {})},
                             tokenizer=tokenizer)
 
 
-def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Tensor], state: dict[str, Any],
+def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Tensor],
+                    state: dict[str, Any],
                     meta: dict[str, Any], keep_last: int = 3, is_best: bool = False,
                     tokenizer: Path | None = None) -> Path:
     """Write <run>/step-NNNNNN atomically, update `latest` (and `best`), prune old checkpoints.
-    `tokenizer`: a tokenizer.json to carry along (one that is not built in), so the checkpoint stands alone."""
+    `tokenizer`: a tokenizer.json to carry along (one that is not built in), so the checkpoint
+    stands alone."""
     run_dir = Path(run_dir)
-    bad = [name for name, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    bad = [name for name,
+           t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         raise CheckpointError(f"refusing to save step {step}: non-finite values in {bad[0]} "
                               f"(and {len(bad) - 1} more); the run diverged, lower train.lr")
-    final = write_checkpoint(run_dir / step_dir_name(step), weights, {**meta, "step": step}, state, tokenizer)
+    final = write_checkpoint(run_dir / step_dir_name(step), weights, {**meta, "step": step}, state,
+                             tokenizer)
     _write_pointer(run_dir / "latest", final.name)
     if is_best:
         _write_pointer(run_dir / "best", final.name)
@@ -142,8 +158,8 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
 
 
 def _save_state(state: dict[str, Any], path: Path) -> None:
-    """torch.save, with a failed write (its RuntimeError: "file write failed", "unexpected pos", …) turned
-    into the OSError it is: ENOSPC when the disk is (nearly) full."""
+    """torch.save, with a failed write (its RuntimeError: "file write failed", "unexpected pos", …)
+    turned into the OSError it is: ENOSPC when the disk is (nearly) full."""
     try:
         torch.save(state, path)
     except RuntimeError as err:
@@ -153,11 +169,12 @@ def _save_state(state: dict[str, Any], path: Path) -> None:
 
 
 def seal(folder: Path, meta: dict[str, Any], names: list[str]) -> None:
-    """Finish a checkpoint folder: config.json (`meta`), then manifest.json over `names` and config.json,
-    then fsync everything (the end of write_checkpoint)."""
+    """Finish a checkpoint folder: config.json (`meta`), then manifest.json over `names` and
+    config.json, then fsync everything (the end of write_checkpoint)."""
     _write_json(folder / CONFIG, {**meta, "format": FORMAT})
     files = {name: _describe(folder / name) for name in (*names, CONFIG)}
-    _write_json(folder / MANIFEST, {"format": MANIFEST_FORMAT, "files": files, "sha256": _digest(files)})
+    _write_json(folder / MANIFEST,
+                {"format": MANIFEST_FORMAT, "files": files, "sha256": _digest(files)})
     for name in (*names, CONFIG, MANIFEST):
         fsync_path(folder / name)
     fsync_path(folder)
@@ -169,7 +186,8 @@ def _digest(files: dict[str, Any]) -> str:
 
 
 def prune(run_dir: Path, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` checkpoints, never the `best` one; drop stale temp dirs."""
+    """Delete all but the newest `keep_last` checkpoints, never the `best` one; drop stale temp
+    dirs."""
     best = _read_pointer(run_dir / "best")
     for old in list_checkpoints(run_dir)[keep_last:]:
         if old.name != best:
@@ -198,13 +216,14 @@ def _read_pointer(path: Path) -> str | None:
         return None
 
 
-# -- reading ----------------------------------------------------------------------------------------------
+# -- reading ---------------------------------------------------------------------------------------
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete-looking checkpoint dirs, newest step first."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _STEP_DIR.match(p.name))
+             and p.is_dir()]
     return [p for _, p in sorted(found, reverse=True)]
 
 
@@ -218,8 +237,8 @@ def resolve(path: str | Path) -> Path:
         return path / pointer
     found = list_checkpoints(path)
     if not found:
-        raise CheckpointError(f"{path} holds no checkpoint (no config.json, `latest` or step-* dirs); "
-                              f"pass a run dir or a step-NNNNNN dir")
+        raise CheckpointError(f"{path} holds no checkpoint (no config.json, `latest` or step-* "
+                              "dirs); pass a run dir or a step-NNNNNN dir")
     return found[0]
 
 
@@ -249,23 +268,26 @@ def read_json(file: Path, fix: str = "use an earlier checkpoint") -> dict[str, A
 
 
 def missing(file: Path) -> CheckpointError:
-    """A checkpoint file that is not there. With its whole folder gone, the checkpoint was pruned while being
-    read (a training still running keeps only its newest ones), not left incomplete."""
+    """A checkpoint file that is not there. With its whole folder gone, the checkpoint was pruned
+    while being read (a training still running keeps only its newest ones), not left incomplete."""
     if not file.parent.is_dir():
-        return CheckpointError(f"checkpoint {file.parent} was removed while being read (a training still running "
-                               f"prunes its older checkpoints); open the run folder again to read its newest one")
+        return CheckpointError(f"checkpoint {file.parent} was removed while being read (a training "
+                               "still running prunes its older checkpoints); open the run folder "
+                               "again to read its newest one")
     return CheckpointError(f"{file} is missing: the checkpoint is incomplete; use an earlier one")
 
 
 def read_manifest(path: Path) -> dict[str, dict[str, Any]]:
-    """The checked file list of a checkpoint dir; CheckpointError if it is missing, unreadable or edited."""
+    """The checked file list of a checkpoint dir; CheckpointError if it is missing, unreadable or
+    edited."""
     file = path / MANIFEST
     if not path.is_dir():
         raise missing(file)
     if not file.is_file():
         legacy = (path / CONFIG).is_file() and "files" in _read_json_or_empty(path / CONFIG)
-        why = ("it was written by meshlm before checksums covered config.json; if you trust it, seal it with "
-               f"`python -m meshlm.checkpoint reseal {path}`") if legacy else "the checkpoint is incomplete"
+        why = ("it was written by meshlm before checksums covered config.json; if you trust it, "
+               "seal it with `python "
+               f"-m meshlm.checkpoint reseal {path}`") if legacy else "the checkpoint is incomplete"
         raise CheckpointError(f"{file} is missing: {why}; or use an earlier checkpoint")
     manifest = read_json(file)
     try:
@@ -275,8 +297,8 @@ def read_manifest(path: Path) -> dict[str, dict[str, Any]]:
         raise CheckpointError(f"{file} is corrupt (it lacks a manifest's fields: {err}); use an "
                               f"earlier checkpoint") from None
     if not ok:
-        raise CheckpointError(f"{file} was edited or is corrupt (its digest does not match its file list); "
-                              f"use an earlier checkpoint")
+        raise CheckpointError(f"{file} was edited or is corrupt (its digest does not match its "
+                              "file list); use an earlier checkpoint")
     return files
 
 
@@ -288,10 +310,10 @@ def _read_json_or_empty(path: Path) -> dict:
 
 
 def verify(path: str | Path, unread: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Check every file's size and SHA-256 against manifest.json, and that the manifest covers every file
-    the checkpoint needs (config.json, the weights, state.pt and tokenizer.json when present or named);
-    returns the metadata. Files in `unread` (state.pt for a reader that never loads it) are checked by size
-    only: hashing gigabytes of optimizer state proves nothing about the weights."""
+    """Check every file's size and SHA-256 against manifest.json, and that the manifest covers every
+    file the checkpoint needs (config.json, the weights, state.pt and tokenizer.json when present or
+    named); returns the metadata. Files in `unread` (state.pt for a reader that never loads it) are
+    checked by size only: hashing gigabytes of optimizer state proves nothing about the weights."""
     path = resolve(path)
     files = read_manifest(path)
     for name, expected in files.items():
@@ -300,8 +322,8 @@ def verify(path: str | Path, unread: tuple[str, ...] = ()) -> dict[str, Any]:
             raise missing(file)
         size = file.stat().st_size
         if size != expected["bytes"]:
-            raise CheckpointError(f"{file} is truncated or corrupt: {size} bytes, expected {expected['bytes']}; "
-                                  f"use an earlier checkpoint")
+            raise CheckpointError(f"{file} is truncated or corrupt: {size} bytes, expected "
+                                  f"{expected['bytes']}; use an earlier checkpoint")
         if name in unread:
             continue
         try:
@@ -309,36 +331,38 @@ def verify(path: str | Path, unread: tuple[str, ...] = ()) -> dict[str, Any]:
         except FileNotFoundError:
             raise missing(file) from None
         if digest != expected["sha256"]:
-            raise CheckpointError(f"{file} was edited or is corrupt: its SHA-256 does not match {MANIFEST}; "
-                                  f"use an earlier checkpoint")
+            raise CheckpointError(f"{file} was edited or is corrupt: its SHA-256 does not match "
+                                  f"{MANIFEST}; use an earlier checkpoint")
     meta = read_meta(path)
     needed = {CONFIG, WEIGHTS} | {n for n in (STATE, TOKENIZER) if (path / n).exists()}
     needed |= {meta["tokenizer"]} if isinstance(meta.get("tokenizer"), str) else set()
     uncovered = sorted(needed - set(files))
     if uncovered:
-        raise CheckpointError(f"{path / MANIFEST} does not cover {', '.join(uncovered)}: the checkpoint was "
-                              f"edited; use an earlier checkpoint")
+        raise CheckpointError(f"{path / MANIFEST} does not cover {', '.join(uncovered)}: the "
+                              "checkpoint was edited; use an earlier checkpoint")
     return meta
 
 
 def reseal(path: str | Path, force: bool = False) -> Path:
-    """Write manifest.json for a checkpoint from before manifests, after checking the files its config.json
-    lists. Only for checkpoints you trust: config.json itself was never checksummed. A checkpoint that already
-    has a manifest is left alone when it verifies, and refused when it does not (its files were edited after
-    sealing) unless `force`: resealing would otherwise sign any edit."""
+    """Write manifest.json for a checkpoint from before manifests, after checking the files its
+    config.json lists. Only for checkpoints you trust: config.json itself was never checksummed. A
+    checkpoint that already has a manifest is left alone when it verifies, and refused when it does
+    not (its files were edited after sealing) unless `force`: resealing would otherwise sign any
+    edit."""
     path = resolve(path)
     if (path / MANIFEST).is_file() and not force:
         try:
             verify(path)
         except CheckpointError as err:
-            raise CheckpointError(f"{path} is already sealed and no longer matches its {MANIFEST} ({err}); reseal "
-                                  f"only seals checkpoints from before manifests: pass --force to re-sign an edit "
-                                  f"you made and trust") from None
+            raise CheckpointError(f"{path} is already sealed and no longer matches its {MANIFEST} "
+                                  f"({err}); reseal only seals checkpoints from before manifests: "
+                                  "pass --force to re-sign an edit you made and trust") from None
         return path / MANIFEST
     meta = read_meta(path)
     for name, expected in meta.get("files", {}).items():
         if sha256_file(path / name) != expected["sha256"]:
-            raise CheckpointError(f"{path / name} does not match config.json; use an earlier checkpoint")
+            raise CheckpointError(f"{path / name} does not match config.json; use an earlier "
+                                  "checkpoint")
     names = [n for n in (WEIGHTS, STATE, TOKENIZER) if (path / n).is_file()]
     files = {name: _describe(path / name) for name in (*names, CONFIG)}
     tmp = path / f".{MANIFEST}.{os.getpid()}"
@@ -356,7 +380,8 @@ def load_checkpoint(path: str | Path, with_state: bool = True, check: bool = Tru
     except (SafetensorError, OSError, ValueError) as err:
         if not path.is_dir():
             raise missing(path / WEIGHTS) from None
-        raise CheckpointError(f"{path / WEIGHTS} cannot be read ({err}); use an earlier checkpoint") from None
+        raise CheckpointError(f"{path / WEIGHTS} "
+                              f"cannot be read ({err}); use an earlier checkpoint") from None
     state = None
     if with_state:
         try:
@@ -370,14 +395,17 @@ def unreadable_pickle(file: Path, err: Exception, fix: str) -> CheckpointError:
     """The one-line error for a torch.load(weights_only=True) that failed. torch's own text advises
     weights_only=False, which would run whatever code the file holds: it is never shown."""
     if isinstance(err, pickle.UnpicklingError) or "weights_only" in str(err):
-        return CheckpointError(f"{file} holds pickled Python objects beyond plain tensors, which meshlm never "
-                               f"unpickles (that could run code from the file); {fix}, or save it as safetensors "
-                               f"(transformers: save_pretrained(safe_serialization=True))")
-    return CheckpointError(f"{file} is truncated or corrupt ({type(err).__name__}: {str(err)[:100]}); {fix}")
+        return CheckpointError(f"{file} holds pickled Python objects beyond plain tensors, which "
+                               "meshlm never unpickles (that could run code from the file); "
+                               f"{fix}, or save it as safetensors (transformers: "
+                               "save_pretrained(safe_serialization=True))")
+    return CheckpointError(f"{file} is truncated or corrupt ({type(err).__name__}: "
+                           f"{str(err)[:100]}); {fix}")
 
 
 def find_resumable(run_dir: str | Path, warn: Callable[[str], None] = print) -> Checkpoint | None:
-    """The newest checkpoint that verifies and loads; a bad one is reported and skipped (not deleted)."""
+    """The newest checkpoint that verifies and loads; a bad one is reported and skipped (not
+    deleted)."""
     for path in list_checkpoints(run_dir):
         try:
             return load_checkpoint(path)

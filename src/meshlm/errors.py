@@ -1,8 +1,8 @@
-"""Errors that mean "the user asked for something impossible" or "the world got in the way": the CLI prints
-them as one line (no traceback unless --debug / MESHLM_DEBUG=1) and exits with the error's `exit_code`:
-2 for usage (a bad argument or config value), 1 for a runtime failure (missing data, corrupt checkpoint,
-full disk), 130 / 143 after Ctrl-C / SIGTERM. `Problems` collects every problem with a command's inputs
-before any compute and raises them as one error."""
+"""Errors that mean "the user asked for something impossible" or "the world got in the way": the CLI
+prints them as one line (no traceback unless --debug / MESHLM_DEBUG=1) and exits with the error's
+`exit_code`: 2 for usage (a bad argument or config value), 1 for a runtime failure (missing data,
+corrupt checkpoint, full disk), 130 / 143 after Ctrl-C / SIGTERM. `Problems` collects every problem
+with a command's inputs before any compute and raises them as one error."""
 from __future__ import annotations
 
 import errno
@@ -45,11 +45,13 @@ class Interrupted(MeshlmError):
         self.exit_code = 128 + signal_number
 
 
-MIN_FREE = 1 << 20  # bytes an output folder needs free before a command computes what it will write there
+# bytes an output folder needs free before a command computes what it will write there
+MIN_FREE = 1 << 20
 
 
 def nearest_existing(path: str | Path) -> Path:
-    """`path`, or its nearest parent that exists: the folder whose filesystem a write to `path` lands on."""
+    """`path`, or its nearest parent that exists: the folder whose filesystem a write to `path`
+    lands on."""
     path = Path(path).expanduser().absolute()
     while not path.exists() and path != path.parent:
         path = path.parent
@@ -65,7 +67,8 @@ def free_bytes(path: str | Path) -> float:
 
 
 def free_space(path: str | Path) -> str:
-    """Free space of the filesystem holding `path` (or its nearest existing parent), e.g. "1.2 GB free"."""
+    """Free space of the filesystem holding `path` (or its nearest existing parent), e.g. "1.2 GB
+    free"."""
     free = free_bytes(path)
     if free == float("inf"):
         return "free space unknown"
@@ -79,17 +82,21 @@ def free_space(path: str | Path) -> str:
 def describe_os_error(err: OSError, path: str | Path | None = None, doing: str = "") -> str:
     """One line for a filesystem failure: what failed, on which path, and what would fix it."""
     path = path or err.filename
-    if path is None:  # a failed write on an open file names none: no free space of an unrelated filesystem
-        what, space = doing or "a file write", "free space unknown: run with --debug to see the file"
+    # a failed write on an open file names none: no free space of an unrelated filesystem
+    if path is None:
+        what, space = (doing or "a file write",
+                       "free space unknown: run with --debug to see the file")
     else:
         what, space = f"{doing} {path}" if doing else str(path), free_space(path)
     reason = err.strerror or type(err).__name__
     if err.errno == errno.EIO:
         return f"{what}: {reason}; {space}: check the disk and the free space"
     if err.errno in (errno.ENOSPC, errno.EDQUOT):
-        return f"{what}: no space left on device ({space}); free some space or choose another folder"
+        return (f"{what}: no space left on device ({space}); free some space or choose another "
+                "folder")
     if err.errno in (errno.EACCES, errno.EPERM):
-        return f"{what}: permission denied; choose a folder you can write to, or fix its permissions"
+        return (f"{what}: permission denied; choose a folder you can write to, or fix its "
+                "permissions")
     if err.errno == errno.EROFS:
         return f"{what}: read-only file system; choose a writable folder"
     if err.errno == errno.ENOENT:
@@ -107,7 +114,8 @@ _Result = TypeVar("_Result")
 
 
 class Problems:
-    """Collect every problem with a command's inputs before any compute, then raise them as one error.
+    """Collect every problem with a command's inputs before any compute, then raise them as one
+    error.
 
         p = Problems()
         p.need(args.limit is None or args.limit >= 1, "--limit must be >= 1")
@@ -132,25 +140,30 @@ class Problems:
             return None
 
     def writable(self, path: str | os.PathLike, setting: str) -> bool:
-        """Records a problem unless `path` (or, if it does not exist yet, its nearest existing parent) can be
-        written: a read-only filesystem, a missing permission or a full disk (under MIN_FREE left) is found
-        before any work, not after it."""
+        """Records a problem unless `path` (or, if it does not exist yet, its nearest existing
+        parent) can be written: a read-only filesystem, a missing permission or a full disk (under
+        MIN_FREE left) is found before any work, not after it."""
         existing = nearest_existing(path)
-        if existing.is_file():  # the folder, or one it would be made in, is a file: not a permission problem
-            return self.need(False, f"{setting} {path}: {existing} is a file, not a folder; choose a folder path")
+        # the folder, or one it would be made in, is a file: not a permission problem
+        if existing.is_file():
+            return self.need(False, f"{setting} {path}: {existing} is a file, not a folder; choose "
+                                    "a folder path")
         if not self.need(os.access(existing, os.W_OK | os.X_OK),
-                         f"{setting} {path}: cannot write to {existing} (read-only or no permission); choose a "
-                         f"folder you can write to"):
+                         f"{setting} {path}: cannot write to {existing} (read-only or no "
+                         "permission); choose a folder you can write to"):
             return False
-        return self.need(free_bytes(existing) >= MIN_FREE, f"{setting} {path}: no space left on device "
-                                                           f"({free_space(existing)}); free some space or choose "
-                                                           f"another folder")
+        return self.need(free_bytes(existing) >= MIN_FREE, f"{setting} {path}: no space left on "
+                                                           f"device ({free_space(existing)}); free "
+                                                           "some space or choose another folder")
 
     def raise_if_any(self) -> None:
-        """One error: a usage error (exit 2) if any problem is one, else the first problem's kind."""
+        """One error: a usage error (exit 2) if any problem is one, else the first problem's
+        kind."""
         if not self.errors:
             return
         if len(self.errors) == 1:
             raise self.errors[0]
-        kind = ConfigError if any(isinstance(e, ConfigError) for e in self.errors) else type(self.errors[0])
-        raise kind(f"{len(self.errors)} problems: " + "; ".join(f"({i}) {e}" for i, e in enumerate(self.errors, 1)))
+        kind = (ConfigError if any(isinstance(e, ConfigError) for e in self.errors)
+                else type(self.errors[0]))
+        raise kind(f"{len(self.errors)} problems: "
+                   + "; ".join(f"({i}) {e}" for i, e in enumerate(self.errors, 1)))

@@ -1,7 +1,7 @@
-"""Every field of a config dataclass with its type, default and meaning, read from the class itself: the
-annotation, the default, and the comment that follows the field in its source (continued on the comment
-lines below it). `meshlm train --help` prints these for ModelConfig and TrainConfig, so the help cannot
-drift from the code."""
+"""Every field of a config dataclass with its type, default and meaning, read from the class itself:
+the annotation, the default, and the comment that follows the field in its source (continued on the
+comment lines below it). `meshlm train --help` prints these for ModelConfig and TrainConfig, so the
+help cannot drift from the code."""
 from __future__ import annotations
 
 import ast
@@ -27,7 +27,8 @@ def _comments(source: str) -> dict[int, str]:
 
 
 def field_docs(cls) -> list[FieldDoc]:
-    """The fields of dataclass `cls`, in order, each with its comment (and the comment-only lines below it)."""
+    """The fields of dataclass `cls`, in order, each with its comment (and the comment-only lines
+    below it)."""
     source = textwrap.dedent(inspect.getsource(cls))
     comments, lines = _comments(source), source.splitlines()
     meanings = {}
@@ -35,11 +36,13 @@ def field_docs(cls) -> list[FieldDoc]:
         if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
             continue
         parts, line = [comments.get(node.end_lineno, "")], node.end_lineno + 1
-        while line in comments and lines[line - 1].lstrip().startswith("#") and not comments[line].startswith("--"):
+        while (line in comments and lines[line - 1].lstrip().startswith("#")
+               and not comments[line].startswith("--")):
             parts.append(comments[line])
             line += 1
         meanings[node.target.id] = " ".join(p for p in parts if p)
-    return [FieldDoc(f.name, str(f.type), _default(f), meanings.get(f.name, "")) for f in dataclasses.fields(cls)]
+    return [FieldDoc(f.name, str(f.type), _default(f), meanings.get(f.name, ""))
+            for f in dataclasses.fields(cls)]
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -49,10 +52,12 @@ def _default(f: dataclasses.Field) -> Any:
 
 
 def describe(cls, title: str, width: int = 100) -> str:
-    """A help section: one `name: type = default` line per field and its meaning, wrapped and indented."""
+    """A help section: one `name: type = default` line per field and its meaning, wrapped and
+    indented."""
     out = textwrap.wrap(title, width, subsequent_indent="    ")
     for doc in field_docs(cls):
         out.append(f"  {doc.name}: {doc.kind} = {doc.default!r}")
         if doc.meaning:
-            out += textwrap.wrap(doc.meaning, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+            out += textwrap.wrap(doc.meaning, width, initial_indent=" " * 6,
+                                 subsequent_indent=" " * 6)
     return "\n".join(out)

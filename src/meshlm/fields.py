@@ -1,7 +1,7 @@
 """Strict types for the config dataclasses (ModelConfig, TrainConfig): one coercion, one check.
 
-Values come from YAML files, `key=value` overrides and JSON, so `coerce` turns what those formats produce
-into the field's annotated type, and refuses anything else:
+Values come from YAML files, `key=value` overrides and JSON, so `coerce` turns what those formats
+produce into the field's annotated type, and refuses anything else:
 
 | annotation   | accepted                                                   | refused                  |
 |--------------|------------------------------------------------------------|--------------------------|
@@ -13,7 +13,8 @@ into the field's annotated type, and refuses anything else:
 | list[float]  | a list of numbers                                          | a scalar, a list of str  |
 | dict[...]    | a mapping                                                  | anything else            |
 
-`check` is the strict form for values already in a dataclass: the value must be of the type as it is.
+`check` is the strict form for values already in a dataclass: the value must be of the type as it
+is.
 """
 from __future__ import annotations
 
@@ -29,19 +30,22 @@ _TRUE, _FALSE = ("true", "yes"), ("false", "no")
 
 
 class FieldError(ValueError):
-    """One field's value does not fit its type; the message names the field, the value and what fits."""
+    """One field's value does not fit its type; the message names the field, the value and what
+    fits."""
 
 
 def _what(kind: str) -> str:
     base = kind.replace(" | None", "")
-    words = {"bool": "true or false", "int": "an integer", "float": "a finite number", "str": "a string",
+    words = {"bool": "true or false", "int": "an integer", "float": "a finite number",
+             "str": "a string",
              "list[float]": "a list of numbers"}
     text = words.get(base, "a mapping" if base.startswith("dict") else base)
     return text + (" (or null)" if kind.endswith("| None") else "")
 
 
 def coerce(name: str, kind: str, value: Any) -> Any:
-    """`value` (from YAML/JSON/an override) as the annotated type `kind`; FieldError if it does not fit."""
+    """`value` (from YAML/JSON/an override) as the annotated type `kind`; FieldError if it does not
+    fit."""
     bad = FieldError(f"{name}={value!r} must be {_what(kind)}")
     if kind.endswith(" | None"):
         return None if value is None else coerce(name, kind[:-len(" | None")], value)
@@ -81,7 +85,8 @@ def coerce(name: str, kind: str, value: Any) -> Any:
 
 
 def _number(value: Any) -> int | float | None:
-    """A finite int/float from a number or a numeric string; None otherwise (bools are not numbers)."""
+    """A finite int/float from a number or a numeric string; None otherwise (bools are not
+    numbers)."""
     if isinstance(value, bool):
         return None
     if isinstance(value, str):
@@ -99,7 +104,8 @@ def _number(value: Any) -> int | float | None:
 
 
 def check(name: str, kind: str, value: Any) -> str | None:
-    """The strict test for a value already in a dataclass: the problem, or None if it is of the type."""
+    """The strict test for a value already in a dataclass: the problem, or None if it is of the
+    type."""
     try:
         ok = coerce(name, kind, value)
     except FieldError as err:
@@ -112,13 +118,16 @@ def check(name: str, kind: str, value: Any) -> str | None:
 
 
 def kinds(cls) -> dict[str, str]:
-    """Field name -> annotation string of a dataclass (annotations are strings under `from __future__`)."""
+    """Field name -> annotation string of a dataclass (annotations are strings under `from
+    __future__`)."""
     return {f.name: str(f.type) for f in dataclasses.fields(cls)}
 
 
 def did_you_mean(wrong: list, valid) -> str:
-    """" (did you mean 'lr'?)" for the valid names nearest to misspelt ones, or "" when none is near."""
-    near = [m for w in wrong for m in difflib.get_close_matches(str(w), [str(v) for v in valid], n=2)]
+    """" (did you mean 'lr'?)" for the valid names nearest to misspelt ones, or "" when none is
+    near."""
+    near = [m for w in wrong for m in difflib.get_close_matches(str(w), [str(v) for v in valid],
+                                                                n=2)]
     return f" (did you mean {', '.join(repr(m) for m in dict.fromkeys(near))}?)" if near else ""
 
 
@@ -128,8 +137,8 @@ def coerce_all(cls, data: dict[str, Any], what: str) -> tuple[dict[str, Any], li
     problems: list[str] = []
     unknown = sorted(set(data) - set(types), key=str)
     if unknown:
-        problems.append(f"unknown {what} field(s) {unknown}{did_you_mean(unknown, types)}; valid fields: "
-                        f"{sorted(types)}")
+        problems.append(f"unknown {what} field(s) {unknown}{did_you_mean(unknown, types)}; valid "
+                        f"fields: {sorted(types)}")
     values = {}
     for key, value in data.items():
         if key in types:
@@ -141,7 +150,8 @@ def coerce_all(cls, data: dict[str, Any], what: str) -> tuple[dict[str, Any], li
 
 
 def type_problems(obj) -> tuple[list[str], list[str]]:
-    """(problems, names of the fields with a wrong type) of a dataclass instance, checked strictly."""
+    """(problems, names of the fields with a wrong type) of a dataclass instance, checked
+    strictly."""
     problems, names = [], []
     for name, kind in kinds(type(obj)).items():
         problem = check(name, kind, getattr(obj, name))
@@ -152,19 +162,20 @@ def type_problems(obj) -> tuple[list[str], list[str]]:
 
 
 def with_defaults(obj, names: list[str]):
-    """A shallow copy of `obj` (no __post_init__) whose `names` fields hold their defaults: lets the range
-    checks run on the other fields when some have the wrong type."""
+    """A shallow copy of `obj` (no __post_init__) whose `names` fields hold their defaults: lets the
+    range checks run on the other fields when some have the wrong type."""
     shadow = copy.copy(obj)
     for f in dataclasses.fields(obj):
         if f.name in names:
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            default = (f.default_factory() if f.default_factory is not dataclasses.MISSING
+                       else f.default)
             object.__setattr__(shadow, f.name, default)
     return shadow
 
 
 def build(cls, values: dict[str, Any], problems: list[str], prefix: str):
-    """cls(**values), with the problems its own validation finds joined to `problems` (from coerce_all):
-    every problem in one ConfigError starting with `prefix`."""
+    """cls(**values), with the problems its own validation finds joined to `problems` (from
+    coerce_all): every problem in one ConfigError starting with `prefix`."""
     config = None
     try:
         config = cls(**values)

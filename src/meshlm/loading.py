@@ -1,4 +1,5 @@
-"""One way to open a model folder, whatever wrote it: `open_model(path)` -> model, tokenizer, metadata, data.
+"""One way to open a model folder, whatever wrote it: `open_model(path)` -> model, tokenizer,
+metadata, data.
 
     folder                                             format   results of eval/probe go to
     <run>/ (its `latest`, else newest step-NNNNNN)     meshlm   <run>/
@@ -8,7 +9,8 @@
     `meshlm convert --to hf` output (MeshForCausalLM)  hf       the folder itself
     a LoRA run's checkpoint (train.lora_rank > 0)      meshlm   <run>/; adapters merged (meshlm.adapters)
     Hugging Face GPT-NeoX (Pythia) / Llama / OLMoE     neox | llama | olmoe   the folder itself
-    org/name[@revision] on the Hugging Face Hub        any above ./org--name (meshlm.hub; cached snapshot)
+    org/name[@revision] on the Hugging Face Hub        any above ./org--name (meshlm.hub; cached
+                                                       snapshot)
 
 The format is recognised from config.json alone. `locate(path)` reads only that (a `ModelFolder`:
 the model config, the tokenizer and data the folder names); `open_model` also loads the weights into
@@ -21,16 +23,19 @@ file. Each format's config and weights come from its adapter below the loader
 The tokenizer rule, the first that applies:
     1. an explicit choice (`--tokenizer`; for training, `train.tokenizer` other than "default");
     2. the folder's own tokenizer file: the tokenizer.json a meshlm checkpoint carries (config.json
-       "tokenizer"; written by training with a non-default tokenizer, by convert and by retrofit), or the
-       tokenizer.json beside a Hugging Face folder's config.json;
-    3. the tokenizer a meshlm checkpoint's training config names (train.tokenizer: "default", "pythia");
-    4. the shipped 8,192-token "default" — only for a folder that names none and whose vocabulary has exactly
-       8,192 ids. Any other vocabulary was made with another tokenizer: guessing the default there would pass
-       the vocabulary check (8,192 < 50,304) while scoring garbage, so it is an error asking for one.
-An explicit choice must encode like the tokenizer rules 2-4 give (compared by behaviour, so a re-exported
-tokenizer.json is the same one): another tokenizer is a ConfigError unless forced (`--force-tokenizer`,
-train.force_tokenizer), since a model scored through ids it was not trained on gives wrong numbers silently.
-The data rule (held-out data for eval and probe), the first that applies:
+       "tokenizer"; written by training with a non-default tokenizer, by convert and by retrofit),
+       or the tokenizer.json beside a Hugging Face folder's config.json;
+    3. the tokenizer a meshlm checkpoint's training config names (train.tokenizer: "default",
+       "pythia");
+    4. the shipped 8,192-token "default" — only for a folder that names none and whose vocabulary
+       has exactly 8,192 ids. Any other vocabulary was made with another tokenizer: guessing the
+       default there would pass the vocabulary check (8,192 < 50,304) while scoring garbage, so it
+       is an error asking for one.
+An explicit choice must encode like the tokenizer rules 2-4 give (compared by behaviour, so a
+re-exported tokenizer.json is the same one): another tokenizer is a ConfigError unless forced
+(`--force-tokenizer`, train.force_tokenizer), since a model scored through ids it was not trained on
+gives wrong numbers silently. The data rule (held-out data for eval and probe), the first that
+applies:
     1. an explicit `--data` folder;
     2. the prepared folder the checkpoint's training config names (train.data);
     3. "default": the embedded corpus, prepared (once, cached by tokenizer hash) with the tokenizer above.
@@ -73,7 +78,7 @@ from meshlm.runtime import devices
 _STEP_DIR = re.compile(r"^step-\d+$")
 
 
-# -- recognising a folder ----------------------------------------------------------------------------------
+# -- recognising a folder --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ModelFolder:
     """A recognised model folder, read as far as its config.json (no weights)."""
@@ -85,11 +90,12 @@ class ModelFolder:
 
     @property
     def run_dir(self) -> Path:
-        """Where results about this model go: the run of a step-NNNNNN checkpoint, ./<org>--<name> for a Hub
-        snapshot (the cache is not ours to write), else the folder itself."""
+        """Where results about this model go: the run of a step-NNNNNN checkpoint, ./<org>--<name>
+        for a Hub snapshot (the cache is not ours to write), else the folder itself."""
         if self.hub:
             return hub.results_dir(self.hub)
-        return self.path.parent if self.format == "meshlm" and _STEP_DIR.match(self.path.name) else self.path
+        return (self.path.parent if self.format == "meshlm"
+                and _STEP_DIR.match(self.path.name) else self.path)
 
     @property
     def train(self) -> dict[str, Any]:
@@ -98,10 +104,12 @@ class ModelFolder:
 
     @property
     def meta(self) -> dict[str, Any]:
-        """A meshlm checkpoint's config.json; for other folders the same keys that apply (format, model)."""
+        """A meshlm checkpoint's config.json; for other folders the same keys that apply (format,
+        model)."""
         if self.format == "meshlm":
             return self.config
-        source = {"format": self.format, "path": str(self.path), **({"hub": self.hub} if self.hub else {})}
+        source = {"format": self.format, "path": str(self.path),
+                  **({"hub": self.hub} if self.hub else {})}
         return {"format": self.format, "model": self.model_config().to_dict(), "source": source}
 
     def model_config(self) -> ModelConfig:
@@ -113,7 +121,8 @@ class ModelFolder:
         return folders.model_config(self.format, self.config, self.path)
 
     def own_tokenizer(self) -> str | None:
-        """Rules 2 and 3: the tokenizer file the folder carries, else the one its training config names."""
+        """Rules 2 and 3: the tokenizer file the folder carries, else the one its training config
+        names."""
         if self.format == "meshlm" and self.config.get("tokenizer"):
             return str(self.path / self.config["tokenizer"])
         if self.format != "meshlm" and (self.path / checkpoint.TOKENIZER).is_file():
@@ -121,8 +130,8 @@ class ModelFolder:
         return self.train.get("tokenizer")
 
     def tokenizer_source(self, override: str | os.PathLike | None = None) -> str | None:
-        """The tokenizer rule (module docstring): "default", "pythia" or a tokenizer.json path; None when the
-        folder names none and its vocabulary is not the default tokenizer's."""
+        """The tokenizer rule (module docstring): "default", "pythia" or a tokenizer.json path; None
+        when the folder names none and its vocabulary is not the default tokenizer's."""
         if override:
             return str(override)
         own = self.own_tokenizer()
@@ -134,17 +143,20 @@ class ModelFolder:
         """tokenizer_source, or a DataError saying how to name the tokenizer."""
         source = self.tokenizer_source(override)
         if source is None:
-            raise DataError(f"{self.path} names no tokenizer, and its {self.model_config().vocab_size:,}-token "
-                            f"vocabulary is not the default tokenizer's {DEFAULT_VOCAB:,}; put the model's "
-                            f"tokenizer.json in the folder or pass --tokenizer (train.tokenizer when training)")
+            raise DataError(f"{self.path} names no tokenizer, and its "
+                            f"{self.model_config().vocab_size:,}-token vocabulary is not the "
+                            f"default tokenizer's {DEFAULT_VOCAB:,}; put the model's "
+                            "tokenizer.json in the folder or pass --tokenizer (train.tokenizer "
+                            "when training)")
         return source
 
-    def chosen_tokenizer(self, override: str | os.PathLike, force: bool = False, setting: str = "--tokenizer",
+    def chosen_tokenizer(self, override: str | os.PathLike, force: bool = False,
+                         setting: str = "--tokenizer",
                          forcing: str = "--force-tokenizer") -> TextTokenizer:
-        """The explicitly chosen tokenizer, loaded, once it is known to encode like the folder's own (rules 2-4);
-        a ConfigError naming what differs otherwise, unless `force`. A folder naming none has nothing to
-        compare with; one whose own tokenizer cannot be loaded (e.g. "pythia" before `meshlm fetch`) is warned
-        about and trusted."""
+        """The explicitly chosen tokenizer, loaded, once it is known to encode like the folder's own
+        (rules 2-4); a ConfigError naming what differs otherwise, unless `force`. A folder naming
+        none has nothing to compare with; one whose own tokenizer cannot be loaded (e.g. "pythia"
+        before `meshlm fetch`) is warned about and trusted."""
         chosen = load_tokenizer(override)
         own = None if force else self.tokenizer_source()
         if own is None or own == str(override):
@@ -152,13 +164,16 @@ class ModelFolder:
         try:
             theirs = load_tokenizer(own)
         except MeshlmError as err:
-            print(f"warning: {setting} {override} is not compared with {self.path}'s own tokenizer ({err})",
+            print(f"warning: {setting} {override} is not compared with {self.path}'s own tokenizer "
+                  f"({err})",
                   file=sys.stderr)
             return chosen
         if chosen.hash != theirs.hash:
-            raise ConfigError(f"{setting} {override} does not encode like {self.path}'s tokenizer {theirs.name} "
-                              f"(different {', '.join(differences(chosen, theirs))}): the model would read ids it "
-                              f"was not trained on; drop {setting}, or pass {forcing} to use it anyway")
+            raise ConfigError(f"{setting} {override} does not encode like {self.path}'s tokenizer "
+                              f"{theirs.name} (different "
+                              f"{', '.join(differences(chosen, theirs))}): the model would read "
+                              f"ids it was not trained on; drop {setting}, or pass {forcing} to "
+                              "use it anyway")
         return chosen
 
     def data_source(self) -> str:
@@ -172,9 +187,10 @@ class ModelFolder:
 
 
 def locate(path: str | os.PathLike | ModelFolder) -> ModelFolder:
-    """Recognise a folder (a run dir means its newest complete checkpoint) or a Hugging Face Hub name
-    (meshlm.hub: fetched, or read from its cache); CheckpointError if it is none. A ModelFolder is
-    recognised already and returned as is: a path is recognised once, however often it is used."""
+    """Recognise a folder (a run dir means its newest complete checkpoint) or a Hugging Face Hub
+    name (meshlm.hub: fetched, or read from its cache); CheckpointError if it is none. A ModelFolder
+    is recognised already and returned as is: a path is recognised once, however often it is
+    used."""
     if isinstance(path, ModelFolder):
         return path
     path, hub_id = hub.resolve(path)
@@ -198,16 +214,18 @@ def _recognise(path: Path) -> ModelFolder:
                           f"{KNOWN_FAMILIES} or meshlm Hugging Face folder")
 
 
-# -- opening -----------------------------------------------------------------------------------------------
+# -- opening ---------------------------------------------------------------------------------------
 @dataclass
 class Opened:
-    """An opened model folder: the model (eval mode), its tokenizer and data under the module's rules."""
+    """An opened model folder: the model (eval mode), its tokenizer and data under the module's
+    rules."""
 
     model: MeshLM
     folder: ModelFolder
     tokenizer_override: str | None = None
     force_tokenizer: bool = False  # an override that encodes unlike the folder's own is accepted
-    merged: bool = False  # a LoRA run's checkpoint: its adapters were merged into the base weights on opening
+    merged: bool = False  # a LoRA run's checkpoint: its adapters were merged into the base weights
+    # on opening
 
     @property
     def path(self) -> Path:
@@ -236,12 +254,14 @@ class Opened:
 
     @property
     def tokenizer_source(self) -> str | None:
-        """The tokenizer rule's answer: "default", "pythia", a tokenizer.json path, or None (none known)."""
+        """The tokenizer rule's answer: "default", "pythia", a tokenizer.json path, or None (none
+        known)."""
         return self.folder.tokenizer_source(self.tokenizer_override)
 
     @cached_property
     def tokenizer(self) -> TextTokenizer:
-        """Loaded on first use (conversion may not need one), checked against the model's vocabulary."""
+        """Loaded on first use (conversion may not need one), checked against the model's
+        vocabulary."""
         if self.tokenizer_override:
             tok = self.folder.chosen_tokenizer(self.tokenizer_override, self.force_tokenizer)
         else:
@@ -251,8 +271,8 @@ class Opened:
 
     @property
     def tokenizer_file(self) -> Path | None:
-        """The tokenizer file a checkpoint derived from this model carries, so it stands alone; None when
-        none is known (the derived checkpoint then names none either)."""
+        """The tokenizer file a checkpoint derived from this model carries, so it stands alone; None
+        when none is known (the derived checkpoint then names none either)."""
         source = self.tokenizer_source
         return resolve_tokenizer_path(source) if source else None
 
@@ -263,16 +283,21 @@ class Opened:
             return prepare_default(tokenizer=self.folder.require_tokenizer(self.tokenizer_override))
         path = data_folder(source)  # a task: source: the cached task data it was trained on
         if not path.is_dir():
-            raise DataError(f"prepared data {path} does not exist; pass --data DIR (a `meshlm prepare` output)")
+            raise DataError(f"prepared data {path} does not exist; pass --data DIR (a `meshlm "
+                            "prepare` output)")
         return path
 
-    def held_out(self, override: str | os.PathLike | None = None, split: str = "val") -> PreparedData:
+    def held_out(self, override: str | os.PathLike | None = None,
+                 split: str = "val") -> PreparedData:
         data = PreparedData(self.data_dir(override), split)
         data.check_ids(self.model.config.vocab_size)
         prepared_with = data.manifest["tokenizer"]
         if not self.tokenizer.made(prepared_with):
-            raise ConfigError(f"{data.dir} was tokenised with {prepared_with['name']!r}, not the model's tokenizer "
-                              f"{self.tokenizer.name!r}; pass --data prepared with it (or --tokenizer)")  # usage: 2
+            raise ConfigError(f"{data.dir} was tokenised with {prepared_with['name']!r}, not the "
+                              "model's tokenizer "
+                              # usage: 2
+                              f"{self.tokenizer.name!r}; pass --data prepared with it (or "
+                              "--tokenizer)")
         return data
 
 
@@ -321,14 +346,17 @@ def open_model(path: str | os.PathLike | ModelFolder, device: str | torch.device
     model.load_state_dict(weights)
     if lora is not None:
         lora.merge(model)
-    return Opened(model.to(resolve_device(device)).eval(), folder, str(tokenizer) if tokenizer else None,
+    return Opened(model.to(resolve_device(device)).eval(), folder,
+                  str(tokenizer) if tokenizer else None,
                   force_tokenizer, merged=lora is not None)
 
 
 def lora_of(folder: ModelFolder):
-    """The LoraSpec (meshlm.adapters) of a checkpoint trained with LoRA, else None. A `meshlm quantize` output
-    of a LoRA run carries the run's train settings but holds the merged weights, so it has none."""
-    if folder.format != "meshlm" or folder.meta.get("quantization") or not int(folder.train.get("lora_rank") or 0):
+    """The LoraSpec (meshlm.adapters) of a checkpoint trained with LoRA, else None. A `meshlm
+    quantize` output of a LoRA run carries the run's train settings but holds the merged weights, so
+    it has none."""
+    if (folder.format != "meshlm" or folder.meta.get("quantization")
+        or not int(folder.train.get("lora_rank") or 0)):
         return None
     return LoraSpec.of(folder.train)
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-# Pythia shapes (the Pythia paper's table). Pythia pads the vocabulary to 50,304 rows and uses 2048-token
-# contexts; the paper trains at 4096. `pythia-*` presets are vanilla stacks; `pythia-*-<spec>` are
-# the paper's recursive splits, MeSH by default (pick any other scheme with scheme=...).
+# Pythia shapes (the Pythia paper's table). Pythia pads the vocabulary to 50,304 rows and uses
+# 2048-token contexts; the paper trains at 4096. `pythia-*` presets are vanilla stacks;
+# `pythia-*-<spec>` are the paper's recursive splits, MeSH by default (pick any other scheme with
+# scheme=...).
 _PYTHIA = {  # name: (layers, d_model, heads)
     "70m": (6, 512, 8),
     "160m": (12, 768, 12),

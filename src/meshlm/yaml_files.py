@@ -1,7 +1,8 @@
 """Reading config and study files: YAML whose mappings may not repeat a key.
 
-PyYAML keeps the last of two equal keys without a word, so a `train:` section given twice (or `lr:` twice in
-one section) silently dropped the first. Here it is a ConfigError naming the key and both lines.
+PyYAML keeps the last of two equal keys without a word, so a `train:` section given twice (or `lr:`
+twice in one section) silently dropped the first. Here it is a ConfigError naming the key and both
+lines.
 """
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ def _mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) 
         key = loader.construct_object(key_node, deep=True)
         line = key_node.start_mark.line + 1
         if key in seen:
-            raise ConfigError(f"{loader.name}: key {key!r} appears twice (lines {seen[key]} and {line}); keep one")
+            raise ConfigError(f"{loader.name}: key {key!r} appears twice (lines {seen[key]} and "
+                              f"{line}); keep one")
         seen[key] = line
     return loader.construct_mapping(node, deep=deep)
 
@@ -32,8 +34,8 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _m
 
 
 def load_yaml(path: Path, what: str = "") -> Any:
-    """The YAML document in `path` (`what` names it in messages, e.g. "study file "); ConfigError for a repeated
-    key, or YAML that does not parse."""
+    """The YAML document in `path` (`what` names it in messages, e.g. "study file "); ConfigError
+    for a repeated key, or YAML that does not parse."""
     loader = _StrictLoader(path.read_text())
     loader.name = f"{what}{path}"
     try:

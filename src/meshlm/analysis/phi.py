@@ -1,16 +1,18 @@
-"""The recurrence-equivalence exponent φ (Schwethelm et al., arXiv 2604.21106): how much a loop is worth.
+"""The recurrence-equivalence exponent φ (Schwethelm et al., arXiv 2604.21106): how much a loop is
+worth.
 
-At a fixed token budget, a looped model with N_once unshared and N_rec recurrent (core) parameters, run r
-times, reaches the loss of a model with N_once + r^φ · N_rec unique parameters:
+At a fixed token budget, a looped model with N_once unshared and N_rec recurrent (core) parameters,
+run r times, reaches the loss of a model with N_once + r^φ · N_rec unique parameters:
 
     L = E + A · (N_once + r^φ · N_rec)^(−α)
 
-φ = 1: a loop is worth a new layer; φ = 0: it is worth nothing. The paper measured 0.46 for plain looping and
-0.38 with truncated backprop. MeSH's claim, in this language, is that φ goes up.
+φ = 1: a loop is worth a new layer; φ = 0: it is worth nothing. The paper measured 0.46 for plain
+looping and 0.38 with truncated backprop. MeSH's claim, in this language, is that φ goes up.
 
-`fit` takes (N_once, N_rec, r, loss) points, e.g. a study over widths × r ∈ {1, 2, 4, 8} at matched tokens
-(configs/studies/phi.yaml), and fits (E, A, α, φ): for each (φ, α) on a grid, E and A follow by linear least
-squares; the grid is refined around the best cell three times. No optimiser library, no initial guesses.
+`fit` takes (N_once, N_rec, r, loss) points, e.g. a study over widths × r ∈ {1, 2, 4, 8} at matched
+tokens (configs/studies/phi.yaml), and fits (E, A, α, φ): for each (φ, α) on a grid, E and A follow
+by linear least squares; the grid is refined around the best cell three times. No optimiser library,
+no initial guesses.
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ def _sse(x: np.ndarray, loss: np.ndarray) -> tuple[float, float, float]:
 
 
 def fit(points: list[tuple[float, float, float, float]]) -> dict:
-    """(N_once, N_rec, r, loss) points -> {"phi", "alpha", "E", "A", "r2", "points"}; needs >= 5 points."""
+    """(N_once, N_rec, r, loss) points -> {"phi", "alpha", "E", "A", "r2", "points"}; needs >= 5
+    points."""
     if len(points) < 5:
         raise ValueError(f"fitting E, A, α and φ needs at least 5 runs, got {len(points)}")
     once, rec, r, loss = (np.asarray(c, dtype=float) for c in zip(*points))
@@ -60,11 +63,13 @@ def fit(points: list[tuple[float, float, float, float]]) -> dict:
         alphas = np.linspace(max(1e-3, alpha - 2 * dalpha), alpha + 2 * dalpha, 41)
     sse, phi, alpha, e, a = best
     total = float(((loss - loss.mean()) ** 2).sum())
-    return {"phi": float(phi), "alpha": float(alpha), "E": e, "A": a, "r2": 1 - sse / total if total else float("nan"),
+    return {"phi": float(phi), "alpha": float(alpha), "E": e, "A": a,
+            "r2": 1 - sse / total if total else float("nan"),
             "points": len(points)}
 
 
-def study_points(study_dir: str | Path, scheme: str | None = None) -> list[tuple[int, int, int, float]]:
+def study_points(study_dir: str | Path,
+                 scheme: str | None = None) -> list[tuple[int, int, int, float]]:
     """(N_once, N_rec, r, validation loss) of every evaluated run under a study folder (one scheme,
     if given)."""
     points = []

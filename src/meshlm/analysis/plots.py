@@ -5,15 +5,19 @@ Every function takes `runs`: a list of (label, ProbeResult) pairs (meshlm.evalua
 canvas, no global state, safe in threads and headless). `probe_figures` makes the whole set; `save`
 writes PNGs.
 
-    updates      relative update per block (prelude, loops, coda); solid = h → f_core(h), dashed = h^t → h^{t+1}
+    updates      relative update per block (prelude, loops, coda); solid = h → f_core(h), dashed =
+                 h^t → h^{t+1}
     cka          CKA heatmaps between all stages, RBF (median bandwidth) and linear, one row per run
-    cka_steps    CKA between consecutive stages (e→h⁰, h⁰→h¹, …), the paper's "undifferentiated" signal
+    cka_steps    CKA between consecutive stages (e→h⁰, h⁰→h¹, …), the paper's "undifferentiated"
+                 signal
     spectrum     top-50 σ_i/σ_0 per stage, log scale, ± std shaded, one panel per run
     rank         entropy effective rank per stage
-    router       MeSH only: slot usage (write), slots read per step, write/read entropy per router pair
+    router       MeSH only: slot usage (write), slots read per step, write/read entropy per router
+                 pair
     loops        validation loss against the loop count (from eval results; `loops_figure`)
     exit         validation loss against average loops per token under adaptive exit (`exit_figure`)
-    curves       training and validation loss against tokens seen (from metrics.jsonl; `loss_curves_figure`)
+    curves       training and validation loss against tokens seen (from metrics.jsonl;
+                 `loss_curves_figure`)
 """
 from __future__ import annotations
 
@@ -44,7 +48,8 @@ def color_of(i: int) -> str:
 
 def _errorline(ax, x, stat: Spread, label: str, color: str, style: str = "-o") -> None:
     mean, std = np.asarray(stat.mean, float), np.asarray(stat.std, float)
-    ax.errorbar(x, mean, yerr=std, fmt=style, color=color, label=label, capsize=3, markersize=4, linewidth=1.4)
+    ax.errorbar(x, mean, yerr=std, fmt=style, color=color, label=label, capsize=3, markersize=4,
+                linewidth=1.4)
 
 
 def updates(runs: list[Run]) -> Figure:
@@ -65,12 +70,14 @@ def updates(runs: list[Run]) -> Figure:
     return fig
 
 
-def _heatmap(ax, matrix, names: list[str], title: str, vmin=0.0, vmax=1.0, cmap="viridis", fmt="{:.2f}") -> None:
+def _heatmap(ax, matrix, names: list[str], title: str, vmin=0.0, vmax=1.0, cmap="viridis",
+             fmt="{:.2f}") -> None:
     m = np.asarray(matrix, float)
     image = ax.imshow(m, vmin=vmin, vmax=vmax, cmap=cmap, aspect="auto")
     for (row, col), value in np.ndenumerate(m):
         dark = (value - vmin) / max(vmax - vmin, 1e-12) < 0.6
-        ax.text(col, row, fmt.format(value), ha="center", va="center", fontsize=7, color="white" if dark else "black")
+        ax.text(col, row, fmt.format(value), ha="center", va="center", fontsize=7,
+                color="white" if dark else "black")
     ax.set_title(title, fontsize=9)
     return image
 
@@ -206,12 +213,14 @@ def loops_figure(runs: list[tuple[str, list[DepthRow]]]) -> Figure | None:
 
 
 def exit_figure(runs: list[tuple[str, list[list[ExitRow]], list[list[DepthRow]]]]) -> Figure | None:
-    """Quality vs. compute under per-token adaptive exit: validation loss against average loop steps per token.
+    """Quality vs. compute under per-token adaptive exit: validation loss against average loop steps
+    per token.
 
     `runs` = (variant, [EvalResult.exit of each seed], [EvalResult.loops of each seed]); points are
     means over seeds.
-    Dashed: fixed depth K' = 1 … the exit's most loops (the frontier exit has to beat); solid: `state` rules,
-    dotted: `kl` rules (which also pay a coda + head per step: see the flops_ratio in eval.json)."""
+    Dashed: fixed depth K' = 1 … the exit's most loops (the frontier exit has to beat); solid:
+    `state` rules, dotted: `kl` rules (which also pay a coda + head per step: see the flops_ratio in
+    eval.json)."""
     runs = [(name, exits, sweeps) for name, exits, sweeps in runs if any(exits)]
     if not runs:
         return None
@@ -225,7 +234,8 @@ def exit_figure(runs: list[tuple[str, list[list[ExitRow]], list[list[DepthRow]]]
             xs, ys = _mean_by(exits, "exit", "avg_loops", "loss",
                               lambda row, c=criterion: row.exit.startswith(c))
             if xs:
-                ax.plot(xs, ys, style, color=color_of(i), markersize=4, label=f"{name} ({criterion})")
+                ax.plot(xs, ys, style, color=color_of(i), markersize=4,
+                        label=f"{name} ({criterion})")
     ax.set_xlabel("average loop steps per token (dashed: fixed depth)")
     ax.set_ylabel("validation loss (nats/token)")
     ax.set_title("Adaptive exit: quality vs. average loops")
@@ -243,8 +253,9 @@ def token_count(n: float) -> str:
 
 
 def loss_curves_figure(runs: list[tuple[str, dict]]) -> Figure | None:
-    """Training (solid) and validation (dashed, dots) loss against tokens seen; `runs` = (label, curves) with
-    curves = {"train": [(tokens, loss)], "val": [(tokens, loss)]} as meshlm.analysis.report reads them."""
+    """Training (solid) and validation (dashed, dots) loss against tokens seen; `runs` = (label,
+    curves) with curves = {"train": [(tokens, loss)], "val": [(tokens, loss)]} as
+    meshlm.analysis.report reads them."""
     runs = [(name, c) for name, c in runs if c.get("train") or c.get("val")]
     if not runs:
         return None
@@ -253,10 +264,12 @@ def loss_curves_figure(runs: list[tuple[str, dict]]) -> Figure | None:
     for i, (name, curves) in enumerate(runs):
         if curves.get("train"):
             tokens, loss = zip(*curves["train"])
-            ax.plot(tokens, loss, "-", color=color_of(i), linewidth=1.2, alpha=0.85, label=f"{name}: train")
+            ax.plot(tokens, loss, "-", color=color_of(i), linewidth=1.2, alpha=0.85,
+                    label=f"{name}: train")
         if curves.get("val"):
             tokens, loss = zip(*curves["val"])
-            ax.plot(tokens, loss, "--o", color=color_of(i), markersize=4, linewidth=1.2, label=f"{name}: validation")
+            ax.plot(tokens, loss, "--o", color=color_of(i), markersize=4, linewidth=1.2,
+                    label=f"{name}: validation")
     ax.set_xlabel("tokens seen")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title("Training and validation loss")
@@ -273,16 +286,19 @@ def _mean_by(groups: list[list], key: str, x: str, y: str, keep) -> tuple[list[f
         for row in rows:
             if keep(row):
                 by.setdefault(getattr(row, key), []).append((getattr(row, x), getattr(row, y)))
-    points = sorted((float(np.mean([a for a, _ in v])), float(np.mean([b for _, b in v]))) for v in by.values())
+    points = sorted((float(np.mean([a for a, _ in v])), float(np.mean([b for _, b in v])))
+                    for v in by.values())
     return [a for a, _ in points], [b for _, b in points]
 
 
-FIGURES = {"updates": updates, "cka": cka, "cka_steps": cka_steps, "spectrum": spectrum, "rank": rank,
+FIGURES = {"updates": updates, "cka": cka, "cka_steps": cka_steps, "spectrum": spectrum,
+           "rank": rank,
            "router": router}
 
 
 def probe_figures(runs: list[Run]) -> dict[str, Figure]:
-    """Every probe figure that applies to these runs (the router figure only if some run has routers)."""
+    """Every probe figure that applies to these runs (the router figure only if some run has
+    routers)."""
     figures = {name: make(runs) for name, make in FIGURES.items()}
     return {name: fig for name, fig in figures.items() if fig is not None}
 
@@ -300,7 +316,8 @@ def png_bytes(fig: Figure) -> bytes:
     return figure_bytes(fig, "png")
 
 
-def save(figures: dict[str, Figure], folder: str | Path, formats: tuple[str, ...] = FORMATS) -> list[Path]:
+def save(figures: dict[str, Figure], folder: str | Path,
+         formats: tuple[str, ...] = FORMATS) -> list[Path]:
     """Each figure as <name>.png, .svg and .pdf in `folder`; the paths written."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

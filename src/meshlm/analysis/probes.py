@@ -1,21 +1,23 @@
-"""Hidden-state probes of the paper (§2; docs/evaluation.md) plus router behaviour, per sample, then mean ± std.
+"""Hidden-state probes of the paper (§2; docs/evaluation.md) plus router behaviour, per sample, then
+mean ± std.
 
-For every held-out sample (one window of T tokens) the model runs once with `return_states=True`, giving
-the stage matrices (T × d each; tokens are the examples):
+For every held-out sample (one window of T tokens) the model runs once with `return_states=True`,
+giving the stage matrices (T × d each; tokens are the examples):
 
-    stages  e, h⁰, h¹ … h^K, coda          (e = scaled embedding, h^t = loop states, coda = f_coda(h^K))
+    stages  e, h⁰, h¹ … h^K, coda      (e = scaled embedding, h^t = loop states, coda = f_coda(h^K))
 
 and, per sample:
-- relative update of each block f with input h:  2‖f(h) − h‖_F / (‖f(h)‖_F + ‖h‖_F)  (0 = identity, 2 = the
-  output is −h); blocks are the prelude (e → p), every loop step seen two ways — "core" h^t → f_core(h^t)
-  and "state" h^t → h^{t+1} (they coincide for `base`; for MeSH the state is the buffer read) — and the
-  coda (h^K → coda);
+- relative update of each block f with input h: 2‖f(h) − h‖_F / (‖f(h)‖_F + ‖h‖_F) (0 = identity, 2
+  = the output is −h); blocks are the prelude (e → p), every loop step seen two ways — "core" h^t →
+  f_core(h^t) and "state" h^t → h^{t+1} (they coincide for `base`; for MeSH the state is the buffer
+  read) — and the coda (h^K → coda);
 - CKA between all stage pairs with an RBF kernel, bandwidth σ = median pairwise (Euclidean) distance
   between the tokens of that stage, and with a linear kernel;
-- the top-50 singular values normalised by the largest, σ_i/σ_0 (of the uncentred matrix), and the entropy
-  effective rank exp(H(p)), p = σ / Σσ (Roy & Vetterli 2007);
-- MeSH routing, per router pair (0 = transitional, t + 1 = loop step t): mean write and read weight per
-  slot (slot usage; which slots each step reads) and the mean per-token entropy of both distributions.
+- the top-50 singular values normalised by the largest, σ_i/σ_0 (of the uncentred matrix), and the
+  entropy effective rank exp(H(p)), p = σ / Σσ (Roy & Vetterli 2007);
+- MeSH routing, per router pair (0 = transitional, t + 1 = loop step t): mean write and read weight
+  per slot (slot usage; which slots each step reads) and the mean per-token entropy of both
+  distributions.
 
 Everything is computed in float64. `probe` returns plain lists (JSON-ready): mean, std and
 per-sample values of every quantity; `meshlm probe` writes them as a ProbeResult
@@ -31,7 +33,7 @@ import torch
 TOP_SINGULAR = 50
 
 
-# -- the measures ---------------------------------------------------------------------------------------------
+# -- the measures ----------------------------------------------------------------------------------
 def relative_update(h: torch.Tensor, fh: torch.Tensor) -> float:
     """2‖f(h) − h‖_F / (‖f(h)‖_F + ‖h‖_F) for one sample's matrices (T, d)."""
     h, fh = h.double(), fh.double()
@@ -45,7 +47,8 @@ def linear_gram(x: torch.Tensor) -> torch.Tensor:
 
 
 def median(values: torch.Tensor) -> torch.Tensor:
-    """The usual median (mean of the two middle values for an even count; torch.median takes the lower)."""
+    """The usual median (mean of the two middle values for an even count; torch.median takes the
+    lower)."""
     v = values.flatten().sort().values
     mid = len(v) // 2
     return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
@@ -105,7 +108,8 @@ def normalised_spectrum(x: torch.Tensor, k: int = TOP_SINGULAR) -> list[float]:
 
 
 def effective_rank(x: torch.Tensor) -> float:
-    """exp of the Shannon entropy of the normalised singular values: r for r equal non-zero values."""
+    """exp of the Shannon entropy of the normalised singular values: r for r equal non-zero
+    values."""
     s = singular_values(x)
     if s.sum() <= 0:
         return 0.0
@@ -120,13 +124,14 @@ def entropy(weights: torch.Tensor) -> torch.Tensor:
     return -(w * w.clamp_min(1e-30).log()).sum(-1)
 
 
-# -- one forward, many samples ----------------------------------------------------------------------------------
+# -- one forward, many samples ---------------------------------------------------------------------
 def stage_names(n_states: int) -> list[str]:
     return ["e", *(f"h{t}" for t in range(n_states)), "coda"]
 
 
 def blocks(model, stages) -> tuple[list[str], list[tuple], list[tuple]]:
-    """Block labels and (input, output) pairs, batched (B, T, d): the "core" and the "state" view."""
+    """Block labels and (input, output) pairs, batched (B, T, d): the "core" and the "state"
+    view."""
     layout = model.config.layout
     core, state, labels = [], [], []
     if layout.prelude:
@@ -159,8 +164,10 @@ def sample_measures(model, stages, b: int) -> dict[str, Any]:
     if stages.routing:
         write = torch.stack([w[b] for w, _ in stages.routing])  # (pairs, T, slots)
         read = torch.stack([r[b] for _, r in stages.routing])
-        out.update(write_usage=write.double().mean(1).tolist(), read_usage=read.double().mean(1).tolist(),
-                   write_entropy=entropy(write).mean(1).tolist(), read_entropy=entropy(read).mean(1).tolist())
+        out.update(write_usage=write.double().mean(1).tolist(),
+                   read_usage=read.double().mean(1).tolist(),
+                   write_entropy=entropy(write).mean(1).tolist(),
+                   read_entropy=entropy(read).mean(1).tolist())
     return out
 
 
@@ -172,10 +179,13 @@ def _spread(values: list) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def probe(model, samples: torch.Tensor, batch_size: int = 8, states_out: list | None = None) -> dict[str, Any]:
-    """All probes over `samples` (N, T) token ids; mean ± std over samples (and every per-sample value).
+def probe(model, samples: torch.Tensor, batch_size: int = 8,
+          states_out: list | None = None) -> dict[str, Any]:
+    """All probes over `samples` (N, T) token ids; mean ± std over samples (and every per-sample
+    value).
 
-    If `states_out` is a list, each sample's stage matrices are appended to it as one (S, T, d) tensor.
+    If `states_out` is a list, each sample's stage matrices are appended to it as one (S, T, d)
+    tensor.
     """
     device = next(model.parameters()).device
     per_sample: list[dict] = []
@@ -189,7 +199,8 @@ def probe(model, samples: torch.Tensor, batch_size: int = 8, states_out: list | 
                 states_out.append(torch.stack([stages.embeddings[b], *(h[b] for h in stages.states),
                                                stages.coda[b]]).float().cpu())
     keys = per_sample[0].keys()
-    result = {"samples": len(samples), "tokens": samples.shape[1], "stages": names, "blocks": labels,
+    result = {"samples": len(samples), "tokens": samples.shape[1], "stages": names,
+              "blocks": labels,
               **{k: _spread([s[k] for s in per_sample]) for k in keys},
               "per_sample": {k: [s[k] for s in per_sample] for k in keys}}
     if "write_usage" in keys:

@@ -1,8 +1,9 @@
 """The reasoning suite in the report: figures and tables from eval.json's "reasoning" section.
 
-    heatmap       exact-match accuracy, difficulty × loop count, one panel per variant and task (mean over seeds)
-    acc_loops     accuracy against loop count, on the trained difficulties (solid) and beyond them (dashed);
-                  the dotted line marks the trained loop count
+    heatmap       exact-match accuracy, difficulty × loop count, one panel per variant and task
+                  (mean over seeds)
+    acc_loops     accuracy against loop count, on the trained difficulties (solid) and beyond them
+                  (dashed); the dotted line marks the trained loop count
     exit_levels   under each exit rule, the loop steps spent per answer token against the difficulty
 
 `runs` everywhere is a list of (variant, [Reasoning of each seed]: meshlm.evaluation.results); a
@@ -76,7 +77,8 @@ def heatmap(runs: list[Group]):
                 continue
             counts = [row.loops for row in first.loops]
             levels = list(first.loops[0].levels)
-            grid = np.array([[np.nanmean([_level_acc(r, task, k, d) for r in results]) for k in counts]
+            grid = np.array([[np.nanmean([_level_acc(r, task, k, d) for r in results])
+                              for k in counts]
                              for d in levels])
             ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto", origin="lower")
             ax.set_xticks(range(len(counts)), counts, fontsize=6)
@@ -154,7 +156,8 @@ def exit_levels(runs: list[Group]):
                 levels = sorted({int(d) for row in rows for d in row.levels})
                 ys = [np.nanmean([_number(row.levels[str(d)].answer_loops) if str(d) in row.levels
                                   else np.nan for row in rows]) for d in levels]
-                ax.plot(levels, ys, ["-o", "--s", ":^", "-.v"][k % 4], color=color_of(i), markersize=3,
+                ax.plot(levels, ys, ["-o", "--s", ":^", "-.v"][k % 4], color=color_of(i),
+                        markersize=3,
                         label=f"{variant} {rule}")
         ax.set_title(f"{task}: loops per answer token under exit", fontsize=8)
         ax.set_xlabel("difficulty")
@@ -164,7 +167,8 @@ def exit_levels(runs: list[Group]):
     return fig
 
 
-FIGURES = {"reasoning_heatmap": heatmap, "reasoning_loops": acc_loops, "reasoning_exit": exit_levels}
+FIGURES = {"reasoning_heatmap": heatmap, "reasoning_loops": acc_loops,
+           "reasoning_exit": exit_levels}
 
 
 def figures(runs: list[Group]) -> dict:
@@ -172,8 +176,9 @@ def figures(runs: list[Group]) -> dict:
 
 
 def table(rows: list[tuple[str, Reasoning]]) -> str:
-    """One row per run and task: accuracy at 1 loop and at the trained depth K on the trained difficulties,
-    beyond the training range at K and at the best K' > K, and each exit rule's accuracy and loops."""
+    """One row per run and task: accuracy at 1 loop and at the trained depth K on the trained
+    difficulties, beyond the training range at K and at the best K' > K, and each exit rule's
+    accuracy and loops."""
     lines = []
     for name, result in rows:
         for task, t in result.tasks.items():
@@ -181,11 +186,14 @@ def table(rows: list[tuple[str, Reasoning]]) -> str:
             exits = "; ".join(f"{row.exit}: {100 * row.acc:.1f}% at {row.avg_loops:.2f} "
                               f"loops/token (ρ={_number(row.spearman):.2f})" for row in t.exit)
             cells = [100 * s[key] for key in ("one", "trained", "beyond_k", "beyond_best")]
-            lines.append(f"<tr><td class='l'>{html.escape(name)}</td><td class='l'>{task}</td><td>{s['k']}</td>"
+            lines.append(f"<tr><td class='l'>{html.escape(name)}</td><td "
+                         f"class='l'>{task}</td><td>{s['k']}</td>"
                          + "".join(f"<td>{c:.1f}</td>" for c in cells[:3])
-                         + f"<td>{cells[3]:.1f} (K'={s['best']})</td><td class='l'>{exits}</td></tr>")
-    return ("<table><tr><th>run</th><th>task</th><th>K</th><th>trained difficulties, 1 loop</th>"
-            "<th>trained difficulties, K</th><th>beyond, K</th><th>beyond, best K'</th><th>exit</th></tr>"
+                         + f"<td>{cells[3]:.1f} (K'={s['best']})</td><td "
+                           f"class='l'>{exits}</td></tr>")
+    return ("<table><tr><th>run</th><th>task</th><th>K</th><th>trained difficulties, 1 "
+            "loop</th><th>trained difficulties, K</th><th>beyond, K</th><th>beyond, best "
+            "K'</th><th>exit</th></tr>"
             + "".join(lines) + "</table>")
 
 

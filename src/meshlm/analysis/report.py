@@ -1,17 +1,19 @@
 """`meshlm report RUN…`: one self-contained HTML page comparing runs (images inlined as base64 PNG).
 
-Per run it reads what `meshlm eval` and `meshlm probe` left in the run folder (eval.json, probe/probe.json)
-and the model config (from those files, else from the run's checkpoint). Sections:
+Per run it reads what `meshlm eval` and `meshlm probe` left in the run folder (eval.json,
+probe/probe.json) and the model config (from those files, else from the run's checkpoint). Sections:
 
-1. Table 1 of the paper, once per few-shot setting: variant, spec, non-embedding parameters, validation
-   perplexity, each task's paper metric (acc or acc_norm, %) and their average (its header says how many of
-   the nine tasks it covers); best value per column bold. Without downstream results the table still shows
-   perplexity: `meshlm eval`'s, else the trainer's last validation (marked †).
+1. Table 1 of the paper, once per few-shot setting: variant, spec, non-embedding parameters,
+   validation perplexity, each task's paper metric (acc or acc_norm, %) and their average (its
+   header says how many of the nine tasks it covers); best value per column bold. Without downstream
+   results the table still shows perplexity: `meshlm eval`'s, else the trainer's last validation
+   (marked †).
 2. Training and validation loss against tokens seen, every run (from its metrics.jsonl).
 3. Loss vs. loop count (figure and table).
-4. Probes overlaid per variant: relative updates, consecutive-stage CKA, effective rank, spectra, CKA
-   heatmaps and MeSH routing (meshlm.analysis.plots).
-5. Notes: what is missing for which run (and the command that produces it), and runs scored with --limit.
+4. Probes overlaid per variant: relative updates, consecutive-stage CKA, effective rank, spectra,
+   CKA heatmaps and MeSH routing (meshlm.analysis.plots).
+5. Notes: what is missing for which run (and the command that produces it), and runs scored with
+   --limit.
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ from meshlm.evaluation.results import (
 from meshlm.evaluation.tasks import PAPER_TASKS
 from meshlm.model.accounting import describe
 
-TASK_TITLES = {"lambada_openai": "LAMBADA", "piqa": "PIQA", "hellaswag": "HellaSwag", "winogrande": "WinoGrande",
+TASK_TITLES = {"lambada_openai": "LAMBADA", "piqa": "PIQA", "hellaswag": "HellaSwag",
+               "winogrande": "WinoGrande",
                "arc_easy": "ARC-E", "arc_challenge": "ARC-C", "sciq": "SciQ", "mmlu": "MMLU",
                "lambada_standard": "LAMBADA-std"}
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222}
@@ -63,11 +66,13 @@ class RunResults:
     model: dict | None
     eval: EvalResult | None
     probe: ProbeResult | None
-    curves: dict = field(default_factory=dict)  # {"train": [(tokens, loss)], "val": [(tokens, loss)]}
+    curves: dict = field(default_factory=dict)  # {"train": [(tokens, loss)], "val": [(tokens,
+    # loss)]}
 
     @property
     def ppl(self) -> tuple[float | None, str]:
-        """Validation perplexity and its source: `meshlm eval`'s, else the trainer's last validation."""
+        """Validation perplexity and its source: `meshlm eval`'s, else the trainer's last
+        validation."""
         if self.eval is not None:
             return self.eval.perplexity.ppl, "eval"
         if self.curves.get("val"):
@@ -102,8 +107,8 @@ class RunResults:
 def read_curves(run_dir: Path) -> dict:
     """Training and validation loss against tokens from the run's metrics.jsonl ({} without one).
 
-    Validation records written before they carried `tokens` get step × the tokens per step that the training
-    records show."""
+    Validation records written before they carried `tokens` get step × the tokens per step that the
+    training records show."""
     try:
         lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     except FileNotFoundError:
@@ -136,7 +141,8 @@ def collect(path: str | Path) -> RunResults:
             model = checkpoint.read_meta(run_dir)["model"]
         except MeshlmError:
             raise ReportError(f"{run_dir} has no eval.json, probe/probe.json or checkpoint; run "
-                              f"`meshlm eval {run_dir}` and `meshlm probe {run_dir}` first") from None
+                              "`meshlm eval "
+                              f"{run_dir}` and `meshlm probe {run_dir}` first") from None
     return RunResults(run_dir.name, run_dir, model, evaluation, probed, read_curves(run_dir))
 
 
@@ -144,15 +150,17 @@ def non_embedding_params(model: dict) -> int:
     return describe(ModelConfig.from_dict(model)).non_embedding_params
 
 
-# -- sections ---------------------------------------------------------------------------------------------------
+# -- sections --------------------------------------------------------------------------------------
 def _cells(values: list[float | None], lower_is_better: bool, fmt: str,
            errors: list[float | None] | None = None) -> list[str]:
-    """One <td> per value, the best in bold, each with its standard error (± e) where `errors` has one."""
+    """One <td> per value, the best in bold, each with its standard error (± e) where `errors` has
+    one."""
     present = [v for v in values if v is not None]
     best = (min if lower_is_better else max)(present) if len(present) > 1 else None
     errors = errors or [None] * len(values)
     return ["<td>—</td>" if v is None else f"<td>{'<b>' if v == best else ''}{fmt.format(v)}"
-            f"{'</b>' if v == best else ''}{'' if e is None else f' <small>± {fmt.format(e)}</small>'}</td>"
+            f"{'</b>' if v == best else ''}"
+            f"{'' if e is None else f' <small>± {fmt.format(e)}</small>'}</td>"
             for v, e in zip(values, errors)]
 
 
@@ -161,30 +169,34 @@ def _percent(values: list[float | None]) -> list[float | None]:
 
 
 def mean_stderr(errors: list[float | None]) -> float | None:
-    """The standard error of a mean of independent scores: sqrt(Σ se²) / n (None if one is unknown)."""
+    """The standard error of a mean of independent scores: sqrt(Σ se²) / n (None if one is
+    unknown)."""
     if not errors or any(e is None for e in errors):
         return None
     return math.sqrt(sum(e * e for e in errors)) / len(errors)
 
 
 def _table(header: list[str], columns: list[list[str]], n_rows: int) -> str:
-    head = "".join(f"<th class='l'>{h}</th>" if i < 2 else f"<th>{h}</th>" for i, h in enumerate(header))
+    head = "".join(f"<th class='l'>{h}</th>" if i < 2 else f"<th>{h}</th>" for i,
+                   h in enumerate(header))
     rows = "".join("<tr>" + "".join(col[r] for col in columns) + "</tr>" for r in range(n_rows))
     return f"<table><tr>{head}</tr>{rows}</table>"
 
 
 def table_one(runs: list[RunResults], shots: str | None) -> str:
-    """Variant, spec, non-embedding params, PPL, per-task paper metric (%) and average for one shot setting
-    (shots None: no downstream results, the rest of the table still shown)."""
+    """Variant, spec, non-embedding params, PPL, per-task paper metric (%) and average for one shot
+    setting (shots None: no downstream results, the rest of the table still shown)."""
     suites = [r.suites.get(shots) if shots else None for r in runs]
     tasks = [t for t in TASK_TITLES if any(s and t in s.tasks for s in suites)]
     left = [[f"<td class='l'>{html.escape(r.name)}</td>" for r in runs],
             [f"<td class='l'>{html.escape(r.variant)}</td>" for r in runs],
             [f"<td>{html.escape(str((r.model or {}).get('spec', '?')))}</td>" for r in runs],
-            [f"<td>{non_embedding_params(r.model):,}</td>" if r.model else "<td>—</td>" for r in runs]]
+            [f"<td>{non_embedding_params(r.model):,}</td>" if r.model
+             else "<td>—</td>" for r in runs]]
     ppl, sources = zip(*(r.ppl for r in runs))
     ppl_cells = _cells(list(ppl), True, "{:.2f}")
-    ppl_cells = [c.replace("</td>", "<sup>†</sup></td>") if src == "train" else c for c, src in zip(ppl_cells, sources)]
+    ppl_cells = [c.replace("</td>", "<sup>†</sup></td>") if src == "train" else c for c,
+                 src in zip(ppl_cells, sources)]
     columns = left + [ppl_cells]
     def task_field(task: str, name: str) -> list[float | None]:
         return [getattr(s.tasks[task], name) if s and task in s.tasks else None for s in suites]
@@ -203,16 +215,17 @@ def table_one(runs: list[RunResults], shots: str | None) -> str:
         metric = {t: next(s.tasks[t].metric for s in suites if s and t in s.tasks) for t in tasks}
         header += [*(f"{TASK_TITLES[t]}<br><small>{metric[t]}</small>" for t in tasks),
                    f"avg<br><small>{len(tasks)} of {PAPER_TASKS} tasks</small>"]
-    foot = ("<p class='foot'>± one standard error (lm-eval's, per task; the average's assumes independent "
-            "tasks).</p>" if tasks else "")
-    foot += ("<p class='foot'><sup>†</sup> the trainer's last validation (train.eval_windows windows); "
-             "<code>meshlm eval RUN</code> scores the whole validation split.</p>" if "train" in sources else "")
+    foot = ("<p class='foot'>± one standard error (lm-eval's, per task; the average's assumes "
+            "independent tasks).</p>" if tasks else "")
+    foot += ("<p class='foot'><sup>†</sup> the trainer's last validation (train.eval_windows "
+             "windows); <code>meshlm eval RUN</code> scores the whole validation split.</p>"
+             if "train" in sources else "")
     return (f"<h3>{shots}-shot</h3>" if shots else "") + _table(header, columns, len(runs)) + foot
 
 
 def report_figures(runs: list[RunResults]) -> dict[str, Figure]:
-    """The page's figures by name: "curves", "loops", "exit" (where runs have them), the reasoning figures
-    and the overlaid probes."""
+    """The page's figures by name: "curves", "loops", "exit" (where runs have them), the reasoning
+    figures and the overlaid probes."""
     figures = {}
     curves = plots.loss_curves_figure([(r.label, r.curves) for r in runs])
     if curves is not None:
@@ -220,7 +233,8 @@ def report_figures(runs: list[RunResults]) -> dict[str, Figure]:
     loops = plots.loops_figure([(r.label, r.loops) for r in runs])
     if loops is not None:
         figures["loops"] = loops
-    groups = {r.name: re.sub(r"-s\d+$", "", r.name) for r in runs}  # a study's runs are <variant>-s<seed>
+    # a study's runs are <variant>-s<seed>
+    groups = {r.name: re.sub(r"-s\d+$", "", r.name) for r in runs}
     exits = plots.exit_figure([(g, [r.exits for r in runs if groups[r.name] == g],
                                 [r.loops for r in runs if groups[r.name] == g])
                                for g in dict.fromkeys(groups.values())])
@@ -245,16 +259,19 @@ def reasoning_groups(runs: list[RunResults], groups: dict[str, str]
 def reasoning_section(runs: list[RunResults], figures: dict) -> str:
     rows = [(r.name, r.reasoning) for r in runs if r.reasoning]
     if not rows:
-        return "<p>No run was evaluated on the reasoning suite (runs trained on <code>task:</code> data are).</p>"
+        return ("<p>No run was evaluated on the reasoning suite (runs trained on "
+                "<code>task:</code> data are).</p>")
     images = "".join(_img(figures[name]) for name in reasoning_report.FIGURES if name in figures)
-    return ("<p>Exact-match accuracy (%) from greedy cached decoding; 'beyond' = test difficulties above the "
-            "training range; ρ = Spearman correlation of exit loops with difficulty.</p>"
+    return ("<p>Exact-match accuracy (%) from greedy cached decoding; 'beyond' = test "
+            "difficulties above the training range; ρ = Spearman correlation of exit loops with "
+            "difficulty.</p>"
             + reasoning_report.table(rows) + images)
 
 
 def training_section(runs: list[RunResults], figures: dict) -> str:
     if "curves" not in figures:
-        return "<p>No run has training metrics (<code>meshlm train</code> writes <code>metrics.jsonl</code>).</p>"
+        return ("<p>No run has training metrics (<code>meshlm train</code> writes "
+                "<code>metrics.jsonl</code>).</p>")
     rows = [f"<li>{html.escape(r.label)}: {r.curves['train'][-1][0]:,} tokens, final training loss "
             f"{r.curves['train'][-1][1]:.4f}" + (f", validation loss {r.curves['val'][-1][1]:.4f}"
                                                   if r.curves.get("val") else "") + "</li>"
@@ -265,20 +282,23 @@ def training_section(runs: list[RunResults], figures: dict) -> str:
 def loops_section(runs: list[RunResults], figures: dict) -> str:
     series = [(r.label, r.loops) for r in runs]
     if "loops" not in figures:
-        return "<p>No run has a loss-vs-loops sweep (weight-shared models get one from <code>meshlm eval</code>).</p>"
+        return ("<p>No run has a loss-vs-loops sweep (weight-shared models get one from "
+                "<code>meshlm eval</code>).</p>")
     counts = sorted({row.loops for _, rows in series for row in rows})
     columns = [[f"<td class='l'>{html.escape(name)}</td>" for name, _ in series],
                [f"<td class='l'>{html.escape(r.variant)}</td>" for r in runs]]
     for k in counts:
         losses = [next((row.loss for row in rows if row.loops == k), None) for _, rows in series]
         columns.append(_cells(losses, True, "{:.4f}"))
-    return _img(figures["loops"]) + _table(["run", "variant", *(f"K'={k}" for k in counts)], columns, len(runs))
+    return _img(figures["loops"]) + _table(["run", "variant", *(f"K'={k}" for k in counts)],
+                                           columns, len(runs))
 
 
 def exit_section(runs: list[RunResults], figures: dict) -> str:
     rows = [(r, row) for r in runs for row in r.exits]
     if "exit" not in figures:
-        return "<p>No run was evaluated with adaptive exit (<code>meshlm eval RUN --exit state:0.1,kl:1e-3</code>).</p>"
+        return ("<p>No run was evaluated with adaptive exit (<code>meshlm eval RUN --exit "
+                "state:0.1,kl:1e-3</code>).</p>")
     columns = [[f"<td class='l'>{html.escape(r.name)}</td>" for r, _ in rows],
                [f"<td class='l'>{html.escape(row.exit)}</td>" for _, row in rows],
                _cells([row.loss for _, row in rows], True, "{:.4f}"),
@@ -304,8 +324,8 @@ def probe_section(runs: list[RunResults], figures: dict) -> str:
 
 
 def gaps(runs: list[RunResults]) -> list[str]:
-    """What each run lacks or qualifies, as plain text (`code` in backticks): the page's notes, and what
-    `meshlm report` prints on stderr."""
+    """What each run lacks or qualifies, as plain text (`code` in backticks): the page's notes, and
+    what `meshlm report` prints on stderr."""
     items = []
     for r in runs:
         if r.eval is None:
@@ -313,17 +333,20 @@ def gaps(runs: list[RunResults]) -> list[str]:
         if r.probe is None:
             items.append(f"{r.name}: no probe — run `meshlm probe {r.path}`")
         if not r.curves:
-            items.append(f"{r.name}: no metrics.jsonl, so no loss curves (the run folder of `meshlm train` has one)")
+            items.append(f"{r.name}: no metrics.jsonl, so no loss curves (the run folder of "
+                         "`meshlm train` has one)")
         limits = {s.limit for s in r.suites.values()} - {None}
         if limits:
-            items.append(f"{r.name}: tasks scored with --limit {', '.join(map(str, sorted(limits)))} "
-                         f"items per task (not comparable with full-set numbers)")
+            items.append(f"{r.name}: tasks scored with --limit "
+                         f"{', '.join(map(str, sorted(limits)))} items per task (not comparable "
+                         "with full-set numbers)")
     return items
 
 
 def notes(runs: list[RunResults]) -> str:
     items = [re.sub(r"`([^`]*)`", r"<code>\1</code>", html.escape(item)) for item in gaps(runs)]
-    return "<ul class='note'>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>" if items else "<p>None.</p>"
+    return ("<ul class='note'>" + "".join(f"<li>{i}</li>" for i in items) + "</ul>" if items
+            else "<p>None.</p>")
 
 
 def _step(r: RunResults) -> str:
@@ -334,26 +357,28 @@ def _img(png: bytes) -> str:
     return f"<img src='data:image/png;base64,{base64.b64encode(png).decode('ascii')}'>"
 
 
-# -- the page -------------------------------------------------------------------------------------------------
-def render(runs: list[RunResults], title: str = "meshlm report", figures: dict[str, bytes] | None = None) -> str:
+# -- the page --------------------------------------------------------------------------------------
+def render(runs: list[RunResults], title: str = "meshlm report",
+           figures: dict[str, bytes] | None = None) -> str:
     """The page; `figures`: PNG bytes by name (default: report_figures, rendered)."""
     if figures is None:
         figures = {name: plots.png_bytes(fig) for name, fig in report_figures(runs).items()}
     shots = sorted({k for r in runs for k in r.suites}, key=int)
     tables = "".join(table_one(runs, s) for s in shots) if shots else (
-        table_one(runs, None) + "<p>No downstream results yet: <code>meshlm eval RUN</code> scores the tasks.</p>")
+        table_one(runs, None) + "<p>No downstream results yet: <code>meshlm eval RUN</code> "
+                                "scores the tasks.</p>")
     run_list = "".join(f"<li><b>{html.escape(r.name)}</b>: {html.escape(str(r.path))}"
                        f"{_step(r)}"
                        f"</li>" for r in runs)
-    body = (f"<h1>{html.escape(title)}</h1><p>Generated {datetime.datetime.now():%Y-%m-%d %H:%M}.</p>"
-            f"<ul>{run_list}</ul>"
-            f"<h2 id='table'>Table 1: validation perplexity and downstream accuracy (%)</h2>{tables}"
-            f"<h2 id='training'>Training and validation loss</h2>{training_section(runs, figures)}"
-            f"<h2 id='loops'>Loss vs. loop count</h2>{loops_section(runs, figures)}"
-            f"<h2 id='exit'>Adaptive exit</h2>{exit_section(runs, figures)}"
-            f"<h2 id='reasoning'>Reasoning suite</h2>{reasoning_section(runs, figures)}"
-            f"<h2 id='probes'>Probes</h2>{probe_section(runs, figures)}"
-            f"<h2 id='notes'>Notes</h2>{notes(runs)}")
+    body = (f"<h1>{html.escape(title)}</h1><p>Generated "
+            f"{datetime.datetime.now():%Y-%m-%d %H:%M}.</p><ul>{run_list}</ul><h2 id='table'>Table "
+            f"1: validation perplexity and downstream accuracy (%)</h2>{tables}<h2 "
+            f"id='training'>Training and validation loss</h2>{training_section(runs, figures)}<h2 "
+            f"id='loops'>Loss vs. loop count</h2>{loops_section(runs, figures)}<h2 "
+            f"id='exit'>Adaptive exit</h2>{exit_section(runs, figures)}<h2 "
+            f"id='reasoning'>Reasoning suite</h2>{reasoning_section(runs, figures)}<h2 "
+            f"id='probes'>Probes</h2>{probe_section(runs, figures)}<h2 "
+            f"id='notes'>Notes</h2>{notes(runs)}")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style></head><body>{body}</body></html>\n")
 

@@ -43,7 +43,8 @@ from meshlm.train.config import find_config, load_config
 from meshlm.train.plan import resolve_model
 from meshlm.yaml_files import load_yaml
 
-STUDY_KEYS = {"name", "out_dir", "config", "overrides", "seeds", "variants", "eval", "probe", "launcher",
+STUDY_KEYS = {"name", "out_dir", "config", "overrides", "seeds", "variants", "eval", "probe",
+              "launcher",
               "assumed_mfu", "peak_flops", "gpus"}
 
 
@@ -69,8 +70,8 @@ class Study:
     probe_args: list[str] = field(default_factory=list)
     launcher: list[str] = field(default_factory=list)
     assumed_mfu: float = 0.4  # for the GPU-hours estimate
-    peak_flops: float = 0.0  # one device's peak FLOP/s; 0: this machine's (meshlm.runtime.peaks: a GPU's
-    # datasheet bf16 peak, or the CPU's measured one), so a CPU study's plan is in CPU time
+    peak_flops: float = 0.0  # one device's peak FLOP/s; 0: this machine's (meshlm.runtime.peaks: a
+    # GPU's datasheet bf16 peak, or the CPU's measured one), so a CPU study's plan is in CPU time
     gpus: int = 1  # GPUs per run (what the launcher starts)
 
     @property
@@ -80,12 +81,13 @@ class Study:
 
 def load_study(path: str | Path, extra_overrides: list[str] = (), only: str | None = None,
                seeds: list[int] | None = None) -> Study:
-    """Parse and check a study file (a path, or a shipped name such as studies/quick.yaml); every problem goes
-    into one ConfigError. `only`: comma-separated variant names or shell patterns ('chase-*') to keep; `seeds`:
-    these seeds instead of the file's (for every variant)."""
+    """Parse and check a study file (a path, or a shipped name such as studies/quick.yaml); every
+    problem goes into one ConfigError. `only`: comma-separated variant names or shell patterns
+    ('chase-*') to keep; `seeds`: these seeds instead of the file's (for every variant)."""
     path = find_config(path, "study file")
     raw = load_yaml(path, "study file ")
-    problems = [f"unknown key {k!r} (valid: {sorted(STUDY_KEYS)})" for k in sorted(set(raw or {}) - STUDY_KEYS)]
+    problems = [f"unknown key {k!r} (valid: {sorted(STUDY_KEYS)})"
+                for k in sorted(set(raw or {}) - STUDY_KEYS)]
     raw = raw or {}
     variants = raw.get("variants") or {}
     if not isinstance(variants, dict) or not variants:
@@ -97,7 +99,8 @@ def load_study(path: str | Path, extra_overrides: list[str] = (), only: str | No
         problems.append(f"`seeds` must be a non-empty list of integers, not {seeds!r}")
     if only is not None and variants:
         patterns = [p.strip() for p in only.split(",") if p.strip()]
-        kept = {v: spec for v, spec in variants.items() if any(fnmatch.fnmatchcase(v, p) for p in patterns)}
+        kept = {v: spec for v,
+                spec in variants.items() if any(fnmatch.fnmatchcase(v, p) for p in patterns)}
         if not kept:
             problems.append(f"--only {only!r} matches no variant (variants: {', '.join(variants)})")
         variants = kept
@@ -109,22 +112,27 @@ def load_study(path: str | Path, extra_overrides: list[str] = (), only: str | No
     runs = []
     for variant, spec in variants.items():
         spec = spec or {}
-        for seed in (given_seeds or spec.get("seeds", seeds)):  # --seeds override a variant's own list too
+        # --seeds override a variant's own list too
+        for seed in (given_seeds or spec.get("seeds", seeds)):
             run_dir = out_dir / name / f"{variant}-s{seed}"
             overrides = [*common, *map(str, spec.get("overrides", [])), f"train.seed={seed}",
-                         f"train.out_dir={out_dir / name}", f"train.name={run_dir.name}", "train.progress=false"]
+                         f"train.out_dir={out_dir / name}", f"train.name={run_dir.name}",
+                         "train.progress=false"]
             runs.append(Run(variant, seed, overrides, run_dir))
     config = raw.get("config")
-    if config is not None:  # resolved now, so every run's `meshlm train --config` finds it from any directory
+    # resolved now, so every run's `meshlm train --config` finds it from any directory
+    if config is not None:
         try:
             config = str(find_config(config))
         except ConfigError as err:
             raise ConfigError(f"study {path}: {err}") from None
     study = Study(name, out_dir, config, runs, list(map(str, raw.get("eval", []))),
                   list(map(str, raw.get("probe", []))), shlex.split(raw.get("launcher", "")),
-                  float(raw.get("assumed_mfu", 0.4)), float(raw.get("peak_flops", 0.0)), int(raw.get("gpus", 1)))
+                  float(raw.get("assumed_mfu", 0.4)), float(raw.get("peak_flops", 0.0)),
+                  int(raw.get("gpus", 1)))
     for run in runs:
-        train_config(study, run)  # fail now, not after hours of training, if any run's config is invalid
+        # fail now, not after hours of training, if any run's config is invalid
+        train_config(study, run)
     return study
 
 
@@ -145,19 +153,22 @@ def estimate(study: Study, run: Run, peak: float | None = None) -> dict[str, Any
     cfg = train_config(study, run)
     model_cfg, _ = resolve_model(cfg)  # init_from: the folder's model
     seq_len = cfg.sequence_length(model_cfg)
-    if holds_tasks(cfg.data):  # one example per window: the task data's block (generated once, cached)
+    # one example per window: the task data's block (generated once, cached)
+    if holds_tasks(cfg.data):
         seq_len = window_length(read_manifest(data_folder(cfg.data)), cfg.seq_len)
     steps = cfg.total_steps(model_cfg)
     tokens = steps * cfg.global_batch * seq_len
     acc = describe(model_cfg, seq_len)
     flops = tokens * acc.train_flops_per_token
-    return {"run": run.name, "steps": steps, "tokens": tokens, "non_embedding_params": acc.non_embedding_params,
+    return {"run": run.name, "steps": steps, "tokens": tokens,
+            "non_embedding_params": acc.non_embedding_params,
             "unrolled_layers": acc.unrolled_layers, "train_flops": flops,
             "gpu_hours": flops / ((peak or planning_peak(study)[0]) * study.assumed_mfu) / 3600}
 
 
 def duration(hours: float) -> str:
-    """Hours as a reader wants them: "2.5 h", "14 min" or "40 s" (a CPU study's runs take minutes, not 0.0 h)."""
+    """Hours as a reader wants them: "2.5 h", "14 min" or "40 s" (a CPU study's runs take minutes,
+    not 0.0 h)."""
     if hours >= 1:
         return f"{hours:.1f} h"
     return f"{hours * 60:.0f} min" if hours * 60 >= 1 else f"{hours * 3600:.0f} s"
@@ -167,16 +178,16 @@ def plan_table(study: Study) -> str:
     peak, source = planning_peak(study)
     rows = [estimate(study, run, peak) for run in study.runs]
     lines = [f"study {study.name}: {len(rows)} runs -> {study.dir}",
-             f"{'run':<28} {'non-emb params':>15} {'layers':>6} {'steps':>7} {'tokens':>14} {'train FLOPs':>12} "
-             f"{'GPU time':>9} {'wall':>8}"]
+             f"{'run':<28} {'non-emb params':>15} {'layers':>6} {'steps':>7} {'tokens':>14} "
+             f"{'train FLOPs':>12} {'GPU time':>9} {'wall':>8}"]
     for r in rows:
-        lines.append(f"{r['run']:<28} {r['non_embedding_params']:>15,} {r['unrolled_layers']:>6} {r['steps']:>7,} "
-                     f"{r['tokens']:>14,} {r['train_flops']:>12.3e} {duration(r['gpu_hours']):>9} "
-                     f"{duration(r['gpu_hours'] / study.gpus):>8}")
+        lines.append(f"{r['run']:<28} {r['non_embedding_params']:>15,} {r['unrolled_layers']:>6} "
+                     f"{r['steps']:>7,} {r['tokens']:>14,} {r['train_flops']:>12.3e} "
+                     f"{duration(r['gpu_hours']):>9} {duration(r['gpu_hours'] / study.gpus):>8}")
     total = sum(r["gpu_hours"] for r in rows)
-    lines.append(f"GPU-hours in all: {total:.3g} ({duration(total / study.gpus)} on {study.gpus} GPU(s)) at "
-                 f"{study.assumed_mfu:.0%} MFU of {peak:.3g} FLOP/s per device ({source}; set peak_flops, gpus "
-                 "and assumed_mfu in the study file)")
+    lines.append(f"GPU-hours in all: {total:.3g} ({duration(total / study.gpus)} on {study.gpus} "
+                 f"GPU(s)) at {study.assumed_mfu:.0%} MFU of {peak:.3g} FLOP/s per device "
+                 f"({source}; set peak_flops, gpus and assumed_mfu in the study file)")
     return "\n".join(lines)
 
 

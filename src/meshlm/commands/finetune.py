@@ -1,16 +1,20 @@
-"""`meshlm finetune RUN_OR_FOLDER DATA`: supervised fine-tuning of any model folder meshlm opens (a run, a
-checkpoint, a `meshlm retrofit` or `convert` output, a Hugging Face folder) on a JSONL of {prompt, completion}
-or chat {messages}, with the loss on completions and assistant turns only (meshlm.data.sft).
+"""`meshlm finetune RUN_OR_FOLDER DATA`: supervised fine-tuning of any model folder meshlm opens (a
+run, a checkpoint, a `meshlm retrofit` or `convert` output, a Hugging Face folder) on a JSONL of
+{prompt, completion} or chat {messages}, with the loss on completions and assistant turns only
+(meshlm.data.sft).
 
-    meshlm finetune runs/mesh-small-mesh chat.jsonl                          # LoRA r=8 on attention + MLP
+    meshlm finetune runs/mesh-small-mesh chat.jsonl
+        # LoRA r=8 on attention + MLP
     meshlm finetune runs/base qa.jsonl train.lora_rank=0                     # full fine-tuning
-    meshlm finetune retro/ qa.jsonl train.lora_rank=0 model.loop_lora_rank=8 train.trainable=loop_lora
-    meshlm finetune runs/base qa.jsonl train.lora_targets=core,attention --chat-template tmpl.jinja
+    meshlm finetune retro/ qa.jsonl train.lora_rank=0 model.loop_lora_rank=8
+    train.trainable=loop_lora meshlm finetune runs/base qa.jsonl train.lora_targets=core,attention
+    --chat-template tmpl.jinja
 
-It is `meshlm train` with train.init_from = RUN_OR_FOLDER, train.data = DATA prepared once into the cache (with
-the folder's tokenizer and chat template), and fine-tuning defaults (FINETUNE_DEFAULTS) that any KEY=VALUE
-override replaces. A LoRA run also writes `<run>/merged`: a meshlm checkpoint with the adapters merged into
-the base weights (`meshlm convert <run>/merged OUT --to hf` exports it for transformers).
+It is `meshlm train` with train.init_from = RUN_OR_FOLDER, train.data = DATA prepared once into the
+cache (with the folder's tokenizer and chat template), and fine-tuning defaults (FINETUNE_DEFAULTS)
+that any KEY=VALUE override replaces. A LoRA run also writes `<run>/merged`: a meshlm checkpoint
+with the adapters merged into the base weights (`meshlm convert <run>/merged OUT --to hf` exports it
+for transformers).
 """
 from __future__ import annotations
 
@@ -22,14 +26,19 @@ FINETUNE_DEFAULTS = ("train.lora_rank=8", "train.lr=1e-3", "train.steps=200", "t
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", metavar="RUN_OR_FOLDER", help="the model to fine-tune: any folder meshlm opens")
-    p.add_argument("data", metavar="DATA", help="JSONL of {prompt, completion} or {messages} records")
+    p.add_argument("source", metavar="RUN_OR_FOLDER",
+                   help="the model to fine-tune: any folder meshlm opens")
+    p.add_argument("data", metavar="DATA",
+                   help="JSONL of {prompt, completion} or {messages} records")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="dotted overrides after the fine-tuning defaults, e.g. train.lora_rank=16 train.steps=500")
+                   help="dotted overrides after the fine-tuning defaults, e.g. train.lora_rank=16 "
+                        "train.steps=500")
     p.add_argument("--config", help="YAML config with `train:` (and `model:` overrides) sections")
-    p.add_argument("--chat-template", help="a Jinja chat template file (default: the folder's own, else meshlm's "
-                                          "documented default, meshlm.data.sft.DEFAULT_TEMPLATE)")
-    p.add_argument("--resume", action="store_true", help="continue the run from its newest good checkpoint")
+    p.add_argument("--chat-template",
+                   help="a Jinja chat template file (default: the folder's own, else meshlm's "
+                       "documented default, meshlm.data.sft.DEFAULT_TEMPLATE)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run from its newest good checkpoint")
 
 
 def run(args: argparse.Namespace) -> int:

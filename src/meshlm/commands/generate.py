@@ -1,10 +1,11 @@
 """`meshlm generate CKPT "prompt"`: sample text from any model folder, streamed.
 
-CKPT is anything meshlm.loading opens: a run dir (its latest checkpoint), a checkpoint dir, a converted or
-retrofitted folder, a folder written by `meshlm convert --to hf`, or a GPT-NeoX / Llama / OLMoE folder.
-Decoding uses the looped KV cache (one entry per unrolled layer). With several prompts they run as one
-left-padded batch and are printed when done; a single prompt streams token by token. `--speculate` decodes
-by lossless self-speculation (meshlm.generate.speculative) and prints its acceptance rate and tokens/s on stderr.
+CKPT is anything meshlm.loading opens: a run dir (its latest checkpoint), a checkpoint dir, a
+converted or retrofitted folder, a folder written by `meshlm convert --to hf`, or a GPT-NeoX / Llama
+/ OLMoE folder. Decoding uses the looped KV cache (one entry per unrolled layer). With several
+prompts they run as one left-padded batch and are printed when done; a single prompt streams token
+by token. `--speculate` decodes by lossless self-speculation (meshlm.generate.speculative) and
+prints its acceptance rate and tokens/s on stderr.
 """
 from __future__ import annotations
 
@@ -15,27 +16,38 @@ from meshlm.runtime.options import add_dtype_argument, add_tokenizer_arguments
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="run or checkpoint dir, converted/retrofitted folder, or Hugging Face folder")
-    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="text to continue (several: one batch)")
-    p.add_argument("-n", "--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("checkpoint", help="run or checkpoint dir, converted/retrofitted folder, or "
+                                      "Hugging Face folder")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT",
+                   help="text to continue (several: one batch)")
+    p.add_argument("-n", "--max-new-tokens", type=int, default=64,
+                   help="tokens to generate (default 64)")
     p.add_argument("-t", "--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0 = all)")
-    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass (1 = off; default 0.95)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=0.95,
+                   help="nucleus sampling mass (1 = off; default 0.95)")
     p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
-    p.add_argument("--loops", type=int, default=None, help="run the core this many times (single-core specs)")
+    p.add_argument("--loops", type=int, default=None,
+                   help="run the core this many times (single-core specs)")
     p.add_argument("--exit", default=None,
-                   help="per-token adaptive exit, e.g. state:0.05 or kl:1e-4 (a token stops looping once converged)")
+                   help="per-token adaptive exit, e.g. state:0.05 or kl:1e-4 (a token stops "
+                        "looping once converged)")
     add_tokenizer_arguments(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     add_dtype_argument(p, decoding=True)
-    p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence each step (slow)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="recompute the whole sequence each step (slow)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past <|endoftext|>")
     p.add_argument("--speculate", default=None, metavar="auto|K_d[:γ]",
-                   help="lossless self-speculative decoding: draft with K_d loop passes, γ tokens per round "
-                        "(auto: chosen from measured acceptance and cost, plain decoding when it would not pay); "
-                        "prints acceptance and tokens/s on stderr")
-    p.hints = {"required": 'pass the text to continue, e.g. meshlm generate runs/small-mesh "To be, or not to be"',
-               "argument": 'a prompt that starts with "-" goes after --, e.g. meshlm generate RUN -- "-5 degrees"'}
+                   help="lossless self-speculative decoding: draft with K_d loop passes, γ tokens "
+                        "per round (auto: chosen from measured acceptance and cost, plain "
+                        "decoding when "
+                        "it would not pay); prints acceptance and tokens/s on stderr")
+    p.hints = {"required": 'pass the text to continue, e.g. meshlm generate runs/small-mesh "To '
+                           'be, or not to be"',
+               "argument": 'a prompt that starts with "-" goes after --, e.g. meshlm generate RUN '
+                           '-- "-5 degrees"'}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,17 +64,20 @@ def run(args: argparse.Namespace) -> int:
     device, chosen = precision.for_decoding(args.dtype, model)
     with precision.autocast(device, chosen):
         code = _generate(args, model, tok, s, texts, prompts)
-    # after the text, on stderr: stdout holds only the text, and an error stays the only line on stderr
+    # after the text, on stderr: stdout holds only the text, and an error stays the only line on
+    # stderr
     print(f"generated in {chosen.describe()}", file=sys.stderr, flush=True)
     return code
 
 
-def _generate(args: argparse.Namespace, model, tok, s, texts: list[str], prompts: list[list[int]]) -> int:
+def _generate(args: argparse.Namespace, model, tok, s, texts: list[str],
+              prompts: list[list[int]]) -> int:
     from meshlm.generate import generate, stream
     from meshlm.generate.speculative import SpeculationStats
 
     stats = SpeculationStats() if args.speculate is not None else None
-    common = dict(eos_id=tok.eos_id, pad_id=tok.pad_id, cache=not args.no_cache, loops=args.loops, exit=args.exit,
+    common = dict(eos_id=tok.eos_id, pad_id=tok.pad_id, cache=not args.no_cache, loops=args.loops,
+                  exit=args.exit,
                   speculate=args.speculate, stats=stats)
     if len(prompts) > 1:
         for text, new in zip(texts, generate(model, prompts, s, **common)):
@@ -87,20 +102,22 @@ def _generate(args: argparse.Namespace, model, tok, s, texts: list[str], prompts
 
 
 def _report(stats) -> None:
-    """Speculation's acceptance rate and speed, on stderr so stdout stays the generated text alone."""
+    """Speculation's acceptance rate and speed, on stderr so stdout stays the generated text
+    alone."""
     if stats is not None:
         sys.stdout.flush()
         print(stats.summary(), file=sys.stderr)
 
 
 def shell_text(text: str) -> str:
-    """A prompt as the shell passed it: bytes that are not UTF-8 (surrogate-escaped by Python) become U+FFFD."""
+    """A prompt as the shell passed it: bytes that are not UTF-8 (surrogate-escaped by Python)
+    become U+FFFD."""
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def check_inputs(args: argparse.Namespace):
-    """Sampling settings, loops, exit rule, device, the model folder and the prompts, all checked before
-    loading anything (every problem in one error). Returns (Sampling, prompts as text)."""
+    """Sampling settings, loops, exit rule, device, the model folder and the prompts, all checked
+    before loading anything (every problem in one error). Returns (Sampling, prompts as text)."""
     from pathlib import Path
 
     from meshlm import hub
@@ -110,19 +127,23 @@ def check_inputs(args: argparse.Namespace):
     from meshlm.runtime.devices import resolve_device
 
     p = Problems()
-    s = p.check(Sampling, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+    s = p.check(Sampling, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                top_k=args.top_k,
                 top_p=args.top_p, seed=args.seed, stop_at_eos=not args.ignore_eos)
-    p.need(args.loops is None or args.loops >= 1, f"--loops {args.loops} must be >= 1 (omit it for the trained count)")
+    p.need(args.loops is None or args.loops >= 1,
+           f"--loops {args.loops} must be >= 1 (omit it for the trained count)")
     if args.exit is not None:
         rule = p.check(ExitRule.parse, args.exit)
         args.exit = None if rule is None else str(rule)
     p.check(resolve_device, args.device)
     p.need(Path(args.checkpoint).is_dir() or hub.is_hub_name(args.checkpoint),
-           f"{args.checkpoint} is not a folder; pass a meshlm run or step-NNNNNN folder, a Hugging Face folder "
-           f"(e.g. written by `meshlm convert --to hf`) or a Hub name org/name[@revision]")
+           f"{args.checkpoint} is not a folder; pass a meshlm run or step-NNNNNN folder, a Hugging "
+           "Face folder (e.g. written by `meshlm convert --to hf`) or a Hub name "
+           "org/name[@revision]")
     texts = [shell_text(t) for t in args.prompts]
     empty = [i for i, t in enumerate(texts, 1) if not t]
-    p.need(not empty, f"prompt {', '.join(map(str, empty))} is empty; pass the text to continue, e.g. "
-                      f'meshlm generate {args.checkpoint} "Once upon a time"')
+    p.need(not empty,
+           f"prompt {', '.join(map(str, empty))} is empty; pass the text to continue, e.g. "
+           f'meshlm generate {args.checkpoint} "Once upon a time"')
     p.raise_if_any()
     return s, texts

@@ -1,10 +1,11 @@
-"""`meshlm probe CKPT`: the paper's hidden-state probes and MeSH router behaviour on held-out sequences.
+"""`meshlm probe CKPT`: the paper's hidden-state probes and MeSH router behaviour on held-out
+sequences.
 
     meshlm probe runs/mesh-small-mesh                    # 100 validation windows -> <run>/probe/
     meshlm probe runs/small-base --samples 500 --tokens 128 --save-states
 
-Writes probe.json (mean, std and per-sample values of every measure; see meshlm.analysis.probes) and the PNG
-figures of meshlm.analysis.plots next to it.
+Writes probe.json (mean, std and per-sample values of every measure; see meshlm.analysis.probes) and
+the PNG figures of meshlm.analysis.plots next to it.
 """
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from meshlm.runtime.options import add_dtype_argument, add_tokenizer_arguments
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", metavar="CKPT",
-                   help="a run folder (its latest checkpoint), a step-NNNNNN folder, a converted or retrofitted "
-                        "folder, or a Hugging Face folder (meshlm.loading)")
+                   help="a run folder (its latest checkpoint), a step-NNNNNN folder, a converted "
+                        "or retrofitted folder, or a Hugging Face folder (meshlm.loading)")
     add_tokenizer_arguments(p)
-    p.add_argument("--samples", type=int, default=100, help="held-out sequences to probe (default 100)")
-    p.add_argument("--tokens", type=int, default=None, help="tokens per sequence (default: the training length)")
+    p.add_argument("--samples", type=int, default=100,
+                   help="held-out sequences to probe (default 100)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens per sequence (default: the training length)")
     p.add_argument("--data", help="prepared-data folder (default: what the model was trained on)")
     p.add_argument("--split", default="val", help="split of the prepared data (default val)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
@@ -29,11 +32,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_dtype_argument(p)
     p.add_argument("--out", help="output folder (default: <run>/probe)")
     p.add_argument("--save-states", action="store_true",
-                   help="also write every sample's stage matrices to states.safetensors (N, stages, T, d)")
+                   help="also write every sample's stage matrices to states.safetensors (N, "
+                        "stages, T, d)")
 
 
 def held_out_samples(data, n: int, tokens: int):
-    """`n` windows of `tokens` input tokens spread evenly over the split: (n', tokens) ids, n' <= n."""
+    """`n` windows of `tokens` input tokens spread evenly over the split: (n', tokens) ids, n' <=
+    n."""
     import numpy as np
     import torch
 
@@ -48,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
 
     from meshlm import hub
 
-    hub.prefetch(args.checkpoint)  # first: importing meshlm.evaluation switches the Hub off (for lm-eval's data)
+    # first: importing meshlm.evaluation switches the Hub off (for lm-eval's data)
+    hub.prefetch(args.checkpoint)
     from meshlm.analysis import plots
     from meshlm.analysis.probes import probe
     from meshlm.evaluation.results import ProbeResult, write
@@ -64,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
                           f"{loaded.model.config.context_length}; pass a smaller --tokens")
     samples = held_out_samples(loaded.held_out(args.data, args.split), args.samples, tokens)
     if len(samples) < args.samples:
-        print(f"note: the {args.split} split holds only {len(samples)} windows of {tokens} tokens; probing those")
+        print(f"note: the {args.split} split holds only {len(samples)} windows of {tokens} tokens; "
+              "probing those")
     states = [] if args.save_states else None
     device, chosen = precision.for_model(args.dtype, loaded.model)
     print(f"probing {loaded.path} in {chosen.describe()}", flush=True)
@@ -91,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_inputs(args: argparse.Namespace) -> None:
-    """Numbers, device, checkpoint and --data, all before loading anything (every problem in one error)."""
+    """Numbers, device, checkpoint and --data, all before loading anything (every problem in one
+    error)."""
     from meshlm import hub
     from meshlm.errors import Problems
     from meshlm.loading import locate
@@ -102,8 +110,9 @@ def check_inputs(args: argparse.Namespace) -> None:
     p.need(args.tokens is None or args.tokens >= 2, f"--tokens {args.tokens} must be >= 2")
     p.need(args.split in ("train", "val"), f"--split {args.split!r} must be train or val")
     p.check(resolve_device, args.device)
-    if p.need(hub.exists(args.checkpoint), f"{args.checkpoint} does not exist; pass a run folder, a step-NNNNNN "
-                                           f"folder or a Hugging Face Hub name org/name[@revision]"):
+    if p.need(hub.exists(args.checkpoint), f"{args.checkpoint} does not exist; pass a run folder, "
+                                           "a step-NNNNNN folder or a Hugging Face Hub name "
+                                           "org/name[@revision]"):
         folder = p.check(locate, args.checkpoint)
         if folder is not None:
             p.writable(args.out or folder.run_dir / "probe", "output folder")  # before any compute

@@ -1,33 +1,43 @@
-"""`meshlm quantize RUN --bits 8|4`: a weight-only int8 (per channel) or int4 (grouped) checkpoint of RUN.
+"""`meshlm quantize RUN --bits 8|4`: a weight-only int8 (per channel) or int4 (grouped) checkpoint
+of RUN.
 
-Calibrates on windows of the training split (every loop visit of a shared layer counted), quantizes the chosen
-parts (default: the looped cores; prelude, coda, head and routers stay fp32), prints and stores the per-loop
-error report (state distance after each loop step, held-out loss at each loop count), and writes a verified
-meshlm checkpoint (default RUN/int8 or RUN/int4) that `meshlm generate`, `eval` and `serve` open as any other.
-See meshlm.quant and docs/quantize.md.
+Calibrates on windows of the training split (every loop visit of a shared layer counted), quantizes
+the chosen parts (default: the looped cores; prelude, coda, head and routers stay fp32), prints and
+stores the per-loop error report (state distance after each loop step, held-out loss at each loop
+count), and writes a verified meshlm checkpoint (default RUN/int8 or RUN/int4) that `meshlm
+generate`, `eval` and `serve` open as any other. See meshlm.quant and docs/quantize.md.
 """
 from __future__ import annotations
 
 import argparse
 
-# meshlm.quant's PARTS, DEFAULT_PARTS and GROUP_SIZES, spelled out: the parser is built before torch may load
-# (meshlm.cli tunes malloc first); tests/test_quant.py checks they agree
-PARTS, DEFAULT_PARTS, GROUP_SIZES = ("prelude", "cores", "coda", "head", "routers"), ("cores",), (32, 64, 128, 256)
+# meshlm.quant's PARTS, DEFAULT_PARTS and GROUP_SIZES, spelled out: the parser is built before torch
+# may load (meshlm.cli tunes malloc first); tests/test_quant.py checks they agree
+PARTS, DEFAULT_PARTS, GROUP_SIZES = ("prelude", "cores", "coda", "head",
+                                     "routers"), ("cores",), (32, 64, 128, 256)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="a meshlm run or checkpoint folder")
-    p.add_argument("--bits", type=int, choices=(8, 4), required=True, help="8: int8 per channel; 4: int4 grouped")
-    p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64, help="int4 group (default 64)")
+    p.add_argument("--bits", type=int, choices=(8, 4), required=True,
+                   help="8: int8 per channel; 4: int4 grouped")
+    p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64,
+                   help="int4 group (default 64)")
     p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
-                   help=f"what to quantize, comma-separated from {','.join(PARTS)} (default {','.join(DEFAULT_PARTS)})")
+                   help=f"what to quantize, comma-separated from {','.join(PARTS)} (default "
+                        f"{','.join(DEFAULT_PARTS)})")
     p.add_argument("--out", default=None, help="output folder (default RUN/int8 or RUN/int4)")
-    p.add_argument("--data", default=None, help="prepared data to calibrate and report on (default: the run's)")
-    p.add_argument("--calibration", type=int, default=32, help="training windows to calibrate on (default 32)")
-    p.add_argument("--report-windows", type=int, default=32, help="held-out windows the report uses (default 32)")
-    p.add_argument("--seq-len", type=int, default=None, help="window length (default: the training seq_len)")
+    p.add_argument("--data", default=None,
+                   help="prepared data to calibrate and report on (default: the run's)")
+    p.add_argument("--calibration", type=int, default=32,
+                   help="training windows to calibrate on (default 32)")
+    p.add_argument("--report-windows", type=int, default=32,
+                   help="held-out windows the report uses (default 32)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="window length (default: the training seq_len)")
     p.add_argument("--no-report", action="store_true", help="skip the per-loop error report")
-    p.hints = {"required": "pass --bits 8 or --bits 4, e.g. meshlm quantize runs/small-mesh --bits 8"}
+    p.hints = {"required": "pass --bits 8 or --bits 4, e.g. meshlm quantize runs/small-mesh "
+                           "--bits 8"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -41,19 +51,21 @@ def run(args: argparse.Namespace) -> int:
     if opened.meta.get("quantization"):
         from meshlm.errors import ConfigError
 
-        raise ConfigError(f"{opened.path} is quantized already; pass the full-precision checkpoint it came from "
-                          f"({opened.meta['quantization']['source']['path']})")
+        raise ConfigError(f"{opened.path} is quantized already; pass the full-precision checkpoint "
+                          f"it came from ({opened.meta['quantization']['source']['path']})")
     seq_len = args.seq_len or opened.seq_len
     train = opened.held_out(args.data, split="train")
     batches = windows(train, args.calibration, seq_len)
-    print(f"calibrating {opened.path} on {sum(len(b) for b in batches)} windows of {seq_len} tokens", flush=True)
+    print(f"calibrating {opened.path} "
+          f"on {sum(len(b) for b in batches)} windows of {seq_len} tokens", flush=True)
     with torch.no_grad():
         quantized, spec = quantize_model(opened.model, args.bits, parts, args.group_size, batches)
         if not args.no_report:
             spec["report"] = error_report(opened, quantized, args, seq_len)
     write(opened, quantized, spec, out)
     print(f"wrote {out}: int{args.bits} {', '.join(spec['parts'])} ({len(spec['layers'])} layers), "
-          f"{megabytes(quantized):.1f} MB of weights (full precision {megabytes(opened.model):.1f} MB)")
+          f"{megabytes(quantized):.1f} MB of weights (full precision {megabytes(opened.model):.1f} "
+          "MB)")
     return 0
 
 
@@ -65,11 +77,13 @@ def check_inputs(args: argparse.Namespace):
     p = Problems()
     parts = tuple(x for x in args.parts.split(",") if x)
     unknown = sorted(set(parts) - set(PARTS))
-    p.need(bool(parts) and not unknown, f"--parts {args.parts!r}: unknown {unknown or 'empty'}; choose from "
-                                        f"{','.join(PARTS)}, e.g. --parts cores")
+    p.need(bool(parts) and not unknown,
+           f"--parts {args.parts!r}: unknown {unknown or 'empty'}; choose from "
+           f"{','.join(PARTS)}, e.g. --parts cores")
     p.need(args.calibration >= 1, f"--calibration {args.calibration} must be >= 1 window")
     p.need(args.report_windows >= 1, f"--report-windows {args.report_windows} must be >= 1 window")
-    p.need(Path(args.checkpoint).is_dir(), f"{args.checkpoint} is not a folder; pass a meshlm run or checkpoint")
+    p.need(Path(args.checkpoint).is_dir(),
+           f"{args.checkpoint} is not a folder; pass a meshlm run or checkpoint")
     out = Path(args.out) if args.out else Path(args.checkpoint) / f"int{args.bits}"
     p.writable(out, "--out")
     p.raise_if_any()
@@ -91,7 +105,8 @@ def error_report(opened, quantized, args: argparse.Namespace, seq_len: int) -> d
     from meshlm.quant.report import format_report, loss_by_loops, state_distances
 
     val = opened.held_out(args.data)
-    report = {**state_distances(opened.model, quantized, windows(val, args.report_windows, seq_len)),
+    report = {**state_distances(opened.model, quantized,
+                                windows(val, args.report_windows, seq_len)),
               "loss": loss_by_loops(opened.model, quantized, val, seq_len, args.report_windows),
               "windows": args.report_windows, "seq_len": seq_len}
     print(format_report(report), flush=True)
@@ -102,7 +117,8 @@ def write(opened, quantized, spec: dict, out) -> None:
     from meshlm.checkpoint import write_checkpoint
 
     source = {"path": str(opened.path), "step": opened.meta.get("step")}
-    meta = {k: v for k, v in opened.meta.items() if k != "tokenizer"}  # write_checkpoint names the carried one
+    # write_checkpoint names the carried one
+    meta = {k: v for k, v in opened.meta.items() if k != "tokenizer"}
     meta["quantization"] = {**spec, "source": source}
     write_checkpoint(out, quantized.state_dict(), meta, tokenizer=opened.tokenizer_file)
 

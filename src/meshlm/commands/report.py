@@ -9,10 +9,12 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("runs", nargs="+", metavar="RUN", help="run folders holding eval.json and/or probe/probe.json")
+    p.add_argument("runs", nargs="+", metavar="RUN",
+                   help="run folders holding eval.json and/or probe/probe.json")
     p.add_argument("--out", default="report.html", help="HTML file to write (default report.html)")
     p.add_argument("--title", default="meshlm report", help="page title")
-    p.add_argument("--figures", metavar="DIR", help="also save the page's figures in DIR as PNG, SVG and PDF files")
+    p.add_argument("--figures", metavar="DIR",
+                   help="also save the page's figures in DIR as PNG, SVG and PDF files")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,9 +1,10 @@
-"""`meshlm serve RUN_OR_FOLDER`: an OpenAI-compatible HTTP server with continuous batching (docs/serve.md).
+"""`meshlm serve RUN_OR_FOLDER`: an OpenAI-compatible HTTP server with continuous batching
+(docs/serve.md).
 
-RUN_OR_FOLDER is anything `meshlm generate` opens (meshlm.loading). The server listens on 127.0.0.1 by default;
-`--max-batch` rows decode together, `--max-queue` requests may wait (more get 429), each request may run for
-`--timeout` seconds. SIGTERM stops admitting, lets the running requests finish within `--grace` seconds and
-exits 0; Ctrl-C does the same and exits 130.
+RUN_OR_FOLDER is anything `meshlm generate` opens (meshlm.loading). The server listens on 127.0.0.1
+by default; `--max-batch` rows decode together, `--max-queue` requests may wait (more get 429), each
+request may run for `--timeout` seconds. SIGTERM stops admitting, lets the running requests finish
+within `--grace` seconds and exits 0; Ctrl-C does the same and exits 130.
 """
 from __future__ import annotations
 
@@ -16,20 +17,26 @@ from meshlm.runtime.options import add_dtype_argument
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", metavar="RUN_OR_FOLDER",
-                   help="run or checkpoint dir, converted/retrofitted folder, or Hugging Face folder")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+                   help="run or checkpoint dir, converted/retrofitted folder, or Hugging Face "
+                        "folder")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--name", default=None, help="model name clients pass as `model` (default: the folder's name)")
+    p.add_argument("--name", default=None,
+                   help="model name clients pass as `model` (default: the folder's name)")
     p.add_argument("--max-batch", type=int, default=16, help="rows decoding together (default 16)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests waiting for a row; more get 429 (default 64)")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds a request may run (default 600)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for a row; more get 429 (default 64)")
+    p.add_argument("--timeout", type=float, default=600.0,
+                   help="seconds a request may run (default 600)")
     p.add_argument("--grace", type=float, default=30.0,
                    help="on SIGTERM, seconds the running requests get to finish (default 30)")
     p.add_argument("--tokenizer", default=None,
                    help="override the folder's tokenizer ('default', 'pythia' or a tokenizer.json)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     add_dtype_argument(p, decoding=True)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level (default warning)")
 
@@ -49,8 +56,9 @@ def check_inputs(args: argparse.Namespace) -> None:
     p.need(args.grace >= 0, f"--grace {args.grace} must be >= 0 seconds")
     p.need(args.threads is None or args.threads >= 1, f"--threads {args.threads} must be >= 1")
     p.check(resolve_device, args.device)
-    p.need(Path(args.checkpoint).is_dir(), f"{args.checkpoint} is not a folder; pass a meshlm run or step-NNNNNN "
-                                           f"folder, or a Hugging Face folder written by `meshlm convert --to hf`")
+    p.need(Path(args.checkpoint).is_dir(), f"{args.checkpoint} is not a folder; pass a meshlm run "
+                                           "or step-NNNNNN folder, or a Hugging Face folder "
+                                           "written by `meshlm convert --to hf`")
     p.raise_if_any()
 
 
@@ -60,7 +68,8 @@ def needs_extra() -> None:
 
     from meshlm.errors import ConfigError
 
-    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "jinja2") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client", "jinja2")
+               if importlib.util.find_spec(m) is None]
     if missing:
         raise ConfigError(f"meshlm serve needs {', '.join(missing)}; install the serve extra: "
                           f"pip install -c constraints.txt -e '.[serve]'")
@@ -87,22 +96,28 @@ def run(args: argparse.Namespace) -> int:
     template, own = chat_template(opened.path)
     cfg = model.config
     name = args.name or opened.run_dir.resolve().name
-    served = Served(name=name, tokenizer=tok, context_length=cfg.context_length, chat_template=template,
+    served = Served(name=name, tokenizer=tok, context_length=cfg.context_length,
+                    chat_template=template,
                     own_template=own, timeout=args.timeout,
-                    info={"spec": cfg.spec, "scheme": cfg.scheme, "context_length": cfg.context_length,
-                          "precision": chosen.name, "chat_template": "folder" if own else "meshlm default"})
+                    info={"spec": cfg.spec, "scheme": cfg.scheme,
+                          "context_length": cfg.context_length,
+                          "precision": chosen.name,
+                          "chat_template": "folder" if own else "meshlm default"})
     batcher = Batcher(model, tok.eos_id, tok.pad_id, args.max_batch, args.max_queue)
     engine = Engine(batcher, lambda: precision.autocast(device, chosen))
     app = create_app(engine, served)
     app.router.on_startup.append(engine.start)
     app.router.on_shutdown.append(engine.stop)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=int(args.grace + 0.999) or None, lifespan="on")
+                            timeout_graceful_shutdown=int(args.grace + 0.999) or None,
+                            lifespan="on")
     server = draining_server(config, engine)
-    sock = listening_socket(args.host, args.port)  # a port in use is a one-line error here, not uvicorn's exit
+    # a port in use is a one-line error here, not uvicorn's exit
+    sock = listening_socket(args.host, args.port)
     port = sock.getsockname()[1]  # --port 0: the one the system chose
     print(f"meshlm serve: {name} ({cfg.spec} {cfg.scheme}) on http://{args.host}:{port}/v1 in "
-          f"{chosen.describe()}; max batch {args.max_batch}, queue {args.max_queue}", file=sys.stderr, flush=True)
+          f"{chosen.describe()}; max batch {args.max_batch}, queue {args.max_queue}",
+          file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return 0
 
@@ -119,16 +134,16 @@ def listening_socket(host: str, port: int):
         sock.bind((host, port))
     except OSError as err:
         sock.close()
-        raise ConfigError(f"cannot listen on {host}:{port} ({err.strerror}); pass another --port (0: any free "
-                          f"one) or stop what holds it") from err
+        raise ConfigError(f"cannot listen on {host}:{port} ({err.strerror}); pass another --port "
+                          "(0: any free one) or stop what holds it") from err
     return sock
 
 
 def draining_server(config, engine):
-    """A uvicorn.Server whose SIGTERM drains: the engine refuses new requests (503) at once, uvicorn closes the
-    listening socket and waits up to --grace for the running ones, and the process then exits 0 (uvicorn
-    itself re-raises a signal after shutting down, which would end it with 143). Ctrl-C drains the same way
-    and then stops with 130."""
+    """A uvicorn.Server whose SIGTERM drains: the engine refuses new requests (503) at once, uvicorn
+    closes the listening socket and waits up to --grace for the running ones, and the process then
+    exits 0 (uvicorn itself re-raises a signal after shutting down, which would end it with 143).
+    Ctrl-C drains the same way and then stops with 130."""
     import uvicorn
 
     class Server(uvicorn.Server):

@@ -1,12 +1,14 @@
-"""`meshlm tasks export DIR`: the paper's suite as lm-eval task YAMLs plus their data, for lm-eval's own CLI.
+"""`meshlm tasks export DIR`: the paper's suite as lm-eval task YAMLs plus their data, for lm-eval's
+own CLI.
 
     meshlm tasks export lm-eval-tasks/
     meshlm convert runs/small-mesh out/mesh-hf --to hf
     lm_eval --model hf --model_args pretrained=out/mesh-hf,trust_remote_code=True \\
         --include_path lm-eval-tasks/ --tasks meshlm_suite --num_fewshot 0 --seed 1234 --device cpu
 
-No network: the data are the sets `meshlm fetch` extracted (copied into DIR/data), addressed by absolute
-path. `meshlm fetch` also writes the same YAMLs (pointing at the cache) to <cache>/lm-eval-tasks.
+No network: the data are the sets `meshlm fetch` extracted (copied into DIR/data), addressed by
+absolute path. `meshlm fetch` also writes the same YAMLs (pointing at the cache) to
+<cache>/lm-eval-tasks.
 """
 from __future__ import annotations
 
@@ -14,10 +16,12 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", choices=("export",), help="export: write the task YAMLs and data to OUT")
+    p.add_argument("action", choices=("export",),
+                   help="export: write the task YAMLs and data to OUT")
     p.add_argument("out", metavar="OUT", help="folder for the YAMLs (data go to OUT/data)")
     p.add_argument("--tasks", default="all", help="comma-separated suite tasks or 'all' (default)")
-    p.add_argument("--cache-dir", default=None, help="cache folder (default: $MESHLM_CACHE or ~/.cache/meshlm)")
+    p.add_argument("--cache-dir", default=None,
+                   help="cache folder (default: $MESHLM_CACHE or ~/.cache/meshlm)")
 
 
 def run(args: argparse.Namespace) -> int:

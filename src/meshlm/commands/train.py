@@ -1,9 +1,10 @@
-"""`meshlm train`: train a model from a YAML config plus dotted overrides; with no arguments, the default
-small MeSH model on the embedded corpus (a few minutes on a laptop CPU).
+"""`meshlm train`: train a model from a YAML config plus dotted overrides; with no arguments, the
+default small MeSH model on the embedded corpus (a few minutes on a laptop CPU).
 
     meshlm train                                         # the default job
     meshlm train --config cpu/small-anchor.yaml model.d_model=128 train.lr=1e-3   # a shipped config
-    meshlm train --config configs/paper/160m-2+4R2+2-mesh.yaml --resume          # the same, by its repo path
+    meshlm train --config configs/paper/160m-2+4R2+2-mesh.yaml --resume
+        # the same, by its repo path
     torchrun --nproc_per_node=8 -m meshlm.cli train --config ... train.distributed=fsdp
 """
 from __future__ import annotations
@@ -15,29 +16,35 @@ import sys
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     overrides = p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                               help="dotted overrides applied after the config file, e.g. model.d_model=128 "
+                               help="dotted overrides applied after the config file, e.g. "
+                                    "model.d_model=128 "
                                     "train.lr=1e-3 (every field is listed below)")
     overrides.completer = complete_override  # argcomplete (shell completion)
     p.formatter_class = argparse.RawDescriptionHelpFormatter  # the field list keeps its layout
     p.epilog_factory = fields_help
-    p.add_argument("--config", help="YAML config with `model:` and `train:` sections: a path, or a shipped config "
-                                    "such as cpu/small-mesh.yaml or paper/410m-4+8R2+4-mesh.yaml")
+    p.add_argument("--config", help="YAML config with `model:` and `train:` sections: a path, or "
+                                    "a shipped config such as cpu/small-mesh.yaml or "
+                                    "paper/410m-4+8R2+4-mesh.yaml")
     p.add_argument("--resume", action="store_true",
-                   help="continue the run from its newest good checkpoint (start fresh if it has none)")
+                   help="continue the run from its newest good checkpoint (start fresh if it has "
+                        "none)")
     p.add_argument("--print-config", action="store_true",
-                   help="print the resolved config as YAML and exit: the model with every field its preset (or "
-                        "init_from) and the overrides give, and every train field")
+                   help="print the resolved config as YAML and exit: the model with every field "
+                        "its preset (or init_from) and the overrides give, and every train field")
 
 
 def fields_help() -> str:
-    """Every model and train field with its type, default and meaning (from the dataclasses themselves)."""
+    """Every model and train field with its type, default and meaning (from the dataclasses
+    themselves)."""
     from meshlm.config import PRESETS, ModelConfig
     from meshlm.fielddocs import describe
     from meshlm.train.config import TrainConfig
 
-    model = describe(ModelConfig, f"model fields (model.KEY=VALUE; `model:` in a config file), on top of "
-                                  f"model.preset, one of: {', '.join(PRESETS)}:")
-    train = describe(TrainConfig, "train fields (train.KEY=VALUE or KEY=VALUE; `train:` in a config file):")
+    model = describe(ModelConfig,
+                     f"model fields (model.KEY=VALUE; `model:` in a config file), on top of "
+                     f"model.preset, one of: {', '.join(PRESETS)}:")
+    train = describe(TrainConfig,
+                     "train fields (train.KEY=VALUE or KEY=VALUE; `train:` in a config file):")
     return f"{model}\n\n{train}"
 
 
@@ -48,7 +55,8 @@ def complete_override(prefix: str, **_) -> list[str]:
     from meshlm.config import PRESETS, ModelConfig
     from meshlm.train.config import TrainConfig
 
-    names = [f"model.{f.name}=" for f in fields(ModelConfig)] + [f"model.preset={name}" for name in PRESETS]
+    names = [f"model.{f.name}=" for f in fields(ModelConfig)] + [f"model.preset={name}"
+                                                                 for name in PRESETS]
     names += [f"train.{f.name}=" for f in fields(TrainConfig) if f.name != "model"]
     return [n for n in names if n.startswith(prefix)]
 

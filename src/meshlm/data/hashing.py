@@ -1,4 +1,5 @@
-"""File digests shared by checkpoints (integrity), conversion (integrity) and fetch (pinned wheels)."""
+"""File digests shared by checkpoints (integrity), conversion (integrity) and fetch (pinned
+wheels)."""
 from __future__ import annotations
 
 import hashlib

@@ -1,14 +1,16 @@
-"""Tokenised training data: `prepare` writes token shards, `PreparedData` reads them back, `batch_indices` orders them.
+"""Tokenised training data: `prepare` writes token shards, `PreparedData` reads them back,
+`batch_indices` orders them.
 
-Preparing (meshlm prepare) streams: documents are read in chunks (meshlm.data.readers), encoded a batch of
-~`batch_chars` characters at a time and appended to shard files (meshlm.data.shards), so memory stays bounded
-by the batch, whatever the corpus size. It makes two passes over the inputs: the first only lists document
-ids, so the train/validation split by document (meshlm.data.split) can guarantee both sides are non-empty
-without holding anything; the second tokenises. EOS follows every document.
+Preparing (meshlm prepare) streams: documents are read in chunks (meshlm.data.readers), encoded a
+batch of ~`batch_chars` characters at a time and appended to shard files (meshlm.data.shards), so
+memory stays bounded by the batch, whatever the corpus size. It makes two passes over the inputs:
+the first only lists document ids, so the train/validation split by document (meshlm.data.split) can
+guarantee both sides are non-empty without holding anything; the second tokenises. EOS follows every
+document.
 
-Reading is stateless: the global batch of optimizer step s is a pure function of (s, seed, data), drawn
-from per-epoch permutations of the non-overlapping windows, so a resumed run replays exactly the same
-data, and each rank takes a fixed, disjoint slice of it.
+Reading is stateless: the global batch of optimizer step s is a pure function of (s, seed, data),
+drawn from per-epoch permutations of the non-overlapping windows, so a resumed run replays exactly
+the same data, and each rank takes a fixed, disjoint slice of it.
 """
 from __future__ import annotations
 
@@ -51,30 +53,34 @@ BATCH_CHARS = 1 << 21  # characters encoded per tokenizer call: ~0.5M tokens, a 
 # ---------------------------------------------------------------- preparing
 def prepare(inputs, out_dir: str | os.PathLike, tokenizer: str | TextTokenizer = "default", *,
             text_field: str = "text", val_fraction: float = DEFAULT_VAL_FRACTION,
-            shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False, progress: bool = True,
+            shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False,
+            progress: bool = True,
             batch_chars: int = BATCH_CHARS, allow_binary: bool = False) -> dict:
     """Tokenise `inputs` (paths, or a corpus object with .description/.documents) into `out_dir`.
 
-    Returns the manifest (also written to out_dir/manifest.json). Raises DataError on missing inputs,
-    no text, a missing text field, binary-looking input files (unless allow_binary), or an out_dir that
-    already holds prepared data (unless overwrite). The shards are written into a staging folder inside
-    out_dir and moved in only once complete (shards.install_prepared): a failure (a full disk, Ctrl-C) removes
-    the staging folder and leaves what out_dir held, prepared data included, as it was.
+    Returns the manifest (also written to out_dir/manifest.json). Raises DataError on missing
+    inputs, no text, a missing text field, binary-looking input files (unless allow_binary), or an
+    out_dir that already holds prepared data (unless overwrite). The shards are written into a
+    staging folder inside out_dir and moved in only once complete (shards.install_prepared): a
+    failure (a full disk, Ctrl-C) removes the staging folder and leaves what out_dir held, prepared
+    data included, as it was.
     """
     tok = tokenizer if isinstance(tokenizer, TextTokenizer) else load_tokenizer(tokenizer)
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
-    corpus = inputs if hasattr(inputs, "documents") else FileCorpus(inputs, text_field, allow_binary)
+    corpus = (inputs if hasattr(inputs, "documents")
+              else FileCorpus(inputs, text_field, allow_binary))
     plan, n_chars = plan_documents(corpus, val_fraction)
     out = ready_output_dir(Path(out_dir), overwrite)
     with staged(out) as staging:
-        return write_prepared(corpus, plan, n_chars, staging, tok, val_fraction, shard_tokens, progress,
+        return write_prepared(corpus, plan, n_chars, staging, tok, val_fraction, shard_tokens,
+                              progress,
                               batch_chars)
 
 
 class _PlainProgress:
-    """Off a terminal (a log file, a batch job) a tqdm bar's carriage returns pile up into one line: one plain
-    line per tenth of the characters instead."""
+    """Off a terminal (a log file, a batch job) a tqdm bar's carriage returns pile up into one line:
+    one plain line per tenth of the characters instead."""
 
     def __init__(self, total: int, stream):
         self.total, self.done, self.tenths, self.stream = max(total, 1), 0, 0, stream
@@ -98,17 +104,20 @@ def progress_bar(n_chars: int, progress: bool, stream=None):
     stream = stream or sys.stderr
     if progress and not stream.isatty():
         return _PlainProgress(n_chars, stream)
-    return tqdm(total=n_chars, unit="char", unit_scale=True, desc="tokenizing", disable=not progress, file=stream)
+    return tqdm(total=n_chars, unit="char", unit_scale=True, desc="tokenizing",
+                disable=not progress, file=stream)
 
 
-def write_prepared(corpus, plan: SplitPlan, n_chars: int, out: Path, tok: TextTokenizer, val_fraction: float,
+def write_prepared(corpus, plan: SplitPlan, n_chars: int, out: Path, tok: TextTokenizer,
+                   val_fraction: float,
                    shard_tokens: int, progress: bool, batch_chars: int) -> dict:
     """Second pass: tokenise every document into its split's shards, then write the manifest."""
     dtype = token_dtype(tok.vocab_size)
     writers = {split: ShardWriter(out, split, dtype, shard_tokens) for split in SPLITS}
     stats = ReadStats()
     with progress_bar(n_chars, progress) as bar:
-        batch: list[tuple[ShardWriter, str, bool]] = []  # (writer, text, last chunk of its document)
+        batch: list[tuple[ShardWriter, str, bool]] = []  # (writer, text, last chunk of its
+        # document)
         batch_len = 0
         for doc_id, chunks in corpus.documents(stats):
             writer = writers[plan.split_of(doc_id)]
@@ -136,18 +145,22 @@ def write_prepared(corpus, plan: SplitPlan, n_chars: int, out: Path, tok: TextTo
 
 
 def plan_documents(corpus, val_fraction: float) -> tuple[SplitPlan, int]:
-    """First pass: every document id into the split plan, and the total characters (for the progress bar)."""
+    """First pass: every document id into the split plan, and the total characters (for the progress
+    bar)."""
     plan, n_chars, stats = SplitPlan(val_fraction), 0, ReadStats()
     for doc_id, chunks in corpus.documents(stats):
         plan.add(doc_id)
         n_chars += sum(len(chunk) for chunk in chunks)
     if stats.binary:
-        listed = "; ".join(stats.binary[:3]) + (f"; and {len(stats.binary) - 3} more" if len(stats.binary) > 3 else "")
-        raise DataError(f"{len(stats.binary)} input file(s) look binary, not text: {listed}. Text in another "
-                        f"encoding: convert it to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8); to read the files anyway "
-                        f"(bad bytes become U+FFFD), pass --allow-binary")
+        listed = "; ".join(stats.binary[:3]) + (f"; and {len(stats.binary) - 3} more"
+                                                if len(stats.binary) > 3 else "")
+        raise DataError(f"{len(stats.binary)} input file(s) look binary, not text: {listed}. Text "
+                        "in another encoding: convert it to UTF-8 (e.g. iconv -f LATIN1 -t "
+                        "UTF-8); to read the files anyway (bad bytes become U+FFFD), pass "
+                        "--allow-binary")
     if plan.n_docs == 0:
-        raise DataError(f"no text found in {corpus.description}; give files or records with non-empty text")
+        raise DataError(f"no text found in {corpus.description}; give files or records with "
+                        "non-empty text")
     return plan, n_chars
 
 
@@ -157,7 +170,8 @@ def ready_output_dir(out: Path, overwrite: bool) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     holds_data = (out / MANIFEST).exists() or any(out.glob(SHARD_GLOB))
     if holds_data and not overwrite:
-        raise DataError(f"output folder {out} already holds prepared data; pass --overwrite or another folder")
+        raise DataError(f"output folder {out} already holds prepared data; pass --overwrite or "
+                        "another folder")
     return out
 
 
@@ -173,8 +187,8 @@ def _with_last(items):
 
 
 def encode_and_write(tok: TextTokenizer, batch: list[tuple[ShardWriter, str, bool]]) -> int:
-    """Encode the batch in one parallel call and append each chunk's ids (+ EOS after a document's last
-    chunk) to its split; returns the characters consumed."""
+    """Encode the batch in one parallel call and append each chunk's ids (+ EOS after a document's
+    last chunk) to its split; returns the characters consumed."""
     if not batch:
         return 0
     for (writer, _, is_last), ids in zip(batch, tok.encode_batch([text for _, text, _ in batch])):
@@ -184,10 +198,11 @@ def encode_and_write(tok: TextTokenizer, batch: list[tuple[ShardWriter, str, boo
 
 def prepare_default(cache_dir: str | os.PathLike | None = None, tokenizer: str = "default",
                     progress: bool = False) -> Path:
-    """The embedded corpus, prepared once per (corpus, tokenizer) into the cache; returns its folder.
+    """The embedded corpus, prepared once per (corpus, tokenizer) into the cache; returns its
+    folder.
 
-    Safe when several processes (ranks) call it at once: each prepares into a private temporary folder
-    and renames it into place; the first rename wins and the others discard their copy.
+    Safe when several processes (ranks) call it at once: each prepares into a private temporary
+    folder and renames it into place; the first rename wins and the others discard their copy.
     """
     tok = load_tokenizer(tokenizer, cache_dir)
     parent = resolve_cache(cache_dir) / "prepared"
@@ -212,23 +227,30 @@ TINY_VAL_TOKENS = 4096  # below this, a validation loss is noisy and long sequen
 
 
 def split_warnings(manifest: dict) -> list[str]:
-    """Warnings about an empty or tiny validation split, each with advice that changes the outcome."""
-    val, total = manifest["splits"][VAL]["tokens"], sum(s["tokens"] for s in manifest["splits"].values())
+    """Warnings about an empty or tiny validation split, each with advice that changes the
+    outcome."""
+    val, total = manifest["splits"][VAL]["tokens"], sum(s["tokens"]
+                                                        for s in manifest["splits"].values())
     documents, fraction = manifest["documents"], manifest["val_fraction"]
     if val >= TINY_VAL_TOKENS:
         return []
     if documents == 1:
-        return [f"the validation split is {'empty' if not val else f'only {val:,} tokens'}: the split is by document "
-                f"and the input is one document; give several files, or a JSONL file with one document per line"]
+        return [f"the validation split is {'empty' if not val else f'only {val:,} tokens'}: the "
+                "split is by document and the input is one document; give several files, or a "
+                "JSONL file with one document per line"]
     if fraction == 0:
-        return ["the validation split is empty (--val-fraction 0); `meshlm train` needs one: pass --val-fraction 0.02"]
+        return ["the validation split is empty (--val-fraction 0); `meshlm train` needs one: pass "
+                "--val-fraction 0.02"]
     if total < 2 * TINY_VAL_TOKENS:
-        return [f"the validation split holds only {val:,} tokens because the corpus holds only {total:,}; validation "
-                f"losses will be noisy and train.seq_len must stay below {val:,}: add text"]
+        return [f"the validation split holds only {val:,} tokens because the corpus holds only "
+                f"{total:,}; validation losses will be noisy and train.seq_len must stay below "
+                f"{val:,}: add text"]
     better = min(0.5, max(2 * fraction, 1.5 * TINY_VAL_TOKENS / total))
-    return [f"the validation split holds only {val:,} tokens ({manifest['splits'][VAL]['documents']} of {documents} "
-            f"documents); validation losses will be noisy and train.seq_len must stay below {val:,}: pass "
-            f"--val-fraction {better:.2g} (documents are held out whole, so the share is approximate) or add documents"]
+    return [f"the validation split holds only {val:,} tokens "
+            f"({manifest['splits'][VAL]['documents']} of {documents} documents); validation losses "
+            f"will be noisy and train.seq_len must stay below {val:,}: pass --val-fraction "
+            f"{better:.2g} (documents are held out whole, so the share is approximate) or add "
+            "documents"]
 
 
 # ---------------------------------------------------------------- reading
@@ -236,7 +258,8 @@ class PreparedData:
     """One split of a prepared folder as a single token stream over read-only memory-mapped shards.
 
     Sequence i is the window of seq_len + 1 tokens starting at token i * seq_len (inputs and shifted
-    targets share their boundary token); windows may span shards and documents (EOS marks the joins).
+    targets share their boundary token); windows may span shards and documents (EOS marks the
+    joins).
     """
 
     def __init__(self, data_dir: str | os.PathLike, split: str = TRAIN):
@@ -245,26 +268,28 @@ class PreparedData:
         self.dir, self.split = Path(data_dir), split
         self.manifest = read_manifest(data_dir)
         self.shards = open_shards(data_dir, self.manifest, split)
-        self.masks = open_loss_mask(data_dir, self.manifest, split)  # task data: 1 = answer token; else None
-        # offsets[k] = stream position of shard k's first token; offsets[-1] = total
+        # task data: 1 = answer token; else None offsets[k] = stream position of shard k's first
+        # token; offsets[-1] = total
+        self.masks = open_loss_mask(data_dir, self.manifest, split)
         self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
         self.num_tokens = int(self.offsets[-1])
         if self.masks is not None and [len(m) for m in self.masks] != [len(s) for s in self.shards]:
-            raise DataError(f"{data_dir}: the answer mask of the {split} split does not line up with its tokens; "
-                            f"run `meshlm prepare` again")
+            raise DataError(f"{data_dir}: the answer mask of the {split} split does not line up "
+                            "with its tokens; run `meshlm prepare` again")
 
     @property
     def vocab_size(self) -> int:
         return self.manifest["tokenizer"]["vocab_size"]
 
     def check_ids(self, model_vocab_size: int) -> None:
-        """DataError unless every token id fits the model's embedding (an id beyond it would stop training
-        with an IndexError whenever its window came up, possibly hours in)."""
+        """DataError unless every token id fits the model's embedding (an id beyond it would stop
+        training with an IndexError whenever its window came up, possibly hours in)."""
         largest = max_id(self.manifest, self.split, self.shards)
         if largest >= model_vocab_size:
-            raise DataError(f"{self.dir} ({self.split} split) holds token id {largest:,}, but the model's vocabulary "
-                            f"has {model_vocab_size:,} ids; prepare the data with the model's tokenizer or set "
-                            f"model.vocab_size to at least {largest + 1:,}")
+            raise DataError(f"{self.dir} ({self.split} split) holds token id {largest:,}, but the "
+                            f"model's vocabulary has {model_vocab_size:,} ids; prepare the data "
+                            "with the model's tokenizer or set model.vocab_size to at least "
+                            f"{largest + 1:,}")
 
     def num_sequences(self, seq_len: int) -> int:
         """How many windows fit; DataError if not even one does."""
@@ -272,16 +297,17 @@ class PreparedData:
             raise ConfigError(f"sequence length {seq_len} is below 1")
         name = "validation" if self.split == VAL else "training"
         if self.num_tokens < 2:  # no window at any length: lowering seq_len cannot help
-            fix = "prepare the data again with --val-fraction 0.02" if self.split == VAL else "add documents"
+            fix = ("prepare the data again with --val-fraction 0.02" if self.split == VAL
+                   else "add documents")
             raise DataError(f"the {name} split of {self.dir} is empty; {fix}")
         if self.num_tokens < seq_len + 1:
-            raise DataError(f"sequence length {seq_len} exceeds the {self.num_tokens} tokens of the {name} "
-                            f"split; lower seq_len or add data")
+            raise DataError(f"sequence length {seq_len} exceeds the {self.num_tokens} tokens of "
+                            f"the {name} split; lower seq_len or add data")
         return (self.num_tokens - 1) // seq_len
 
     def tokens(self, start: int, stop: int, shards: list[np.memmap] | None = None) -> np.ndarray:
-        """Stream positions [start, stop) as int64, gathered across shard boundaries (of `shards`, default the
-        tokens'; the answer mask's are aligned with them)."""
+        """Stream positions [start, stop) as int64, gathered across shard boundaries (of `shards`,
+        default the tokens'; the answer mask's are aligned with them)."""
         shards = self.shards if shards is None else shards
         first = int(np.searchsorted(self.offsets, start, side="right")) - 1
         parts, pos, k = [], start, first
@@ -294,13 +320,14 @@ class PreparedData:
 
     def inputs_targets(self, indices: list[int], seq_len: int, ignore_index: int = -100
                        ) -> tuple[np.ndarray, np.ndarray]:
-        """Windows `indices` as int64 (len(indices), seq_len) inputs and next-token targets, the targets
-        `ignore_index` where task data's answer mask says the loss does not look (prompts, padding); plain text
-        keeps every target. Each window is read once."""
+        """Windows `indices` as int64 (len(indices), seq_len) inputs and next-token targets, the
+        targets `ignore_index` where task data's answer mask says the loss does not look (prompts,
+        padding); plain text keeps every target. Each window is read once."""
         windows = np.stack([self.sequence(i, seq_len) for i in indices])  # (n, seq_len + 1)
         targets = windows[:, 1:]
         if self.masks is not None:
-            masks = np.stack([self.tokens(i * seq_len + 1, (i + 1) * seq_len + 1, self.masks) for i in indices])
+            masks = np.stack([self.tokens(i * seq_len + 1, (i + 1) * seq_len + 1, self.masks)
+                              for i in indices])
             targets = np.where(masks > 0, targets, ignore_index)
         return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(targets)
 
@@ -345,13 +372,15 @@ def window_indices(n_windows: int, max_sequences: int | None) -> list[int]:
     return [j * n_windows // n for j in range(n)]
 
 
-def validation_batches(n_windows: int, max_sequences: int, micro_batch: int, rank: int = 0, world: int = 1
+def validation_batches(n_windows: int, max_sequences: int, micro_batch: int, rank: int = 0,
+                       world: int = 1
                        ) -> list[tuple[list[int], bool]]:
     """This rank's forwards over the fixed validation set: (window indices, counted) pairs.
 
-    The set is `window_indices(n_windows, max_sequences)` whatever the micro-batch and world size; rank r
-    takes the r-th contiguous slice of it (sizes differ by at most one). Every rank runs the same number of
-    forwards (FSDP gathers weights in each one), so a rank with fewer windows pads with an uncounted one.
+    The set is `window_indices(n_windows, max_sequences)` whatever the micro-batch and world size;
+    rank r takes the r-th contiguous slice of it (sizes differ by at most one). Every rank runs the
+    same number of forwards (FSDP gathers weights in each one), so a rank with fewer windows pads
+    with an uncounted one.
     """
     indices = window_indices(n_windows, max_sequences)
     n = len(indices)

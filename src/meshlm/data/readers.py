@@ -1,16 +1,18 @@
-"""Reading documents to tokenise: text files, folders, JSONL, `datasets` save_to_disk folders, the embedded corpus.
+"""Reading documents to tokenise: text files, folders, JSONL, `datasets` save_to_disk folders, the
+embedded corpus.
 
-Every corpus yields `(doc_id, chunks)` pairs in a fixed order: `doc_id` is stable across machines (a path
-relative to the input, plus a line or row number) because the train/validation split hashes it, and
-`chunks` iterates the document's text in pieces of at most CHUNK_CHARS characters, so a multi-GB file
-never sits in memory whole. Pieces are cut only where the GPT-2 pre-tokenizer (used by byte-level BPE,
-Pythia's included) starts a new piece anyway, so the tokens equal those of the whole text; only a text
-with no space or newline in CHUNK_CHARS characters gets a hard cut.
+Every corpus yields `(doc_id, chunks)` pairs in a fixed order: `doc_id` is stable across machines (a
+path relative to the input, plus a line or row number) because the train/validation split hashes it,
+and `chunks` iterates the document's text in pieces of at most CHUNK_CHARS characters, so a multi-GB
+file never sits in memory whole. Pieces are cut only where the GPT-2 pre-tokenizer (used by
+byte-level BPE, Pythia's included) starts a new piece anyway, so the tokens equal those of the whole
+text; only a text with no space or newline in CHUNK_CHARS characters gets a hard cut.
 
-Documents that are empty or only whitespace are skipped. Bytes that are not valid UTF-8 are decoded with
-"surrogateescape" and then each becomes one U+FFFD; `ReadStats.replaced_bytes` counts them (lone
-surrogates from JSON escapes such as "\\udc80" are replaced and counted the same way). Replacing rather than failing
-keeps one bad byte from stopping a long run; the count is printed and stored in the manifest.
+Documents that are empty or only whitespace are skipped. Bytes that are not valid UTF-8 are decoded
+with "surrogateescape" and then each becomes one U+FFFD; `ReadStats.replaced_bytes` counts them
+(lone surrogates from JSON escapes such as "\\udc80" are replaced and counted the same way).
+Replacing rather than failing keeps one bad byte from stopping a long run; the count is printed and
+stored in the manifest.
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ TEXT_SUFFIXES = (".txt", ".md", ".markdown", ".rst", ".text")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 COMPRESSED = {".gz": gzip.open, ".xz": lzma.open, ".bz2": bz2.open}
 SAFE_CUT = re.compile(r"(?<=\S)[ \n](?=\S)")  # a lone space/newline between non-spaces
-SURROGATE = re.compile("[\ud800-\udfff]")  # never valid text: escaped bad bytes or stray JSON escapes
+# never valid text: escaped bad bytes or stray JSON escapes
+SURROGATE = re.compile("[\ud800-\udfff]")
 
 Documents = Iterator[tuple[str, Iterator[str]]]
 
@@ -57,7 +60,8 @@ class ReadStats:
 
 # ---------------------------------------------------------------- text pieces
 def safe_chunks(pieces: Iterable[str], max_chars: int | None = None) -> Iterator[str]:
-    """Re-cut a stream of strings into chunks of at most max_chars (default CHUNK_CHARS) at safe cuts."""
+    """Re-cut a stream of strings into chunks of at most max_chars (default CHUNK_CHARS) at safe
+    cuts."""
     max_chars = max_chars or CHUNK_CHARS
     buf = ""
     for piece in pieces:
@@ -73,9 +77,10 @@ def safe_chunks(pieces: Iterable[str], max_chars: int | None = None) -> Iterator
 
 
 def last_safe_cut(text: str, start: int, end: int) -> int | None:
-    """The last position p in (start, end) before a lone space or newline (text[p - 1] and text[p + 1] not
-    whitespace), or None. The GPT-2 pre-tokenizer starts a new piece at every such p, so encoding the two
-    sides separately gives the same tokens as encoding them together. Looks at the window's tail first."""
+    """The last position p in (start, end) before a lone space or newline (text[p - 1] and text[p +
+    1] not whitespace), or None. The GPT-2 pre-tokenizer starts a new piece at every such p, so
+    encoding the two sides separately gives the same tokens as encoding them together. Looks at the
+    window's tail first."""
     for lookback in (4096, end - start):
         lo = max(start + 1, end - lookback)
         # endpos end + 1: the lookahead may read text[end]; a match then starts before end
@@ -86,8 +91,8 @@ def last_safe_cut(text: str, start: int, end: int) -> int | None:
 
 
 def non_blank(chunks: Iterator[str]) -> Iterator[str] | None:
-    """The chunks from the first one with non-whitespace text on (leading blank chunks dropped); None if
-    the document is blank. Peeking keeps streaming: only whitespace is ever skipped."""
+    """The chunks from the first one with non-whitespace text on (leading blank chunks dropped);
+    None if the document is blank. Peeking keeps streaming: only whitespace is ever skipped."""
     for chunk in chunks:
         if chunk and not chunk.isspace():
             return _prepend(chunk, chunks)
@@ -118,16 +123,18 @@ def base_suffix(path: Path) -> str:
 
 
 def binary_reason(path: Path) -> str | None:
-    """Why a file looks binary rather than text: NUL bytes, or a high share of bytes that are not UTF-8 in
-    its first BINARY_SAMPLE (decompressed) bytes; None for text."""
+    """Why a file looks binary rather than text: NUL bytes, or a high share of bytes that are not
+    UTF-8 in its first BINARY_SAMPLE (decompressed) bytes; None for text."""
     try:
         with open_binary(path) as f:
             head = f.read(BINARY_SAMPLE)
     except (OSError, EOFError, lzma.LZMAError) as err:
-        raise DataError(f"{path} cannot be read ({err}); check that it is a complete {path.suffix} file") from None
+        raise DataError(f"{path} cannot be read ({err}); check that it is a complete {path.suffix} "
+                        "file") from None
     if b"\x00" in head:
         return "it holds NUL bytes"
-    decoded = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape").decode(head)  # a cut char waits
+    # a cut char waits
+    decoded = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape").decode(head)
     invalid = len(SURROGATE.findall(decoded))
     if head and invalid / len(head) > MAX_INVALID_SHARE:
         return f"{invalid / len(head):.0%} of its first {len(head):,} bytes are not UTF-8"
@@ -136,7 +143,8 @@ def binary_reason(path: Path) -> str | None:
 
 # ---------------------------------------------------------------- file kinds
 def text_file_pieces(path: Path, stats: ReadStats) -> Iterator[str]:
-    """Decoded text of a file, READ_BYTES at a time (the incremental decoder holds split characters)."""
+    """Decoded text of a file, READ_BYTES at a time (the incremental decoder holds split
+    characters)."""
     decoder = codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
     with open_binary(path) as f:
         while block := f.read(READ_BYTES):
@@ -147,7 +155,8 @@ def text_file_pieces(path: Path, stats: ReadStats) -> Iterator[str]:
 def text_file_documents(path: Path, doc_id: str, stats: ReadStats) -> Documents:
     """A text file is one document (BOM dropped)."""
     pieces = text_file_pieces(path, stats)
-    chunks = non_blank(safe_chunks(p.removeprefix("\ufeff") if i == 0 else p for i, p in enumerate(pieces)))
+    chunks = non_blank(safe_chunks(p.removeprefix("\ufeff") if i == 0 else p for i,
+                                   p in enumerate(pieces)))
     if chunks is not None:
         yield doc_id, chunks
 
@@ -159,7 +168,8 @@ def jsonl_documents(path: Path, doc_id: str, text_field: str, stats: ReadStats) 
             line = stats.scrub(raw.decode("utf-8", errors="surrogateescape"))
             if not line.strip():
                 continue
-            text = record_text(parse_json(line, path, lineno), text_field, f"line {lineno} of {path}")
+            text = record_text(parse_json(line, path, lineno), text_field,
+                               f"line {lineno} of {path}")
             chunks = string_chunks(text, stats)
             if chunks is not None:
                 yield f"{doc_id}:{lineno}", chunks
@@ -169,17 +179,19 @@ def parse_json(line: str, path: Path, lineno: int) -> object:
     try:
         return json.loads(line)
     except json.JSONDecodeError as err:
-        raise DataError(f"line {lineno} of {path} is not valid JSON ({err.msg}); fix or remove it") from None
+        raise DataError(f"line {lineno} "
+                        f"of {path} is not valid JSON ({err.msg}); fix or remove it") from None
 
 
 def record_text(record: object, text_field: str, where: str) -> str:
-    """The text of one JSON record; DataError naming the available fields when `text_field` is missing."""
+    """The text of one JSON record; DataError naming the available fields when `text_field` is
+    missing."""
     if not isinstance(record, dict):
-        raise DataError(f"{where} is a JSON {type(record).__name__}, not an object; each line needs "
-                        f"{{\"{text_field}\": ...}}")
+        raise DataError(f"{where} is a JSON {type(record).__name__}, not an object; each line "
+                        f"needs {{\"{text_field}\": ...}}")
     if text_field not in record:
-        raise DataError(f"{where} has no field {text_field!r} (fields: {', '.join(map(str, record)) or 'none'}); "
-                        f"pass --text-field")
+        raise DataError(f"{where} has no field {text_field!r} (fields: "
+                        f"{', '.join(map(str, record)) or 'none'}); pass --text-field")
     return check_text(record[text_field], text_field, where)
 
 
@@ -188,8 +200,8 @@ def check_text(text: object, text_field: str, where: str) -> str:
     if text is None:
         return ""
     if not isinstance(text, str):
-        raise DataError(f"field {text_field!r} in {where} is a {type(text).__name__}, not a string; "
-                        f"pass the --text-field that holds the text")
+        raise DataError(f"field {text_field!r} in {where} is a {type(text).__name__}, not a "
+                        "string; pass the --text-field that holds the text")
     return text
 
 
@@ -201,8 +213,8 @@ def is_dataset_dir(path: Path) -> bool:
 
 
 def dataset_documents(path: Path, doc_id: str, text_field: str, stats: ReadStats) -> Documents:
-    """Each row is one document; a DatasetDict is read split by split in sorted order (its own train/test
-    division is ignored: meshlm makes its own split by document)."""
+    """Each row is one document; a DatasetDict is read split by split in sorted order (its own
+    train/test division is ignored: meshlm makes its own split by document)."""
     import datasets  # slow import: only when a dataset folder is read
 
     loaded = datasets.load_from_disk(str(path))
@@ -230,7 +242,8 @@ def path_documents(path: Path, doc_id: str, text_field: str, stats: ReadStats) -
 
 
 def folder_files(root: Path) -> list[Path]:
-    """Text and JSONL files under a folder, recursively, sorted; hidden files and folders skipped."""
+    """Text and JSONL files under a folder, recursively, sorted; hidden files and folders
+    skipped."""
     wanted = TEXT_SUFFIXES + JSONL_SUFFIXES
     return sorted(p for p in root.rglob("*")
                   if p.is_file() and base_suffix(p) in wanted
@@ -238,9 +251,11 @@ def folder_files(root: Path) -> list[Path]:
 
 
 class FileCorpus:
-    """The user's inputs: files, folders (recursive) and save_to_disk folders, read in argument order."""
+    """The user's inputs: files, folders (recursive) and save_to_disk folders, read in argument
+    order."""
 
-    def __init__(self, inputs: Iterable[str | Path], text_field: str = "text", allow_binary: bool = False):
+    def __init__(self, inputs: Iterable[str | Path], text_field: str = "text",
+                 allow_binary: bool = False):
         self.inputs = [Path(p).expanduser() for p in inputs]
         self.text_field, self.allow_binary = text_field, allow_binary
         if not self.inputs:
@@ -252,8 +267,8 @@ class FileCorpus:
         self.description = ", ".join(str(p) for p in self.inputs)
 
     def _file_documents(self, path: Path, doc_id: str, stats: ReadStats) -> Documents:
-        """One file's documents; a binary-looking file is recorded in `stats.binary` and skipped (unless
-        allow_binary: then its bad bytes become U+FFFD like any others)."""
+        """One file's documents; a binary-looking file is recorded in `stats.binary` and skipped
+        (unless allow_binary: then its bad bytes become U+FFFD like any others)."""
         reason = None if self.allow_binary else binary_reason(path)
         if reason is not None:
             stats.binary.append(f"{path} ({reason})")
@@ -261,7 +276,8 @@ class FileCorpus:
         return path_documents(path, doc_id, self.text_field, stats)
 
     def documents(self, stats: ReadStats) -> Documents:
-        """Every input's documents once: a file named twice, or also inside a folder given, is read once."""
+        """Every input's documents once: a file named twice, or also inside a folder given, is read
+        once."""
         read: set[Path] = set()
         for path in self.inputs:
             if path.resolve() in read:
@@ -272,17 +288,21 @@ class FileCorpus:
             elif path.is_dir():
                 files = folder_files(path)
                 if not files:
-                    raise DataError(f"folder {path} holds no {'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files; "
-                                    f"point at the text files")
+                    raise DataError(f"folder {path} holds no "
+                                    f"{'/'.join(TEXT_SUFFIXES + JSONL_SUFFIXES)} files; point at "
+                                    "the text files")
                 for file in (f for f in files if f.resolve() not in read):
                     read.add(file.resolve())
-                    yield from self._file_documents(file, f"{path.name}/{file.relative_to(path).as_posix()}", stats)
+                    yield from self._file_documents(file, f"{path.name}"
+                                                          f"/{file.relative_to(path).as_posix()}",
+                                                    stats)
             else:
                 yield from self._file_documents(path, path.name, stats)
 
 
 class EmbeddedCorpus:
-    """The default corpus shipped in the package (meshlm.data.corpus); ids are the documents' own ids."""
+    """The default corpus shipped in the package (meshlm.data.corpus); ids are the documents' own
+    ids."""
 
     description = "embedded default corpus (Shakespeare, Milton, World English Bible)"
 

@@ -1,12 +1,14 @@
-"""Deterministic train/validation split by document, for the embedded corpus and for `meshlm prepare`.
+"""Deterministic train/validation split by document, for the embedded corpus and for `meshlm
+prepare`.
 
-A document is held out for validation when a hash of its id falls below the validation fraction, so the
-split depends only on document ids: not on the order documents are read in, the machine or the process.
-Splitting by document (not by token position) keeps any one text entirely on one side.
+A document is held out for validation when a hash of its id falls below the validation fraction, so
+the split depends only on document ids: not on the order documents are read in, the machine or the
+process. Splitting by document (not by token position) keeps any one text entirely on one side.
 
-Two guarantees need one look at all ids first: with >= 2 documents and a fraction > 0, validation gets at
-least one document (the lowest hash) and training keeps at least one (the highest hash). `SplitPlan` takes
-that look in O(1) memory (counts plus the two extreme ids), so it also works on streamed corpora.
+Two guarantees need one look at all ids first: with >= 2 documents and a fraction > 0, validation
+gets at least one document (the lowest hash) and training keeps at least one (the highest hash).
+`SplitPlan` takes that look in O(1) memory (counts plus the two extreme ids), so it also works on
+streamed corpora.
 """
 from __future__ import annotations
 

@@ -1,20 +1,25 @@
-"""Reasoning-task data (meshlm.reasoning) as ordinary prepared data plus an answer mask and a test set.
+"""Reasoning-task data (meshlm.reasoning) as ordinary prepared data plus an answer mask and a test
+set.
 
-    meshlm prepare task:chase --out data/chase             # or train.data=task:chase (prepared into the cache)
+    meshlm prepare task:chase --out data/chase             # or train.data=task:chase (prepared into
+                                                             the cache)
 
 A task folder is example data (meshlm.data.examples) with a test set:
-- every example is one block of `block` tokens, `prompt answer EOS` then padding, so window i (seq_len =
-  block) is example i alone: no example attends to another, and positions start at 0 in each;
-- its loss mask is 1 where the token is part of the answer (its digits and the EOS after them). Training and
-  validation take the loss on those targets only;
-- test.jsonl: {"task", "prompt", "answer", "difficulty"} per problem, difficulties up to beyond the training
-  range, for exact-match evaluation by greedy decoding (meshlm.evaluation.reasoning). tokenizer.json is the
-  suite's character tokenizer (meshlm.reasoning.vocab), which training picks up from the folder.
+- every example is one block of `block` tokens, `prompt answer EOS` then padding, so window i
+  (seq_len = block) is example i alone: no example attends to another, and positions start at 0 in
+  each;
+- its loss mask is 1 where the token is part of the answer (its digits and the EOS after them).
+  Training and validation take the loss on those targets only;
+- test.jsonl: {"task", "prompt", "answer", "difficulty"} per problem, difficulties up to beyond the
+  training range, for exact-match evaluation by greedy decoding (meshlm.evaluation.reasoning).
+  tokenizer.json is the suite's character tokenizer (meshlm.reasoning.vocab), which training picks
+  up from the folder.
 
-Splits never share a problem: each distinct prompt belongs to one split by a hash of its text (test 1/20,
-validation 1/20, train the rest), so a problem space smaller than the request (addition at one digit has 100
-problems) gives fewer test problems instead of overlap. Test and validation problems are distinct within
-their split; training draws may repeat. Training difficulties are drawn uniformly over the training range.
+Splits never share a problem: each distinct prompt belongs to one split by a hash of its text (test
+1/20, validation 1/20, train the rest), so a problem space smaller than the request (addition at one
+digit has 100 problems) gives fewer test problems instead of overlap. Test and validation problems
+are distinct within their split; training draws may repeat. Training difficulties are drawn
+uniformly over the training range.
 """
 from __future__ import annotations
 
@@ -44,10 +49,12 @@ MAX_DRAWS = 200  # draws per wanted problem before a small problem space is acce
 
 @dataclass
 class TaskData:
-    """What to generate: tasks, difficulty ranges (per task, "LO-HI"; empty = the task's default), sizes."""
+    """What to generate: tasks, difficulty ranges (per task, "LO-HI"; empty = the task's default),
+    sizes."""
 
     tasks: str = "chase"
-    options: str = ""  # generator knobs, "chase.statements=8,chase.distractors=3" (meshlm.reasoning.parse_tasks)
+    options: str = ""  # generator knobs, "chase.statements=8,chase.distractors=3"
+    # (meshlm.reasoning.parse_tasks)
     train_levels: str = ""
     test_levels: str = ""
     train_examples: int = 50_000
@@ -57,16 +64,18 @@ class TaskData:
     disjoint: bool = False  # the test range must not overlap the training range
 
     def resolved(self) -> list[tuple[Task, range, range]]:
-        """(task, training levels, test levels) per task; ConfigError for an unknown task, a range the generator
-        does not support, or (disjoint) ranges that overlap."""
+        """(task, training levels, test levels) per task; ConfigError for an unknown task, a range
+        the generator does not support, or (disjoint) ranges that overlap."""
         out = []
         for task in parse_tasks(self.tasks, self.options):
-            train = parse_levels(self.train_levels or task.train_levels, task, "training difficulty")
+            train = parse_levels(self.train_levels or task.train_levels, task,
+                                 "training difficulty")
             test = parse_levels(self.test_levels or task.test_levels, task, "test difficulty")
             if self.disjoint and set(train) & set(test):
-                raise ConfigError(f"task {task.name}: test difficulties {range_text(test)} overlap the training "
-                                  f"difficulties {range_text(train)}, but disjoint ranges were asked for; start "
-                                  f"the test range above {train.stop - 1} or drop --disjoint")
+                raise ConfigError(f"task {task.name}: test difficulties {range_text(test)} overlap "
+                                  f"the training difficulties {range_text(train)}, but disjoint "
+                                  "ranges were asked for; start the test range above "
+                                  f"{train.stop - 1} or drop --disjoint")
             out.append((task, train, test))
         sizes = {"train_examples": self.train_examples, "val_examples": self.val_examples,
                  "test_per_level": self.test_per_level}
@@ -93,25 +102,31 @@ class Drawn:
 
 
 def draw_problems(spec: TaskData) -> Drawn:
-    """Every split's problems, deterministic under spec.seed (each task and split has its own stream)."""
+    """Every split's problems, deterministic under spec.seed (each task and split has its own
+    stream)."""
     resolved, drawn = spec.resolved(), Drawn()
     for i, (task, train, test) in enumerate(resolved):
-        share = [total // len(resolved) + (i < total % len(resolved)) for total in (spec.train_examples,
-                                                                                  spec.val_examples)]
+        share = [total // len(resolved) + (i < total % len(resolved))
+                 for total in (spec.train_examples,
+                               spec.val_examples)]
         drawn.train += _draw_split(task, f"{spec.seed}:{task.name}:train", train, share[0], None)
         drawn.val += _draw_split(task, f"{spec.seed}:{task.name}:val", train, share[1], VAL_BUCKET)
         for level in test:
-            drawn.test += [(task.name, p) for p in _draw_split(task, f"{spec.seed}:{task.name}:test:{level}",
-                                                                range(level, level + 1), spec.test_per_level,
-                                                                TEST_BUCKET)]
-    random.Random(f"{spec.seed}:mix").shuffle(drawn.train)  # a mixture's tasks interleave in the token stream
+            drawn.test += [(task.name, p)
+                           for p in _draw_split(task, f"{spec.seed}:{task.name}:test:{level}",
+                                                range(level, level + 1),
+                                                spec.test_per_level,
+                                                TEST_BUCKET)]
+    # a mixture's tasks interleave in the token stream
+    random.Random(f"{spec.seed}:mix").shuffle(drawn.train)
     return drawn
 
 
-def _draw_split(task: Task, stream: str, levels: range, n: int, want_bucket: int | None) -> list[Problem]:
-    """n problems at difficulties drawn uniformly from `levels`, from the random stream named `stream`, whose
-    prompt hashes into `want_bucket` (None: train, any bucket but test's and validation's); distinct ones for
-    the held-out splits. Fewer when the problem space runs out."""
+def _draw_split(task: Task, stream: str, levels: range, n: int,
+                want_bucket: int | None) -> list[Problem]:
+    """n problems at difficulties drawn uniformly from `levels`, from the random stream named
+    `stream`, whose prompt hashes into `want_bucket` (None: train, any bucket but test's and
+    validation's); distinct ones for the held-out splits. Fewer when the problem space runs out."""
     rng, out, seen = random.Random(stream), [], set()
     for _ in range(n * MAX_DRAWS):
         if len(out) == n:
@@ -128,13 +143,15 @@ def _draw_split(task: Task, stream: str, levels: range, n: int, want_bucket: int
 
 
 def prepare_tasks(spec: TaskData, out_dir: str | os.PathLike, overwrite: bool = False) -> dict:
-    """Generate `spec` into out_dir (tokens + answer masks, test.jsonl, tokenizer.json, manifest.json last)."""
+    """Generate `spec` into out_dir (tokens + answer masks, test.jsonl, tokenizer.json,
+    manifest.json last)."""
     resolved = spec.resolved()  # bad input fails before the folder is touched
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise DataError(f"output {out} is a file; pass a folder path")
     if (out / MANIFEST).exists() and not overwrite:
-        raise DataError(f"output folder {out} already holds prepared data; pass --overwrite or another folder")
+        raise DataError(f"output folder {out} already holds prepared data; pass --overwrite or "
+                        "another folder")
     out.mkdir(parents=True, exist_ok=True)
     with staged(out) as staging:  # the old data stay until the new are complete
         return _write(spec, resolved, staging)
@@ -144,21 +161,24 @@ def _write(spec: TaskData, resolved, out: Path) -> dict:
     tok = write_tokenizer(out / TOKENIZER_FILE, "".join(task.alphabet for task, _, _ in resolved))
     drawn = draw_problems(spec)
     if not drawn.train or not drawn.val:
-        raise DataError(f"task data {spec.tasks}: the training range made no validation problems; widen "
-                        f"--train-difficulty or raise --val-examples")
+        raise DataError(f"task data {spec.tasks}: the training range made no validation problems; "
+                        "widen --train-difficulty or raise --val-examples")
     encode = lambda p: (tok.encode(p.prompt), tok.encode(p.answer) + [tok.eos_id])  # noqa: E731
     block = max(len(q) + len(a) for p in drawn.train + drawn.val for q, a in [encode(p)])
     splits, masks = {}, {}
     for split, problems in (("train", drawn.train), ("val", drawn.val)):
         examples = ((q + a, [0] * len(q) + [1] * len(a)) for p in problems for q, a in [encode(p)])
-        splits[split], masks[split] = write_split(out, split, examples, block, tok.pad_id, np.dtype(np.uint16))
+        splits[split], masks[split] = write_split(out, split, examples, block, tok.pad_id,
+                                                  np.dtype(np.uint16))
     with open(out / TEST_FILE, "w", encoding="utf-8") as f:
         for name, p in drawn.test:
-            f.write(json.dumps({"task": name, "prompt": p.prompt, "answer": p.answer, "difficulty": p.difficulty})
+            f.write(json.dumps({"task": name, "prompt": p.prompt, "answer": p.answer,
+                                "difficulty": p.difficulty})
                     + "\n")
     manifest = {
         "format": FORMAT,
-        "tokenizer": {"name": TOKENIZER_FILE, "hash": tok.hash, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
+        "tokenizer": {"name": TOKENIZER_FILE, "hash": tok.hash, "vocab_size": tok.vocab_size,
+                      "eos_id": tok.eos_id,
                       "pad_id": tok.pad_id, "file": TOKENIZER_FILE},
         "dtype": "uint16", "source": PREFIX + spec.tasks, "val_fraction": 0.0,
         "documents": len(drawn.train) + len(drawn.val), "replaced_bytes": 0,
@@ -182,8 +202,8 @@ def task_info(data_dir: str | os.PathLike) -> dict | None:
 def read_test(data_dir: str | os.PathLike) -> list[dict]:
     path = Path(data_dir) / TEST_FILE
     if not path.is_file():
-        raise DataError(f"{data_dir} holds no reasoning test set ({TEST_FILE}); pass task data written by "
-                        f"`meshlm prepare task:NAME`")
+        raise DataError(f"{data_dir} holds no reasoning test set ({TEST_FILE}); pass task data "
+                        "written by `meshlm prepare task:NAME`")
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -193,8 +213,9 @@ def is_task_source(data: str) -> bool:
 
 
 def cached_task_data(data: str, cache_dir: str | os.PathLike | None = None) -> Path:
-    """`task:chase[,dag]` with the default sizes and ranges, generated once into the cache; returns its folder.
-    Several processes may ask at once: each writes a private folder and renames it into place."""
+    """`task:chase[,dag]` with the default sizes and ranges, generated once into the cache; returns
+    its folder. Several processes may ask at once: each writes a private folder and renames it into
+    place."""
     spec = TaskData(tasks=data[len(PREFIX):])
     spec.resolved()
     target = resolve_cache(cache_dir) / "prepared" / f"task-{spec.key()}"
@@ -202,8 +223,8 @@ def cached_task_data(data: str, cache_dir: str | os.PathLike | None = None) -> P
 
 
 def data_folder(data: str) -> Path | None:
-    """The prepared folder `train.data` names: a `task:` source's cache folder (generated on first use), a
-    folder, or None for the embedded corpus."""
+    """The prepared folder `train.data` names: a `task:` source's cache folder (generated on first
+    use), a folder, or None for the embedded corpus."""
     if data == "default":
         return None
     return cached_task_data(data) if is_task_source(data) else Path(data).expanduser()
@@ -219,18 +240,19 @@ def data_tokenizer(folder: Path | None) -> str | None:
 
 
 def window_length(manifest: dict, seq_len: int) -> int:
-    """The training window length: for example data (task or fine-tuning data) its block (train.seq_len must be
-    0 or equal it, since a window is one example), else `seq_len`."""
+    """The training window length: for example data (task or fine-tuning data) its block
+    (train.seq_len must be 0 or equal it, since a window is one example), else `seq_len`."""
     block = example_block(manifest)
     if block is None or seq_len in (0, block):
         return block or seq_len
     kind = "task" if "task" in manifest else "fine-tuning"
-    raise ConfigError(f"train.seq_len={seq_len} does not fit the {kind} data: each example is one window of "
-                      f"{block} tokens; set train.seq_len={block} (or 0)")
+    raise ConfigError(f"train.seq_len={seq_len} does not fit the {kind} data: each example is one "
+                      f"window of {block} tokens; set train.seq_len={block} (or 0)")
 
 
 def holds_tasks(data: str | os.PathLike) -> bool:
-    """Whether `data` (a train.data value or a folder) is reasoning-task data; reads only its manifest."""
+    """Whether `data` (a train.data value or a folder) is reasoning-task data; reads only its
+    manifest."""
     if is_task_source(str(data)):
         return True
     if str(data) == "default":  # the embedded corpus, not a folder of that name

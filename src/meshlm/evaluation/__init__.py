@@ -1,9 +1,10 @@
-"""Evaluation: validation perplexity and loss vs. loop count (perplexity), downstream accuracy through
-lm-evaluation-harness (downstream, with the MeshLM adapter in harness) and `meshlm eval` as a function (run),
-on a model opened by meshlm.loading.
+"""Evaluation: validation perplexity and loss vs. loop count (perplexity), downstream accuracy
+through lm-evaluation-harness (downstream, with the MeshLM adapter in harness) and `meshlm eval` as
+a function (run), on a model opened by meshlm.loading.
 
-Importing this package switches the Hugging Face Hub off (local files only) and keeps lm-eval's bootstrap
-in-process, before any submodule can import lm_eval or datasets (both read these at import time).
+Importing this package switches the Hugging Face Hub off (local files only) and keeps lm-eval's
+bootstrap in-process, before any submodule can import lm_eval or datasets (both read these at import
+time).
 """
 import os
 

@@ -1,15 +1,16 @@
-"""Exact-match accuracy on the reasoning suite (meshlm.reasoning), by difficulty × loop count and under exit.
+"""Exact-match accuracy on the reasoning suite (meshlm.reasoning), by difficulty × loop count and
+under exit.
 
-Every answer comes from greedy cached decoding (meshlm.generate), prompts batched with left padding (each row
-decodes as it would alone). A problem counts as solved when the generated tokens are exactly the answer's
-followed by EOS: a missing EOS, an early EOS or an extra token is wrong. Accuracy per difficulty comes with
-its binomial standard error sqrt(p(1 − p)/n).
+Every answer comes from greedy cached decoding (meshlm.generate), prompts batched with left padding
+(each row decodes as it would alone). A problem counts as solved when the generated tokens are
+exactly the answer's followed by EOS: a missing EOS, an early EOS or an extra token is wrong.
+Accuracy per difficulty comes with its binomial standard error sqrt(p(1 − p)/n).
 
 Under adaptive exit (meshlm.model.exit) each problem also records the loop steps its tokens ran:
-`avg_loops` over every token processed (prompt and answer), `answer_loops` over the positions that produced
-an answer token (the last prompt position, then each generated one up to EOS): where the depth is spent on
-the answer. The Spearman rank correlation of a problem's answer loops with its difficulty says whether exit
-spends more depth on harder problems.
+`avg_loops` over every token processed (prompt and answer), `answer_loops` over the positions that
+produced an answer token (the last prompt position, then each generated one up to EOS): where the
+depth is spent on the answer. The Spearman rank correlation of a problem's answer loops with its
+difficulty says whether exit spends more depth on harder problems.
 
 The result is eval.json's "reasoning" section; its schema is meshlm.evaluation.results.Reasoning
 (tasks by name, each with a row per loop count and per exit rule, accuracy by difficulty in each).
@@ -37,12 +38,13 @@ class Answer:
 
     correct: bool
     prompt_loops: int = 0  # summed over the prompt's tokens
-    answer_loops: list[int] = field(default_factory=list)  # per position that produced an answer token
+    answer_loops: list[int] = field(default_factory=list)  # per position that produced an answer
+    # token
 
 
 def binomial(correct: list[bool]) -> dict:
-    """Exact-match rate, its binomial standard error sqrt(p(1 − p)/n), and n (never empty: levels come from
-    the problems)."""
+    """Exact-match rate, its binomial standard error sqrt(p(1 − p)/n), and n (never empty: levels
+    come from the problems)."""
     n = len(correct)
     p = sum(correct) / n
     return {"acc": p, "stderr": math.sqrt(p * (1 - p) / n), "n": n}
@@ -68,11 +70,13 @@ def spearman(x: list[float], y: list[float]) -> float | None:
 
 
 class LoopRecorder:
-    """`observe` for meshlm.generate: per row, the exit loop steps of the prompt and of each decode step."""
+    """`observe` for meshlm.generate: per row, the exit loop steps of the prompt and of each decode
+    step."""
 
     def __init__(self):
         self.prompt: torch.Tensor | None = None  # (B,) loops summed over real prompt positions
-        self.steps: list[torch.Tensor] = []  # (B,) loops of the position that produced answer token j
+        # (B,) loops of the position that produced answer token j
+        self.steps: list[torch.Tensor] = []
 
     def __call__(self, out, mask: torch.Tensor) -> None:
         if out.exit_loops is None:
@@ -82,10 +86,12 @@ class LoopRecorder:
         self.steps.append(out.exit_loops[:, -1])  # the position that predicts the next answer token
 
 
-def decode(model, tok: TextTokenizer, problems: list[dict], loops: int | None = None, exit: str | None = None,
+def decode(model, tok: TextTokenizer, problems: list[dict], loops: int | None = None,
+           exit: str | None = None,
            batch_size: int = 64) -> list[Answer]:
     """Greedy answers to `problems` ({"prompt", "answer"}), in order."""
-    order = sorted(range(len(problems)), key=lambda i: len(problems[i]["prompt"]))  # similar lengths together
+    # similar lengths together
+    order = sorted(range(len(problems)), key=lambda i: len(problems[i]["prompt"]))
     result: dict[int, Answer] = {}
     for start in range(0, len(order), batch_size):
         chunk = [problems[i] for i in order[start:start + batch_size]]
@@ -93,7 +99,8 @@ def decode(model, tok: TextTokenizer, problems: list[dict], loops: int | None = 
         wanted = [tok.encode(p["answer"]) + [tok.eos_id] for p in chunk]
         recorder = LoopRecorder()
         s = Sampling(max_new_tokens=max(map(len, wanted)), temperature=0)
-        outs = generate(model, prompts, s, tok.eos_id, tok.pad_id, loops=loops, exit=exit, observe=recorder)
+        outs = generate(model, prompts, s, tok.eos_id, tok.pad_id, loops=loops, exit=exit,
+                        observe=recorder)
         for row, (i, got, want) in enumerate(zip(order[start:start + batch_size], outs, wanted)):
             answer = Answer(got == want)
             if recorder.prompt is not None:
@@ -106,9 +113,10 @@ def decode(model, tok: TextTokenizer, problems: list[dict], loops: int | None = 
 def check_fits(model, tok: TextTokenizer, problems: list[dict]) -> None:
     longest = max(len(tok.encode(p["prompt"])) + len(tok.encode(p["answer"])) + 1 for p in problems)
     if longest > model.config.context_length:
-        raise ConfigError(f"the longest test problem needs {longest} tokens but the model's context_length is "
-                          f"{model.config.context_length}; evaluate on --data prepared with a lower --test-difficulty, "
-                          f"or train with model.context_length={longest}")
+        raise ConfigError(f"the longest test problem needs {longest} tokens but the model's "
+                          f"context_length is {model.config.context_length}; evaluate on --data "
+                          "prepared with a lower --test-difficulty, or train with "
+                          f"model.context_length={longest}")
 
 
 def depth_sweep(trained: int) -> list[int]:
@@ -117,7 +125,8 @@ def depth_sweep(trained: int) -> list[int]:
 
 
 def by_level(problems: list[dict], answers: list[Answer], with_loops: bool) -> dict[str, dict]:
-    """{difficulty: accuracy (and, with_loops, the loop means)} over the problems of each difficulty."""
+    """{difficulty: accuracy (and, with_loops, the loop means)} over the problems of each
+    difficulty."""
     groups: dict[int, list[int]] = defaultdict(list)
     for i, p in enumerate(problems):
         groups[p["difficulty"]].append(i)
@@ -132,18 +141,23 @@ def by_level(problems: list[dict], answers: list[Answer], with_loops: bool) -> d
 
 
 def loop_means(problems: list[dict], indices: list[int], chosen: list[Answer]) -> dict:
-    """Loop steps per token over prompts and answers (one character is one token), and per answer token."""
-    # positions processed: the prompt's (prefill), then each fed answer token; answer_loops[0] is the last prompt
-    # position's (it predicts answer token 0), already in prompt_loops
-    tokens = sum(len(problems[i]["prompt"]) + len(a.answer_loops[1:]) for i, a in zip(indices, chosen))
+    """Loop steps per token over prompts and answers (one character is one token), and per answer
+    token."""
+    # positions processed: the prompt's (prefill), then each fed answer token; answer_loops[0] is
+    # the last prompt position's (it predicts answer token 0), already in prompt_loops
+    tokens = sum(len(problems[i]["prompt"]) + len(a.answer_loops[1:]) for i,
+                 a in zip(indices, chosen))
     loops = sum(a.prompt_loops + sum(a.answer_loops[1:]) for a in chosen)
     answer_steps = [step for a in chosen for step in a.answer_loops]
-    return {"avg_loops": loops / max(tokens, 1), "answer_loops": float(np.mean(answer_steps)) if answer_steps
+    return {"avg_loops": loops / max(tokens, 1),
+            "answer_loops": float(np.mean(answer_steps)) if answer_steps
             else None}
 
 
-def evaluate_task(model, tok: TextTokenizer, problems: list[dict], loop_counts: list[int], exits: list[str],
-                  exit_loops: int | None, batch_size: int = 64, log: Callable[[str], None] = print) -> dict:
+def evaluate_task(model, tok: TextTokenizer, problems: list[dict], loop_counts: list[int],
+                  exits: list[str],
+                  exit_loops: int | None, batch_size: int = 64,
+                  log: Callable[[str], None] = print) -> dict:
     """One task's accuracy table: by difficulty at each loop count, and under each exit rule."""
     check_fits(model, tok, problems)
     trained, looped = model.config.layout.n_steps, is_looped(model)
@@ -152,7 +166,8 @@ def evaluate_task(model, tok: TextTokenizer, problems: list[dict], loop_counts: 
     out: dict = {"trained_loops": trained, "loops": [], "exit": []}
     for k in loop_counts:
         answers = decode(model, tok, problems, loops=k if looped else None, batch_size=batch_size)
-        row = {"loops": k, **binomial([a.correct for a in answers]), "levels": by_level(problems, answers, False)}
+        row = {"loops": k, **binomial([a.correct for a in answers]),
+               "levels": by_level(problems, answers, False)}
         out["loops"].append(row)
         log(f"    loops={k}: acc {100 * row['acc']:.1f}%  " + " ".join(
             f"{d}:{100 * v['acc']:.0f}" for d, v in row["levels"].items()))
@@ -166,16 +181,21 @@ def evaluate_task(model, tok: TextTokenizer, problems: list[dict], loop_counts: 
                "levels": by_level(problems, answers, True)}
         out["exit"].append(row)
         rho = "undefined (constant loops)" if row["spearman"] is None else f"{row['spearman']:.2f}"
-        log(f"    exit {rule} (<= {max_loops} loops): acc {100 * row['acc']:.1f}%, loops/token {row['avg_loops']:.2f}, "
-            f"answer loops {row['answer_loops']:.2f}, Spearman vs difficulty {rho}")
+        log(f"    exit {rule} (<= {max_loops} loops): acc {100 * row['acc']:.1f}%, loops/token "
+            f"{row['avg_loops']:.2f}, answer loops {row['answer_loops']:.2f}, Spearman vs "
+            f"difficulty {rho}")
     return out
 
 
 @torch.no_grad()
-def evaluate_reasoning(model, tok: TextTokenizer, problems: list[dict], task_levels: dict[str, dict],
-                       loop_counts: list[int] | None = None, exits: list[str] = (), exit_loops: int | None = None,
-                       limit: int | None = None, batch_size: int = 64, log: Callable[[str], None] = print) -> dict:
-    """Every task in `problems` (test.jsonl records), at most `limit` problems per task and difficulty."""
+def evaluate_reasoning(model, tok: TextTokenizer, problems: list[dict],
+                       task_levels: dict[str, dict],
+                       loop_counts: list[int] | None = None, exits: list[str] = (),
+                       exit_loops: int | None = None,
+                       limit: int | None = None, batch_size: int = 64,
+                       log: Callable[[str], None] = print) -> dict:
+    """Every task in `problems` (test.jsonl records), at most `limit` problems per task and
+    difficulty."""
     start = time.perf_counter()
     counts = loop_counts if loop_counts is not None else depth_sweep(model.config.layout.n_steps)
     tasks: dict[str, list[dict]] = defaultdict(list)
@@ -189,7 +209,9 @@ def evaluate_reasoning(model, tok: TextTokenizer, problems: list[dict], task_lev
     for name, chosen in tasks.items():
         log(f"  {name}: {len(chosen)} problems")
         levels = task_levels.get(name, {})
-        result["tasks"][name] = {"train_levels": levels.get("train"), "test_levels": levels.get("test"),
-                                 **evaluate_task(model, tok, chosen, counts, list(exits), exit_loops, batch_size, log)}
+        result["tasks"][name] = {"train_levels": levels.get("train"),
+                                 "test_levels": levels.get("test"),
+                                 **evaluate_task(model, tok, chosen, counts, list(exits),
+                                                 exit_loops, batch_size, log)}
     result["seconds"] = time.perf_counter() - start
     return result

@@ -1,4 +1,5 @@
-"""`meshlm eval` as a function: perplexity, loss vs. loop count and the downstream suite for one checkpoint.
+"""`meshlm eval` as a function: perplexity, loss vs. loop count and the downstream suite for one
+checkpoint.
 
 The result is an EvalResult (meshlm.evaluation.results: the schema of eval.json and its one reader).
 """
@@ -15,7 +16,13 @@ from meshlm import atomic
 from meshlm.data.tasks import data_folder, holds_tasks, read_test, task_info, window_length
 from meshlm.errors import ConfigError, MeshlmError
 from meshlm.evaluation.downstream import run_suite
-from meshlm.evaluation.perplexity import default_loop_counts, exit_frontier, is_looped, loss_vs_loops, mean_loss
+from meshlm.evaluation.perplexity import (
+    default_loop_counts,
+    exit_frontier,
+    is_looped,
+    loss_vs_loops,
+    mean_loss,
+)
 from meshlm.evaluation.reasoning import evaluate_reasoning
 from meshlm.evaluation.results import DepthRow, EvalResult, ExitRow, Perplexity, Reasoning, Suite
 from meshlm.loading import Opened
@@ -26,27 +33,33 @@ from meshlm.model.accounting import account
 class EvalOptions:
     data: str | None = None  # prepared-data folder; None = the checkpoint's training data
     loops: list[int] | None = None  # None = 1 … 2K for weight-shared models; [] = skip
-    exits: list[str] = field(default_factory=list)  # adaptive-exit rules, e.g. ["state:0.05", "kl:1e-4"]
+    exits: list[str] = field(default_factory=list)  # adaptive-exit rules, e.g. ["state:0.05",
+    # "kl:1e-4"]
     exit_loops: int | None = None  # the most loop steps under exit (default: the trained K)
     tasks: str | list[str] | None = "all"  # None / [] = skip downstream
     shots: list[int] = field(default_factory=lambda: [0, 5])
     limit: int | None = None  # items per task, and validation windows
     batch_size: int = 8  # validation windows per forward
     batch_tokens: int = 8192  # padded tokens per forward when scoring tasks
-    samples_dir: Path | None = None  # write each scored item (requests, loglikelihoods, metrics) here
+    samples_dir: Path | None = None  # write each scored item (requests, loglikelihoods, metrics)
+    # here
     verbose: bool = False
-    suite: str = "auto"  # "text", "reasoning" (task data's test set) or "auto": reasoning for task data
-    include_path: list[str] = field(default_factory=list)  # folders of lm-eval task YAMLs (--include-path)
-    task_loops: int | None = None  # loop steps while scoring and decoding lm-eval tasks (None: trained K)
+    suite: str = "auto"  # "text", "reasoning" (task data's test set) or "auto": reasoning for task
+    # data
+    include_path: list[str] = field(default_factory=list)  # folders of lm-eval task YAMLs
+    # (--include-path)
+    task_loops: int | None = None  # loop steps while scoring and decoding lm-eval tasks (None:
+    # trained K)
     task_exit: str | None = None  # per-token adaptive exit while scoring and decoding them
-    speculate: str | None = None  # self-speculative decoding for generate_until tasks ("auto", "K_d[:γ]")
+    speculate: str | None = None  # self-speculative decoding for generate_until tasks ("auto",
+    # "K_d[:γ]")
     dtype: str = ""  # the precision scores are computed in (recorded beside them)
 
 
 def evaluate(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = print,
              save: Callable[[EvalResult], Any] | None = None) -> EvalResult:
-    """Every stage in turn; `save(result)` after each one ("complete": false until the last), so a failure
-    or an interrupt later keeps what finished."""
+    """Every stage in turn; `save(result)` after each one ("complete": false until the last), so a
+    failure or an interrupt later keeps what finished."""
     start = time.perf_counter()
     save = save or (lambda partial: None)
     check_task_data(loaded.folder.data_source(), options.data, options.suite)
@@ -104,20 +117,23 @@ def depth_stages(model, data, seq_len: int, options: EvalOptions, common: dict, 
 def suite_for(suite: str, data: str) -> str:
     """--suite resolved for the data evaluated on (a folder or a train.data value): "reasoning" when asked, or
     under "auto" for task data; else "text"."""
-    return "reasoning" if suite == "reasoning" or (suite == "auto" and holds_tasks(data)) else "text"
+    return ("reasoning" if suite == "reasoning"
+            or (suite == "auto" and holds_tasks(data)) else "text")
 
 
 def check_task_data(trained_on: str, override: str | None, suite: str) -> None:
-    """Before any compute (ConfigError): the reasoning suite asked of text data, or a checkpoint trained on task
-    data evaluated on data of tasks it was not trained on. `trained_on` is the run's train.data."""
+    """Before any compute (ConfigError): the reasoning suite asked of text data, or a checkpoint
+    trained on task data evaluated on data of tasks it was not trained on. `trained_on` is the run's
+    train.data."""
     data = override or trained_on
     if suite == "reasoning" and not holds_tasks(data):
-        raise ConfigError(f"--suite reasoning needs task data, and {data} holds text; pass --data with a folder "
-                          f"written by `meshlm prepare task:NAME`")
+        raise ConfigError(f"--suite reasoning needs task data, and {data} holds text; pass --data "
+                          "with a folder written by `meshlm prepare task:NAME`")
     learned, given = task_names(trained_on), task_names(data)
     if learned and given and not set(given) <= set(learned):
-        raise ConfigError(f"this checkpoint was trained on task(s) {', '.join(learned)}, and --data {override} holds "
-                          f"{', '.join(given)}; evaluate on data of the tasks it learned (or train one)")
+        raise ConfigError(f"this checkpoint was trained on task(s) {', '.join(learned)}, and "
+                          f"--data {override} holds {', '.join(given)}; evaluate on data of the "
+                          "tasks it learned (or train one)")
 
 
 def task_names(data: str) -> list[str]:
@@ -134,16 +150,21 @@ def task_names(data: str) -> list[str]:
 def downstream(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = print,
                into: dict[str, Suite] | None = None, save: Callable[[], Any] = lambda: None
                ) -> dict[str, Suite]:
-    """{shots: suite summary}, filled into `into` one few-shot setting at a time (`save()` after each)."""
-    from meshlm.evaluation.harness import MeshLMEval  # imports lm-eval: only when downstream tasks run
+    """{shots: suite summary}, filled into `into` one few-shot setting at a time (`save()` after
+    each)."""
+    # imports lm-eval: only when downstream tasks run
+    from meshlm.evaluation.harness import MeshLMEval
 
-    lm = MeshLMEval(loaded.model, loaded.tokenizer, batch_tokens=options.batch_tokens, loops=options.task_loops,
+    lm = MeshLMEval(loaded.model, loaded.tokenizer, batch_tokens=options.batch_tokens,
+                    loops=options.task_loops,
                     exit=options.task_exit, speculate=options.speculate, log=log)
     out = {} if into is None else into
     for shots in options.shots:
         log(f"{shots}-shot: running {options.tasks} ...")
-        summary = run_suite(lm, options.tasks, shots=shots, limit=options.limit, verbose=options.verbose,
-                            log_samples=options.samples_dir is not None, include_path=options.include_path)
+        summary = run_suite(lm, options.tasks, shots=shots, limit=options.limit,
+                            verbose=options.verbose,
+                            log_samples=options.samples_dir is not None,
+                            include_path=options.include_path)
         summary["dtype"] = options.dtype
         if options.samples_dir is not None:
             write_samples(summary.pop("samples"), Path(options.samples_dir) / f"{shots}-shot.jsonl")
@@ -157,8 +178,10 @@ SAMPLE_FIELDS = ("doc_id", "target", "arguments", "resps", "acc", "acc_norm", "p
 
 
 def write_samples(samples: dict[str, list[dict]], path: Path) -> Path:
-    """One JSON line per scored item: its lm-eval task, requests, (loglikelihood, greedy) answers, metrics."""
-    lines = (json.dumps({"task": task, **{k: item[k] for k in SAMPLE_FIELDS if k in item}}, ensure_ascii=False,
+    """One JSON line per scored item: its lm-eval task, requests, (loglikelihood, greedy) answers,
+    metrics."""
+    lines = (json.dumps({"task": task, **{k: item[k] for k in SAMPLE_FIELDS if k in item}},
+                        ensure_ascii=False,
                         default=str) + "\n" for task, items in samples.items() for item in items)
     return atomic.write_text(path, "".join(lines))
 

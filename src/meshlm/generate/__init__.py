@@ -1,16 +1,18 @@
 """Text generation with the looped KV cache: sampling, batching with left padding, streaming.
 
-    stream(model, prompts, Sampling(temperature=0.8, top_k=50))   -> yields the next token of every row
+    stream(model, prompts, Sampling(temperature=0.8, top_k=50))   -> yields the next token of every
+                                                                  row
     generate(model, prompts, Sampling(...))                       -> the new tokens of every row
 
-Prompts of different lengths are left-padded into one batch; the padding mask covers cached tokens too and
-positions count real tokens only, so every row decodes exactly as it would alone. The prompt is prefilled
-once, then each step feeds one token per row (meshlm.model.kv_cache: one entry per unrolled layer; the MeSH
-buffer is per token and needs no cache). `cache=False` recomputes the whole sequence every step, as a
-reference and for the speed benchmark. Temperature 0 is greedy decoding. `loops` runs the core that many
-times; `exit` (e.g. "state:0.05", meshlm.model.exit) lets each token stop looping once it has converged;
-`speculate` ("auto", "K_d", "K_d:γ") decodes the same tokens (greedy) or the same distribution (sampling) by
-lossless self-speculation, the shallow loops drafting for the full depth (meshlm.generate.speculative).
+Prompts of different lengths are left-padded into one batch; the padding mask covers cached tokens
+too and positions count real tokens only, so every row decodes exactly as it would alone. The prompt
+is prefilled once, then each step feeds one token per row (meshlm.model.kv_cache: one entry per
+unrolled layer; the MeSH buffer is per token and needs no cache). `cache=False` recomputes the whole
+sequence every step, as a reference and for the speed benchmark. Temperature 0 is greedy decoding.
+`loops` runs the core that many times; `exit` (e.g. "state:0.05", meshlm.model.exit) lets each token
+stop looping once it has converged; `speculate` ("auto", "K_d", "K_d:γ") decodes the same tokens
+(greedy) or the same distribution (sampling) by lossless self-speculation, the shallow loops
+drafting for the full depth (meshlm.generate.speculative).
 """
 from __future__ import annotations
 
@@ -20,7 +22,14 @@ import torch
 
 from meshlm.errors import ConfigError
 from meshlm.generate import speculative
-from meshlm.generate.sampling import Sampling, draw, left_pad, next_token, padding_if_any, probabilities
+from meshlm.generate.sampling import (
+    Sampling,
+    draw,
+    left_pad,
+    next_token,
+    padding_if_any,
+    probabilities,
+)
 from meshlm.model import MeshLM
 from meshlm.model.kv_cache import KVCache
 
@@ -29,16 +38,19 @@ __all__ = ["Sampling", "draw", "generate", "left_pad", "next_token", "probabilit
 
 
 def check_room(model: MeshLM, prompts: list[list[int]], s: Sampling) -> None:
-    """ConfigError unless the longest prompt plus max_new_tokens fits the context, with advice that works."""
+    """ConfigError unless the longest prompt plus max_new_tokens fits the context, with advice that
+    works."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("every prompt needs at least one token; pass a non-empty prompt")
     longest, context = max(len(p) for p in prompts), model.config.context_length
     if longest >= context:
-        raise ConfigError(f"the prompt is {longest} tokens but context_length={context} leaves room for at most "
-                          f"{context - 1} prompt tokens plus one new one; shorten the prompt")
+        raise ConfigError(f"the prompt is {longest} tokens but context_length={context} leaves "
+                          f"room for at most {context - 1} prompt tokens plus one new one; shorten "
+                          "the prompt")
     if longest + s.max_new_tokens > context:
-        raise ConfigError(f"the prompt ({longest} tokens) plus max_new_tokens={s.max_new_tokens} exceeds "
-                          f"context_length={context}; pass -n {context - longest} or less, or shorten the prompt")
+        raise ConfigError(f"the prompt ({longest} tokens) plus max_new_tokens={s.max_new_tokens} "
+                          f"exceeds context_length={context}; pass -n {context - longest} or less, "
+                          "or shorten the prompt")
 
 
 @torch.no_grad()
@@ -47,16 +59,17 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
            stats=None, observe=None) -> Iterator[torch.Tensor]:
     """Yield the (B,) next tokens step by step. Rows that reached EOS keep yielding `pad_id`.
 
-    `observe(out, mask)`, if given, sees every forward's LMOutput with the (B, T) padding mask of its new
-    positions (under exit, out.exit_loops says how many loop steps each position ran).
+    `observe(out, mask)`, if given, sees every forward's LMOutput with the (B, T) padding mask of
+    its new positions (under exit, out.exit_loops says how many loop steps each position ran).
 
-    `speculate` ("auto", "K_d", "K_d:γ" or a meshlm.generate.speculative.Speculation) decodes by lossless
-    self-speculation (meshlm.generate.speculative): the same tokens when greedy, the same distribution when sampling;
-    `stats` (a SpeculationStats) then receives the acceptance rate, tokens/s and the chosen setting."""
+    `speculate` ("auto", "K_d", "K_d:γ" or a meshlm.generate.speculative.Speculation) decodes by
+    lossless self-speculation (meshlm.generate.speculative): the same tokens when greedy, the same
+    distribution when sampling; `stats` (a SpeculationStats) then receives the acceptance rate,
+    tokens/s and the chosen setting."""
     if speculate is not None:
         if not cache or exit is not None:
-            raise ConfigError("speculative decoding needs the KV cache and the full depth; drop --no-cache "
-                              "(cache=False) and --exit")
+            raise ConfigError("speculative decoding needs the KV cache and the full depth; drop "
+                              "--no-cache (cache=False) and --exit")
         yield from speculative.stream(model, prompts, s, speculate, eos_id, pad_id, loops, stats)
         return
     device = next(model.parameters()).device
@@ -77,18 +90,20 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
         if done.all():
             return
         ids = torch.cat([ids, token[:, None]], dim=1)
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # finished rows' pads are never read
+        # finished rows' pads are never read
+        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
         step_input = token[:, None] if cache else ids
 
 
 def generate(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0, pad_id: int = 1,
              cache: bool = True, loops: int | None = None, exit: str | None = None, speculate=None,
              stats=None, observe=None) -> list[list[int]]:
-    """The new tokens of every row, up to and including EOS (when stop_at_eos). `speculate`, `stats`,
-    `observe`: see `stream`."""
+    """The new tokens of every row, up to and including EOS (when stop_at_eos). `speculate`,
+    `stats`, `observe`: see `stream`."""
     out: list[list[int]] = [[] for _ in prompts]
     finished = [False] * len(prompts)
-    for token in stream(model, prompts, s, eos_id, pad_id, cache, loops, exit, speculate, stats, observe):
+    for token in stream(model, prompts, s, eos_id, pad_id, cache, loops, exit, speculate, stats,
+                        observe):
         for row, t in enumerate(token.tolist()):
             if not finished[row]:
                 out[row].append(t)

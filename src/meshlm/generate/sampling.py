@@ -1,7 +1,9 @@
-"""Sampling settings and the distribution decoding draws from: temperature, top-k, top-p; left padding.
+"""Sampling settings and the distribution decoding draws from: temperature, top-k, top-p; left
+padding.
 
-Shared by plain decoding (meshlm.generate) and self-speculative decoding (meshlm.generate.speculative), which must
-apply the very same filters to the draft's and the full model's distributions to be exact.
+Shared by plain decoding (meshlm.generate) and self-speculative decoding
+(meshlm.generate.speculative), which must apply the very same filters to the draft's and the full
+model's distributions to be exact.
 """
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ class Sampling:
 
 
 def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """(..., V) logits -> the distribution `next_token` samples from: temperature, then top-k, then top-p
-    (nucleus) filtering, in fp32. Greedy (temperature 0) is the one-hot of the argmax."""
+    """(..., V) logits -> the distribution `next_token` samples from: temperature, then top-k, then
+    top-p (nucleus) filtering, in fp32. Greedy (temperature 0) is the one-hot of the argmax."""
     if s.temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits.float() / s.temperature
@@ -44,19 +46,23 @@ def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     if s.top_p < 1:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative - sorted_logits.softmax(-1) >= s.top_p  # mass before this token already >= p
+        # mass before this token already >= p
+        drop_sorted = cumulative - sorted_logits.softmax(-1) >= s.top_p
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     return logits.softmax(-1)
 
 
-def draw(probs: torch.Tensor, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
-    """(B, V) probabilities -> (B,) token ids: the argmax when greedy, else one multinomial draw per row."""
+def draw(probs: torch.Tensor, s: Sampling,
+         generator: torch.Generator | None = None) -> torch.Tensor:
+    """(B, V) probabilities -> (B,) token ids: the argmax when greedy, else one multinomial draw per
+    row."""
     if s.temperature == 0:
         return probs.argmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def next_token(logits: torch.Tensor, s: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+def next_token(logits: torch.Tensor, s: Sampling,
+               generator: torch.Generator | None = None) -> torch.Tensor:
     """(B, V) logits of the last position -> (B,) token ids."""
     if s.temperature == 0:
         return logits.argmax(-1)
@@ -78,8 +84,8 @@ def left_pad(prompts: list[list[int]], pad_id: int, device: torch.device | str =
 
 
 def padding_if_any(mask: torch.Tensor) -> torch.Tensor | None:
-    """The (B, T) padding mask, or None when every position is real: the model then builds no attention mask
-    (one query attends to every cached key, several are causal) and counts positions from the cache, which is
-    the same attention, ~0.12 ms sooner per forward at d = 128 on one CPU thread
-    (docs/benchmarks.md)."""
+    """The (B, T) padding mask, or None when every position is real: the model then builds no
+    attention mask (one query attends to every cached key, several are causal) and counts positions
+    from the cache, which is the same attention, ~0.12 ms sooner per forward at d = 128 on one CPU
+    thread (docs/benchmarks.md)."""
     return None if bool(mask.all()) else mask

@@ -1,16 +1,20 @@
 """Hugging Face integration: meshlm models as transformers `AutoModelForCausalLM`s.
 
     from meshlm.hf import save_hf
-    save_hf(model, "out/mesh-hf", tokenizer="default")            # weights, config, tokenizer, remote code
-    AutoModelForCausalLM.from_pretrained("out/mesh-hf")           # after `import meshlm.hf` (registered)
-    AutoModelForCausalLM.from_pretrained("out/mesh-hf", trust_remote_code=True)   # meshlm not needed
+    save_hf(model, "out/mesh-hf", tokenizer="default")            # weights, config, tokenizer,
+                                                                    remote code
+    AutoModelForCausalLM.from_pretrained("out/mesh-hf")           # after `import meshlm.hf`
+                                                                    (registered)
+    AutoModelForCausalLM.from_pretrained("out/mesh-hf", trust_remote_code=True)
+        # meshlm not needed
     lm_eval --model hf --model_args pretrained=out/mesh-hf,trust_remote_code=True ...
 
 Importing this package registers `MeshConfig` / `MeshForCausalLM` with `AutoConfig` and
 `AutoModelForCausalLM`. The saved folder holds model.safetensors, config.json (with `auto_map`),
-generation_config.json, the tokenizer (tokenizer.json + tokenizer_config.json, a `PreTrainedTokenizerFast`
-that pads on the left, as batched generation needs), the generated configuration_meshlm.py /
-modeling_meshlm.py (see meshlm.hf.remote) and a model card, README.md (meshlm.hf.card).
+generation_config.json, the tokenizer (tokenizer.json + tokenizer_config.json, a
+`PreTrainedTokenizerFast` that pads on the left, as batched generation needs), the generated
+configuration_meshlm.py / modeling_meshlm.py (see meshlm.hf.remote) and a model card, README.md
+(meshlm.hf.card).
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ from meshlm.model import MeshLM
 AutoConfig.register(MeshConfig.model_type, MeshConfig, exist_ok=True)
 AutoModelForCausalLM.register(MeshConfig, MeshForCausalLM, exist_ok=True)
 
-__all__ = ["MeshConfig", "MeshForCausalLM", "config_from_model_config", "from_meshlm", "hf_tokenizer",
+__all__ = ["MeshConfig", "MeshForCausalLM", "config_from_model_config", "from_meshlm",
+           "hf_tokenizer",
            "load_hf", "save_hf"]
 
 
@@ -57,8 +62,9 @@ def from_meshlm(model: MeshLM, eos_id: int = 0, pad_id: int = 1) -> MeshForCausa
 
 
 def hf_tokenizer(tokenizer: TextTokenizer) -> PreTrainedTokenizerFast:
-    """The meshlm tokenizer as a transformers fast tokenizer (EOS and padding tokens set, padding on the left:
-    a decoder-only model continues each row from its last token, so padding must come before the prompt)."""
+    """The meshlm tokenizer as a transformers fast tokenizer (EOS and padding tokens set, padding on
+    the left: a decoder-only model continues each row from its last token, so padding must come
+    before the prompt)."""
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer.hf,
                                    eos_token=tokenizer.hf.id_to_token(tokenizer.eos_id),
                                    bos_token=tokenizer.hf.id_to_token(tokenizer.eos_id),
@@ -68,14 +74,16 @@ def hf_tokenizer(tokenizer: TextTokenizer) -> PreTrainedTokenizerFast:
 
 def save_hf(model: MeshLM | MeshForCausalLM, folder: str | Path,
             tokenizer: str | TextTokenizer | None = "default", meta: dict | None = None) -> Path:
-    """Save a model (and its tokenizer) as a Hugging Face folder that also loads without meshlm; `meta` is the
-    source checkpoint's config.json, whose training record goes into the model card."""
+    """Save a model (and its tokenizer) as a Hugging Face folder that also loads without meshlm;
+    `meta` is the source checkpoint's config.json, whose training record goes into the model
+    card."""
 
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
     if isinstance(model, MeshLM):
         model = from_meshlm(model, *((tok.eos_id, tok.pad_id) if tok else (0, 1)))
     folder = Path(folder)
-    with atomic.new_folder(folder, "exporting to") as tmp:  # complete or absent: a failure leaves no half folder
+    # complete or absent: a failure leaves no half folder
+    with atomic.new_folder(folder, "exporting to") as tmp:
         model.save_pretrained(tmp)
         if tok is not None:
             fast = hf_tokenizer(tok)
@@ -87,7 +95,8 @@ def save_hf(model: MeshLM | MeshForCausalLM, folder: str | Path,
 
 
 def load_hf(folder: str | Path) -> MeshForCausalLM:
-    """Load a folder written by save_hf; a clear CheckpointError if the weights are missing or damaged."""
+    """Load a folder written by save_hf; a clear CheckpointError if the weights are missing or
+    damaged."""
     folder = Path(folder)
     weights = folder / "model.safetensors"
     if not weights.is_file():
@@ -96,4 +105,5 @@ def load_hf(folder: str | Path) -> MeshForCausalLM:
         return MeshForCausalLM.from_pretrained(folder).eval()
     except Exception as err:  # safetensors and transformers raise assorted types for damaged files
         raise CheckpointError(f"{folder} cannot be loaded as a meshlm Hugging Face model "
-                              f"({str(err).splitlines()[0][:160]}); re-export it with `meshlm convert`") from None
+                              f"({str(err).splitlines()[0][:160]}); re-export it with `meshlm "
+                              "convert`") from None

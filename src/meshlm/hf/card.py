@@ -1,9 +1,10 @@
-"""The model card (README.md) of an exported Hugging Face folder: what the model is and how to load it.
+"""The model card (README.md) of an exported Hugging Face folder: what the model is and how to load
+it.
 
-A card states the architecture (spec, scheme, backbone, sizes from meshlm's accounting), the training data
-and tokens when the export came from a meshlm training run (the checkpoint's config.json: `train.data`,
-`tokens`, `step`, `val_loss`), and the exact loading code, with and without meshlm installed. Fields a run
-does not record are said to be unknown rather than guessed.
+A card states the architecture (spec, scheme, backbone, sizes from meshlm's accounting), the
+training data and tokens when the export came from a meshlm training run (the checkpoint's
+config.json: `train.data`, `tokens`, `step`, `val_loss`), and the exact loading code, with and
+without meshlm installed. Fields a run does not record are said to be unknown rather than guessed.
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def _training(meta: dict[str, Any] | None, cfg: ModelConfig) -> list[str]:
     """Lines on the training data and length, from a meshlm checkpoint's config.json (or 'unknown').
     train.seq_len 0 means the model's context length, which is what the card says."""
     if not meta or "train" not in meta:
-        return ["- training: not recorded (this folder was not exported from a meshlm training run)"]
+        return ["- training: not recorded (this folder was not exported from a meshlm training "
+                "run)"]
     train = meta["train"]
     data = train.get("data") or "meshlm's embedded public-domain English corpus"
     seq_len = train.get("seq_len") or cfg.context_length
@@ -57,22 +59,25 @@ def _training(meta: dict[str, Any] | None, cfg: ModelConfig) -> list[str]:
     return lines
 
 
-def model_card(cfg: ModelConfig, meta: dict[str, Any] | None = None, folder: str = "path/to/this/folder") -> str:
-    """README.md text for an exported folder of the model `cfg`; `meta` is the source checkpoint's config.json."""
+def model_card(cfg: ModelConfig, meta: dict[str, Any] | None = None,
+               folder: str = "path/to/this/folder") -> str:
+    """README.md text for an exported folder of the model `cfg`; `meta` is the source checkpoint's
+    config.json."""
     acc = describe(cfg)
     loop = (f"{acc.unique_layers} unique layers run as {acc.unrolled_layers} unrolled layers "
             f"({acc.loop_steps} loop steps)")
     lines = [
-        "---", "library_name: transformers", "pipeline_tag: text-generation", "tags: [meshlm, looped-transformer]",
+        "---", "library_name: transformers", "pipeline_tag: text-generation",
+        "tags: [meshlm, looped-transformer]",
         "---", "", f"# meshlm `{cfg.spec}` {cfg.scheme}", "",
-        "A recursive (looped) Transformer language model made with meshlm. `mesh` is MeSH, Memory-as-State-"
-        "Highways (Yu et al., arXiv 2510.07739): a buffer of slots with per-step write and read routers "
-        "carries the state between loop iterations.", "",
+        "A recursive (looped) Transformer language model made with meshlm. `mesh` is MeSH, "
+        "Memory-as-State-Highways (Yu et al., arXiv 2510.07739): a buffer of slots with per-step "
+        "write and read routers carries the state between loop iterations.", "",
         "## Model", "",
         f"- spec: `{cfg.spec}` (prelude + recurrent core × loops + coda); {loop}",
         f"- state scheme: `{cfg.scheme}`" + (f" ({acc.slots} slots)" if acc.slots else ""),
-        f"- backbone: {cfg.backbone}; d_model {cfg.d_model}, {cfg.n_heads} heads, vocabulary {cfg.vocab_size:,}, "
-        f"context {cfg.context_length}",
+        f"- backbone: {cfg.backbone}; d_model {cfg.d_model}, {cfg.n_heads} heads, vocabulary "
+        f"{cfg.vocab_size:,}, context {cfg.context_length}",
         f"- parameters: {acc.total_params:,} ({acc.non_embedding_params:,} non-embedding)",
         f"- forward FLOPs per token: {acc.forward_flops_per_token:,}", "",
         "## Training", "", *_training(meta, cfg), "",

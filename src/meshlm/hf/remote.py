@@ -1,4 +1,5 @@
-"""Writes the self-contained code that lets a saved folder load with `trust_remote_code=True` without meshlm.
+"""Writes the self-contained code that lets a saved folder load with `trust_remote_code=True`
+without meshlm.
 
 `configuration_meshlm.py` is meshlm/hf/configuration.py verbatim. `modeling_meshlm.py` is
 *generated* from meshlm's own sources, so the folder always carries exactly the code that produced
@@ -15,10 +16,11 @@ criterion the model imports is bundled with it; a module nothing there imports i
     from __future__ import ...          ->  pass                    (the header has it)
     (under if TYPE_CHECKING:)           ->  pass
 
-and every other form is an error at export time, not a NameError in a user's process: `import meshlm.m`
-(binds the name `meshlm`), relative imports, a name no bundled source defines, a module-level import of a name
-defined only by a later source, or a top-level name defined by two sources. The generated file starts with its
-own `write_remote_code`, which copies the files it came with (a remote-loaded model saved again stays loadable).
+and every other form is an error at export time, not a NameError in a user's process: `import
+meshlm.m` (binds the name `meshlm`), relative imports, a name no bundled source defines, a
+module-level import of a name defined only by a later source, or a top-level name defined by two
+sources. The generated file starts with its own `write_remote_code`, which copies the files it came
+with (a remote-loaded model saved again stays loadable).
 """
 from __future__ import annotations
 
@@ -92,8 +94,9 @@ def bundled_modules() -> set[str]:
 
 
 def _replacement(node: ast.Import | ast.ImportFrom, where: str, defined: set[str]) -> str | None:
-    """The statement that stands for a meshlm import in the bundle ("pass" or assignments), or None when the
-    import is not meshlm's (it stays as written). `defined`: the names the bundle has bound by then."""
+    """The statement that stands for a meshlm import in the bundle ("pass" or assignments), or None
+    when the import is not meshlm's (it stays as written). `defined`: the names the bundle has bound
+    by then."""
     if isinstance(node, ast.ImportFrom):
         if node.level:
             raise BundleError(f"{where}: relative import; use `from meshlm.... import ...`")
@@ -120,15 +123,16 @@ def _replacement(node: ast.Import | ast.ImportFrom, where: str, defined: set[str
     binds = []
     for alias in node.names:
         if alias.asname is None or alias.name not in bundled_modules():
-            raise BundleError(f"{where}: `import {alias.name}` cannot be bundled; write "
-                              f"`from {alias.name.rpartition('.')[0] or 'meshlm'} import ...` instead")
+            raise BundleError(f"{where}: `import {alias.name}` cannot be bundled; write `from "
+                              f"{alias.name.rpartition('.')[0] or 'meshlm'} import ...` instead")
         binds.append(f"{alias.asname} = _BundledModule({alias.name!r})")
     return "; ".join(binds)
 
 
 def _localize_imports(source: str, rel: str, earlier: set[str], everywhere: set[str]) -> str:
-    """Rewrite every meshlm import of one source (see the module docstring). Module-level imports may use only
-    names bound `earlier`; imports inside functions or `if` blocks run later and may use any bundled name."""
+    """Rewrite every meshlm import of one source (see the module docstring). Module-level imports
+    may use only names bound `earlier`; imports inside functions or `if` blocks run later and may
+    use any bundled name."""
     lines = source.splitlines()
     tree = ast.parse(source, filename=rel)
     module_level = {id(node) for node in tree.body}
@@ -168,7 +172,8 @@ def _top_level_names(source: str) -> tuple[set[str], set[str]]:
                 defined |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
         elif isinstance(node, ast.Import) and not any(_is_meshlm(a.name) for a in node.names):
             imported |= {a.asname or a.name.partition(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and not _is_meshlm(node.module or "") and node.module != "__future__":
+        elif (isinstance(node, ast.ImportFrom) and not _is_meshlm(node.module or "")
+              and node.module != "__future__"):
             imported |= {a.asname or a.name for a in node.names}
     return defined - {"__all__"}, imported
 
@@ -177,16 +182,18 @@ def _top_level_names(source: str) -> tuple[set[str], set[str]]:
 def modeling_source() -> str:
     """The text of modeling_meshlm.py."""
     texts = {rel: (PACKAGE / rel).read_text() for rel in sources()}
-    everywhere = set(_HEADER_NAMES).union(*(set().union(*_top_level_names(text)) for text in texts.values()))
+    everywhere = set(_HEADER_NAMES).union(*(set().union(*_top_level_names(text))
+                                            for text in texts.values()))
     parts = [_HEADER.format(sources="\n".join(f"    meshlm/{rel}" for rel in sources()))]
     owner, earlier = {}, set(_HEADER_NAMES)
     for rel in sources():
         text = _localize_imports(texts[rel], rel, earlier, everywhere)
-        defined, imported = _top_level_names(text)  # the rewritten text: aliases like `b = a` count as defined
+        # the rewritten text: aliases like `b = a` count as defined
+        defined, imported = _top_level_names(text)
         for name in defined:
             if name in owner:
-                raise BundleError(f"meshlm/{rel} and meshlm/{owner[name]} both define {name!r}; rename one so "
-                                  f"the generated {MODELING_FILE} stays correct")
+                raise BundleError(f"meshlm/{rel} and meshlm/{owner[name]} both define {name!r}; "
+                                  f"rename one so the generated {MODELING_FILE} stays correct")
             owner[name] = rel
         parts.append(f"\n# {'=' * 40} meshlm/{rel} {'=' * 40}\n")
         parts.append(text)

@@ -1,12 +1,13 @@
-"""Conversion between Hugging Face model folders (GPT-NeoX/Pythia, Llama, OLMoE), meshlm checkpoints and
-meshlm HF folders.
+"""Conversion between Hugging Face model folders (GPT-NeoX/Pythia, Llama, OLMoE), meshlm checkpoints
+and meshlm HF folders.
 
     neox | llama | olmoe -> meshlm   a vanilla meshlm checkpoint with the same logits (no embedding scaling)
     meshlm -> neox | llama | olmoe   only a vanilla model (no shared layers, no scheme parameters) of the
                       family's backbone; a model trained with scaled embeddings has √d folded into the input
-                      table, which is exact (a tied model is then written untied: the output layer keeps the
-                      unscaled table)
-    meshlm -> hf      a MeshForCausalLM folder (any scheme, any backbone) for transformers / lm-eval (meshlm.hf)
+                      table, which is exact (a tied model is then written untied: the output layer
+                      keeps the unscaled table)
+    meshlm -> hf      a MeshForCausalLM folder (any scheme, any backbone) for transformers / lm-eval
+                      (meshlm.hf)
     hf     -> meshlm  back to a meshlm checkpoint
     meshlm -> meshlm  only from a LoRA run's checkpoint: its adapters merged into the base weights
 
@@ -17,9 +18,9 @@ weights_only=True), and meshlm.interop.families has the name mappings. Written G
 Pythia's `embed_out.weight`, and config.json carries both transformers-5 `rope_parameters` and
 Pythia's legacy keys; written OLMoE files hold one matrix per expert.
 
-A meshlm checkpoint written here is one folder written by meshlm.checkpoint.write_checkpoint (step 0, no
-optimizer state): `open_model` reads it, and `train.init_from` continues training from it. The source's
-tokenizer (by the tokenizer rule of meshlm.loading) is carried as tokenizer.json.
+A meshlm checkpoint written here is one folder written by meshlm.checkpoint.write_checkpoint (step
+0, no optimizer state): `open_model` reads it, and `train.init_from` continues training from it. The
+source's tokenizer (by the tokenizer rule of meshlm.loading) is carried as tokenizer.json.
 """
 from __future__ import annotations
 
@@ -40,9 +41,11 @@ from meshlm.interop.folders import read_json
 from meshlm.loading import open_model
 
 
-def write_family(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: str | Path, family: Backbone,
+def write_family(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: str | Path,
+                 family: Backbone,
                  tokenizer=None) -> Path:
-    """Write a vanilla meshlm model as a GPT-NeoX, Llama or OLMoE folder (config.json + model.safetensors)."""
+    """Write a vanilla meshlm model as a GPT-NeoX, Llama or OLMoE folder (config.json +
+    model.safetensors)."""
     problems = export_problems(cfg, family)
     if problems or any(k.startswith("scheme.") for k in state):
         raise ConfigError("; ".join(problems) or f"only a vanilla model converts to {family.title}")
@@ -50,14 +53,18 @@ def write_family(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: str |
     # with √d folded in, the two tables differ (and some families are read untied only)
     tied = cfg.tie_embeddings and not cfg.scale_embeddings and family.exports_tied
     if cfg.tie_embeddings and not tied:
-        state["embed_out.weight"] = state["embed_in.weight"].clone()  # safetensors refuses shared tensors
-    if cfg.scale_embeddings:  # e = embed_in(x)·√d  ==  (embed_in·√d)(x): fold the scale into the table
+        # safetensors refuses shared tensors
+        state["embed_out.weight"] = state["embed_in.weight"].clone()
+    # e = embed_in(x)·√d == (embed_in·√d)(x): fold the scale into the table
+    if cfg.scale_embeddings:
         state["embed_in.weight"] = state["embed_in.weight"] * math.sqrt(cfg.d_model)
     weights = split_experts(from_meshlm(state, cfg.layout, family))
-    weights = {family.file_names.get(k, k): v for k, v in weights.items()}  # e.g. Pythia's embed_out.weight
+    # e.g. Pythia's embed_out.weight
+    weights = {family.file_names.get(k, k): v for k, v in weights.items()}
     folder = fresh_dir(folder, create=False)
     with atomic.new_folder(folder, "exporting to") as tmp:  # no half folder to block a rerun
-        hf_config(cfg, family, tied, architectures=[family.architecture], bos_token_id=0, eos_token_id=0,
+        hf_config(cfg, family, tied, architectures=[family.architecture], bos_token_id=0,
+                  eos_token_id=0,
                   pad_token_id=1).save_pretrained(tmp)
         if family.legacy_config(cfg):  # e.g. Pythia's rotary keys, for older transformers
             raw = read_json(tmp / "config.json")
@@ -73,40 +80,48 @@ def write_family(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: str |
 
 
 def fresh_dir(folder: str | Path, create: bool = True) -> Path:
-    """An output folder that does not exist yet or is empty (checked before any work); made if `create`."""
+    """An output folder that does not exist yet or is empty (checked before any work); made if
+    `create`."""
     folder = Path(folder)
     if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        raise ConfigError(f"output {folder} already exists and is not empty; choose a new folder or remove it")
+        raise ConfigError(f"output {folder} already exists and is not empty; choose a new folder "
+                          "or remove it")
     if create:
         folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
-# -- one entry point for the CLI ---------------------------------------------------------------------------
+# -- one entry point for the CLI -------------------------------------------------------------------
 def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: str | None = None,
             force_tokenizer: bool = False) -> Path:
-    """Convert between formats; `to` defaults to meshlm for family/hf sources and, for meshlm sources, to the
-    family of the model's backbone. The source is opened by meshlm.loading.open_model (its tokenizer rule; a
-    `tokenizer` that encodes unlike the source's own is refused unless `force_tokenizer`)."""
+    """Convert between formats; `to` defaults to meshlm for family/hf sources and, for meshlm
+    sources, to the family of the model's backbone. The source is opened by
+    meshlm.loading.open_model (its tokenizer rule; a `tokenizer` that encodes unlike the source's
+    own is refused unless `force_tokenizer`)."""
     source = open_model(src, tokenizer=tokenizer, force_tokenizer=force_tokenizer)
     quantized = source.meta.get("quantization")
     if quantized:  # int8/int4 layers (meshlm.quant) have no counterpart in the exported formats
-        raise ConfigError(f"{src} holds int{quantized['bits']} weights written by meshlm quantize; convert the "
-                          f"full-precision checkpoint it came from ({quantized['source']['path']})")
+        raise ConfigError(f"{src} holds int{quantized['bits']} weights written by meshlm quantize; "
+                          "convert the full-precision checkpoint it came from "
+                          f"({quantized['source']['path']})")
     if tokenizer:
         source.tokenizer  # noqa: B018 (checked before anything is written)
     kind, cfg = source.format, source.model.config
     to = to or (cfg.backbone if kind == "meshlm" else "meshlm")
-    if to not in FORMATS or (to == kind and not source.merged):  # meshlm -> meshlm merges a LoRA run's adapters
+    # meshlm -> meshlm merges a LoRA run's adapters
+    if to not in FORMATS or (to == kind and not source.merged):
         raise ConfigError(f"cannot convert {kind} to {to!r}; choose --to from "
                           f"{', '.join(f for f in FORMATS if f != kind)}")
     if to == "meshlm":
         fresh_dir(out, create=False)
-        return checkpoint.save_model(source.model, out, {"source": {"format": kind, "path": str(src)}},
+        return checkpoint.save_model(source.model, out,
+                                     {"source": {"format": kind, "path": str(src)}},
                                      source.tokenizer_file)
-    tok = source.tokenizer if source.tokenizer_source else None  # a folder naming none is written without one
+    # a folder naming none is written without one
+    tok = source.tokenizer if source.tokenizer_source else None
     if to == "hf":
         from meshlm.hf import save_hf  # transformers' model classes: only for this target
 
-        return save_hf(source.model, fresh_dir(out, create=False), tok, source.meta if kind == "meshlm" else None)
+        return save_hf(source.model, fresh_dir(out, create=False), tok,
+                       source.meta if kind == "meshlm" else None)
     return write_family(cfg, source.model.state_dict(), out, BACKBONES[to], tok)

@@ -16,8 +16,9 @@
 |                                                   | the model starts as its base model; drawn    |
 |                                                   | last, so the base weights are the same draws |
 
-N counts *unrolled* layers (P + ΣC·K + D): a looped core adds to the residual stream K times, so its output
-projections are scaled as if it were K distinct layers. The same table holds for every backbone.
+N counts *unrolled* layers (P + ΣC·K + D): a looped core adds to the residual stream K times, so its
+output projections are scaled as if it were K distinct layers. The same table holds for every
+backbone.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ OUTPUT_PROJECTIONS = ("attention.dense", "mlp.dense_4h_to_h", "self_attn.o_proj"
 
 @torch.no_grad()
 def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
-    out_std = cfg.init_std / math.sqrt(2 * cfg.layout.unrolled_depth) if cfg.scale_output_init else cfg.init_std
+    out_std = (cfg.init_std / math.sqrt(2 * cfg.layout.unrolled_depth) if cfg.scale_output_init
+               else cfg.init_std)
     alpha_init = torch.tensor(model.scheme.options.get("alpha_init", [1.0, 1.0, 0.0]))
     for name, module in model.named_modules():  # generic pass: layers, embeddings, norms
         if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -63,6 +65,7 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
         elif isinstance(module, DynamicAlpha):
             nn.init.normal_(module.proj.weight, std=cfg.router_init_std)
             module.proj.bias.copy_(alpha_init)
-    for module in model.modules():  # per-loop LoRA pass: last, so the other draws do not depend on it
+    # per-loop LoRA pass: last, so the other draws do not depend on it
+    for module in model.modules():
         if isinstance(module, LowRank):
             init_low_rank(module)

@@ -1,17 +1,20 @@
 """The looped KV cache: one key/value entry per *unrolled* layer, not per module.
 
-A looped model reuses each core layer K times, but every pass attends over different hidden states, so each
-pass needs its own keys and values. The cache therefore has one slot per unrolled layer, in execution order:
+A looped model reuses each core layer K times, but every pass attends over different hidden states,
+so each pass needs its own keys and values. The cache therefore has one slot per unrolled layer, in
+execution order:
 
     "2+3R2+1":  slot 0 1 │ 2 3 4 │ 5 6 7 │ 8
                 prelude  │ core, pass 0 │ core, pass 1 │ coda        (modules: prelude.0-1, cores.0.0-2, coda.0)
 
-`slot_offsets` gives the first slot of every stage; `MeshLM.forward` hands each stage its offset. The MeSH
-buffer, the anchors and every scheme state are per token, so decoding needs no cache for them (docs/hf.md).
+`slot_offsets` gives the first slot of every stage; `MeshLM.forward` hands each stage its offset.
+The MeSH buffer, the anchors and every scheme state are per token, so decoding needs no cache for
+them (docs/hf.md).
 
-Any object with `update(key, value, layer_idx) -> (keys, values)` and `get_seq_length() -> int` works as a
-cache: this `KVCache`, or a `transformers` `DynamicCache` (the public `Cache` API, which `generate()` passes
-in). Keys are stored after rotary, so positions are baked in. Shapes: key/value (B, H, T, hd).
+Any object with `update(key, value, layer_idx) -> (keys, values)` and `get_seq_length() -> int`
+works as a cache: this `KVCache`, or a `transformers` `DynamicCache` (the public `Cache` API, which
+`generate()` passes in). Keys are stored after rotary, so positions are baked in. Shapes: key/value
+(B, H, T, hd).
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ from meshlm.config import Layout
 class LayerCache(Protocol):
     """What the attention layers need from a cache (satisfied by transformers' `Cache` too)."""
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor,
+                                                                                      torch.Tensor]:
         ...
 
     def get_seq_length(self) -> int:
@@ -33,14 +37,15 @@ class LayerCache(Protocol):
 
 
 class KVCache:
-    """A per-slot key/value store that grows in place. Slots are created on first use, so a `loops` override
-    works.
+    """A per-slot key/value store that grows in place. Slots are created on first use, so a `loops`
+    override works.
 
-    A slot holds (B, H, capacity, hd) buffers whose first `length` positions are filled. An append writes its
-    positions in place, and the buffers double when full, so a decode step copies only its own keys/values:
-    appending with torch.cat copied the slot's whole history at every step, O(T²) memory traffic over a
-    generation. Under autograd an append concatenates instead, so nothing autograd saved is written over.
-    `keys` and `values` are the filled (B, H, length, hd) views."""
+    A slot holds (B, H, capacity, hd) buffers whose first `length` positions are filled. An append
+    writes its positions in place, and the buffers double when full, so a decode step copies only
+    its own keys/values: appending with torch.cat copied the slot's whole history at every step,
+    O(T²) memory traffic over a generation. Under autograd an append concatenates instead, so
+    nothing autograd saved is written over. `keys` and `values` are the filled (B, H, length, hd)
+    views."""
 
     def __init__(self) -> None:
         self._keys: list[torch.Tensor | None] = []  # per slot: (B, H, capacity, hd)
@@ -60,8 +65,10 @@ class KVCache:
         n = self._lengths[i]
         return self._keys[i][..., :n, :], self._values[i][..., :n, :]
 
-    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append this step's (B, H, T, hd) key/value to slot `layer_idx`; return the slot's full history."""
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor,
+                                                                                      torch.Tensor]:
+        """Append this step's (B, H, T, hd) key/value to slot `layer_idx`; return the slot's full
+        history."""
         while len(self._keys) <= layer_idx:
             self._keys.append(None)
             self._values.append(None)
@@ -70,11 +77,13 @@ class KVCache:
             return self.concatenate(layer_idx, key, value)
         return self.write(layer_idx, key, value)
 
-    def write(self, i: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def write(self, i: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor,
+                                                                             torch.Tensor]:
         """Append in place (growing the buffers when full); returns views of slot i's buffers."""
         n, t = self._lengths[i], key.shape[-2]
         if self._keys[i] is not None and self._keys[i].shape[:2] != key.shape[:2]:
-            raise ValueError(f"cache slot {i} holds batch × heads {tuple(self._keys[i].shape[:2])}, the new keys "
+            raise ValueError(f"cache slot {i} holds batch × heads "
+                             f"{tuple(self._keys[i].shape[:2])}, the new keys "
                              f"{tuple(key.shape[:2])}; start a new cache for another batch")
         if self._keys[i] is None or n + t > self._keys[i].shape[-2]:
             self._grow(i, key, value, n + t)
@@ -83,7 +92,8 @@ class KVCache:
         self._lengths[i] = n + t
         return self.slot(i)
 
-    def concatenate(self, i: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def concatenate(self, i: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor,
+                                                                                   torch.Tensor]:
         """Append by concatenation: new tensors, so that nothing autograd saved is written over."""
         if self._lengths[i]:
             key, value = (torch.cat([old, new], -2) for old, new in zip(self.slot(i), (key, value)))
@@ -91,14 +101,15 @@ class KVCache:
         return key, value
 
     def _grow(self, i: int, key: torch.Tensor, value: torch.Tensor, needed: int) -> None:
-        """New buffers for slot i with room for at least `needed` positions (twice the old room), the filled
-        positions copied over."""
+        """New buffers for slot i with room for at least `needed` positions (twice the old room),
+        the filled positions copied over."""
         old_k, old_v, n = self._keys[i], self._values[i], self._lengths[i]
         capacity = max(needed, 2 * (0 if old_k is None else old_k.shape[-2]))
         self._keys[i] = key.new_empty(*key.shape[:-2], capacity, key.shape[-1])
         self._values[i] = value.new_empty(*value.shape[:-2], capacity, value.shape[-1])
         if n:
-            self._keys[i][..., :n, :], self._values[i][..., :n, :] = old_k[..., :n, :], old_v[..., :n, :]
+            self._keys[i][..., :n, :], self._values[i][..., :n, :] = old_k[..., :n, :], old_v[...,
+                                                                                              :n, :]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens already cached (every slot holds the same number after a full forward)."""
@@ -120,8 +131,8 @@ class KVCache:
         self._values = [None if v is None else v[index] for v in self._values]
 
     def drop_front(self, n: int) -> None:
-        """Forget the first `n` positions of every slot (columns that are padding in every row): views of the
-        same buffers, so later appends still write in place."""
+        """Forget the first `n` positions of every slot (columns that are padding in every row):
+        views of the same buffers, so later appends still write in place."""
         if n <= 0:
             return
         self._keys = [None if k is None else k[..., n:, :] for k in self._keys]
@@ -130,10 +141,11 @@ class KVCache:
 
     @classmethod
     def stack(cls, caches: list[KVCache], room: int = 0) -> KVCache:
-        """The rows of `caches` (each filled to its own length in every slot) in one cache, right-aligned:
-        a shorter cache's rows are left-padded with zeros, which the batch's padding mask must cover. Buffers
-        get `room` spare positions, so the next appends write in place. Continuous batching joins a prefilled
-        request to a running batch with it (meshlm.serve.batcher)."""
+        """The rows of `caches` (each filled to its own length in every slot) in one cache,
+        right-aligned: a shorter cache's rows are left-padded with zeros, which the batch's padding
+        mask must cover. Buffers get `room` spare positions, so the next appends write in place.
+        Continuous batching joins a prefilled request to a running batch with it
+        (meshlm.serve.batcher)."""
         width = max(c.get_seq_length() for c in caches)
         out = cls()
         for i in range(max(len(c) for c in caches)):
@@ -148,12 +160,14 @@ class KVCache:
         return RepeatedView(self, copies, length)
 
     def reorder(self, order: torch.Tensor) -> None:
-        """Keep, in every slot, the positions `order` (B, T') of each row, in that order (T' ≤ length)."""
+        """Keep, in every slot, the positions `order` (B, T') of each row, in that order (T' ≤
+        length)."""
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             if k is None:
                 continue
             index = order[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
-            k, v = k.gather(2, index), v.gather(2, index)  # new tensors: safe to write back in place
+            # new tensors: safe to write back in place
+            k, v = k.gather(2, index), v.gather(2, index)
             self._keys[i][..., :k.shape[-2], :], self._values[i][..., :v.shape[-2], :] = k, v
             self._lengths[i] = k.shape[-2]
 
@@ -180,10 +194,11 @@ class RepeatedView:
 
 
 def _left_padded(parts: tuple[torch.Tensor, ...], width: int, room: int) -> torch.Tensor:
-    """(B_i, H, T_i, hd) tensors -> one (ΣB_i, H, width + room, hd) buffer, each part's positions ending at
-    `width`, zeros before them and in the spare room."""
+    """(B_i, H, T_i, hd) tensors -> one (ΣB_i, H, width + room, hd) buffer, each part's positions
+    ending at `width`, zeros before them and in the spare room."""
     first = parts[0]
-    out = first.new_zeros(sum(p.shape[0] for p in parts), first.shape[1], width + room, first.shape[-1])
+    out = first.new_zeros(sum(p.shape[0] for p in parts), first.shape[1], width + room,
+                          first.shape[-1])
     row = 0
     for p in parts:
         out[row:row + p.shape[0], :, width - p.shape[-2]:width] = p

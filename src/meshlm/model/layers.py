@@ -1,10 +1,11 @@
-"""Layer pieces shared by every backbone, and the GPT-NeoX (Pythia) layer. Nothing here knows about looping.
+"""Layer pieces shared by every backbone, and the GPT-NeoX (Pythia) layer. Nothing here knows about
+looping.
 
 Shared: rotary position embeddings (the "rotate half" convention of GPT-NeoX and Llama, on the first
-`rotary_dims` of each head), RMSNorm, the attention kernel `attend` (SDPA with the looped KV cache and
-grouped-query heads), the `Layer` base class every layer kind derives from, and the padding mask.
-The Llama and OLMoE layers live in meshlm.model.llama and meshlm.model.moe. Each layer class attaches
-itself to its backbone in the registry (meshlm.backbones) with `@layer_of`.
+`rotary_dims` of each head), RMSNorm, the attention kernel `attend` (SDPA with the looped KV cache
+and grouped-query heads), the `Layer` base class every layer kind derives from, and the padding
+mask. The Llama and OLMoE layers live in meshlm.model.llama and meshlm.model.moe. Each layer class
+attaches itself to its backbone in the registry (meshlm.backbones) with `@layer_of`.
 
 The GPT-NeoX layer is the *parallel* residual of Pythia:
 
@@ -12,14 +13,16 @@ The GPT-NeoX layer is the *parallel* residual of Pythia:
        ├─ LN1 ─ Attn(rotary on 25% of head dims) ─ + ─→ x + Attn(LN1 x) + MLP(LN2 x)
        └─ LN2 ─ Linear(d, 4d) ─ GELU ─ Linear(4d, d) ┘
 
-Parameter names follow Hugging Face (`attention.query_key_value`, `mlp.dense_4h_to_h`, …, and for Llama
-`self_attn.q_proj`, `mlp.gate_proj`, …) so checkpoints map onto meshlm by renaming layer indices only. The
-fused QKV projection is laid out per head as (heads, [q|k|v], head_dim), like Pythia. Attention runs through
-`F.scaled_dot_product_attention`, which picks a flash/memory-efficient kernel on GPUs.
+Parameter names follow Hugging Face (`attention.query_key_value`, `mlp.dense_4h_to_h`, …, and for
+Llama `self_attn.q_proj`, `mlp.gate_proj`, …) so checkpoints map onto meshlm by renaming layer
+indices only. The fused QKV projection is laid out per head as (heads, [q|k|v], head_dim), like
+Pythia. Attention runs through `F.scaled_dot_product_attention`, which picks a
+flash/memory-efficient kernel on GPUs.
 
-For incremental decoding a layer takes an optional `cache` (see meshlm.model.kv_cache) and the index of its
-*unrolled* slot in it: a looped core layer is called once per pass with a different slot. Layers with a
-router (MoE) append its logits to `router_logits` when given a list; the others ignore it.
+For incremental decoding a layer takes an optional `cache` (see meshlm.model.kv_cache) and the index
+of its *unrolled* slot in it: a looped core layer is called once per pass with a different slot.
+Layers with a router (MoE) append its logits to `router_logits` when given a list; the others ignore
+it.
 """
 from __future__ import annotations
 
@@ -47,10 +50,12 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, dims: int, base: float):
         super().__init__()
         self.dims, self.base = dims, base
-        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)  # rebuilt from the config
+        # rebuilt from the config
+        self.register_buffer("inv_freq", self.compute_inv_freq(), persistent=False)
 
     def compute_inv_freq(self) -> torch.Tensor:
-        return 1.0 / (self.base ** (torch.arange(0, self.dims, 2, dtype=torch.float32) / self.dims))  # (dims/2,)
+        # (dims/2,)
+        return 1.0 / (self.base ** (torch.arange(0, self.dims, 2, dtype=torch.float32) / self.dims))
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> Rope:
         freqs = position_ids[..., None].float() * self.inv_freq  # (B, T, dims/2), fp32 for accuracy
@@ -64,7 +69,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
-    """Rotate the first rotary_dims of x (B, H, T, hd); the remaining dims pass through unchanged."""
+    """Rotate the first rotary_dims of x (B, H, T, hd); the remaining dims pass through
+    unchanged."""
     cos, sin = (t.unsqueeze(1) for t in rope)  # (B, 1, T, r)
     r = cos.shape[-1]
     if r == x.shape[-1]:  # Llama: every dim rotates (no slicing and concatenation)
@@ -74,7 +80,8 @@ def apply_rotary(x: torch.Tensor, rope: Rope) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) · weight, normalised in fp32 and cast back before the weight (as Llama and OLMoE)."""
+    """x / rms(x) · weight, normalised in fp32 and cast back before the weight (as Llama and
+    OLMoE)."""
 
     def __init__(self, width: int, eps: float):
         super().__init__()
@@ -83,29 +90,34 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True)
+                                                 + self.eps)).to(x.dtype))
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            cache: LayerCache | None, slot: int) -> torch.Tensor:
-    """Causal attention of q (B, H, T, hd) over k, v (B, H_kv, T, hd), H a multiple of H_kv (grouped-query).
+    """Causal attention of q (B, H, T, hd) over k, v (B, H_kv, T, hd), H a multiple of H_kv
+    (grouped-query).
 
-    With a cache, k and v are appended to this unrolled slot's history first (the cache stores H_kv heads).
-    mask None: plain causal attention, or (one query after a cached past) attend to every key. Otherwise a
-    boolean (B, 1, T, T_past + T) "may attend" mask (built by the model when it is needed).
+    With a cache, k and v are appended to this unrolled slot's history first (the cache stores H_kv
+    heads). mask None: plain causal attention, or (one query after a cached past) attend to every
+    key. Otherwise a boolean (B, 1, T, T_past + T) "may attend" mask (built by the model when it is
+    needed).
     """
     if cache is not None:
         k, v = cache.update(k, v, slot)  # (B, H_kv, T_past + T, hd): this slot's whole history
     is_causal = mask is None and k.shape[-2] == q.shape[-2]
     gqa = k.shape[1] != q.shape[1]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
+                                          enable_gqa=gqa)
 
 
 class Layer(nn.Module, abc.ABC):
-    """Base class of every layer kind: `forward(x, rope, mask, cache, slot, router_logits) -> x`, (B, T, d).
+    """Base class of every layer kind: `forward(x, rope, mask, cache, slot, router_logits) -> x`,
+    (B, T, d).
 
-    Wrappers that act per layer (activation checkpointing, compile, FSDP units) find layers by this class.
-    `norm` builds the backbone's normalisation (also used for the model's final norm).
+    Wrappers that act per layer (activation checkpointing, compile, FSDP units) find layers by this
+    class. `norm` builds the backbone's normalisation (also used for the model's final norm).
     """
 
     @staticmethod
@@ -114,7 +126,7 @@ class Layer(nn.Module, abc.ABC):
         """The backbone's normalisation layer for width cfg.d_model."""
 
 
-# -- GPT-NeoX (Pythia) ----------------------------------------------------------------------------------------
+# -- GPT-NeoX (Pythia) -----------------------------------------------------------------------------
 class NeoXAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -127,8 +139,9 @@ class NeoXAttention(nn.Module):
         b, t, d = x.shape
         qkv = self.query_key_value(x).view(b, t, self.n_heads, 3 * self.head_dim).transpose(1, 2)
         q, k, v = qkv.chunk(3, dim=-1)  # each (B, H, T, hd)
-        # q, k become rotated copies; copying v too lets autograd free the fused qkv (3× the size of v). (Rotating
-        # q and k together as one (B, H, T, 2, hd) tensor made a training step 1.9% slower: strided kernels.)
+        # q, k become rotated copies; copying v too lets autograd free the fused qkv (3× the size of
+        # v). (Rotating q and k together as one (B, H, T, 2, hd) tensor made a training step 1.9%
+        # slower: strided kernels.)
         y = attend(apply_rotary(q, rope), apply_rotary(k, rope), v.contiguous(), mask, cache, slot)
         return self.dense(y.transpose(1, 2).reshape(b, t, d))
 
@@ -158,21 +171,24 @@ class NeoXLayer(Layer):
     def norm(cfg: ModelConfig) -> nn.Module:
         return nn.LayerNorm(cfg.d_model, eps=cfg.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None, cache: LayerCache | None = None,
+    def forward(self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None,
+                cache: LayerCache | None = None,
                 slot: int = 0, router_logits: list[torch.Tensor] | None = None) -> torch.Tensor:
         attn = self.attention(self.input_layernorm(x), rope, mask, cache, slot)
         return x + attn + self.mlp(self.post_attention_layernorm(x))
 
 
 def attention_mask_from_padding(padding_mask: torch.Tensor, past: int = 0) -> torch.Tensor:
-    """(B, S) with 1 for real tokens, 0 for padding -> boolean (B, 1, T, S) causal "may attend" mask.
+    """(B, S) with 1 for real tokens, 0 for padding -> boolean (B, 1, T, S) causal "may attend"
+    mask.
 
-    S = past + T: the mask covers the `past` cached tokens and the T new ones (queries are the last T).
-    Every query may at least attend to itself, so rows of padding queries never become all -inf (which
-    would make SDPA return NaN); padding positions' outputs are ignored by callers anyway.
+    S = past + T: the mask covers the `past` cached tokens and the T new ones (queries are the last
+    T). Every query may at least attend to itself, so rows of padding queries never become all -inf
+    (which would make SDPA return NaN); padding positions' outputs are ignored by callers anyway.
     """
     s = padding_mask.shape[-1]
-    query_pos = torch.arange(past, s, device=padding_mask.device)[:, None]  # (T, 1) absolute positions
+    # (T, 1) absolute positions
+    query_pos = torch.arange(past, s, device=padding_mask.device)[:, None]
     key_pos = torch.arange(s, device=padding_mask.device)[None]  # (1, S)
     allowed = (key_pos <= query_pos) & padding_mask.bool()[:, None, None, :]  # (B, 1, T, S)
     return allowed | (key_pos == query_pos)

@@ -1,15 +1,17 @@
-"""Llama-style dense layers: RMSNorm, sequential residual, rotary on every head dim, SwiGLU, no biases, GQA.
+"""Llama-style dense layers: RMSNorm, sequential residual, rotary on every head dim, SwiGLU, no
+biases, GQA.
 
     x ── RMSNorm ── Attn(q, k, v, o; H_kv ≤ H key/value heads) ── + ── RMSNorm ── SwiGLU ── + ──→
     └──────────────────────────────────────────────────────────┘ └────────────────────────┘
 
-Equal to transformers' `LlamaForCausalLM` with copied weights (tests/test_llama_parity.py). Parameter
-names are Llama's (`self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, …). Non-standard options:
-`qk_norm` adds OLMoE's RMSNorm over the *whole* q and k projections (H·hd and H_kv·hd wide, before the
-heads are split and before rotary), and `rotary_pct` < 1 rotates only the first dims of each head.
+Equal to transformers' `LlamaForCausalLM` with copied weights (tests/test_llama_parity.py).
+Parameter names are Llama's (`self_attn.q_proj`, `mlp.gate_proj`, `input_layernorm`, …).
+Non-standard options: `qk_norm` adds OLMoE's RMSNorm over the *whole* q and k projections (H·hd and
+H_kv·hd wide, before the heads are split and before rotary), and `rotary_pct` < 1 rotates only the
+first dims of each head.
 
-The attention here is also the OLMoE layer's (meshlm.model.moe): the two backbones differ only in the
-feed-forward block, which is the class attribute `LlamaLayer.FeedForward`.
+The attention here is also the OLMoE layer's (meshlm.model.moe): the two backbones differ only in
+the feed-forward block, which is the class attribute `LlamaLayer.FeedForward`.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ class LlamaAttention(nn.Module):
         self.q_proj = nn.Linear(cfg.d_model, q_width, bias=False)
         self.k_proj = nn.Linear(cfg.d_model, kv_width, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, kv_width, bias=False)
-        self.o_proj = nn.Linear(q_width, cfg.d_model, bias=False)  # output projection (depth-scaled init)
+        # output projection (depth-scaled init)
+        self.o_proj = nn.Linear(q_width, cfg.d_model, bias=False)
         if cfg.uses_qk_norm:
             self.q_norm = RMSNorm(q_width, cfg.layer_norm_eps)
             self.k_norm = RMSNorm(kv_width, cfg.layer_norm_eps)
@@ -44,8 +47,10 @@ class LlamaAttention(nn.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, H·hd), (B, T, H_kv·hd) ×2
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2), rope)  # (B, H, T, hd)
-        k = apply_rotary(k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2), rope)  # (B, H_kv, T, hd)
+        # (B, H, T, hd)
+        q = apply_rotary(q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2), rope)
+        # (B, H_kv, T, hd)
+        k = apply_rotary(k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2), rope)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         y = attend(q, k, v, mask, cache, slot)  # (B, H, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
@@ -60,7 +65,8 @@ class SwiGLU(nn.Module):
         self.up_proj = nn.Linear(cfg.d_model, cfg.mlp_width, bias=False)
         self.down_proj = nn.Linear(cfg.mlp_width, cfg.d_model, bias=False)  # depth-scaled init
 
-    def forward(self, x: torch.Tensor, router_logits: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                router_logits: list[torch.Tensor] | None = None) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -81,7 +87,8 @@ class LlamaLayer(Layer):
     def norm(cfg: ModelConfig) -> nn.Module:
         return RMSNorm(cfg.d_model, cfg.layer_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None, cache: LayerCache | None = None,
+    def forward(self, x: torch.Tensor, rope: Rope, mask: torch.Tensor | None,
+                cache: LayerCache | None = None,
                 slot: int = 0, router_logits: list[torch.Tensor] | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, slot)
         return x + self.mlp(self.post_attention_layernorm(x), router_logits)

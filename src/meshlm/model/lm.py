@@ -9,39 +9,42 @@
     logits <──embed_out── final norm <──coda── h^K <─────────┘
 
 Every scheme (vanilla, base, residual, anchors, mixes, MeSH) runs through this same loop; only
-`scheme.begin` and `scheme.update` differ (meshlm.model.schemes, meshlm.model.memory). Vanilla is a spec
-whose cores each run once. Every backbone (GPT-NeoX, Llama, OLMoE MoE: meshlm.backbones) runs through
-it too; only the layers and the final norm differ. The model knows nothing of training, data, files or devices.
+`scheme.begin` and `scheme.update` differ (meshlm.model.schemes, meshlm.model.memory). Vanilla is a
+spec whose cores each run once. Every backbone (GPT-NeoX, Llama, OLMoE MoE: meshlm.backbones) runs
+through it too; only the layers and the final norm differ. The model knows nothing of training,
+data, files or devices.
 
-Tied embeddings (`tie_embeddings`): there is no `embed_out`; the output layer is `embed_in.weight` (the
-unscaled table: the √d scale applies to the input side only).
+Tied embeddings (`tie_embeddings`): there is no `embed_out`; the output layer is `embed_in.weight`
+(the unscaled table: the √d scale applies to the input side only).
 
-Mixture-of-experts layers report their router logits (one (B·T, E) tensor per layer call, so a looped core
-contributes one per pass); the load-balancing and z-losses computed from them are returned in `LMOutput`
-and, in training mode, added to `loss` with `aux_loss_weight` / `z_loss_weight`. In eval mode `loss` is the
-plain next-token cross-entropy, so validation perplexity is comparable across backbones.
+Mixture-of-experts layers report their router logits (one (B·T, E) tensor per layer call, so a
+looped core contributes one per pass); the load-balancing and z-losses computed from them are
+returned in `LMOutput` and, in training mode, added to `loss` with `aux_loss_weight` /
+`z_loss_weight`. In eval mode `loss` is the plain next-token cross-entropy, so validation perplexity
+is comparable across backbones.
 
-A forward is three stages, `enter` (embed, prelude, h⁰) → `advance` (loop steps) → `readout` (coda, head),
-sharing one `LoopRun`; self-speculative decoding (meshlm.generate.speculative) stops `advance` early to draft and
-resumes it later to verify.
+A forward is three stages, `enter` (embed, prelude, h⁰) → `advance` (loop steps) → `readout` (coda,
+head), sharing one `LoopRun`; self-speculative decoding (meshlm.generate.speculative) stops
+`advance` early to draft and resumes it later to verify.
 
-Truncated backprop through depth (`backprop_loops=k`, Huginn's recipe): the first K − k loop steps run
-without autograd, so their activations are never kept; the state they produce enters step K − k as a
-constant, while e, p and h⁰ (injected into later steps by the scheme) keep their gradients. Peak memory
-then follows k, not K (benchmarks/elastic.py).
+Truncated backprop through depth (`backprop_loops=k`, Huginn's recipe): the first K − k loop steps
+run without autograd, so their activations are never kept; the state they produce enters step K − k
+as a constant, while e, p and h⁰ (injected into later steps by the scheme) keep their gradients.
+Peak memory then follows k, not K (benchmarks/elastic.py).
 
-Per-token adaptive exit (`exit="state:0.05"`, meshlm.model.exit): the same loop runs only the still-active
-tokens' core passes and stops when none is left; exited tokens' keys/values are copied forward.
+Per-token adaptive exit (`exit="state:0.05"`, meshlm.model.exit): the same loop runs only the
+still-active tokens' core passes and stops when none is left; exited tokens' keys/values are copied
+forward.
 
-Per-loop LoRA (`loop_lora_rank`, meshlm.model.loop_lora): before each core pass the loop selects that pass's
-low-rank delta in the core's Linears; every path above (exit, speculation, the cache) runs through `advance`,
-so each gets the right delta per step.
+Per-loop LoRA (`loop_lora_rank`, meshlm.model.loop_lora): before each core pass the loop selects
+that pass's low-rank delta in the core's Linears; every path above (exit, speculation, the cache)
+runs through `advance`, so each gets the right delta per step.
 
-Incremental decoding: pass a `cache` (meshlm.model.kv_cache) and only the new tokens. Each unrolled layer
-gets its own cache slot; the scheme state (MeSH buffer, anchors) is per token and needs none. With a cache,
-`padding_mask` covers the cached tokens too (B, T_past + T), as in Hugging Face's `generate()`.
-Default positions count real tokens only (cumsum of `padding_mask` − 1), so a left-padded row gets the same
-positions as the unpadded prompt.
+Incremental decoding: pass a `cache` (meshlm.model.kv_cache) and only the new tokens. Each unrolled
+layer gets its own cache slot; the scheme state (MeSH buffer, anchors) is per token and needs none.
+With a cache, `padding_mask` covers the cached tokens too (B, T_past + T), as in Hugging Face's
+`generate()`. Default positions count real tokens only (cumsum of `padding_mask` − 1), so a
+left-padded row gets the same positions as the unpadded prompt.
 """
 from __future__ import annotations
 
@@ -75,17 +78,21 @@ class Stages:
     states: list[torch.Tensor] = field(default_factory=list)  # h⁰ … h^K
     core_outputs: list[torch.Tensor] = field(default_factory=list)  # f_core(h^t), t = 0 … K−1
     coda: torch.Tensor | None = None  # f_coda(h^K), before the final LayerNorm
-    routing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # MeSH (write, read)
+    # MeSH (write, read)
+    routing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     router_logits: list[torch.Tensor] = field(default_factory=list)  # MoE: (B·T, E) per layer call
 
 
 @dataclass
 class LMOutput:
     logits: torch.Tensor  # (B, T, vocab)
-    loss: torch.Tensor | None = None  # the objective: lm_loss (+ weighted MoE losses in training mode)
+    loss: torch.Tensor | None = None  # the objective: lm_loss (+ weighted MoE losses in training
+    # mode)
     stages: Stages | None = None  # only with return_states=True
-    lm_loss: torch.Tensor | None = None  # mean next-token cross-entropy over targets != ignore_index
-    aux_loss: torch.Tensor | None = None  # MoE load-balancing loss, unweighted (None without MoE layers)
+    lm_loss: torch.Tensor | None = None  # mean next-token cross-entropy over targets !=
+    # ignore_index
+    aux_loss: torch.Tensor | None = None  # MoE load-balancing loss, unweighted (None without MoE
+    # layers)
     z_loss: torch.Tensor | None = None  # MoE router z-loss, unweighted
     exit_loops: torch.Tensor | None = None  # with exit: (B, T) loop steps each token ran
     exit_probes: torch.Tensor | None = None  # with exit: (B, T) coda + head probes per token (kl)
@@ -105,7 +112,8 @@ class LoopRun:
     mask: torch.Tensor | None  # (B, 1, T, T_past + T) or None
     cache: LayerCache | None
     step: int = 0  # loop passes done
-    routed: list[torch.Tensor] = field(default_factory=list)  # MoE router logits of every layer call, in order
+    routed: list[torch.Tensor] = field(default_factory=list)  # MoE router logits of every layer
+    # call, in order
     stages: Stages | None = None  # only with return_states=True
     track: ExitTracker | NoExit = NO_EXIT  # who is still looping (meshlm.model.exit); NO_EXIT: all
     past: int = 0  # tokens cached before this run's: its mask covers past + T keys
@@ -190,23 +198,28 @@ class MeshLM(nn.Module):
         self.prelude = Stack(cfg, layout.prelude)
         self.cores = nn.ModuleList(Stack(cfg, n) for n in layout.cores)
         if cfg.loop_lora_rank:
-            attach_loop_lora(self.cores, cfg)  # per-loop LoRA: one delta per pass of each shared core
+            # per-loop LoRA: one delta per pass of each shared core
+            attach_loop_lora(self.cores, cfg)
         self.coda = Stack(cfg, layout.coda)
         self.scheme = build_scheme(cfg)
-        self.final_layer_norm = BACKBONES[cfg.backbone].norm(cfg)  # LayerNorm or RMSNorm, as its layers
-        # untied as Pythia and OLMoE; tied: the output layer is embed_in.weight
-        self.embed_out = None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # LayerNorm or RMSNorm, as its layers untied as Pythia and OLMoE; tied: the output layer is
+        # embed_in.weight
+        self.final_layer_norm = BACKBONES[cfg.backbone].norm(cfg)
+        self.embed_out = (None if cfg.tie_embeddings
+                          else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False))
         self.rotary = RotaryEmbedding(cfg.rotary_dims, cfg.rotary_base)
         self.embed_scale = math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0
         init_weights(self, cfg)
 
     def schedule(self, loops: int | None = None) -> tuple[int, ...]:
-        """Core index per step. `loops` overrides K for a single-core model (e.g. loss vs. depth)."""
+        """Core index per step. `loops` overrides K for a single-core model (e.g. loss vs.
+        depth)."""
         layout = self.config.layout
         if loops is None:
             return layout.schedule
         if len(layout.cores) != 1 or loops < 1:
-            raise ConfigError(f"loops={loops} needs a single-core spec and loops >= 1 (spec {self.config.spec!r})")
+            raise ConfigError(f"loops={loops} needs a single-core spec and loops >= 1 (spec "
+                              f"{self.config.spec!r})")
         return (0,) * loops
 
     def forward(
@@ -214,13 +227,17 @@ class MeshLM(nn.Module):
         input_ids: torch.Tensor,  # (B, T) token ids
         targets: torch.Tensor | None = None,  # (B, T) next-token ids, ignore_index where no loss
         padding_mask: torch.Tensor | None = None,  # (B, T_past + T) 1 = real token, 0 = padding
-        position_ids: torch.Tensor | None = None,  # (B, T) or (1, T); default: see the module docstring
+        # (B, T) or (1, T); default: see the module docstring
+        position_ids: torch.Tensor | None = None,
         return_states: bool = False,
         loops: int | None = None,
         ignore_index: int = -100,
-        cache: LayerCache | None = None,  # KV cache, updated in place; holds T_past tokens before the call
-        backprop_loops: int | None = None,  # truncated backprop: only the last k loop steps keep autograd state
-        exit: ExitRule | str | None = None,  # per-token adaptive exit, e.g. "state:0.05" (meshlm.model.exit)
+        # KV cache, updated in place; holds T_past tokens before the call
+        cache: LayerCache | None = None,
+        # truncated backprop: only the last k loop steps keep autograd state
+        backprop_loops: int | None = None,
+        # per-token adaptive exit, e.g. "state:0.05" (meshlm.model.exit)
+        exit: ExitRule | str | None = None,
     ) -> LMOutput:
         schedule = self.schedule(loops)
         past = 0 if cache is None else cache.get_seq_length()  # tokens cached before this call
@@ -231,14 +248,16 @@ class MeshLM(nn.Module):
                        exit_loops=run.track.loops, exit_probes=run.track.probes)
         return self._losses(out, targets, ignore_index, run.routed, padding_mask)
 
-    # -- the three stages of a forward; speculative decoding (meshlm.generate.speculative) runs them separately
+    # -- the three stages of a forward; speculative decoding (meshlm.generate.speculative) runs them
+    # separately
     def enter(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None,
               position_ids: torch.Tensor | None = None, cache: LayerCache | None = None,
               return_states: bool = False) -> LoopRun:
         """Embed and run the prelude: a run standing at loop step 0 with h = h⁰."""
         past = 0 if cache is None else cache.get_seq_length()  # before the prelude writes to it
         e, rope, mask = self._prepare(input_ids, padding_mask, position_ids, cache)
-        ctx, routed = LoopContext(e=e), []  # routed: MoE router logits of every layer call, in order
+        # routed: MoE router logits of every layer call, in order
+        ctx, routed = LoopContext(e=e), []
         p = self.prelude(e, rope, mask, cache, 0, routed)  # the prelude's cache slots come first
         h = self.scheme.begin(ctx, p)
         stages = Stages(embeddings=e, prelude=p, states=[h]) if return_states else None
@@ -247,21 +266,24 @@ class MeshLM(nn.Module):
 
     def advance(self, run: LoopRun, schedule: tuple[int, ...], stop: int | None = None,
                 backprop_loops: int | None = None) -> LoopRun:
-        """The one loop of every scheme, in place: h^{t+1} = scheme.update(t, h^t, core(h^t)) for t = run.step …
-        stop−1 (default: to the end of `schedule`). Under exit only the still-active tokens' core passes run,
-        and the loop ends when none is left."""
+        """The one loop of every scheme, in place: h^{t+1} = scheme.update(t, h^t, core(h^t)) for t
+        = run.step … stop−1 (default: to the end of `schedule`). Under exit only the still-active
+        tokens' core passes run, and the loop ends when none is left."""
         _, step_slots, coda_slot, _ = slot_offsets(self.config.layout, schedule)
-        first_grad_step = len(schedule) - backprop_loops if backprop_loops else 0  # earlier steps: no autograd
+        # earlier steps: no autograd
+        first_grad_step = len(schedule) - backprop_loops if backprop_loops else 0
         track = run.track  # NO_EXIT without exit: every token computed, nothing probed
         if run.step == 0:
             self._probe(track, run.h, coda_slot, 0)  # a probing criterion compares step 1 with h⁰
         for step in range(run.step, len(schedule) if stop is None else stop):
             if step == first_grad_step > 0 and torch.is_grad_enabled():
-                self.scheme.truncate(run.ctx)  # MeSH: fold the no-grad steps' values, memory follows k
+                # MeSH: fold the no-grad steps' values, memory follows k
+                self.scheme.truncate(run.ctx)
             with torch.set_grad_enabled(torch.is_grad_enabled() and step >= first_grad_step):
                 x, r, m, kv, routed = track.step_inputs(run, step_slots[step])
                 core = self.cores[schedule[step]]
-                if self.config.loop_lora_rank:  # this pass's delta: the core's passes before this step
+                # this pass's delta: the core's passes before this step
+                if self.config.loop_lora_rank:
                     select_pass(core, schedule[:step].count(schedule[step]))
                 u = core(x, r, m, kv, step_slots[step], routed)
                 h = self.scheme.update(step, run.h, track.merge(u, run.h), run.ctx)
@@ -272,32 +294,35 @@ class MeshLM(nn.Module):
             self._probe(track, h, coda_slot, step + 1)
             run.h = track.advance(run.h, h)
             if track.finished:  # every token exited: later steps' cache slots get their K/V copied
-                probes = [self._probe_slot(coda_slot, j) for j in range(step + 2, len(schedule) + 1)]
+                probes = [self._probe_slot(coda_slot, j)
+                          for j in range(step + 2, len(schedule) + 1)]
                 track.skip(step_slots[step + 1:], probes)
                 run.step = len(schedule)
                 break
         return run
 
-    def readout(self, run: LoopRun, schedule: tuple[int, ...], last: int | None = None) -> torch.Tensor:
-        """Coda and head on the current state: (B, T, vocab) logits, or (B, last, vocab) for the last `last`
-        positions only (the coda still runs on all T: they attend to the others). The coda uses `schedule`'s
-        coda slots whatever step the run stands at (a speculative draft exits early into the full model's coda
-        slots)."""
+    def readout(self, run: LoopRun, schedule: tuple[int, ...],
+                last: int | None = None) -> torch.Tensor:
+        """Coda and head on the current state: (B, T, vocab) logits, or (B, last, vocab) for the
+        last `last` positions only (the coda still runs on all T: they attend to the others). The
+        coda uses `schedule`'s coda slots whatever step the run stands at (a speculative draft exits
+        early into the full model's coda slots)."""
         if run.track.logits is not None:  # a probing exit: each token's probe where it exited
             return run.track.logits if last is None else run.track.logits[:, -last:]
         coda_slot = slot_offsets(self.config.layout, schedule)[2]
         y = self.coda(run.h, run.rope, run.mask, run.cache, coda_slot, run.routed)
         if run.stages is not None:
-            run.stages.coda, run.stages.routing, run.stages.router_logits = y, run.ctx.routing, run.routed
+            run.stages.coda, run.stages.routing, run.stages.router_logits = (y, run.ctx.routing,
+                                                                             run.routed)
         return self.head(y if last is None else y[:, -last:])  # (B, T or last, vocab)
 
     def head(self, y: torch.Tensor) -> torch.Tensor:
-        """Final norm and output layer: (…, d) -> (…, vocab). An untied head is called as a module, so a
-        quantized one (meshlm.quant) runs its own kernel."""
+        """Final norm and output layer: (…, d) -> (…, vocab). An untied head is called as a module,
+        so a quantized one (meshlm.quant) runs its own kernel."""
         y = self.final_layer_norm(y)
         return F.linear(y, self.embed_in.weight) if self.embed_out is None else self.embed_out(y)
 
-    # -- per-token adaptive exit (meshlm.model.exit) -----------------------------------------------------------
+    # -- per-token adaptive exit (meshlm.model.exit) -----------------------------------------------
     def _tracker(self, exit: ExitRule | str | None, run: LoopRun, padding_mask: torch.Tensor | None,
                  past: int, backprop_loops: int | None) -> ExitTracker | NoExit:
         if exit is None:
@@ -327,13 +352,16 @@ class MeshLM(nn.Module):
         """Fill lm_loss, the MoE losses (if any layer routed) and the objective `loss`."""
         cfg = self.config
         if routed:
-            token_mask = None if padding_mask is None else padding_mask[:, -out.logits.shape[1]:]  # (B, T)
+            # (B, T)
+            token_mask = None if padding_mask is None else padding_mask[:, -out.logits.shape[1]:]
             out.aux_loss, out.z_loss = router_losses(routed, cfg.n_experts, cfg.top_k, token_mask)
         if targets is not None:
             logits = at_least_fp32(out.logits).flatten(0, 1)  # (B·T, vocab)
-            out.lm_loss = out.loss = F.cross_entropy(logits, targets.flatten(), ignore_index=ignore_index)
+            out.lm_loss = out.loss = F.cross_entropy(logits, targets.flatten(),
+                                                     ignore_index=ignore_index)
             if routed and self.training:
-                out.loss = out.loss + cfg.aux_loss_weight * out.aux_loss + cfg.z_loss_weight * out.z_loss
+                out.loss = (out.loss + cfg.aux_loss_weight * out.aux_loss
+                            + cfg.z_loss_weight * out.z_loss)
         return out
 
     @property
@@ -344,10 +372,12 @@ class MeshLM(nn.Module):
     def _prepare(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None,
                  position_ids: torch.Tensor | None, cache: LayerCache | None
                  ) -> tuple[torch.Tensor, Rope, torch.Tensor | None]:
-        """Embeddings e (B, T, d), rotary tables for the positions, and the attention mask (or None)."""
+        """Embeddings e (B, T, d), rotary tables for the positions, and the attention mask (or
+        None)."""
         past = 0 if cache is None else cache.get_seq_length()
         e = self.embed_in(input_ids) * self.embed_scale  # (B, T, d)
-        return (e, *self.attention_inputs(input_ids.shape, past, padding_mask, position_ids, e.dtype))
+        return (e,
+                *self.attention_inputs(input_ids.shape, past, padding_mask, position_ids, e.dtype))
 
     def attention_inputs(self, shape: tuple[int, int], past: int, padding_mask: torch.Tensor | None,
                          position_ids: torch.Tensor | None, dtype: torch.dtype
@@ -356,22 +386,27 @@ class MeshLM(nn.Module):
         b, t = shape
         device = self.embed_in.weight.device
         if past + t > self.config.context_length:
-            raise ConfigError(f"sequence of {past + t} tokens exceeds the model's context_length="
-                              f"{self.config.context_length}; truncate the input or use a longer-context config")
+            raise ConfigError(f"sequence of {past + t} tokens exceeds the model's "
+                              f"context_length={self.config.context_length}; truncate the input or "
+                              "use a longer-context config")
         if padding_mask is not None and padding_mask.shape[-1] != past + t:
-            raise ConfigError(f"padding_mask covers {padding_mask.shape[-1]} tokens but the cache holds {past} and "
-                              f"the input {t}; pass a mask over all {past + t} tokens")
+            raise ConfigError(f"padding_mask covers {padding_mask.shape[-1]} tokens but the cache "
+                              f"holds {past} and the input {t}; pass a mask over all {past + t} "
+                              "tokens")
         if position_ids is None:
             position_ids = default_positions(padding_mask, past, t, device)
         rope = self.rotary(position_ids, dtype)
-        if padding_mask is None and past > 0 and t > 1:  # several new tokens after a past: causal w.r.t. it
+        # several new tokens after a past: causal w.r.t. it
+        if padding_mask is None and past > 0 and t > 1:
             padding_mask = torch.ones(b, past + t, dtype=torch.long, device=device)
         mask = None if padding_mask is None else attention_mask_from_padding(padding_mask, past)
         return rope, mask
 
 
-def default_positions(padding_mask: torch.Tensor | None, past: int, t: int, device: torch.device) -> torch.Tensor:
-    """Positions of the T new tokens: past … past+T−1, or with a padding mask, real tokens counted from 0."""
+def default_positions(padding_mask: torch.Tensor | None, past: int, t: int,
+                      device: torch.device) -> torch.Tensor:
+    """Positions of the T new tokens: past … past+T−1, or with a padding mask, real tokens counted
+    from 0."""
     if padding_mask is None:
         return torch.arange(past, past + t, device=device)[None]  # (1, T), broadcast over the batch
     return (padding_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -t:]  # (B, T); left pads sit at 0

@@ -5,13 +5,15 @@ The model runs one loop for every scheme (see meshlm.model.lm); a scheme only an
     begin(e, p)        -> h⁰            the loop-entry state, from embeddings e and prelude output p
     update(t, h, u)    -> h^{t+1}       the next state, from h^t and the core output u = f_core(h^t)
 
-Per-forward quantities (e, h⁰, the MeSH buffer, router weights) live in a `LoopContext`, never on the
-module, so one model can run several forwards at once and incremental decoding needs no extra cache.
+Per-forward quantities (e, h⁰, the MeSH buffer, router weights) live in a `LoopContext`, never on
+the module, so one model can run several forwards at once and incremental decoding needs no extra
+cache.
 
-A new scheme is one small class decorated with `@register("name")`; the test battery is parametrised over
-`SCHEMES`, so it is tested for free. Its name and options (e.g. MeSH's slot count, with their defaults and
-checks) are declared in meshlm.config.SCHEME_OPTIONS, where a config validates them without importing the
-model; `self.options` holds the defaults overridden by `ModelConfig.scheme_options`.
+A new scheme is one small class decorated with `@register("name")`; the test battery is parametrised
+over `SCHEMES`, so it is tested for free. Its name and options (e.g. MeSH's slot count, with their
+defaults and checks) are declared in meshlm.config.SCHEME_OPTIONS, where a config validates them
+without importing the model; `self.options` holds the defaults overridden by
+`ModelConfig.scheme_options`.
 """
 from __future__ import annotations
 
@@ -28,9 +30,11 @@ SCHEMES: dict[str, type[Scheme]] = {}
 
 
 def register(name: str):
-    """Class decorator: the scheme called `name` (declared, with its options, in meshlm.config.SCHEME_OPTIONS)."""
+    """Class decorator: the scheme called `name` (declared, with its options, in
+    meshlm.config.SCHEME_OPTIONS)."""
     if name not in SCHEME_OPTIONS:
-        raise ValueError(f"scheme {name!r} has no entry in meshlm.config.SCHEME_OPTIONS; declare its options there")
+        raise ValueError(f"scheme {name!r} has no entry in meshlm.config.SCHEME_OPTIONS; declare "
+                         "its options there")
 
     def wrap(cls: type[Scheme]) -> type[Scheme]:
         cls.name = name
@@ -42,15 +46,18 @@ def register(name: str):
 
 @dataclass
 class LoopContext:
-    """What one forward pass carries through the loop. Every field is per token — (B, T, ...) tensors, or
-    lists of them — never mixing tokens, so decoding needs no cache for it and `concat_contexts` can join
-    the contexts of consecutive runs (self-speculative decoding relies on both)."""
+    """What one forward pass carries through the loop. Every field is per token — (B, T, ...)
+    tensors, or lists of them — never mixing tokens, so decoding needs no cache for it and
+    `concat_contexts` can join the contexts of consecutive runs (self-speculative decoding relies on
+    both)."""
 
     e: torch.Tensor  # (B, T, d) scaled input embeddings
     h0: torch.Tensor | None = None  # (B, T, d) loop-entry state
-    values: list[torch.Tensor] = field(default_factory=list)  # MeSH: e and every written state, (B, T, d)
+    values: list[torch.Tensor] = field(default_factory=list)  # MeSH: e and every written state, (B,
+    # T, d)
     coefficients: torch.Tensor | None = None  # MeSH: slot b = Σ_j coefficients[..., b, j]·values[j]
-    routing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # MeSH (write, read)
+    # MeSH (write, read)
+    routing: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 def map_contexts(fn, contexts: list[LoopContext]) -> LoopContext:
@@ -93,26 +100,30 @@ class Scheme(nn.Module, abc.ABC):
 
     def early_exit(self, h: torch.Tensor, ctx: LoopContext, n_steps: int) -> torch.Tensor:
         """What the coda reads when the loop stops at state h, before the n_steps the model runs (a
-        speculative draft). Only the draft uses it; the loop's own state is untouched. Default: h itself."""
+        speculative draft). Only the draft uses it; the loop's own state is untouched. Default: h
+        itself."""
         return h
 
     def truncate(self, ctx: LoopContext) -> None:
-        """Truncated backprop is about to start (the steps so far ran without autograd): a scheme that carries
-        one value per step (MeSH) may fold them to bound memory. Stateless schemes have nothing to do."""
+        """Truncated backprop is about to start (the steps so far ran without autograd): a scheme
+        that carries one value per step (MeSH) may fold them to bound memory. Stateless schemes have
+        nothing to do."""
 
     def flops_per_token(self, d_model: int, n_steps: int) -> int:
         """Forward FLOPs the scheme adds per token (beyond the layers)."""
         return 0
 
     def facts(self) -> dict[str, int]:
-        """What parameter accounting reports about the scheme beyond its parameter count (meshlm.model.accounting:
-        MeSH's slots and router pairs). Fixed schemes have nothing to add."""
+        """What parameter accounting reports about the scheme beyond its parameter count
+        (meshlm.model.accounting: MeSH's slots and router pairs). Fixed schemes have nothing to
+        add."""
         return {}
 
 
-# -- fixed additive schemes: h^{t+1} = f_core(h^t) + Σ terms ---------------------------------------------
+# -- fixed additive schemes: h^{t+1} = f_core(h^t) + Σ terms ---------------------------------------
 class Additive(Scheme):
-    TERMS: ClassVar[tuple[str, ...]] = ()  # any of "residual" (h^t), "anchor" (h⁰), "anchor-emb" (e)
+    TERMS: ClassVar[tuple[str, ...]] = ()  # any of "residual" (h^t), "anchor" (h⁰), "anchor-emb"
+    # (e)
 
     def update(self, t, h, u, ctx):
         terms = {"residual": h, "anchor": ctx.h0, "anchor-emb": ctx.e}
@@ -131,7 +142,8 @@ class Base(Additive):
 
 @register("vanilla")
 class Vanilla(Base):
-    """No weight sharing: every layer distinct. Same computation as base; the layout may not repeat cores."""
+    """No weight sharing: every layer distinct. Same computation as base; the layout may not repeat
+    cores."""
 
 
 @register("residual")
@@ -166,7 +178,7 @@ class AnchorAnchorEmb(Additive):
     TERMS = ("anchor", "anchor-emb")
 
 
-# -- learned combinations: h^{t+1} = α₁·f_core(h^t) + α₂·h⁰ + α₃·e ----------------------------------------
+# -- learned combinations: h^{t+1} = α₁·f_core(h^t) + α₂·h⁰ + α₃·e ---------------------------------
 class MixCoefficients(nn.Module):
     """Marker base for learned mixing coefficients (initialised by meshlm.model.init)."""
 
@@ -218,5 +230,6 @@ class DynamicMix(Mix):
 
 
 def build_scheme(cfg: ModelConfig) -> Scheme:
-    """The scheme module of a validated config (meshlm.model imports meshlm.model.memory, which adds "mesh")."""
+    """The scheme module of a validated config (meshlm.model imports meshlm.model.memory, which adds
+    "mesh")."""
     return SCHEMES[canonical_scheme(cfg.scheme)](cfg)

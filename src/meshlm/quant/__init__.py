@@ -1,13 +1,16 @@
 """Loop-aware weight-only quantization (`meshlm quantize RUN --bits 8|4`; docs/quantize.md).
 
-    calibrate   the full-precision model over training windows; every visit of a shared core layer recorded
-    quantize    the chosen parts' nn.Linear layers -> QuantizedLinear (int8 per channel, int4 grouped), each
-                output row's clip chosen on the calibration inputs (meshlm.quant.calibrate)
-    report      per loop step the state distance to the full-precision model, and the loss at each loop count
-                (meshlm.quant.report): how the error compounds over loops
-    write       a meshlm checkpoint like any other (safetensors, manifest of hashes) whose config.json carries
-                {"quantization": {"bits", "group_size", "parts", "layers", "calibration", "report"}};
-                meshlm.loading rebuilds the quantized layers from it, so generate / eval / serve open it as is
+    calibrate   the full-precision model over training windows; every visit of a shared core layer
+                recorded
+    quantize    the chosen parts' nn.Linear layers -> QuantizedLinear (int8 per channel, int4
+                grouped), each output row's clip chosen on the calibration inputs
+                (meshlm.quant.calibrate)
+    report      per loop step the state distance to the full-precision model, and the loss at each
+                loop count (meshlm.quant.report): how the error compounds over loops
+    write       a meshlm checkpoint like any other (safetensors, manifest of hashes) whose
+                config.json carries {"quantization": {"bits", "group_size", "parts", "layers",
+                "calibration", "report"}}; meshlm.loading rebuilds the quantized layers from it, so
+                generate / eval / serve open it as is
 
 The model module knows nothing of this: quantization replaces modules, the loop is the same code.
 """
@@ -22,13 +25,14 @@ from meshlm.quant.linear import GROUP_SIZES, QuantizedLinear
 
 __all__ = ["DEFAULT_PARTS", "GROUP_SIZES", "PARTS", "QuantizedLinear", "quantize_model"]
 
-DEFAULT_PARTS = ("cores",)  # prelude, coda, head and routers stay fp32 by default (docs/quantize.md measures it)
+# prelude, coda, head and routers stay fp32 by default (docs/quantize.md measures it)
+DEFAULT_PARTS = ("cores",)
 
 
 def quantize_model(model, bits: int, parts: tuple[str, ...] = DEFAULT_PARTS, group_size: int = 64,
                    batches: list[torch.Tensor] | None = None) -> tuple[torch.nn.Module, dict]:
-    """(a quantized copy of `model`, its `quantization` entry). `batches`: (B, T) id tensors to calibrate on
-    (None: clip by plain weight error)."""
+    """(a quantized copy of `model`, its `quantization` entry). `batches`: (B, T) id tensors to
+    calibrate on (None: clip by plain weight error)."""
     layers = targets(model, set(parts))
     cal = calibrate(model, layers, batches) if batches else None
     quantized = copy.deepcopy(model)

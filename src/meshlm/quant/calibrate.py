@@ -1,16 +1,18 @@
 """Which layers are quantized, what calibration sees, and the clip each output row gets.
 
-Parts of a MeshLM, by module name: `prelude.*`, `cores.*` (the looped, weight-shared layers), `coda.*`, `head`
-(`embed_out`, untied models only) and `routers` (an MoE layer's `mlp.gate`). The embedding table is a lookup
-(decoding reads one row per token) and a tied head reads it too: both stay full precision always.
+Parts of a MeshLM, by module name: `prelude.*`, `cores.*` (the looped, weight-shared layers),
+`coda.*`, `head` (`embed_out`, untied models only) and `routers` (an MoE layer's `mlp.gate`). The
+embedding table is a lookup (decoding reads one row per token) and a tied head reads it too: both
+stay full precision always.
 
-Calibration runs the full-precision model over held-out windows at its trained schedule and, for every layer
-to quantize, accumulates the Gram matrix of its inputs, Σ = Σ_visits XᵀX (in, in), over every call: a core
-layer is called once per loop pass, so Σ holds the inputs of all passes, not only the first (`visits` counts
-them; tests/test_quant.py checks the count). The output error of a quantized weight Ŵ on those inputs is
-‖X(W − Ŵ)ᵀ‖² = Σ_n (W − Ŵ)_n Σ (W − Ŵ)_nᵀ, one term per output row, so each row picks the clip in CLIPS with
-the smallest term (GPTQ's Hessian proxy, used here for the range only: round-to-nearest, no error feedback).
-Without calibration data Σ = I: plain weight error.
+Calibration runs the full-precision model over held-out windows at its trained schedule and, for
+every layer to quantize, accumulates the Gram matrix of its inputs, Σ = Σ_visits XᵀX (in, in), over
+every call: a core layer is called once per loop pass, so Σ holds the inputs of all passes, not only
+the first (`visits` counts them; tests/test_quant.py checks the count). The output error of a
+quantized weight Ŵ on those inputs is ‖X(W − Ŵ)ᵀ‖² = Σ_n (W − Ŵ)_n Σ (W − Ŵ)_nᵀ, one term per output
+row, so each row picks the clip in CLIPS with the smallest term (GPTQ's Hessian proxy, used here for
+the range only: round-to-nearest, no error feedback). Without calibration data Σ = I: plain weight
+error.
 """
 from __future__ import annotations
 
@@ -39,12 +41,14 @@ def targets(model: nn.Module, parts: set[str]) -> dict[str, nn.Linear]:
     unknown = parts - set(PARTS)
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
-    return {name: m for name, m in model.named_modules() if type(m) is nn.Linear and part_of(name) in parts}
+    return {name: m for name,
+            m in model.named_modules() if type(m) is nn.Linear and part_of(name) in parts}
 
 
 @dataclass
 class Calibration:
-    """Per target layer: the input Gram matrix over every visit, the visit count and the rows seen."""
+    """Per target layer: the input Gram matrix over every visit, the visit count and the rows
+    seen."""
 
     gram: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> (in, in) fp64
     visits: dict[str, int] = field(default_factory=dict)
@@ -52,8 +56,10 @@ class Calibration:
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, layers: dict[str, nn.Linear], batches: list[torch.Tensor]) -> Calibration:
-    """Run `model` (full precision, fp32) over `batches` of (B, T) ids, recording every call of every layer."""
+def calibrate(model: nn.Module, layers: dict[str, nn.Linear],
+              batches: list[torch.Tensor]) -> Calibration:
+    """Run `model` (full precision, fp32) over `batches` of (B, T) ids, recording every call of
+    every layer."""
     cal = Calibration()
 
     def recorder(name: str):
@@ -74,20 +80,24 @@ def calibrate(model: nn.Module, layers: dict[str, nn.Linear], batches: list[torc
     return cal
 
 
-def best_clip(weight: torch.Tensor, gram: torch.Tensor | None, bits: int, group_size: int) -> torch.Tensor:
+def best_clip(weight: torch.Tensor, gram: torch.Tensor | None, bits: int,
+              group_size: int) -> torch.Tensor:
     """(out,) the clip per output row with the smallest output error Σ_n (W − Ŵ)_n Σ (W − Ŵ)_nᵀ."""
     w = weight.detach().float()
     sigma = None if gram is None else (gram / gram.diagonal().mean().clamp(min=1e-30)).float()
     errors = []
     for c in CLIPS:
-        diff = w - dequantize(quantize_weight(w, bits, group_size, torch.full((w.shape[0],), c)), group_size)
-        errors.append(((diff if sigma is None else diff @ sigma) * diff).sum(1))  # (out,); Σ = I without data
+        diff = w - dequantize(quantize_weight(w, bits, group_size, torch.full((w.shape[0],), c)),
+                              group_size)
+        # (out,); Σ = I without data
+        errors.append(((diff if sigma is None else diff @ sigma) * diff).sum(1))
     return torch.tensor(CLIPS)[torch.stack(errors).argmin(0)]
 
 
 def quantize_layers(model: nn.Module, layers: dict[str, nn.Linear], bits: int, group_size: int,
                     cal: Calibration | None = None) -> dict[str, float]:
-    """Replace each of `layers` in `model` by its QuantizedLinear (in place); returns {name: mean clip}."""
+    """Replace each of `layers` in `model` by its QuantizedLinear (in place); returns {name: mean
+    clip}."""
     clips = {}
     for name, layer in layers.items():
         clip = best_clip(layer.weight, cal.gram.get(name) if cal else None, bits, group_size)
@@ -102,9 +112,10 @@ def replace(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def empty_structure(model: nn.Module, spec: dict) -> None:
-    """Give `model` the QuantizedLinear layers named in a checkpoint's `quantization` entry (weights follow via
-    load_state_dict): how meshlm.loading opens a quantized checkpoint."""
+    """Give `model` the QuantizedLinear layers named in a checkpoint's `quantization` entry (weights
+    follow via load_state_dict): how meshlm.loading opens a quantized checkpoint."""
     for name in spec["layers"]:
         layer = model.get_submodule(name)
-        replace(model, name, QuantizedLinear(layer.in_features, layer.out_features, layer.bias is not None,
-                                             spec["bits"], spec["group_size"]))
+        replace(model, name,
+                QuantizedLinear(layer.in_features, layer.out_features, layer.bias is not None,
+                                spec["bits"], spec["group_size"]))

@@ -1,17 +1,19 @@
 """Weight-only quantized linear layers, stored portably and run through PyTorch's own CPU kernels.
 
     int8  per output channel, symmetric:  W[n, k] ≈ scale[n] · q[n, k],            q ∈ [−127, 127]
-    int4  grouped along k (group g), asymmetric:  W[n, k] ≈ scale[n, j] · (q[n, k] − 8) + zero[n, j],
+    int4 grouped along k (group g), asymmetric: W[n, k] ≈ scale[n, j] · (q[n, k] − 8) + zero[n, j],
           j = k // g, q ∈ [0, 15]; two values per byte (even k in the low nibble)
 
-Scales and zeros are bf16, the precision the kernels take, so the stored numbers are exactly the ones computed
-with. On CPU the matmul is `torch._weight_int8pack_mm` / `torch._weight_int4pack_mm_for_cpu` with bf16
-activations and fp32 accumulation; elsewhere the weight is dequantized into the input's dtype and F.linear runs.
-Both kernels compute each row on its own, so a row's output does not depend on what else is in the batch
-(tests/test_quant.py): cached and uncached decoding, speculation's verify and a batch see the same numbers.
+Scales and zeros are bf16, the precision the kernels take, so the stored numbers are exactly the
+ones computed with. On CPU the matmul is `torch._weight_int8pack_mm` /
+`torch._weight_int4pack_mm_for_cpu` with bf16 activations and fp32 accumulation; elsewhere the
+weight is dequantized into the input's dtype and F.linear runs. Both kernels compute each row on its
+own, so a row's output does not depend on what else is in the batch (tests/test_quant.py): cached
+and uncached decoding, speculation's verify and a batch see the same numbers.
 
-`clip` (per output row, ≤ 1) shrinks the quantization range: chosen by calibration (meshlm.quant.calibrate) to
-minimise the layer's output error on real inputs, trading clipped outliers for finer steps.
+`clip` (per output row, ≤ 1) shrinks the quantization range: chosen by calibration
+(meshlm.quant.calibrate) to minimise the layer's output error on real inputs, trading clipped
+outliers for finer steps.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ GROUP_SIZES = (32, 64, 128, 256)
 
 def quantize_weight(w: torch.Tensor, bits: int, group_size: int, clip: torch.Tensor | None = None
                     ) -> dict[str, torch.Tensor]:
-    """The stored tensors of (N, K) fp32 `w`: {"qweight", "scales"} (int8) or {"qweight", "scales", "zeros"}."""
+    """The stored tensors of (N, K) fp32 `w`: {"qweight", "scales"} (int8) or {"qweight", "scales",
+    "zeros"}."""
     w = w.float()
     clip = torch.ones(w.shape[0], 1) if clip is None else clip.reshape(-1, 1).float()
     if bits == 8:
@@ -36,7 +39,8 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int, clip: torch.Ten
     lo, hi = groups.amin(-1) * clip, groups.amax(-1) * clip  # (N, K/g), clip shrinks toward 0
     scales = ((hi - lo) / 15).clamp(min=1e-10).bfloat16()
     zeros = (lo + 8 * scales.float()).bfloat16()  # the value of q = 8
-    q = ((groups - zeros.float()[..., None]) / scales.float()[..., None] + 8).round().clamp(0, 15).to(torch.uint8)
+    q = ((groups - zeros.float()[..., None]) / scales.float()[..., None]
+         + 8).round().clamp(0, 15).to(torch.uint8)
     q = q.reshape(n, k)
     return {"qweight": q[:, 0::2] | (q[:, 1::2] << 4), "scales": scales, "zeros": zeros}
 
@@ -48,36 +52,44 @@ def dequantize(stored: dict[str, torch.Tensor], group_size: int) -> torch.Tensor
         return q.float() * scales[:, None]
     values = torch.stack([q & 15, q >> 4], -1).reshape(q.shape[0], -1).float() - 8  # (N, K)
     n, k = values.shape
-    grouped = values.reshape(n, k // group_size, group_size) * scales[..., None] + stored["zeros"].float()[..., None]
+    grouped = values.reshape(n, k // group_size,
+                             group_size) * scales[..., None] + stored["zeros"].float()[..., None]
     return grouped.reshape(n, k)
 
 
 class QuantizedLinear(nn.Module):
-    """An nn.Linear(in_features, out_features) whose weight is int8 (per channel) or int4 (grouped); the bias,
-    if any, stays fp32. Build with `from_linear`, or empty (then load a state dict)."""
+    """An nn.Linear(in_features, out_features) whose weight is int8 (per channel) or int4 (grouped);
+    the bias, if any, stays fp32. Build with `from_linear`, or empty (then load a state dict)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, bits: int, group_size: int = 64):
+    def __init__(self, in_features: int, out_features: int, bias: bool, bits: int,
+                 group_size: int = 64):
         super().__init__()
         if bits not in (4, 8):
             raise ValueError(f"bits must be 8 or 4, not {bits}")
         if bits == 4 and in_features % group_size:
-            raise ValueError(f"int4 needs in_features ({in_features}) divisible by the group size {group_size}")
-        self.in_features, self.out_features, self.bits, self.group_size = in_features, out_features, bits, group_size
+            raise ValueError(f"int4 needs in_features ({in_features}) divisible by the group size "
+                             f"{group_size}")
+        self.in_features, self.out_features, self.bits, self.group_size = (
+            in_features, out_features, bits, group_size)
         if bits == 8:
-            self.register_buffer("qweight", torch.zeros(out_features, in_features, dtype=torch.int8))
+            self.register_buffer("qweight",
+                                 torch.zeros(out_features, in_features, dtype=torch.int8))
             self.register_buffer("scales", torch.ones(out_features, dtype=torch.bfloat16))
         else:
             groups = in_features // group_size
-            self.register_buffer("qweight", torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
+            self.register_buffer("qweight",
+                                 torch.zeros(out_features, in_features // 2, dtype=torch.uint8))
             self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.bfloat16))
             self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=torch.bfloat16))
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None  # int4: the CPU kernel's layout, built once
+        # int4: the CPU kernel's layout, built once
+        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int, group_size: int = 64,
                     clip: torch.Tensor | None = None) -> QuantizedLinear:
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, bits, group_size)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, bits,
+                    group_size)
         for name, value in quantize_weight(linear.weight.detach(), bits, group_size, clip).items():
             getattr(layer, name).copy_(value)
         if linear.bias is not None:
@@ -110,13 +122,16 @@ class QuantizedLinear(nn.Module):
         if self.bits == 8:
             return torch._weight_int8pack_mm(rows, self.qweight, self.scales)
         if self._packed is None:
-            q = torch.stack([self.qweight & 15, self.qweight >> 4], -1).reshape(self.out_features, -1)
+            q = torch.stack([self.qweight & 15, self.qweight >> 4], -1).reshape(self.out_features,
+                                                                                -1)
             packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-            scales_zeros = torch.stack([self.scales.T, self.zeros.T], -1).contiguous()  # (in/g, out, 2)
+            # (in/g, out, 2)
+            scales_zeros = torch.stack([self.scales.T, self.zeros.T], -1).contiguous()
             self._packed = (packed, scales_zeros)
         packed, scales_zeros = self._packed
         return torch._weight_int4pack_mm_for_cpu(rows, packed, self.group_size, scales_zeros)
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.bits == 4 else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits}{group}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"int{self.bits}{group}")

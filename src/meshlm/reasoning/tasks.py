@@ -1,23 +1,24 @@
 """The reasoning suite's generators: problems where a fixed-depth Transformer runs out of layers.
 
-Each task draws one problem of a given difficulty from a `random.Random`, as a prompt string that ends
-with "=" and an answer string (then EOS). Every character is one token of the suite's alphabet
+Each task draws one problem of a given difficulty from a `random.Random`, as a prompt string that
+ends with "=" and an answer string (then EOS). Every character is one token of the suite's alphabet
 (meshlm.reasoning.vocab), so a model reads the problem exactly as written.
 
-    task       a problem                                     difficulty
-    chase      a=5,c=a,b=c,d=7,e=d;b=    → 5                 hops from the queried variable to its digit
-    modsum     0300500010200000=         → 1                 non-zero terms of a sum mod 10 (fixed width)
-    addition   843+29=                   → 044               digits of the larger operand; operands and answer
-               (348 + 92 = 440)                              are written least significant digit first
-    dag        c=4,a=c+2,b=a+c,d=6;b=    → 0                 depth of the queried variable's formula, mod 10
+    task       a problem                           difficulty
+    chase      a=5,c=a,b=c,d=7,e=d;b=    → 5       hops from the queried variable to its digit
+    modsum     0300500010200000=         → 1       non-zero terms of a sum mod 10 (fixed width)
+    addition   843+29=                   → 044     digits of the larger operand; operands and answer
+               (348 + 92 = 440)                    are written least significant digit first
+    dag        c=4,a=c+2,b=a+c,d=6;b=    → 0       depth of the queried variable's formula, mod 10
 
-`chase`, `modsum` and `dag` keep the prompt length fixed across difficulties (a fixed number of statements or
-terms, the rest distractors or zeros), so a harder problem needs more depth, not a longer context; `addition`
-grows with its difficulty, as in the papers that use it. Every statement assigns a new variable, and the
-statements are shuffled, so no left-to-right reading order gives the answer away.
+`chase`, `modsum` and `dag` keep the prompt length fixed across difficulties (a fixed number of
+statements or terms, the rest distractors or zeros), so a harder problem needs more depth, not a
+longer context; `addition` grows with its difficulty, as in the papers that use it. Every statement
+assigns a new variable, and the statements are shuffled, so no left-to-right reading order gives the
+answer away.
 
-A task's `difficulty(prompt)` recomputes the label from the prompt alone, and `solve(prompt)` the answer; the
-tests check both against an independent solver.
+A task's `difficulty(prompt)` recomputes the label from the prompt alone, and `solve(prompt)` the
+answer; the tests check both against an independent solver.
 """
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ class Problem:
 
 
 class Task(ABC):
-    """One generator: `sample(rng, difficulty)` -> Problem; `levels` are the difficulties it can make."""
+    """One generator: `sample(rng, difficulty)` -> Problem; `levels` are the difficulties it can
+    make."""
 
     name: str = ""
     summary: str = ""
@@ -49,7 +51,8 @@ class Task(ABC):
 
     @abstractmethod
     def sample(self, rng: random.Random, difficulty: int) -> Problem:
-        """One problem of exactly `difficulty`, drawn from `rng` alone (deterministic under its seed)."""
+        """One problem of exactly `difficulty`, drawn from `rng` alone (deterministic under its
+        seed)."""
 
     @abstractmethod
     def solve(self, prompt: str) -> str:
@@ -67,9 +70,10 @@ def _statements(prompt: str) -> tuple[dict[str, str], str]:
 
 
 class Chase(Task):
-    """k-hop variable tracking: `statements` single assignments (a digit or another variable). The queried chain
-    has exactly k assignments; the other statements form `distractors` chains of random lengths, so every
-    prompt holds distractors + 1 digits whatever k (the answer cannot be read off the only digit)."""
+    """k-hop variable tracking: `statements` single assignments (a digit or another variable). The
+    queried chain has exactly k assignments; the other statements form `distractors` chains of
+    random lengths, so every prompt holds distractors + 1 digits whatever k (the answer cannot be
+    read off the only digit)."""
 
     name = "chase"
     summary = "pointer chasing: follow k assignments from the queried variable to its digit"
@@ -77,7 +81,8 @@ class Chase(Task):
 
     def __init__(self, statements: int = 12, distractors: int = 4):
         if not 1 <= distractors < statements <= len(LETTERS):
-            raise ValueError(f"need 1 <= distractors < statements <= {len(LETTERS)} (one letter per variable)")
+            raise ValueError(f"need 1 <= distractors < statements <= {len(LETTERS)} (one letter "
+                             "per variable)")
         self.statements, self.distractors = statements, distractors
         self.levels = range(1, statements - distractors + 1)
         self.train_levels = range(1, (statements - distractors) // 2 + 1)
@@ -85,7 +90,8 @@ class Chase(Task):
 
     def sample(self, rng: random.Random, difficulty: int) -> Problem:
         names = rng.sample(LETTERS, self.statements)
-        left = self.statements - difficulty  # >= distractors: split into that many chains of length >= 1
+        # >= distractors: split into that many chains of length >= 1
+        left = self.statements - difficulty
         cuts = sorted(rng.sample(range(1, left), self.distractors - 1))
         chains = [difficulty] + [b - a for a, b in zip([0, *cuts], [*cuts, left])]
         statements, used = [], 0
@@ -114,8 +120,8 @@ class Chase(Task):
 
 
 class ModSum(Task):
-    """State tracking: the sum mod 10 of `width` digits, of which `difficulty` are non-zero (the others are the
-    identity 0), so the prompt length is the same at every difficulty."""
+    """State tracking: the sum mod 10 of `width` digits, of which `difficulty` are non-zero (the
+    others are the identity 0), so the prompt length is the same at every difficulty."""
 
     name = "modsum"
     summary = "state tracking: the sum mod 10 of a fixed-width digit string with k non-zero terms"
@@ -144,8 +150,9 @@ class ModSum(Task):
 
 
 class Addition(Task):
-    """Two-operand addition, digits reversed (least significant first, McLeish et al. 2024): the larger operand
-    has exactly `difficulty` digits, the other 1 … difficulty; the answer is the reversed sum."""
+    """Two-operand addition, digits reversed (least significant first, McLeish et al. 2024): the
+    larger operand has exactly `difficulty` digits, the other 1 … difficulty; the answer is the
+    reversed sum."""
 
     name = "addition"
     summary = "addition with reversed digits: the larger operand has n digits"
@@ -172,9 +179,10 @@ class Addition(Task):
 
 
 class Dag(Task):
-    """Small DAG evaluation, i-GSM-like (Saunshi et al. 2025): `statements` variables, each a digit, another
-    variable plus a digit, or the sum of two variables, all mod 10. The queried variable's formula has depth
-    `difficulty` (a digit has depth 0; a sum, 1 + its deepest operand); the others are distractors."""
+    """Small DAG evaluation, i-GSM-like (Saunshi et al. 2025): `statements` variables, each a digit,
+    another variable plus a digit, or the sum of two variables, all mod 10. The queried variable's
+    formula has depth `difficulty` (a digit has depth 0; a sum, 1 + its deepest operand); the others
+    are distractors."""
 
     name = "dag"
     summary = "DAG evaluation mod 10: the queried variable's formula has depth k"
@@ -192,13 +200,16 @@ class Dag(Task):
         names = rng.sample(LETTERS, self.statements)
         depth: dict[str, int] = {}
         formulas: dict[str, str] = {}
-        chain = names[:difficulty + 1]  # chain[i] has depth i: the spine that sets the query's depth
+        # chain[i] has depth i: the spine that sets the query's depth
+        chain = names[:difficulty + 1]
         formulas[chain[0]], depth[chain[0]] = rng.choice(DIGITS), 0
-        for name in names[difficulty + 1:]:  # distractors, defined on the spine's root or each other
+        # distractors, defined on the spine's root or each other
+        for name in names[difficulty + 1:]:
             self._define(rng, name, [n for n in depth if depth[n] < difficulty], formulas, depth)
         for i, name in enumerate(chain[1:], 1):
             shallower = [n for n in depth if depth[n] < i - 1]
-            other = rng.choice(shallower) if shallower and rng.random() < 0.5 else rng.choice(DIGITS)
+            other = (rng.choice(shallower) if shallower
+                     and rng.random() < 0.5 else rng.choice(DIGITS))
             formulas[name], depth[name] = f"{chain[i - 1]}+{other}", i
         statements = [f"{name}={formula}" for name, formula in formulas.items()]
         rng.shuffle(statements)
@@ -206,7 +217,8 @@ class Dag(Task):
         return Problem(prompt, self.solve(prompt), difficulty)
 
     @staticmethod
-    def _define(rng: random.Random, name: str, known: list[str], formulas: dict, depth: dict) -> None:
+    def _define(rng: random.Random, name: str, known: list[str], formulas: dict,
+                depth: dict) -> None:
         kind = rng.random()
         if kind < 0.3 or not known:
             formulas[name], depth[name] = rng.choice(DIGITS), 0

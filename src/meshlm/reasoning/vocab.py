@@ -1,9 +1,9 @@
 """The reasoning suite's character tokenizer: one id per character of the tasks' alphabets.
 
-ids 0 and 1 are `<|endoftext|>` and `<|padding|>` (meshlm's convention, meshlm.data.tokenizer), then every
-character of the alphabet in sorted order. It is an ordinary tokenizers JSON file (a WordLevel model over
-single characters, its decoder joining them back), so everything that loads a tokenizer.json loads it, and
-the same alphabet always gives the same file (and so the same hash).
+ids 0 and 1 are `<|endoftext|>` and `<|padding|>` (meshlm's convention, meshlm.data.tokenizer), then
+every character of the alphabet in sorted order. It is an ordinary tokenizers JSON file (a WordLevel
+model over single characters, its decoder joining them back), so everything that loads a
+tokenizer.json loads it, and the same alphabet always gives the same file (and so the same hash).
 """
 from __future__ import annotations
 

@@ -1,27 +1,28 @@
-"""glibc malloc tuned for training loops: keep freed activation memory in the process instead of handing it
-back to the kernel and faulting it in again next step.
+"""glibc malloc tuned for training loops: keep freed activation memory in the process instead of
+handing it back to the kernel and faulting it in again next step.
 
-By default glibc serves every allocation above a (dynamic, at most 32 MiB) threshold with its own mmap and
-returns it with munmap on free, and trims the heap top above 128 KiB. A training step allocates and frees
-the same large activation buffers every step, so each step pays page faults and zeroing in the kernel again
-(the default job: 20.9% of its CPU time in the kernel, 69,659 minor faults a step;
-docs/benchmarks.md).
+By default glibc serves every allocation above a (dynamic, at most 32 MiB) threshold with its own
+mmap and returns it with munmap on free, and trims the heap top above 128 KiB. A training step
+allocates and frees the same large activation buffers every step, so each step pays page faults and
+zeroing in the kernel again (the default job: 20.9% of its CPU time in the kernel, 69,659 minor
+faults a step; docs/benchmarks.md).
 
-`tune()` raises the mmap threshold to 1 GiB (one huge tensor may still use mmap), never trims, pads each
-heap growth by 64 MiB and caps malloc arenas at 4 (PyTorch's worker threads would otherwise each grow an
-arena). It calls mallopt(3) in this process and sets the matching MALLOC_* environment variables, which
-glibc reads at start-up, for every child process (`meshlm reproduce`'s runs, benchmarks' children). A
-MALLOC_* variable already in the environment wins over its setting here.
+`tune()` raises the mmap threshold to 1 GiB (one huge tensor may still use mmap), never trims, pads
+each heap growth by 64 MiB and caps malloc arenas at 4 (PyTorch's worker threads would otherwise
+each grow an arena). It calls mallopt(3) in this process and sets the matching MALLOC_* environment
+variables, which glibc reads at start-up, for every child process (`meshlm reproduce`'s runs,
+benchmarks' children). A MALLOC_* variable already in the environment wins over its setting here.
 
-Harmless elsewhere: without glibc (macOS, musl, Windows) nothing is changed. MESHLM_MALLOC=default leaves
-malloc alone (for comparisons: benchmarks/train_policy.py measures both).
+Harmless elsewhere: without glibc (macOS, musl, Windows) nothing is changed. MESHLM_MALLOC=default
+leaves malloc alone (for comparisons: benchmarks/train_policy.py measures both).
 """
 from __future__ import annotations
 
 import ctypes
 import os
 
-# mallopt(3) parameter numbers (malloc.h) -> (value, the environment variable glibc reads at start-up)
+# mallopt(3) parameter numbers (malloc.h) -> (value, the environment variable glibc reads at
+# start-up)
 M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -2, -3, -8
 SETTINGS = {
     M_MMAP_THRESHOLD: (1 << 30, "MALLOC_MMAP_THRESHOLD_"),

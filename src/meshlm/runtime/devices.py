@@ -1,4 +1,5 @@
-"""One check for a requested device, shared by every command, so an unavailable one gets the same line."""
+"""One check for a requested device, shared by every command, so an unavailable one gets the same
+line."""
 from __future__ import annotations
 
 import re
@@ -29,7 +30,8 @@ def device_problem(name: object, option: str = "--device") -> str | None:
 
 
 def resolve_device(name: str = "auto", option: str = "--device") -> torch.device:
-    """"auto" -> cuda if available else cpu; "cpu", "cuda", "cuda:N" checked; ConfigError otherwise."""
+    """"auto" -> cuda if available else cpu; "cpu", "cuda", "cuda:N" checked; ConfigError
+    otherwise."""
     problem = device_problem(name, option)
     if problem:
         raise ConfigError(problem)

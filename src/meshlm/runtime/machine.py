@@ -1,8 +1,9 @@
-"""A small per-machine cache of measured facts (matmul peaks, the bf16 probe): <cache>/machine.json, where
-<cache> is $MESHLM_CACHE or ~/.cache/meshlm. Each entry is keyed by what it depends on (CPU or GPU model,
-torch version, threads) and records its value, the date it was measured and how.
+"""A small per-machine cache of measured facts (matmul peaks, the bf16 probe): <cache>/machine.json,
+where <cache> is $MESHLM_CACHE or ~/.cache/meshlm. Each entry is keyed by what it depends on (CPU or
+GPU model, torch version, threads) and records its value, the date it was measured and how.
 
-Delete the file (or one entry) to measure again, e.g. after a run on a busy machine measured a low peak.
+Delete the file (or one entry) to measure again, e.g. after a run on a busy machine measured a low
+peak.
 """
 from __future__ import annotations
 
@@ -54,9 +55,9 @@ def read() -> dict[str, dict[str, Any]]:
 
 
 def lookup(key: str, measure: Callable[[], Any], method: str) -> dict[str, Any]:
-    """The cached entry for `key`, or measure it now (`measure()` -> JSON value) and cache it with today's
-    date and `method`. An entry measured by another method is measured again. A cache that cannot be written
-    (read-only home) only costs a re-measurement."""
+    """The cached entry for `key`, or measure it now (`measure()` -> JSON value) and cache it with
+    today's date and `method`. An entry measured by another method is measured again. A cache that
+    cannot be written (read-only home) only costs a re-measurement."""
     entry = read().get(key)
     if isinstance(entry, dict) and "value" in entry and entry.get("method") == method:
         return entry
@@ -65,6 +66,7 @@ def lookup(key: str, measure: Callable[[], Any], method: str) -> dict[str, Any]:
     data[key] = entry
     try:  # atomic, with a temp file per process: ranks measuring at once each leave a whole file
         atomic.write_text(path(), json.dumps(data, indent=1, sort_keys=True))
-    except StorageError:  # a full or read-only cache: the temp file is gone, the old cache as it was
+    # a full or read-only cache: the temp file is gone, the old cache as it was
+    except StorageError:
         pass
     return entry

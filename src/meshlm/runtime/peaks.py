@@ -1,15 +1,16 @@
 """The peak FLOP/s that MFU divides by: the peak of the dtype the run actually computes in.
 
-MFU = achieved training FLOP/s (tokens/s × train FLOPs per token, PaLM convention) / (peak × devices). The
-peak is `train.peak_flops` when given. Otherwise:
-  CUDA  the datasheet dense bf16 peak of known chips for bf16 runs (the usual MFU convention); anything
-        else (fp32 runs, unknown chips) is measured like a CPU.
-  CPU   the best a large matmul of that dtype reaches on this machine with this process's threads, measured
-        once per machine and cached (meshlm.runtime.machine: value, date, method). Re-measuring at every
-        start made MFU swing with the machine's load (45% then 28% for one configuration); a cached figure
-        makes runs comparable. It is timed on the process's CPU time per thread, not the wall clock, so
-        other work on the machine does not lower it (a wall-clock figure measured under load once gave a
-        2-thread peak of 8 GFLOP/s and MFUs over 150%). Delete the cache entry to measure again.
+MFU = achieved training FLOP/s (tokens/s × train FLOPs per token, PaLM convention) / (peak ×
+devices). The peak is `train.peak_flops` when given. Otherwise:
+  CUDA  the datasheet dense bf16 peak of known chips for bf16 runs (the usual MFU convention);
+        anything else (fp32 runs, unknown chips) is measured like a CPU.
+  CPU   the best a large matmul of that dtype reaches on this machine with this process's threads,
+        measured once per machine and cached (meshlm.runtime.machine: value, date, method).
+        Re-measuring at every start made MFU swing with the machine's load (45% then 28% for one
+        configuration); a cached figure makes runs comparable. It is timed on the process's CPU time
+        per thread, not the wall clock, so other work on the machine does not lower it (a wall-clock
+        figure measured under load once gave a 2-thread peak of 8 GFLOP/s and MFUs over 150%).
+        Delete the cache entry to measure again.
 """
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ import torch
 from meshlm.runtime import machine
 from meshlm.runtime.precision import BF16_CPU_FLAGS
 
-# Dense (no sparsity) bf16 tensor-core peaks, FLOP/s, by a substring of torch.cuda.get_device_name().
+# Dense (no sparsity) bf16 tensor-core peaks, FLOP/s, by a substring of
+# torch.cuda.get_device_name().
 GPU_BF16_PEAKS = {
-    "GB200": 2.5e15, "B200": 2.25e15, "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "H800": 989e12,
+    "GB200": 2.5e15, "B200": 2.25e15, "H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12,
+    "H800": 989e12,
     "GH200": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "A10G": 70e12,
     "A10": 125e12, "L4": 121e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12,
 }
@@ -48,10 +51,12 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype = torch.float32
 
 
 def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else machine.cpu_info()["model"]
+    return (torch.cuda.get_device_name(device) if device.type == "cuda"
+            else machine.cpu_info()["model"])
 
 
-def device_peak(device: torch.device, dtype: torch.dtype | None, override: float = 0.0) -> tuple[float, str]:
+def device_peak(device: torch.device, dtype: torch.dtype | None,
+                override: float = 0.0) -> tuple[float, str]:
     """(peak FLOP/s of one device for `dtype` (None = fp32), where the figure comes from)."""
     if override > 0:
         return override, "train.peak_flops"
@@ -62,24 +67,29 @@ def device_peak(device: torch.device, dtype: torch.dtype | None, override: float
             if key in name:
                 return peak, f"{name} bf16 datasheet"
     entry = cached_peak(device, dtype)
-    return entry["value"], f"{name}: {entry['method']}, measured {entry['date']}, cached in {machine.path()}"
+    return entry["value"], (f"{name}: {entry['method']}, measured {entry['date']}, cached in "
+                            f"{machine.path()}")
 
 
 def cached_peak(device: torch.device, dtype: torch.dtype) -> dict:
-    """The machine cache's entry {"value", "date", "method"} for this device, dtype and thread count."""
+    """The machine cache's entry {"value", "date", "method"} for this device, dtype and thread
+    count."""
     emulated = device.type == "cpu" and dtype == torch.bfloat16 and not _native_cpu_bf16()
-    n = 8192 if device.type == "cuda" else (256 if emulated else 2048)  # emulated bf16: keep it short
+    # emulated bf16: keep it short
+    n = 8192 if device.type == "cuda" else (256 if emulated else 2048)
     seconds = 1.0 if device.type == "cuda" else 2.0
     threads = torch.get_num_threads() if device.type == "cpu" else 0
     dname = str(dtype).removeprefix("torch.")
     key = f"peak|{device_name(device)}|{dname}|threads {threads}|torch {torch.__version__}"
-    if threads:  # CPU time per thread: time the machine gave this process, whatever else runs beside it
-        method = (f"best {dname} {n}^3 matmul over {seconds:g} s of wall time, timed on CPU time per thread, "
-                  f"{threads} threads")
+    # CPU time per thread: time the machine gave this process, whatever else runs beside it
+    if threads:
+        method = (f"best {dname} {n}^3 matmul over {seconds:g} s of wall time, timed on CPU time "
+                  f"per thread, {threads} threads")
         clock = lambda: time.process_time() / threads  # noqa: E731
     else:
         method, clock = f"best {dname} {n}^3 matmul over {seconds:g} s", time.perf_counter
-    return machine.lookup(key, lambda: measure_matmul_peak(device, dtype, n=n, seconds=seconds, clock=clock), method)
+    return machine.lookup(key, lambda: measure_matmul_peak(device, dtype, n=n, seconds=seconds,
+                                                           clock=clock), method)
 
 
 def _native_cpu_bf16() -> bool:

@@ -1,29 +1,31 @@
-"""Which precision a command computes in. `auto` picks bf16 autocast (weights and optimizer stay fp32) where
-the hardware multiplies bf16 natively, and plain fp32 everywhere else:
+"""Which precision a command computes in. `auto` picks bf16 autocast (weights and optimizer stay
+fp32) where the hardware multiplies bf16 natively, and plain fp32 everywhere else:
 
   CUDA  bf16 when torch.cuda.is_bf16_supported() (Ampere and later), else fp32.
-  CPU   bf16 only with native bf16 matrix instructions: /proc/cpuinfo lists amx_bf16 or avx512_bf16 (x86)
-        or bf16 (arm64), AND a short timed probe confirms it: a 512³ bf16 matmul must run at least
-        BF16_MIN_SPEEDUP× as fast as fp32. Without the flags PyTorch emulates bf16 (about 70× slower than
-        fp32 on an AVX2-only AMD EPYC), so no probe is run. The probe's result is cached per machine
-        (meshlm.runtime.machine) with its date and figures; a flag without the speed (a hypervisor hiding
-        the units, a build without the kernels) falls back to fp32.
+  CPU   bf16 only with native bf16 matrix instructions: /proc/cpuinfo lists amx_bf16 or avx512_bf16
+        (x86) or bf16 (arm64), AND a short timed probe confirms it: a 512³ bf16 matmul must run at
+        least BF16_MIN_SPEEDUP× as fast as fp32. Without the flags PyTorch emulates bf16 (about 70×
+        slower than fp32 on an AVX2-only AMD EPYC), so no probe is run. The probe's result is cached
+        per machine (meshlm.runtime.machine) with its date and figures; a flag without the speed (a
+        hypervisor hiding the units, a build without the kernels) falls back to fp32.
 
 `fp32` and `bf16` are always honoured as given.
 
-Decoding (`meshlm generate`, `meshlm serve`: `for_decoding`) resolves `auto` to fp32 everywhere. Under bf16
-autocast greedy output depends on the path: a batch's shape, the cache, speculation's draft-verify split all
-round differently, and with top logits within a bf16 step of each other the argmax flips (measured in
-docs/serve.md). In fp32 it does not, so speculation is lossless and a batched request decodes as it would
-alone. It costs little: decoding one token per row is bound by reading the weights, not by multiplying
-(docs/serve.md and docs/quantize.md have the measured ratios).
+Decoding (`meshlm generate`, `meshlm serve`: `for_decoding`) resolves `auto` to fp32 everywhere.
+Under bf16 autocast greedy output depends on the path: a batch's shape, the cache, speculation's
+draft-verify split all round differently, and with top logits within a bf16 step of each other the
+argmax flips (measured in docs/serve.md). In fp32 it does not, so speculation is lossless and a
+batched request decodes as it would alone. It costs little: decoding one token per row is bound by
+reading the weights, not by multiplying (docs/serve.md and docs/quantize.md have the measured
+ratios).
 
-Weights follow the compute precision: where a command computes in bf16 (`for_model` under auto on bf16
-hardware, or `--dtype bf16` anywhere), `store_weights` keeps every nn.Linear's weight and bias in bf16, so
-autocast finds them cast already instead of holding an fp32 copy and a bf16 one. The numbers are bit-identical
-to autocast over fp32 weights (autocast rounds the same way; norms, the embedding table and the loss stay fp32;
-tests/test_weight_precision.py). Weight-only int8/int4 (`meshlm quantize`, meshlm.quant) is the smaller step for
-decoding: its kernels read int8 or int4 and compute the same per row whatever the batch.
+Weights follow the compute precision: where a command computes in bf16 (`for_model` under auto on
+bf16 hardware, or `--dtype bf16` anywhere), `store_weights` keeps every nn.Linear's weight and bias
+in bf16, so autocast finds them cast already instead of holding an fp32 copy and a bf16 one. The
+numbers are bit-identical to autocast over fp32 weights (autocast rounds the same way; norms, the
+embedding table and the loss stay fp32; tests/test_weight_precision.py). Weight-only int8/int4
+(`meshlm quantize`, meshlm.quant) is the smaller step for decoding: its kernels read int8 or int4
+and compute the same per row whatever the batch.
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ from meshlm.runtime import machine
 from meshlm.runtime.options import DTYPE_CHOICES as CHOICES
 
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
-BF16_MIN_SPEEDUP = 1.3  # bf16 GEMM over fp32 GEMM throughput below which autocast's casts eat the gain
+# bf16 GEMM over fp32 GEMM throughput below which autocast's casts eat the gain
+BF16_MIN_SPEEDUP = 1.3
 PROBE_N = 512
 
 
@@ -66,7 +69,8 @@ def choose(requested: str, device: torch.device) -> Precision:
         return Precision(None, "auto: this GPU has no native bf16")
     flags = [f for f in BF16_CPU_FLAGS if f in machine.cpu_info()["flags"]]
     if not flags:
-        return Precision(None, "auto: this CPU has no native bf16 (no amx_bf16/avx512_bf16), bf16 would be emulated")
+        return Precision(None, "auto: this CPU has no native bf16 (no amx_bf16/avx512_bf16), bf16 "
+                               "would be emulated")
     probe = cpu_bf16_probe()
     speedup = probe["bf16_gflops"] / max(probe["fp32_gflops"], 1e-9)
     measured = f"bf16 matmul {speedup:.1f}x fp32, probe of {probe['date']}"
@@ -76,7 +80,8 @@ def choose(requested: str, device: torch.device) -> Precision:
 
 
 def cpu_bf16_probe() -> dict:
-    """{"bf16_gflops", "fp32_gflops", "date"}: best of a few PROBE_N³ matmuls each, cached per machine."""
+    """{"bf16_gflops", "fp32_gflops", "date"}: best of a few PROBE_N³ matmuls each, cached per
+    machine."""
     info, threads = machine.cpu_info(), torch.get_num_threads()
     key = f"bf16-probe|{info['model']}|torch {torch.__version__}|threads {threads}"
     method = f"best of 5 {PROBE_N}^3 matmuls per dtype, {threads} threads"
@@ -106,29 +111,32 @@ def autocast(device: torch.device, precision: Precision):
     return torch.autocast(device.type, dtype=precision.dtype)
 
 
-DECODING_FP32 = "auto: decoding in fp32, where greedy output does not depend on batching or speculation"
+DECODING_FP32 = ("auto: decoding in fp32, where greedy output does not depend on batching or "
+                 "speculation")
 
 
 def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, Precision]:
-    """(the model's device, the precision to decode in): `auto` is fp32 (see the module docstring). Under bf16
-    the model's matmul weights are stored in bf16 (store_weights)."""
+    """(the model's device, the precision to decode in): `auto` is fp32 (see the module docstring).
+    Under bf16 the model's matmul weights are stored in bf16 (store_weights)."""
     device = next(model.parameters()).device
     chosen = Precision(None, DECODING_FP32) if requested == "auto" else choose(requested, device)
     return device, store_weights(model, chosen)
 
 
 def for_model(requested: str, model: torch.nn.Module) -> tuple[torch.device, Precision]:
-    """(the model's device, the precision `requested` resolves to there), with the weights stored in it."""
+    """(the model's device, the precision `requested` resolves to there), with the weights stored in
+    it."""
     device = next(model.parameters()).device
     return device, store_weights(model, choose(requested, device))
 
 
 def store_weights(model: torch.nn.Module, chosen: Precision) -> Precision:
-    """Under bf16, every nn.Linear's weight and bias become bf16 in place (what autocast would cast them to at
-    each op); the rest (norms, embeddings, MeSH routers) stays fp32. For inference only: an optimizer keeps
-    fp32 masters. Returns `chosen`."""
+    """Under bf16, every nn.Linear's weight and bias become bf16 in place (what autocast would cast
+    them to at each op); the rest (norms, embeddings, MeSH routers) stays fp32. For inference only:
+    an optimizer keeps fp32 masters. Returns `chosen`."""
     if chosen.dtype is not None:
         for module in model.modules():
-            if type(module) is torch.nn.Linear:  # not subclasses (meshlm.quant's layers hold their own formats)
+            # not subclasses (meshlm.quant's layers hold their own formats)
+            if type(module) is torch.nn.Linear:
                 module.to(chosen.dtype)
     return chosen

@@ -1,8 +1,8 @@
 """The OpenAI request bodies meshlm serves, and the response objects it returns.
 
-Bodies are validated strictly: an unknown field, a value of the wrong type or outside its range is a 400 with
-an OpenAI-style error body (meshlm.serve.app), never silently ignored. Beyond OpenAI's fields meshlm takes
-`top_k`, `ignore_eos` and its own compute settings:
+Bodies are validated strictly: an unknown field, a value of the wrong type or outside its range is a
+400 with an OpenAI-style error body (meshlm.serve.app), never silently ignored. Beyond OpenAI's
+fields meshlm takes `top_k`, `ignore_eos` and its own compute settings:
 
     loops      int >= 1     core passes for this request (single-core specs; default: the trained count)
     exit       "state:τ" | "kl:τ"   per-token adaptive exit (meshlm.model.exit)
@@ -18,7 +18,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-COMPLETION_DEFAULT_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions (or what the context leaves)
+# OpenAI's default max_tokens for /v1/completions (or what the context leaves)
+COMPLETION_DEFAULT_TOKENS = 16
 CHAT_DEFAULT_TOKENS = 256  # chat: up to this many, or what the context leaves
 
 
@@ -42,7 +43,8 @@ class Body(BaseModel):
     speculate: str | None = None
 
     def stops(self) -> list[str]:
-        return [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        return ([] if self.stop is None else [self.stop] if isinstance(self.stop, str)
+                else list(self.stop))
 
 
 class CompletionBody(Body):
@@ -69,7 +71,8 @@ def error_body(message: str, kind: str = "invalid_request_error", param: str | N
 
 
 class Reply:
-    """Builds the completion or chat response objects (whole, or as stream chunks) of one request."""
+    """Builds the completion or chat response objects (whole, or as stream chunks) of one
+    request."""
 
     def __init__(self, chat: bool, model: str):
         self.chat, self.model = chat, model
@@ -77,12 +80,14 @@ class Reply:
         self.created = int(time.time())
 
     def _base(self, chunk: bool) -> dict:
-        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        kind = (("chat.completion.chunk" if chunk else "chat.completion") if self.chat
+                else "text_completion")
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def whole(self, text: str, finish: str, prompt_tokens: int, completion_tokens: int) -> dict:
         choice = {"index": 0, "finish_reason": finish, "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+        choice.update({"message": {"role": "assistant", "content": text}} if self.chat
+                      else {"text": text})
         return {**self._base(False), "choices": [choice],
                 "usage": usage(prompt_tokens, completion_tokens)}
 

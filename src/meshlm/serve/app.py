@@ -1,11 +1,13 @@
-"""The FastAPI app of `meshlm serve`: OpenAI's /v1/completions and /v1/chat/completions (whole or streamed as
-server-sent events), /v1/models, /health and Prometheus /metrics, over one Engine (meshlm.serve.engine).
+"""The FastAPI app of `meshlm serve`: OpenAI's /v1/completions and /v1/chat/completions (whole or
+streamed as server-sent events), /v1/models, /health and Prometheus /metrics, over one Engine
+(meshlm.serve.engine).
 
-Every failure a client can cause is an OpenAI-style error body ({"error": {"message", "type", "param",
-"code"}}) and the server keeps serving: 400 for invalid JSON, unknown fields, bad values, an unknown model or a
-prompt the context cannot hold; 429 when the queue is full; 503 while draining; 504 when a request ran past
-the timeout (a stream ends with an error event instead). A client that disconnects has its request cancelled:
-its batch row is freed at the next token boundary.
+Every failure a client can cause is an OpenAI-style error body ({"error": {"message", "type",
+"param", "code"}}) and the server keeps serving: 400 for invalid JSON, unknown fields, bad values,
+an unknown model or a prompt the context cannot hold; 429 when the queue is full; 503 while
+draining; 504 when a request ran past the timeout (a stream ends with an error event instead). A
+client that disconnects has its request cancelled: its batch row is freed at the next token
+boundary.
 """
 from __future__ import annotations
 
@@ -30,19 +32,22 @@ from meshlm.serve.text import DEFAULT_CHAT_STOP, TextStream, render_chat
 
 @dataclass
 class Served:
-    """What the app serves: the model's name and facts, its tokenizer and chat template, the limits."""
+    """What the app serves: the model's name and facts, its tokenizer and chat template, the
+    limits."""
 
     name: str
     tokenizer: object  # meshlm.data.tokenizer.TextTokenizer
     context_length: int
     chat_template: str
-    own_template: bool  # the folder's template (else meshlm's default, which also stops at "\nUser:")
+    # the folder's template (else meshlm's default, which also stops at "\nUser:")
+    own_template: bool
     timeout: float | None  # seconds per request
     info: dict  # /v1/models' "meshlm" entry: spec, scheme, precision
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None,
                  code: str | None = None):
         super().__init__(message)
         self.status, self.body = status, api.error_body(message, kind, param, code)
@@ -57,7 +62,8 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
     @app.get("/health")
     async def health():
         b = engine.batcher
-        body = {"status": "draining" if engine.draining else "ok", "running": b.running, "queued": b.queued}
+        body = {"status": "draining" if engine.draining else "ok", "running": b.running,
+                "queued": b.queued}
         return JSONResponse(body, status_code=503 if engine.draining else 200)
 
     @app.get("/metrics")
@@ -74,8 +80,10 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
-                raise ApiError(400, f"{len(prompt)} prompts in one request; meshlm serves one prompt per "
-                                    f"request (send them as separate, concurrent requests)", param="prompt")
+                raise ApiError(400, f"{len(prompt)} prompts in one request; meshlm serves one "
+                                    "prompt per request (send them as separate, concurrent "
+                                    "requests)",
+                               param="prompt")
             prompt = prompt[0]
         ids = served.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         return await _respond(engine, served, metrics, body, ids, body.stops(), False, http)
@@ -88,7 +96,8 @@ def create_app(engine: Engine, served: Served) -> FastAPI:
         stops = body.stops() + ([] if served.own_template else list(DEFAULT_CHAT_STOP))
         if body.max_completion_tokens is not None:
             body.max_tokens = body.max_completion_tokens
-        return await _respond(engine, served, metrics, body, served.tokenizer.encode(text), stops, True, http)
+        return await _respond(engine, served, metrics, body, served.tokenizer.encode(text), stops,
+                              True, http)
 
     return app
 
@@ -107,10 +116,12 @@ def _errors(app: FastAPI, metrics: Metrics) -> None:
         problems = err.errors()
         if problems and problems[0]["type"] == "json_invalid":
             error = problems[0].get("ctx", {}).get("error", "")
-            return reply(400, api.error_body(f"the body is not valid JSON ({error}); send a JSON object"))
+            return reply(400, api.error_body(f"the body is not valid JSON ({error}); send a JSON "
+                                             "object"))
         where = [".".join(str(x) for x in p["loc"] if x != "body") for p in problems]
         message = "; ".join(f"{w or 'body'}: {p['msg']}" for w, p in zip(where, problems[:4]))
-        return reply(400, api.error_body(f"invalid request: {message}", param=where[0] if where else None))
+        return reply(400, api.error_body(f"invalid request: {message}",
+                                         param=where[0] if where else None))
 
     @app.exception_handler(HTTPException)
     async def http_error(_, err: HTTPException):
@@ -123,24 +134,31 @@ def _job(served: Served, body: api.Body, ids: list[int], chat: bool) -> Job:
     if not ids:
         raise ApiError(400, "the prompt is empty; send at least one token of text", param="prompt")
     if room < 1:
-        raise ApiError(400, f"the prompt is {len(ids)} tokens but the model's context is {served.context_length}; "
-                            f"shorten it to at most {served.context_length - 1} tokens", param="prompt",
+        raise ApiError(400, f"the prompt is {len(ids)} tokens but the model's context is "
+                            f"{served.context_length}; shorten it to at most "
+                            f"{served.context_length - 1} tokens",
+                       param="prompt",
                        code="context_length_exceeded")
-    wanted = body.max_tokens or min(api.CHAT_DEFAULT_TOKENS if chat else api.COMPLETION_DEFAULT_TOKENS, room)
+    wanted = (body.max_tokens
+              or min(api.CHAT_DEFAULT_TOKENS if chat else api.COMPLETION_DEFAULT_TOKENS, room))
     if wanted > room:
-        raise ApiError(400, f"the prompt ({len(ids)} tokens) plus max_tokens={wanted} exceeds the model's context "
-                            f"of {served.context_length}; ask for max_tokens <= {room} or shorten the prompt",
+        raise ApiError(400, f"the prompt ({len(ids)} tokens) plus max_tokens={wanted} exceeds the "
+                            f"model's context of {served.context_length}; ask for max_tokens <= "
+                            f"{room} or shorten the prompt",
                        param="max_tokens", code="context_length_exceeded")
-    s = Sampling(max_new_tokens=wanted, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+    s = Sampling(max_new_tokens=wanted, temperature=body.temperature, top_k=body.top_k,
+                 top_p=body.top_p,
                  seed=body.seed, stop_at_eos=not body.ignore_eos)
-    return Job(ids, s, loops=body.loops, exit=body.exit, speculate=body.speculate, timeout=served.timeout)
+    return Job(ids, s, loops=body.loops, exit=body.exit, speculate=body.speculate,
+               timeout=served.timeout)
 
 
 async def _respond(engine: Engine, served: Served, metrics: Metrics, body: api.Body, ids: list[int],
                    stops: list[str], chat: bool, http: Request):
     if body.model != served.name:
-        raise ApiError(400, f"model {body.model!r} is not served here; this server serves {served.name!r} "
-                            f"(GET /v1/models)", param="model", code="model_not_found")
+        raise ApiError(400, f"model {body.model!r} is not served here; this server serves "
+                            f"{served.name!r} "
+                            "(GET /v1/models)", param="model", code="model_not_found")
     if engine.draining:
         raise ApiError(503, "the server is shutting down and takes no new requests", "server_error")
     job = _job(served, body, ids, chat)
@@ -156,7 +174,8 @@ async def _respond(engine: Engine, served: Served, metrics: Metrics, body: api.B
     if body.stream:
         usage = bool((body.stream_options or {}).get("include_usage"))
         events = _events(engine, job, tokens, text, reply, timing, usage)
-        return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
     watch = asyncio.create_task(_cancel_on_disconnect(engine, job, http))
     try:
         async for new in tokens:
@@ -180,7 +199,8 @@ def _finish_reason(job: Job, text: TextStream) -> str:
 
 def _failure(job: Job) -> ApiError:
     if job.finish == "timeout":
-        return ApiError(504, f"the request ran past the server's timeout of {job.timeout:g} s", "timeout_error",
+        return ApiError(504, f"the request ran past the server's timeout of {job.timeout:g} s",
+                        "timeout_error",
                         code="timeout")
     if job.finish == "cancelled":
         return ApiError(499, "the client disconnected", "cancelled")
@@ -195,9 +215,10 @@ async def _cancel_on_disconnect(engine: Engine, job: Job, http: Request) -> None
         await asyncio.sleep(0.05)
 
 
-async def _events(engine: Engine, job: Job, tokens, text: TextStream, reply: api.Reply, timing, usage: bool):
-    """The SSE stream: a chunk per text delta, a last chunk with the finish reason (or an error event), [DONE].
-    Leaving early (the client disconnected, a stop string) cancels the job."""
+async def _events(engine: Engine, job: Job, tokens, text: TextStream, reply: api.Reply, timing,
+                  usage: bool):
+    """The SSE stream: a chunk per text delta, a last chunk with the finish reason (or an error
+    event), [DONE]. Leaving early (the client disconnected, a stop string) cancels the job."""
     def event(obj: dict) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 

@@ -1,20 +1,22 @@
-"""Continuous batching without HTTP: requests join running batches at token boundaries and leave when done.
+"""Continuous batching without HTTP: requests join running batches at token boundaries and leave
+when done.
 
     batcher = Batcher(model, eos_id=0, pad_id=1, max_batch=16, max_queue=64)
     batcher.submit(Request(prompt_ids, Sampling(max_new_tokens=32, temperature=0), on_tokens=...))
     while batcher.step(): ...            # or batcher.serve(stop_event) in a thread of its own
 
-Every `step` is one token boundary: requests that were cancelled, timed out or finished leave (their rows, and
-the cache columns no one else needs, are freed at once); waiting requests are admitted while fewer than
-`max_batch` rows decode (a cohort's newcomers prefilled together, then joined: meshlm.serve.cohorts); then
-every running cohort decodes once. Requests with the same `loops`, `exit` and `speculate` share a cohort;
-different settings decode in separate cohorts, one after the other within the step. `submit` refuses work
-past `max_queue` waiting requests (QueueFull: the server's 429).
+Every `step` is one token boundary: requests that were cancelled, timed out or finished leave (their
+rows, and the cache columns no one else needs, are freed at once); waiting requests are admitted
+while fewer than `max_batch` rows decode (a cohort's newcomers prefilled together, then joined:
+meshlm.serve.cohorts); then every running cohort decodes once. Requests with the same `loops`,
+`exit` and `speculate` share a cohort; different settings decode in separate cohorts, one after the
+other within the step. `submit` refuses work past `max_queue` waiting requests (QueueFull: the
+server's 429).
 
-A row's tokens do not depend on its neighbours: its padding is masked and its positions count its own tokens
-only, and it samples with its own generator (seeded per request). Greedy output equals
-`meshlm.generate` of the same request alone, up to floating-point differences between batch shapes, which at
-fp32 never changed a token in the tests (docs/serve.md states what holds at bf16).
+A row's tokens do not depend on its neighbours: its padding is masked and its positions count its
+own tokens only, and it samples with its own generator (seeded per request). Greedy output equals
+`meshlm.generate` of the same request alone, up to floating-point differences between batch shapes,
+which at fp32 never changed a token in the tests (docs/serve.md states what holds at bf16).
 
 `on_tokens(request, tokens)` and `on_done(request)` are called from the thread running `step`.
 """
@@ -52,21 +54,24 @@ class Request:
     loops: int | None = None  # core passes (single-core specs); None = the trained count
     exit: str | None = None  # per-token exit rule, e.g. "state:0.05" (meshlm.model.exit)
     speculate: str | None = None  # "auto", "K_d" or "K_d:γ" (meshlm.generate.speculative)
-    timeout: float | None = None  # seconds from submission until it is stopped with finish "timeout"
+    timeout: float | None = None  # seconds from submission until it is stopped with finish
+    # "timeout"
     on_tokens: Callable[[Request, list[int]], None] | None = None
     on_done: Callable[[Request], None] | None = None
-    tokens: list[int] = field(default_factory=list)  # generated so far (EOS included when it stopped there)
+    tokens: list[int] = field(default_factory=list)  # generated so far (EOS included when it
+    # stopped there)
     finish: str | None = None  # one of FINISH_REASONS once done
     error: str | None = None  # with finish "error": what went wrong
     id: int = field(default_factory=lambda: next(_ids))
     submitted: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None  # its own random stream, seeded from sampling.seed
-    stop_requested: str | None = None  # set by `Batcher.cancel` (any thread); acted on at the next boundary
+    stop_requested: str | None = None  # set by `Batcher.cancel` (any thread); acted on at the next
+    # boundary
     done: threading.Event = field(default_factory=threading.Event)
 
     def key(self) -> tuple:
-        """Requests with equal keys decode in one cohort. Speculative sampling draws from its decoder's one
-        generator, so a sampled speculative request decodes in a cohort of its own."""
+        """Requests with equal keys decode in one cohort. Speculative sampling draws from its
+        decoder's one generator, so a sampled speculative request decodes in a cohort of its own."""
         if self.speculate is None:
             return ("plain", self.loops, self.exit)
         s = self.sampling
@@ -88,7 +93,8 @@ class BatcherStats:
 
 
 class Batcher:
-    def __init__(self, model: MeshLM, eos_id: int, pad_id: int, max_batch: int = 16, max_queue: int = 64):
+    def __init__(self, model: MeshLM, eos_id: int, pad_id: int, max_batch: int = 16,
+                 max_queue: int = 64):
         if max_batch < 1 or max_queue < 0:
             raise ConfigError(f"max_batch={max_batch} must be >= 1 and max_queue={max_queue} >= 0")
         self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
@@ -98,7 +104,7 @@ class Batcher:
         self.stats = BatcherStats()
         self._wake = threading.Condition()
 
-    # -- any thread ---------------------------------------------------------------------------------------
+    # -- any thread --------------------------------------------------------------------------------
     def check(self, r: Request) -> None:
         """ConfigError (one line, naming the fix) unless the model can serve r as asked."""
         check_room(self.model, [r.prompt], r.sampling)
@@ -109,7 +115,8 @@ class Batcher:
             r.exit = str(ExitRule.parse(r.exit))
         if r.speculate is not None:
             if r.exit is not None:
-                raise ConfigError("speculate decodes at the full depth: it cannot be combined with exit; drop one")
+                raise ConfigError("speculate decodes at the full depth: it cannot be combined "
+                                  "with exit; drop one")
             Speculation.parse(r.speculate).check(self.model, schedule)
 
     def submit(self, r: Request) -> None:
@@ -117,8 +124,8 @@ class Batcher:
         self.check(r)
         with self._wake:
             if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting (max_queue={self.max_queue}); "
-                                f"retry later")
+                raise QueueFull(f"{len(self.waiting)} requests are waiting "
+                                f"(max_queue={self.max_queue}); retry later")
             self.waiting.append(r)
             self._wake.notify()
 
@@ -137,9 +144,10 @@ class Batcher:
     def queued(self) -> int:
         return len(self.waiting)
 
-    # -- the decoding thread -----------------------------------------------------------------------------------
+    # -- the decoding thread -----------------------------------------------------------------------
     def step(self) -> bool:
-        """One token boundary: retire, admit, decode every cohort once. False when there was nothing to do."""
+        """One token boundary: retire, admit, decode every cohort once. False when there was nothing
+        to do."""
         self._retire_stopped()
         self._admit()
         for key, cohort in list(self.cohorts.items()):
@@ -151,8 +159,9 @@ class Batcher:
         return bool(self.cohorts or self.waiting)
 
     def serve(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
-        """Decode until `stop` is set, sleeping while there is no work. A bug that escapes a step ends the
-        running requests with finish "error" (its traceback on stderr) and decoding goes on."""
+        """Decode until `stop` is set, sleeping while there is no work. A bug that escapes a step
+        ends the running requests with finish "error" (its traceback on stderr) and decoding goes
+        on."""
         while not stop.is_set():
             try:
                 busy = self.step()
@@ -177,7 +186,8 @@ class Batcher:
                 self._finish(r, "error")
 
     def _admit(self) -> None:
-        """Take waiting requests while rows are free; each cohort prefills its newcomers in one batch."""
+        """Take waiting requests while rows are free; each cohort prefills its newcomers in one
+        batch."""
         joining: dict[tuple, list[Request]] = {}
         with self._wake:
             while self.waiting and self.running + sum(map(len, joining.values())) < self.max_batch:
@@ -203,14 +213,16 @@ class Batcher:
             cohort = PlainCohort(self.model, first.loops, first.exit, self.pad_id) \
                 if first.speculate is None else \
                 SpeculativeCohort(self.model, first.loops, first.speculate, self.pad_id, first)
-        tokens = cohort.admit(group)  # only now part of the cohort: a failed prefill leaves the batch as it was
+        # only now part of the cohort: a failed prefill leaves the batch as it was
+        tokens = cohort.admit(group)
         self.cohorts[key] = cohort
         self.stats.admitted += len(group)
         for r, token in zip(group, tokens):
             self._deliver(r, [token])
 
     def _decode_or_fail(self, cohort: Cohort) -> None:
-        """Decode the cohort once; if that fails, its requests end with finish "error" (the others go on)."""
+        """Decode the cohort once; if that fails, its requests end with finish "error" (the others
+        go on)."""
         try:
             self._decode(cohort)
         except Exception as err:  # noqa: BLE001 - one broken batch must not stop the server
@@ -230,7 +242,8 @@ class Batcher:
         self._leave(cohort)
 
     def _deliver(self, r: Request, tokens: list[int]) -> None:
-        """Give r its new tokens (no more than max_new_tokens, none after EOS); finish it when done."""
+        """Give r its new tokens (no more than max_new_tokens, none after EOS); finish it when
+        done."""
         s = r.sampling
         new = tokens[:s.max_new_tokens - len(r.tokens)]
         if s.stop_at_eos and self.eos_id in new:
@@ -245,7 +258,8 @@ class Batcher:
             self._finish(r, "length")
 
     def _stopped(self, r: Request) -> bool:
-        if r.stop_requested is None and r.timeout is not None and time.monotonic() - r.submitted > r.timeout:
+        if (r.stop_requested is None and r.timeout is not None
+            and time.monotonic() - r.submitted > r.timeout):
             r.stop_requested = "timeout"
         return r.stop_requested is not None
 

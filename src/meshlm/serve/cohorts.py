@@ -1,23 +1,25 @@
-"""Running batches of continuous batching: the rows that decode together, joined and left at token boundaries.
+"""Running batches of continuous batching: the rows that decode together, joined and left at token
+boundaries.
 
-A cohort holds the requests that share one compute setting (`loops`, `exit`, `speculate`): their cache slots
-line up, so one forward serves them all. Its state is a meshlm.generate.batch.Batch, the one that
-self-speculation advances too: the looped KV cache, the (B, W) padding mask over it and each row's
-pending token (sampled, not yet fed):
+A cohort holds the requests that share one compute setting (`loops`, `exit`, `speculate`): their
+cache slots line up, so one forward serves them all. Its state is a meshlm.generate.batch.Batch, the
+one that self-speculation advances too: the looped KV cache, the (B, W) padding mask over it and
+each row's pending token (sampled, not yet fed):
 
-    join    prefill the prompts admitted at this boundary as one left-padded batch in a cache of their own
-            (exactly what `meshlm.generate` does with several prompts), then stack their rows under the
-            batch's, right-aligned (KVCache.stack): the shorter side is left-padded, mask 0, which every query
-            ignores and default positions skip
-    step    feed every row's pending token in one forward; each row samples its next token with its own
-            settings and random generator
-    leave   drop finished rows (KVCache.select), then the leading columns no row still needs (drop_front),
-            so the cache holds the live requests only: B rows × the longest live sequence
+    join    prefill the prompts admitted at this boundary as one left-padded batch in a cache of
+            their own (exactly what `meshlm.generate` does with several prompts), then stack their
+            rows under the batch's, right-aligned (KVCache.stack): the shorter side is left-padded,
+            mask 0, which every query ignores and default positions skip
+    step    feed every row's pending token in one forward; each row samples its next token with its
+            own settings and random generator
+    leave   drop finished rows (KVCache.select), then the leading columns no row still needs
+            (drop_front), so the cache holds the live requests only: B rows × the longest live
+            sequence
 
-Under `exit` each token stops looping once it has converged; the forward computes only the still-active rows'
-core passes (meshlm.model.exit gathers them) and copies exited rows' keys/values forward, so a row decodes as
-it would alone. A speculative cohort runs meshlm.generate.speculative's decoder over the same rows:
-each step is a plain step or a draft-verify round, as its planner says.
+Under `exit` each token stops looping once it has converged; the forward computes only the
+still-active rows' core passes (meshlm.model.exit gathers them) and copies exited rows' keys/values
+forward, so a row decodes as it would alone. A speculative cohort runs meshlm.generate.speculative's
+decoder over the same rows: each step is a plain step or a draft-verify round, as its planner says.
 """
 from __future__ import annotations
 
@@ -33,8 +35,9 @@ from meshlm.model.kv_cache import KVCache
 
 
 def pick(logits: torch.Tensor, requests: list) -> torch.Tensor:
-    """(B, V) last-position logits -> (B,) next tokens, each row with its request's sampling and generator
-    (greedy rows: the argmax, as meshlm.generate; sampled rows one by one, so a seed's draws are its own)."""
+    """(B, V) last-position logits -> (B,) next tokens, each row with its request's sampling and
+    generator (greedy rows: the argmax, as meshlm.generate; sampled rows one by one, so a seed's
+    draws are its own)."""
     tokens = logits.argmax(-1)
     for row, request in enumerate(requests):
         if request.sampling.temperature > 0:
@@ -43,14 +46,16 @@ def pick(logits: torch.Tensor, requests: list) -> torch.Tensor:
 
 
 class Cohort(ABC):
-    """Rows of requests with one compute setting. Subclasses prefill (`admit`) and decode (`step`)."""
+    """Rows of requests with one compute setting. Subclasses prefill (`admit`) and decode
+    (`step`)."""
 
     def __init__(self, model: MeshLM, loops: int | None, pad_id: int):
         self.model, self.loops, self.pad_id = model, loops, pad_id
         self.schedule = model.schedule(loops)
         self.requests: list = []  # row r decodes requests[r]
         self.state: Batch | None = None  # the rows' cache, padding mask and pending tokens
-        self.loop_steps = 0  # core passes run per decoded token, summed over tokens (exit lowers it)
+        # core passes run per decoded token, summed over tokens (exit lowers it)
+        self.loop_steps = 0
         self.tokens = 0  # tokens decoded by `step`
 
     def __len__(self) -> int:
@@ -58,7 +63,8 @@ class Cohort(ABC):
 
     def prompts(self, requests: list) -> tuple[torch.Tensor, torch.Tensor]:
         """The requests' prompts as (N, T) left-padded ids and their padding mask."""
-        return left_pad([r.prompt for r in requests], self.pad_id, self.model.embed_in.weight.device)
+        return left_pad([r.prompt for r in requests], self.pad_id,
+                        self.model.embed_in.weight.device)
 
     def join(self, requests: list, batch: Batch) -> None:
         """Add prefilled requests' rows below the batch's (right-aligned)."""

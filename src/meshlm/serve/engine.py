@@ -1,10 +1,11 @@
 """The batcher in a thread of its own, and the bridge from it to asyncio.
 
-The decoding thread runs `Batcher.serve` inside the chosen precision's autocast (autocast is per thread, so it
-is entered there). `Engine.open(request)` submits a request and yields its new tokens as the thread delivers
-them: the batcher's callbacks hop onto the event loop with call_soon_threadsafe. Leaving the iterator early
-(a client that disconnected, a stop string) cancels the request, and its batch row is freed at the next token
-boundary. `draining` is set on SIGTERM: the app then refuses new requests while the running ones finish.
+The decoding thread runs `Batcher.serve` inside the chosen precision's autocast (autocast is per
+thread, so it is entered there). `Engine.open(request)` submits a request and yields its new tokens
+as the thread delivers them: the batcher's callbacks hop onto the event loop with
+call_soon_threadsafe. Leaving the iterator early (a client that disconnected, a stop string) cancels
+the request, and its batch row is freed at the next token boundary. `draining` is set on SIGTERM:
+the app then refuses new requests while the running ones finish.
 """
 from __future__ import annotations
 
@@ -41,11 +42,13 @@ class Engine:
             self._thread.join(timeout=30)
 
     def open(self, request: Request) -> AsyncIterator[list[int]]:
-        """Submit the request (ConfigError / QueueFull are raised here, before anything is sent) and return an
-        async iterator of its token lists, which ends when the request finishes (request.finish says why)."""
+        """Submit the request (ConfigError / QueueFull are raised here, before anything is sent) and
+        return an async iterator of its token lists, which ends when the request finishes
+        (request.finish says why)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[list[int] | None] = asyncio.Queue()
-        request.on_tokens = lambda r, tokens: loop.call_soon_threadsafe(queue.put_nowait, list(tokens))
+        request.on_tokens = lambda r, tokens: loop.call_soon_threadsafe(queue.put_nowait,
+                                                                        list(tokens))
         request.on_done = lambda r: loop.call_soon_threadsafe(queue.put_nowait, None)
         self.batcher.submit(request)
         return self._tokens(request, queue)

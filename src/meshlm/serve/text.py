@@ -1,20 +1,21 @@
 """Tokens to text for the server: incremental decoding with stop strings, and chat prompts.
 
-`TextStream` turns a request's tokens into text deltas as they arrive. It holds back what could still change:
-a trailing incomplete UTF-8 character (U+FFFD while its bytes are missing) and any tail that is the start of a
-stop string, so no delta ever has to be taken back. When a stop string appears, the text before it is the
-completion (OpenAI's rule: the stop string itself is not returned) and the request can be stopped.
+`TextStream` turns a request's tokens into text deltas as they arrive. It holds back what could
+still change: a trailing incomplete UTF-8 character (U+FFFD while its bytes are missing) and any
+tail that is the start of a stop string, so no delta ever has to be taken back. When a stop string
+appears, the text before it is the completion (OpenAI's rule: the stop string itself is not
+returned) and the request can be stopped.
 
-Chat prompts use the model folder's own chat template (chat_template.jinja or tokenizer_config.json's
-`chat_template`, a Jinja template, rendered sandboxed as transformers does) when it has one, else
-DEFAULT_CHAT_TEMPLATE:
+Chat prompts use the model folder's own chat template (chat_template.jinja or
+tokenizer_config.json's `chat_template`, a Jinja template, rendered sandboxed as transformers does)
+when it has one, else DEFAULT_CHAT_TEMPLATE:
 
     System: …            one line per message, the role capitalised
     User: …
     Assistant:           the prompt ends here; generation continues the assistant's turn
 
-With the default template, generation also stops at "\\nUser:" (DEFAULT_CHAT_STOP), where a model trained on
-plain text would start writing the user's next turn.
+With the default template, generation also stops at "\\nUser:" (DEFAULT_CHAT_STOP), where a model
+trained on plain text would start writing the user's next turn.
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from meshlm.data.tokenizer import folder_chat_template
 from meshlm.errors import ConfigError
 
-DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}Assistant:{% endif %}")
+DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] "
+                         "}}\n{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}")
 DEFAULT_CHAT_STOP = ("\nUser:",)
 
 
@@ -73,7 +74,8 @@ class TextStream:
         return delta
 
     def _first_stop(self, text: str) -> int | None:
-        """Index of the earliest stop string in the text not yet shown (searching from where one could start)."""
+        """Index of the earliest stop string in the text not yet shown (searching from where one
+        could start)."""
         start = max(0, len(self.shown) - max((len(s) for s in self.stop), default=0))
         hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
@@ -85,21 +87,23 @@ class TextStream:
 
 
 def chat_template(folder: Path | None) -> tuple[str, bool]:
-    """(template, whether it is the folder's own): the folder's (meshlm.data.tokenizer.folder_chat_template),
-    else DEFAULT_CHAT_TEMPLATE."""
+    """(template, whether it is the folder's own): the folder's
+    (meshlm.data.tokenizer.folder_chat_template), else DEFAULT_CHAT_TEMPLATE."""
     own = folder_chat_template(folder)
     return (own, True) if own is not None else (DEFAULT_CHAT_TEMPLATE, False)
 
 
 def render_chat(template: str, messages: list[dict], **tokens: str) -> str:
-    """The prompt text for `messages` ([{"role", "content"}]), rendered in a sandbox (templates cannot reach
-    Python objects or files). ConfigError when the template fails (a role it refuses, a bad template)."""
+    """The prompt text for `messages` ([{"role", "content"}]), rendered in a sandbox (templates
+    cannot reach Python objects or files). ConfigError when the template fails (a role it refuses, a
+    bad template)."""
     def raise_exception(message: str):
         raise TemplateError(message)
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     try:
-        return env.from_string(template).render(messages=messages, add_generation_prompt=True, **tokens)
+        return env.from_string(template).render(messages=messages, add_generation_prompt=True,
+                                                **tokens)
     except TemplateError as err:
         raise ConfigError(f"the chat template refused these messages: {err}") from err

@@ -1,16 +1,18 @@
-"""The unigram baseline a trained LM must beat: every token predicted by its training-split frequency."""
+"""The unigram baseline a trained LM must beat: every token predicted by its training-split
+frequency."""
 from __future__ import annotations
 
 import math
 
 import numpy as np
 
-MAX_TOKENS = 50_000_000  # count at most this many tokens of each split (a prefix): bounded time and memory
+# count at most this many tokens of each split (a prefix): bounded time and memory
+MAX_TOKENS = 50_000_000
 
 
 def unigram_perplexity(train_data, val_data, vocab_size: int) -> float:
-    """exp(cross-entropy of the validation tokens under add-one-smoothed training unigram frequencies). On task
-    data both sides count the answer tokens only, as the loss does."""
+    """exp(cross-entropy of the validation tokens under add-one-smoothed training unigram
+    frequencies). On task data both sides count the answer tokens only, as the loss does."""
     counts = np.bincount(_scored(train_data), minlength=vocab_size)
     log_p = np.log(counts + 1.0) - math.log(counts.sum() + vocab_size)  # (vocab,)
     return float(math.exp(-log_p[_scored(val_data)].mean()))

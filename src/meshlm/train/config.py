@@ -20,8 +20,8 @@ config file itself. What needs files (init_from's model config, the tokenizer, t
 derived once per training start by meshlm.train.plan.resolve, into the RunPlan that preflight,
 parallel and the Trainer take.
 
-Defaults follow the paper's recipe (docs/training.md): AdamW (0.9, 0.95), eps 1e-8, weight decay 0.01, cosine
-decay to 10% of peak after 1% warmup, grad clip 1.0.
+Defaults follow the paper's recipe (docs/training.md): AdamW (0.9, 0.95), eps 1e-8, weight decay
+0.01, cosine decay to 10% of peak after 1% warmup, grad clip 1.0.
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ class TrainConfig:
     # poisson-lognormal:mean=M,cap=C
     backprop_loops: int = 0  # truncated backprop: only the last k loop passes keep autograd state;
     # 0 = all
-    # -- optimizer and schedule (docs/training.md) ---------------------------------------------------------
+    # -- optimizer and schedule (docs/training.md) -------------------------------------------------
     lr: float = 4e-3  # peak learning rate (the default small model; the paper configs set theirs)
     min_lr_ratio: float = 0.1  # cosine decays to this fraction of the peak
     warmup: float = 0.01  # fraction of the steps spent in linear warmup

@@ -1,23 +1,26 @@
-"""What a training run needs before it starts: memory that fits the device, and a schedule that makes sense.
+"""What a training run needs before it starts: memory that fits the device, and a schedule that
+makes sense.
 
-`memory_problem` estimates one rank's training memory from the config alone (the model is built on the meta
-device, so nothing is allocated) and compares it with what the device has free:
-    state        16 B per parameter: fp32 weights 4 + gradients 4 + AdamW's two moments 8 (FSDP: / world);
+`memory_problem` estimates one rank's training memory from the config alone (the model is built on
+the meta device, so nothing is allocated) and compares it with what the device has free:
+    state        16 B per parameter: fp32 weights 4 + gradients 4 + AdamW's two moments 8 (FSDP: /
+                 world);
     activations  what backward keeps for one micro-batch: ~34 values per token and d_model per layer
                  application (Korthikanti et al. 2022, "Reducing Activation Recomputation", with
-                 memory-efficient attention, so no s² scores), at 2 B under bf16 autocast and 4 B in fp32;
-                 every loop pass of a looped core counts (up to the sampled-depth cap); activation
-                 checkpointing keeps one layer's plus every layer's input; plus the logits and their gradient
-                 (fp32, vocabulary-sized);
+                 memory-efficient attention, so no s² scores), at 2 B under bf16 autocast and 4 B in
+                 fp32; every loop pass of a looped core counts (up to the sampled-depth cap);
+                 activation checkpointing keeps one layer's plus every layer's input; plus the
+                 logits and their gradient (fp32, vocabulary-sized);
     ranks sharing a host's RAM (torchrun on CPU) each need their own.
-A run is refused only when the estimate exceeds what is free, so the message is never a false alarm about a
-run that would fit; one that fits the estimate may still run out at the margin (allocator, buffers). Measured
-on this CPU (mesh-small, 256 tokens, 2 steps, peak RSS growth): micro_batch 8 fp32 estimate 472 MB vs 642 MB
-measured, bf16 329 vs 531 MB, micro_batch 16 fp32 892 vs 1,226 MB: the estimate is a lower bound (~60-75%).
+A run is refused only when the estimate exceeds what is free, so the message is never a false alarm
+about a run that would fit; one that fits the estimate may still run out at the margin (allocator,
+buffers). Measured on this CPU (mesh-small, 256 tokens, 2 steps, peak RSS growth): micro_batch 8
+fp32 estimate 472 MB vs 642 MB measured, bf16 329 vs 531 MB, micro_batch 16 fp32 892 vs 1,226 MB:
+the estimate is a lower bound (~60-75%).
 
-`schedule_warnings` lists settings a run accepts but that rarely mean what was intended (a save interval
-longer than the run, `tokens` ignored because `steps` is set); `schedule_problem` refuses a step count that
-repeats the data absurdly often (1e12 steps: warmup alone would take 1e10 of them).
+`schedule_warnings` lists settings a run accepts but that rarely mean what was intended (a save
+interval longer than the run, `tokens` ignored because `steps` is set); `schedule_problem` refuses a
+step count that repeats the data absurdly often (1e12 steps: warmup alone would take 1e10 of them).
 """
 from __future__ import annotations
 
@@ -52,7 +55,8 @@ def available_bytes(device: torch.device) -> tuple[float, str]:
     return float("inf"), "this machine has"  # unknown: nothing to refuse on
 
 
-def estimate(cfg, model_cfg: ModelConfig, seq_len: int, world: int, bf16: bool) -> tuple[int, float, float]:
+def estimate(cfg, model_cfg: ModelConfig, seq_len: int, world: int, bf16: bool) -> tuple[int, float,
+                                                                                         float]:
     """(parameters, state bytes, activation bytes) of one rank."""
     params = describe(model_cfg).total_params
     state = STATE_BYTES_PER_PARAM * params / (world if cfg.distributed == "fsdp" else 1)
@@ -64,15 +68,18 @@ def estimate(cfg, model_cfg: ModelConfig, seq_len: int, world: int, bf16: bool) 
         applications = layout.unrolled_depth
     tokens, width, value = cfg.micro_batch * seq_len, model_cfg.d_model, 2 if bf16 else 4
     per_layer = ACTIVATION_VALUES_PER_TOKEN_AND_WIDTH * tokens * width * value
-    kept = (per_layer + applications * tokens * width * value) if cfg.activation_checkpointing else \
+    kept = (per_layer + applications * tokens * width
+            * value) if cfg.activation_checkpointing else \
         applications * per_layer
     logits = 2 * tokens * model_cfg.vocab_size * 4
     return params, state, kept + logits
 
 
-def memory_problem(cfg, model_cfg: ModelConfig, seq_len: int, device: torch.device, world: int) -> str | None:
+def memory_problem(cfg, model_cfg: ModelConfig, seq_len: int, device: torch.device,
+                   world: int) -> str | None:
     """A one-line refusal when the run cannot fit `device`'s free memory; None when it may."""
-    bf16 = cfg.dtype != "fp32"  # auto picks bf16 where it is native; elsewhere 2 B undercounts: never a false alarm
+    # auto picks bf16 where it is native; elsewhere 2 B undercounts: never a false alarm
+    bf16 = cfg.dtype != "fp32"
     params, state, activations = estimate(cfg, model_cfg, seq_len, world, bf16)
     sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
     need = (state + activations) * sharing
@@ -80,11 +87,12 @@ def memory_problem(cfg, model_cfg: ModelConfig, seq_len: int, device: torch.devi
     if need <= free:
         return None
     per_rank = f" x {sharing} ranks on this host" if sharing > 1 else ""
-    return (f"training needs about {gigabytes(need)}{per_rank} ({params / 1e6:,.0f}M parameters: weights, gradients "
-            f"and AdamW state at {STATE_BYTES_PER_PARAM} B each = {gigabytes(state)}; activations of one "
-            f"micro-batch of {cfg.micro_batch} x {seq_len} tokens about {gigabytes(activations)}), but {where} "
-            f"{gigabytes(free)} free; use a smaller model (model.d_model, the spec), lower train.micro_batch or "
-            f"train.seq_len, or set train.activation_checkpointing=true")
+    return (f"training needs about {gigabytes(need)}{per_rank} ({params / 1e6:,.0f}M parameters: "
+            f"weights, gradients and AdamW state at {STATE_BYTES_PER_PARAM} B each = "
+            f"{gigabytes(state)}; activations of one micro-batch of {cfg.micro_batch} x {seq_len} "
+            f"tokens about {gigabytes(activations)}), but {where} {gigabytes(free)} free; use a "
+            "smaller model (model.d_model, the spec), lower train.micro_batch or train.seq_len, "
+            "or set train.activation_checkpointing=true")
 
 
 def schedule_problem(cfg, total_steps: int, windows: int) -> str | None:
@@ -93,16 +101,18 @@ def schedule_problem(cfg, total_steps: int, windows: int) -> str | None:
     if epochs <= MAX_EPOCHS:
         return None
     one_epoch = math.ceil(windows / cfg.global_batch)
-    return (f"train.steps={total_steps:,} x global_batch={cfg.global_batch} passes over the {windows:,} training "
-            f"windows {epochs:,.0f} times (warmup alone is {math.ceil(cfg.warmup * total_steps):,} steps); one "
-            f"pass is {one_epoch:,} steps: set train.steps to a multiple of that")
+    return (f"train.steps={total_steps:,} x global_batch={cfg.global_batch} passes over the "
+            f"{windows:,} training windows {epochs:,.0f} times (warmup alone is "
+            f"{math.ceil(cfg.warmup * total_steps):,} steps); one pass is {one_epoch:,} steps: set "
+            "train.steps to a multiple of that")
 
 
 def schedule_warnings(cfg, total_steps: int, seq_len: int) -> list[str]:
     """Settings a run of `total_steps` steps of `seq_len`-token sequences accepts that rarely mean
     what was intended."""
     out = []
-    for name, what in (("save_every", "the only checkpoint is the final one (a crash loses the whole run)"),
+    for name, what in (("save_every",
+                        "the only checkpoint is the final one (a crash loses the whole run)"),
                        ("eval_every", "the only validation is at the end"),
                        ("log_every", "no step is logged before the end")):
         every = getattr(cfg, name)
@@ -110,12 +120,12 @@ def schedule_warnings(cfg, total_steps: int, seq_len: int) -> list[str]:
             out.append(f"train.{name}={every} exceeds the run's {total_steps} steps: {what}; set "
                        f"train.{name}={total_steps} or less")
     if cfg.steps and cfg.tokens:
-        out.append(f"train.tokens={cfg.tokens:,} is ignored because train.steps={cfg.steps} is set; set "
-                   f"train.steps=0 to train by tokens")
+        out.append(f"train.tokens={cfg.tokens:,} is ignored because train.steps={cfg.steps} is "
+                   "set; set train.steps=0 to train by tokens")
     if not cfg.steps and total_steps == 1 and cfg.tokens < cfg.global_batch * seq_len:
         out.append(f"train.tokens={cfg.tokens:,} is less than one step (global_batch x seq_len "
                    f"tokens); training 1 step")
     if cfg.warmup and total_steps > 1 and math.ceil(cfg.warmup * total_steps) >= total_steps:
-        out.append(f"train.warmup={cfg.warmup} of {total_steps} steps is all warmup: the learning rate never "
-                   f"decays; lower train.warmup")
+        out.append(f"train.warmup={cfg.warmup} of {total_steps} steps is all warmup: the learning "
+                   "rate never decays; lower train.warmup")
     return out

@@ -6,10 +6,11 @@
             if stop.requested(env):      # agreed by every rank under torchrun
                 save(); raise stop.error(...)
 
-The first SIGINT or SIGTERM only sets a flag (and says so); the loop saves at the end of the current step
-and raises `Interrupted` (exit 130 for SIGINT, 143 for SIGTERM). A second signal raises KeyboardInterrupt
-at once, wherever the process is: the atomic writer leaves no partial checkpoint behind, so this is safe.
-Handlers can only be installed from the main thread; elsewhere the context does nothing.
+The first SIGINT or SIGTERM only sets a flag (and says so); the loop saves at the end of the current
+step and raises `Interrupted` (exit 130 for SIGINT, 143 for SIGTERM). A second signal raises
+KeyboardInterrupt at once, wherever the process is: the atomic writer leaves no partial checkpoint
+behind, so this is safe. Handlers can only be installed from the main thread; elsewhere the context
+does nothing.
 """
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ class StopRequest:
         if self.signal is not None:
             raise KeyboardInterrupt  # the second signal: abort now
         self.signal = signum
-        self.log(f"\n{signal.Signals(signum).name}: stopping after this step and saving a checkpoint "
-                 f"(press Ctrl-C again to abort at once, losing the steps since the last checkpoint)")
+        self.log(f"\n{signal.Signals(signum).name}: stopping after this step and saving a "
+                 "checkpoint (press Ctrl-C again to abort at once, losing the steps since the "
+                 "last checkpoint)")
 
     def requested(self, env=None) -> bool:
         """True when any rank got a signal (one tiny all-reduce per step under torchrun)."""

@@ -1,9 +1,9 @@
-"""What the trainer reports: metrics as JSON lines (+ the trackers of train.loggers) and progress (a bar on a
-terminal, else periodic log lines).
+"""What the trainer reports: metrics as JSON lines (+ the trackers of train.loggers) and progress (a
+bar on a terminal, else periodic log lines).
 
 MFU = achieved training FLOP/s (tokens/s × train FLOPs per token, PaLM convention from
-meshlm.model.accounting) / (peak per device × devices), with the peak of the dtype the run computes in
-(meshlm.runtime.peaks: measured once per machine and cached, or the GPU's datasheet bf16 peak).
+meshlm.model.accounting) / (peak per device × devices), with the peak of the dtype the run computes
+in (meshlm.runtime.peaks: measured once per machine and cached, or the GPU's datasheet bf16 peak).
 """
 from __future__ import annotations
 
@@ -21,14 +21,16 @@ from meshlm.train import trackers
 
 
 class Metrics:
-    """Appends one JSON object per line to <run>/metrics.jsonl; mirrors them to the trackers in `loggers`
-    (meshlm.train.trackers): the run's settings once as hyperparameters (`hparams`), every other record's
-    numbers as metrics at its step."""
+    """Appends one JSON object per line to <run>/metrics.jsonl; mirrors them to the trackers in
+    `loggers` (meshlm.train.trackers): the run's settings once as hyperparameters (`hparams`), every
+    other record's numbers as metrics at its step."""
 
-    def __init__(self, run_dir: Path, enabled: bool, loggers: list[str] = ("tensorboard",), name: str = ""):
+    def __init__(self, run_dir: Path, enabled: bool, loggers: list[str] = ("tensorboard",),
+                 name: str = ""):
         self.run_dir, self.path = run_dir, run_dir / "metrics.jsonl"
         self.enabled = enabled
-        self.trackers = [self._open(kind, run_dir, name or run_dir.name) for kind in loggers] if enabled else []
+        self.trackers = ([self._open(kind, run_dir, name or run_dir.name) for kind in loggers]
+                         if enabled else [])
         self.trackers = [t for t in self.trackers if t is not None]
 
     def _open(self, kind: str, run_dir: Path, name: str):
@@ -40,8 +42,9 @@ class Metrics:
         except ImportError:
             if kind != "tensorboard":
                 raise
-        print("train.loggers has tensorboard but the tensorboard package is not installed, so no TensorBoard "
-              "events are written (metrics.jsonl has everything); install it with pip install -c "
+        print("train.loggers has tensorboard but the tensorboard package is not installed, so no "
+              "TensorBoard events are written (metrics.jsonl has everything); install it with pip "
+              "install -c "
               "constraints.txt -e '.[tensorboard]' or drop it from train.loggers", file=sys.stderr)
         return None  # the default tracker: say so once, keep training
 
@@ -75,9 +78,11 @@ class Metrics:
         try:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record, allow_nan=True) + "\n")
-        except OSError as err:  # a failed write names no file: say which, and its filesystem's free space
+        # a failed write names no file: say which, and its filesystem's free space
+        except OSError as err:
             raise storage_error(err, self.path, "appending to") from None
-        if record.get("kind") == "run":  # settings, not curves: they go to the trackers through hparams()
+        # settings, not curves: they go to the trackers through hparams()
+        if record.get("kind") == "run":
             return
         values = trackers.scalars(record)
         self._each(lambda tracker: tracker.log(record["step"], values))
@@ -87,8 +92,9 @@ class Metrics:
         self.trackers = []
 
     def _each(self, use) -> None:
-        """`use(tracker)` for every tracker. A tracker whose writes fail (a full disk; TensorBoard's thread
-        raises it here) is one StorageError naming its folder, and that tracker is off from then on."""
+        """`use(tracker)` for every tracker. A tracker whose writes fail (a full disk; TensorBoard's
+        thread raises it here) is one StorageError naming its folder, and that tracker is off from
+        then on."""
         for tracker in list(self.trackers):
             try:
                 use(tracker)
@@ -97,7 +103,8 @@ class Metrics:
                 raise self._fault(err, tracker) from None
 
     def _fault(self, err: OSError, tracker) -> Exception:
-        """A tracker's failed write as one StorageError naming its folder of the run and that disk's space."""
+        """A tracker's failed write as one StorageError naming its folder of the run and that disk's
+        space."""
         return storage_error(err, self.run_dir / tracker.subfolder, f"writing {tracker.what} to")
 
 
@@ -111,9 +118,9 @@ def _duration(seconds: float) -> str:
 class Progress:
     """Rank 0's progress: loss, tokens/s, MFU, lr and ETA; a no-op elsewhere.
 
-    On a terminal, a tqdm bar. Without one (a log file, a batch job) a bar redraws itself with carriage returns
-    into one ever-growing line, so instead one plain line is printed every `total/20` steps or `every_s`
-    seconds, whichever comes first, and at the last step."""
+    On a terminal, a tqdm bar. Without one (a log file, a batch job) a bar redraws itself with
+    carriage returns into one ever-growing line, so instead one plain line is printed every
+    `total/20` steps or `every_s` seconds, whichever comes first, and at the last step."""
 
     def __init__(self, enabled: bool, verbose: bool, total: int, initial: int, desc: str,
                  stream=None, every_s: float = 60.0):
@@ -124,7 +131,8 @@ class Progress:
         self.start = self.last = time.monotonic()
         self.first = initial
         if enabled and self.stream.isatty():
-            self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, file=self.stream)
+            self.bar = tqdm(total=total, initial=initial, desc=desc, unit="step",
+                            dynamic_ncols=True, file=self.stream)
 
     def update(self, loss: float, tokens_per_s: float, mfu: float, lr: float) -> None:
         self.step += 1
@@ -139,8 +147,10 @@ class Progress:
             self.last = now
             elapsed = now - self.start
             eta = elapsed / max(self.step - self.first, 1) * (self.total - self.step)
-            print(f"{self.desc}: step {self.step}/{self.total} ({100 * self.step / max(self.total, 1):.0f}%) | "
-                  f"{stats} | elapsed {_duration(elapsed)}, eta {_duration(eta)}", file=self.stream, flush=True)
+            print(f"{self.desc}: step {self.step}/{self.total} "
+                  f"({100 * self.step / max(self.total, 1):.0f}%) | {stats} | elapsed "
+                  f"{_duration(elapsed)}, eta {_duration(eta)}", file=self.stream,
+                  flush=True)
 
     def write(self, message: str) -> None:
         if self.bar is not None:

@@ -1,14 +1,16 @@
 """One owner per run folder: `meshlm train` holds a lock on <run>/.owner for the run's whole life.
 
-Two trainings started with the same run name used to both run to the end in one folder, each deleting the
-other's metrics and checkpoints while reporting success. Now the second one refuses at once, with one line
-naming the owner (host, PID, start time, command).
+Two trainings started with the same run name used to both run to the end in one folder, each
+deleting the other's metrics and checkpoints while reporting success. Now the second one refuses at
+once, with one line naming the owner (host, PID, start time, command).
 
-The lock is an exclusive `flock` on <run>/.owner, which holds the owner's record as JSON. The kernel drops the
-lock when its process ends, however it ends (kill -9 and power loss included), so a dead owner never blocks a
-`--resume`: its record is still in the file, and the next owner takes over with a warning naming it. A clean
-exit empties the record. The file itself is never deleted: unlinking a lock file lets a waiting process lock
-the old inode while a new one locks a new file, two owners at once. Under torchrun rank 0 holds the lock.
+The lock is an exclusive `flock` on <run>/.owner, which holds the owner's record as JSON. The kernel
+drops the lock when its process ends, however it ends (kill -9 and power loss included), so a dead
+owner never blocks a `--resume`: its record is still in the file, and the next owner takes over with
+a warning naming it. A clean exit empties the record. The file itself is never deleted: unlinking a
+lock file lets a waiting process lock the old inode while a new one locks a new file, two owners at
+once. Under
+torchrun rank 0 holds the lock.
 """
 from __future__ import annotations
 
@@ -26,12 +28,14 @@ OWNER_FILE = ".owner"
 
 try:
     import fcntl
-except ImportError:  # not POSIX: no advisory locks; the folder then has no guard (documented in training.md)
+# not POSIX: no advisory locks; the folder then has no guard (documented in training.md)
+except ImportError:
     fcntl = None
 
 
 class RunFolderBusy(ConfigError):
-    """Another process is training in this run folder (a usage error: exit 2, like the preflight check)."""
+    """Another process is training in this run folder (a usage error: exit 2, like the preflight
+    check)."""
 
 
 def describe(record: dict) -> str:
@@ -40,8 +44,8 @@ def describe(record: dict) -> str:
 
 
 def busy(run_dir: Path, record: dict) -> str:
-    return (f"run folder {run_dir} is in use by {describe(record)}; wait for it to finish or stop it, or train "
-            f"under another name (train.name=...)")
+    return (f"run folder {run_dir} is in use by {describe(record)}; wait for it to finish or stop "
+            "it, or train under another name (train.name=...)")
 
 
 class RunOwner:
@@ -64,9 +68,10 @@ class RunOwner:
             os.close(fd)
             raise RunFolderBusy(busy(self.path.parent, record)) from None
         previous = _read(fd)
-        if previous.get("pid"):  # locked by nobody, yet a record: its owner died without cleaning up
-            self.warn(f"warning: taking over run folder {self.path.parent} from {describe(previous)}, which is no "
-                      f"longer running")
+        # locked by nobody, yet a record: its owner died without cleaning up
+        if previous.get("pid"):
+            self.warn(f"warning: taking over run folder {self.path.parent} from "
+                      f"{describe(previous)}, which is no longer running")
         _write(fd, {"host": socket.gethostname(), "pid": os.getpid(),
                     "started": datetime.datetime.now().isoformat(timespec="seconds"),
                     "command": " ".join(["meshlm", *sys.argv[1:]])[:300]})
@@ -102,7 +107,8 @@ def _write(fd: int, record: dict) -> None:
 
 
 def owner_problem(run_dir: str | Path) -> str | None:
-    """Read-only check for preflight: the line RunOwner would raise if the folder is in use now, else None."""
+    """Read-only check for preflight: the line RunOwner would raise if the folder is in use now,
+    else None."""
     path = Path(run_dir) / OWNER_FILE
     if fcntl is None or not path.is_file():
         return None
@@ -111,7 +117,8 @@ def owner_problem(run_dir: str | Path) -> str | None:
     except OSError:
         return None
     try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # fails while an owner holds its exclusive lock
+        # fails while an owner holds its exclusive lock
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     except BlockingIOError:

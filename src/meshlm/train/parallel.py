@@ -1,15 +1,16 @@
-"""Everything that wraps the model from outside ("wrap, don't weave"): devices, precision, activation
-checkpointing, torch.compile, DDP/FSDP2, and full state dicts for saving.
+"""Everything that wraps the model from outside ("wrap, don't weave"): devices, precision,
+activation checkpointing, torch.compile, DDP/FSDP2, and full state dicts for saving.
 
-Wrapping order (torchtitan's): checkpoint each layer → compile each layer → FSDP2 per layer + root, or DDP
-around the whole model. Checkpointing and compile act in place on each layer (any `meshlm.model.layers.Layer`:
-NeoX, Llama or OLMoE; an instance-level forward / `Module.compile`), so parameter names never change. The
-trainer keeps the unwrapped `MeshLM` for state dicts; under FSDP2 that same object holds sharded DTensor
-parameters and `full_model_state` gathers them (a collective: every rank must call it).
+Wrapping order (torchtitan's): checkpoint each layer → compile each layer → FSDP2 per layer + root,
+or DDP around the whole model. Checkpointing and compile act in place on each layer (any
+`meshlm.model.layers.Layer`: NeoX, Llama or OLMoE; an instance-level forward / `Module.compile`), so
+parameter names never change. The trainer keeps the unwrapped `MeshLM` for state dicts; under FSDP2
+that same object holds sharded DTensor parameters and `full_model_state` gathers them (a collective:
+every rank must call it).
 
-A looped core runs each of its layers K times per forward; DDP accumulates the K contributions before its
-reducer fires, and FSDP2 re-gathers the layer at each use and reduces once per backward use (checked
-against a single process in tests/test_distributed.py).
+A looped core runs each of its layers K times per forward; DDP accumulates the K contributions
+before its reducer fires, and FSDP2 re-gathers the layer at each use and reduces once per backward
+use (checked against a single process in tests/test_distributed.py).
 """
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ def setup(plan: RunPlan) -> Env:
     else:
         device = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if want_cuda else "gloo", timeout=group_timeout(cfg.collective_timeout))
+        dist.init_process_group("nccl" if want_cuda else "gloo",
+                                timeout=group_timeout(cfg.collective_timeout))
     chosen = precision.choose(cfg.dtype, device)
     compiling = compile_policy.choose(cfg.compile, device, plan.total_steps)
     return Env(rank, world, local_rank, device, chosen, compiling)
@@ -100,8 +102,8 @@ def layers(model: nn.Module) -> list[Layer]:
 
 
 def compile_layers(model: nn.Module) -> None:
-    """torch.compile every layer in place (`Module.compile`): names and weights unchanged, and a shared core
-    layer compiles once for all its K uses."""
+    """torch.compile every layer in place (`Module.compile`): names and weights unchanged, and a
+    shared core layer compiles once for all its K uses."""
     for layer in layers(model):
         layer.compile()
 
@@ -121,8 +123,9 @@ def wrap(model: nn.Module, plan: RunPlan, env: Env) -> nn.Module:
         fully_shard(model)  # root: embeddings, scheme, final norm, head
         return model
     ids = [env.local_rank] if env.device.type == "cuda" else None
-    # a sampled or truncated depth leaves some per-step parameters (MeSH routers past the drawn count or in
-    # the no-grad steps) without a gradient; every rank draws the same count, so all skip the same ones
+    # a sampled or truncated depth leaves some per-step parameters (MeSH routers past the drawn
+    # count or in the no-grad steps) without a gradient; every rank draws the same count, so all
+    # skip the same ones
     elastic = plan.loops.sampled or cfg.backprop_loops > 0
     return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=elastic)
 
@@ -147,15 +150,17 @@ def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> 
     return get_optimizer_state_dict(model, optimizer, options=FULL)
 
 
-def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict, optim: dict | None):
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict,
+                    optim: dict | None):
     """Load full (unsharded) state into a possibly sharded model; every rank passes the full dicts.
 
-    The model's weights must match exactly. The optimizer state may lack parameters that never had a gradient
-    (AdamW creates state at a parameter's first gradient: e.g. MeSH routers of loop counts not drawn yet),
-    which is exactly the state the uninterrupted run holds."""
+    The model's weights must match exactly. The optimizer state may lack parameters that never had a
+    gradient (AdamW creates state at a parameter's first gradient: e.g. MeSH routers of loop counts
+    not drawn yet), which is exactly the state the uninterrupted run holds."""
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
     if optimizer is not None and optim is not None:
-        set_optimizer_state_dict(model, optimizer, optim, options=StateDictOptions(full_state_dict=True, strict=False))
+        set_optimizer_state_dict(model, optimizer, optim,
+                                 options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def all_mean(value: torch.Tensor, env: Env) -> torch.Tensor:

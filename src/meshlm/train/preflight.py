@@ -24,22 +24,24 @@ __all__ = ["changed_settings", "model_change", "occupied", "preflight", "schedul
 
 
 def changed_settings(saved: dict, current: dict, run_name: str) -> list[str]:
-    """The train fields a resume changes. An unset name means the run folder's name, so `train.name=<that>`
-    (or leaving it unset) is the same run, not a change."""
-    saved, current = {**saved, "name": saved.get("name") or run_name}, {**current, "name": current["name"] or run_name}
+    """The train fields a resume changes. An unset name means the run folder's name, so
+    `train.name=<that>` (or leaving it unset) is the same run, not a change."""
+    saved, current = {**saved, "name": saved.get("name")
+                      or run_name}, {**current, "name": current["name"] or run_name}
     return sorted(k for k, v in current.items() if saved.get(k, v) != v)
 
 
 def model_change(ckpt: checkpoint.Checkpoint, now: dict, cfg: TrainConfig) -> str:
-    """Why a checkpoint cannot be resumed with this model config: the fields that differ, and the train setting
-    behind a derived one (model.max_loops follows train.loops)."""
+    """Why a checkpoint cannot be resumed with this model config: the fields that differ, and the
+    train setting behind a derived one (model.max_loops follows train.loops)."""
     saved = ckpt.meta["model"]
     diff = [f"model.{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(saved) | set(now))
             if saved.get(k) != now.get(k)]
     loops = ckpt.meta.get("train", {}).get("loops", cfg.loops)
-    cause = f" (model.max_loops follows train.loops, {loops!r} -> {cfg.loops!r})" if loops != cfg.loops else ""
-    return (f"{ckpt.path} was written for another model config ({'; '.join(diff)}){cause}; resume with the settings "
-            f"the run started with")
+    cause = (f" (model.max_loops follows train.loops, {loops!r} -> {cfg.loops!r})"
+             if loops != cfg.loops else "")
+    return (f"{ckpt.path} was written for another model config ({'; '.join(diff)}){cause}; resume "
+            "with the settings the run started with")
 
 
 def preflight(plan: RunPlan, resume: bool = False) -> None:

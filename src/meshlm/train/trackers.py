@@ -8,11 +8,11 @@
     csv           <run>/csv/<kind>.csv          one file per record kind (train, eval, skip), settings in
                                                 <run>/csv/hparams.csv
 
-Each tracker gets the run's settings once (`hparams`: the train config, the model config and how the run
-runs, flattened to "train.lr", "model.d_model", "run.dtype" ...) and every numeric field of each
-train/eval/skip record as a metric at its step. The packages are optional imports: `missing` names the
-install command of each asked-for package that is absent (training checks it before it starts); only the
-default TensorBoard, when absent, is a warning and not an error.
+Each tracker gets the run's settings once (`hparams`: the train config, the model config and how the
+run runs, flattened to "train.lr", "model.d_model", "run.dtype" ...) and every numeric field of each
+train/eval/skip record as a metric at its step. The packages are optional imports: `missing` names
+the install command of each asked-for package that is absent (training checks it before it starts);
+only the default TensorBoard, when absent, is a warning and not an error.
 """
 from __future__ import annotations
 
@@ -29,24 +29,29 @@ from typing import Any
 from meshlm import atomic
 
 LOGGERS = ("tensorboard", "wandb", "mlflow", "csv")
-PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}  # tracker -> its import
-INSTALL = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny"}  # -> its pip name
+# tracker -> its import
+PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+# -> its pip name
+INSTALL = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny"}
 
 
 def parse_loggers(text: str) -> list[str]:
     """"tensorboard,wandb" -> the names; "" or "none" -> []."""
-    return [] if text.strip().lower() in ("", "none") else [n.strip() for n in text.split(",") if n.strip()]
+    return ([] if text.strip().lower() in ("", "none")
+            else [n.strip() for n in text.split(",") if n.strip()])
 
 
 def missing(loggers: list[str]) -> list[str]:
     """One message per asked-for tracker whose package is not installed."""
-    return [f"train.loggers has {name} but the {PACKAGES[name]} package is not installed; pip install -c "
-            f"constraints.txt {INSTALL[name]}, or drop {name} from train.loggers"
-            for name in loggers if name in PACKAGES and importlib.util.find_spec(PACKAGES[name]) is None]
+    return [f"train.loggers has {name} but the {PACKAGES[name]} package is not installed; pip "
+            f"install -c constraints.txt {INSTALL[name]}, or drop {name} from train.loggers"
+            for name in loggers if name in PACKAGES
+            and importlib.util.find_spec(PACKAGES[name]) is None]
 
 
 def flatten(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{"model": {"d_model": 64}} -> {"model.d_model": 64}; lists and None become strings (what trackers take)."""
+    """{"model": {"d_model": 64}} -> {"model.d_model": 64}; lists and None become strings (what
+    trackers take)."""
     out: dict[str, Any] = {}
     for key, value in params.items():
         name = f"{prefix}{key}"
@@ -65,21 +70,23 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
 
 
 def quiet_tensorboard_thread() -> None:
-    """TensorBoard writes events from a thread that, on a failed write, prints its traceback before the main
-    thread sees the error: silence that thread's filesystem errors (Metrics reports them as one line)."""
+    """TensorBoard writes events from a thread that, on a failed write, prints its traceback before
+    the main thread sees the error: silence that thread's filesystem errors (Metrics reports them as
+    one line)."""
     previous = threading.excepthook
     if getattr(previous, "meshlm_quiet", False):
         return
 
     def hook(args) -> None:
-        if not (type(args.thread).__name__ == "_AsyncWriterThread" and issubclass(args.exc_type, OSError)):
+        if not (type(args.thread).__name__ == "_AsyncWriterThread"
+                and issubclass(args.exc_type, OSError)):
             previous(args)
     hook.meshlm_quiet = True
     threading.excepthook = hook
 
 
-# Every tracker names the `subfolder` of the run it writes to and `what` it writes there, for Metrics' one-line
-# storage error.
+# Every tracker names the `subfolder` of the run it writes to and `what` it writes there, for
+# Metrics' one-line storage error.
 class TensorBoard:
     what, subfolder = "TensorBoard events", "tensorboard"
 
@@ -90,11 +97,12 @@ class TensorBoard:
         self.writer = SummaryWriter(str(run_dir / self.subfolder))
 
     def hparams(self, params: dict[str, Any]) -> None:
-        """Into the same event file as the scalars, so the HParams tab links them (not add_hparams, which
-        writes a separate sub-run)."""
+        """Into the same event file as the scalars, so the HParams tab links them (not add_hparams,
+        which writes a separate sub-run)."""
         from torch.utils.tensorboard.summary import hparams
 
-        metrics = {"eval/val_loss": 0.0, "eval/val_ppl": 0.0, "train/loss": 0.0}  # names only: declared columns
+        # names only: declared columns
+        metrics = {"eval/val_loss": 0.0, "eval/val_ppl": 0.0, "train/loss": 0.0}
         for summary in hparams(params, metrics):
             self.writer.file_writer.add_summary(summary)
 
@@ -114,7 +122,8 @@ class Wandb:
 
         # one id per run folder, so --resume continues the same W&B run
         run_id = f"{name}-{hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:8]}"
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "meshlm"), name=name, id=run_id,
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "meshlm"), name=name,
+                              id=run_id,
                               dir=str(run_dir), resume="allow", reinit="finish_previous")
 
     def hparams(self, params: dict[str, Any]) -> None:
@@ -134,14 +143,17 @@ class Mlflow:
         import mlflow
 
         self.mlflow = mlflow
-        if not os.environ.get("MLFLOW_TRACKING_URI"):  # the local default: a file store beside the run
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps it, in maintenance mode
+        # the local default: a file store beside the run
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            # MLflow 3 keeps it, in maintenance mode
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             mlflow.set_tracking_uri((run_dir / self.subfolder).resolve().as_uri())
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "meshlm"))
         self.run = mlflow.start_run(run_name=name)
 
     def hparams(self, params: dict[str, Any]) -> None:
-        self.mlflow.log_params({k: str(v)[:6000] for k, v in params.items()})  # MLflow's limit per value
+        # MLflow's limit per value
+        self.mlflow.log_params({k: str(v)[:6000] for k, v in params.items()})
 
     def log(self, step: int, values: dict[str, float]) -> None:
         self.mlflow.log_metrics(values, step=step)
@@ -151,7 +163,8 @@ class Mlflow:
 
 
 class Csv:
-    """<run>/csv/<kind>.csv with a header from the kind's first record (later fields beyond it are dropped)."""
+    """<run>/csv/<kind>.csv with a header from the kind's first record (later fields beyond it are
+    dropped)."""
 
     what, subfolder = "CSV metrics", "csv"
 

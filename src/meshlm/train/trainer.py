@@ -1,12 +1,15 @@
-"""The training loop: gradient accumulation, the paper's optimizer and schedule, validation, checkpoints.
+"""The training loop: gradient accumulation, the paper's optimizer and schedule, validation,
+checkpoints.
 
-One optimizer step s (0-based) consumes the global batch `get_batch(step=s)`; a checkpoint named step-N
-holds the state after N steps, so resuming from it replays step N next with exactly the data, learning
-rate, optimizer state and RNG the uninterrupted run had: on CPU the resumed run is bit-identical.
+One optimizer step s (0-based) consumes the global batch `get_batch(step=s)`; a checkpoint named
+step-N holds the state after N steps, so resuming from it replays step N next with exactly the data,
+learning rate, optimizer state and RNG the uninterrupted run had: on CPU the resumed run is
+bit-identical.
 
-A step whose loss or gradient norm is non-finite is skipped (gradients dropped, weights untouched, the
-step counter and schedule still advance); `max_nonfinite` such steps in a row abort the run. Since
-skipped steps never touch the weights, no checkpoint can hold a non-finite state (and save refuses one).
+A step whose loss or gradient norm is non-finite is skipped (gradients dropped, weights untouched,
+the step counter and schedule still advance); `max_nonfinite` such steps in a row abort the run.
+Since skipped steps never touch the weights, no checkpoint can hold a non-finite state (and save
+refuses one).
 """
 from __future__ import annotations
 
@@ -58,7 +61,8 @@ class TrainResult:
     run_dir: Path
     steps: int  # optimizer steps completed (including any before a resume)
     start_step: int  # where this process started (0, or the resumed checkpoint's step)
-    losses: dict[int, float] = field(default_factory=dict)  # step -> train loss, this process's steps
+    losses: dict[int, float] = field(default_factory=dict)  # step -> train loss, this process's
+    # steps
     val_loss: float = math.nan
     tokens_per_s: float = 0.0
     mfu: float = 0.0
@@ -71,7 +75,8 @@ class TrainResult:
         return math.exp(self.val_loss) if math.isfinite(self.val_loss) else math.nan
 
 
-LOSS_PARTS = ("lm_loss", "aux_loss", "z_loss")  # with MoE layers, logged next to the loss they make up
+# with MoE layers, logged next to the loss they make up
+LOSS_PARTS = ("lm_loss", "aux_loss", "z_loss")
 
 
 class Trainer:
@@ -116,7 +121,7 @@ class Trainer:
         self.loop_dist = self.plan.loops  # loop count per step from (seed, step): same on all ranks
         self.step_loops = self.model_cfg.layout.n_steps  # the last step's count (logged if sampled)
 
-    # -- run directory and resume -------------------------------------------------------------------------
+    # -- run directory and resume ------------------------------------------------------------------
     def _prepare_run_dir(self, resume: bool) -> None:
         if taken := occupied(self.run_dir, resume):
             raise ConfigError(taken)
@@ -124,20 +129,23 @@ class Trainer:
         ckpt = self._find_resumable() if resume else None
         if resume and ckpt is None:
             if existing:
-                raise CheckpointError(f"no usable checkpoint in {self.run_dir}: every one failed verification")
+                raise CheckpointError(f"no usable checkpoint in {self.run_dir}: every one failed "
+                                      "verification")
             self.log(f"no checkpoint in {self.run_dir} yet: starting from step 0")
         if ckpt is not None:
             self._restore(ckpt)
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if ckpt is not None:
-                self.metrics.truncate_after(self.step)  # drop what the killed run logged after its checkpoint
+                # drop what the killed run logged after its checkpoint
+                self.metrics.truncate_after(self.step)
             else:
                 self.metrics.path.unlink(missing_ok=True)
         parallel.barrier(self.env)
 
     def _find_resumable(self) -> checkpoint.Checkpoint | None:
-        """Rank 0 verifies (hashes) the candidates; the others load the one it picked without re-hashing."""
+        """Rank 0 verifies (hashes) the candidates; the others load the one it picked without
+        re-hashing."""
         ckpt = checkpoint.find_resumable(self.run_dir, warn=self.log) if self.env.is_main else None
         path = parallel.broadcast_object(ckpt.path if ckpt else None, self.env)
         if ckpt is None and path is not None:
@@ -153,34 +161,39 @@ class Trainer:
         state = ckpt.state
         parallel.load_full_state(self.model, self.optimizer, ckpt.weights, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        retarget(self.scheduler, self.cfg, self.total_steps)  # the current config's schedule, at the saved step
+        # the current config's schedule, at the saved step
+        retarget(self.scheduler, self.cfg, self.total_steps)
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
         if torch.cuda.is_available() and state["rng"].get("cuda"):
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         self.step, self.best_val = ckpt.step, state["best_val"]
         self.nonfinite_in_row = state["nonfinite_in_row"]
-        self.log(f"resumed {self.run_dir} from {ckpt.path.name} (step {self.step}/{self.total_steps})")
+        self.log(f"resumed {self.run_dir} from {ckpt.path.name} (step "
+                 f"{self.step}/{self.total_steps})")
 
     def _initialise_from(self, init: ModelFolder) -> None:
         """Weights only, from any folder meshlm.loading opens: the optimizer and schedule start
         fresh."""
         source = open_model(init)  # the folder the plan located, not recognised again
         path = self.cfg.init_from
-        # per-loop LoRA added to a model without it (model.loop_lora_rank=...): its deltas start at their init
+        # per-loop LoRA added to a model without it (model.loop_lora_rank=...): its deltas start at
+        # their init
         fresh = {k: v for k, v in self.model.state_dict().items() if ".loop_lora." in k}
         weights = {**fresh, **source.model.state_dict()}
         mismatch = weight_mismatch(self.model, weights)
         if mismatch:
-            raise CheckpointError(f"train.init_from={path}: its weights do not fit the model ({mismatch}); drop the "
-                                  f"model.* overrides that change the architecture, or make the new layout with "
-                                  f"`meshlm retrofit`")
+            raise CheckpointError(f"train.init_from={path}: its weights do not fit the model "
+                                  f"({mismatch}); drop the model.* overrides that change the "
+                                  "architecture, or make the new layout with `meshlm retrofit`")
         parallel.load_full_state(self.model, None, weights, None)
-        self.log(f"initialised from {source.path} (weights only; optimizer and schedule start at step 0)")
+        self.log(f"initialised from {source.path} (weights only; optimizer and schedule start at "
+                 "step 0)")
 
-    # -- one optimizer step ---------------------------------------------------------------------------------
+    # -- one optimizer step ------------------------------------------------------------------------
     def train_step(self, step: int) -> tuple[float, float, bool]:
-        """Forward/backward over this rank's micro-batches, then clip and step. Returns (loss, grad norm, ok)."""
+        """Forward/backward over this rank's micro-batches, then clip and step. Returns (loss, grad
+        norm, ok)."""
         cfg, env = self.cfg, self.env
         batches = get_batch(self.train_data, step, cfg.global_batch, self.seq_len, cfg.seed,
                             env.rank, env.world, micro_batches=self.accum)
@@ -188,36 +201,40 @@ class Trainer:
         parts = {name: torch.zeros((), device=env.device) for name in LOSS_PARTS}
         depth = {}  # fixed depth: the model's own K, exactly today's call
         if self.plan.varies_depth:
-            depth = dict(loops=self.loop_dist.draw(cfg.seed, step), backprop_loops=cfg.backprop_loops or None)
+            depth = dict(loops=self.loop_dist.draw(cfg.seed, step),
+                         backprop_loops=cfg.backprop_loops or None)
         self.step_loops = depth.get("loops") or self.model_cfg.layout.n_steps
         for i, (x, y) in enumerate(batches):  # x, y: (micro_batch, seq_len)
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
             with parallel.no_sync(self.wrapped, sync=i == len(batches) - 1):
                 with parallel.autocast(env):
                     out = self.wrapped(x, y, **depth)
-                (out.loss / len(batches)).backward()  # mean over micro-batches = mean over the global batch
+                # mean over micro-batches = mean over the global batch
+                (out.loss / len(batches)).backward()
             total += out.loss.detach()
             for name in parts:
                 if getattr(out, name) is not None:
                     parts[name] += getattr(out, name).detach().float()
         loss = parallel.all_mean(total / len(batches), env)
         self.loss_parts = {name: parallel.all_mean(value / len(batches), env).item()
-                           for name, value in parts.items()} if BACKBONES[self.model_cfg.backbone].moe else {}
+                           for name,
+                           value in parts.items()} if BACKBONES[self.model_cfg.backbone].moe else {}
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or math.inf)
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
             norm = norm.full_tensor()
-        ok = bool(torch.isfinite(loss) & torch.isfinite(norm))  # identical on every rank (reduced values)
+        # identical on every rank (reduced values)
+        ok = bool(torch.isfinite(loss) & torch.isfinite(norm))
         if ok:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return loss.item(), norm.item(), ok
 
-    # -- validation ---------------------------------------------------------------------------------------
+    # -- validation --------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean next-token loss over a fixed set of `eval_windows` validation windows spread evenly over the
-        split: the same set, so the same number, for any micro_batch and world size."""
+        """Mean next-token loss over a fixed set of `eval_windows` validation windows spread evenly
+        over the split: the same set, so the same number, for any micro_batch and world size."""
         cfg, env = self.cfg, self.env
         batches = validation_batches(self.val_data.num_sequences(self.seq_len), cfg.eval_windows,
                                      cfg.micro_batch, env.rank, env.world)
@@ -225,7 +242,8 @@ class Trainer:
         count = torch.zeros((), device=env.device, dtype=torch.float64)
         self.model.eval()
         for indices, counted in batches:
-            x, y = (t.to(env.device) for t in windows_xy(self.val_data, indices, self.seq_len))  # (b, seq_len)
+            # (b, seq_len)
+            x, y = (t.to(env.device) for t in windows_xy(self.val_data, indices, self.seq_len))
             with parallel.autocast(env):
                 loss = self.wrapped(x, y).loss
             if counted:  # a padding forward only keeps the ranks in step
@@ -235,7 +253,7 @@ class Trainer:
         self.model.train()
         return (parallel.all_sum(total, env) / parallel.all_sum(count, env)).item()
 
-    # -- checkpoints --------------------------------------------------------------------------------------
+    # -- checkpoints -------------------------------------------------------------------------------
     def save(self, val_loss: float) -> Path | None:
         weights = parallel.full_model_state(self.model)  # collective under FSDP
         optim = parallel.full_optimizer_state(self.model, self.optimizer)
@@ -246,10 +264,12 @@ class Trainer:
             state = {
                 "step": self.step, "optimizer": optim, "scheduler": self.scheduler.state_dict(),
                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available()
+                        else []},
                 "best_val": self.best_val, "nonfinite_in_row": self.nonfinite_in_row,
             }
-            meta = {"model": self.model_cfg.to_dict(), "train": self.cfg.to_dict(), "val_loss": val_loss,
+            meta = {"model": self.model_cfg.to_dict(), "train": self.cfg.to_dict(),
+                    "val_loss": val_loss,
                     "tokens": self.step * self.cfg.global_batch * self.seq_len}
             path = checkpoint.save_checkpoint(self.run_dir, self.step, weights, state, meta,
                                               keep_last=self.cfg.keep_last, is_best=is_best,
@@ -258,29 +278,34 @@ class Trainer:
         parallel.barrier(self.env)
         return path
 
-    # -- the loop -----------------------------------------------------------------------------------------
+    # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> TrainResult:
         result = TrainResult(self.run_dir, self.step, self.step, data_dir=self.data_dir)
         self._announce()
-        bar = Progress(self.env.is_main and self.cfg.progress, self.env.is_main, self.total_steps, self.step,
+        bar = Progress(self.env.is_main and self.cfg.progress, self.env.is_main, self.total_steps,
+                       self.step,
                        self.run_dir.name)
         start, train_time, rate = time.perf_counter(), 0.0, 0.0
         if self.step >= self.total_steps:  # resumed a finished run: report it, train nothing
             result.val_loss, result.checkpoint = self.evaluate(), checkpoint.resolve(self.run_dir)
-        watch = RankWatch(self.env, self.cfg.collective_timeout)  # a rank that dies or hangs is named
+        # a rank that dies or hangs is named
+        watch = RankWatch(self.env, self.cfg.collective_timeout)
         try:
-            with StopRequest(self.log) as stop, watch, watch.naming_failures():  # handlers stay while it looks
+            # handlers stay while it looks
+            with StopRequest(self.log) as stop, watch, watch.naming_failures():
                 while self.step < self.total_steps:
                     watch.beat(self.step)
                     if stop.requested(self.env):
                         raise self._stop(stop, result)
-                    t0, lr = time.perf_counter(), self.scheduler.get_last_lr()[0]  # the rate this step uses
+                    # the rate this step uses
+                    t0, lr = time.perf_counter(), self.scheduler.get_last_lr()[0]
                     loss, norm, ok = self.train_step(self.step)
                     dt = time.perf_counter() - t0
                     self.step += 1
                     self._count_flops()
                     train_time += dt
-                    rate = self.tokens_per_step / dt if rate == 0 else 0.9 * rate + 0.1 * self.tokens_per_step / dt
+                    rate = (self.tokens_per_step / dt if rate == 0
+                            else 0.9 * rate + 0.1 * self.tokens_per_step / dt)
                     self._after_step(ok, loss, norm, bar)
                     self._record(ok, loss, norm, lr, rate, time.perf_counter() - start, bar)
                     result.losses[self.step] = loss
@@ -289,17 +314,21 @@ class Trainer:
             bar.close()
             self.metrics.close()
         result.steps, result.wall_s = self.step, time.perf_counter() - start
-        result.tokens_per_s = (self.step - result.start_step) * self.tokens_per_step / max(train_time, 1e-9)
+        result.tokens_per_s = (self.step
+                               - result.start_step) * self.tokens_per_step / max(train_time, 1e-9)
         result.mfu = self.mfu(result.tokens_per_s)
         return result
 
     def _stop(self, stop: StopRequest, result: TrainResult) -> Exception:
-        """Save the current step (unless just saved; no validation pass, to stop quickly) -> the error to raise."""
-        saved = result.checkpoint is not None and checkpoint.step_dir_name(self.step) == result.checkpoint.name
+        """Save the current step (unless just saved; no validation pass, to stop quickly) -> the
+        error to raise."""
+        saved = (result.checkpoint is not None
+                 and checkpoint.step_dir_name(self.step) == result.checkpoint.name)
         if self.step > result.start_step and not saved:
             result.checkpoint = self.save(math.nan)
         where = (f"checkpoint {result.checkpoint} holds step {self.step}/{self.total_steps}"
-                 if result.checkpoint is not None else f"nothing to save at step {self.step}/{self.total_steps}")
+                 if result.checkpoint is not None
+                 else f"nothing to save at step {self.step}/{self.total_steps}")
         return stop.error(f"{where}; resume with the same command and --resume")
 
     @property
@@ -313,55 +342,65 @@ class Trainer:
             return  # the spec's K every step: describe's figure
         loops = self.step_loops
         if loops not in self._flops_at:
-            self._flops_at[loops] = train_flops_per_token(self.model, loops, cfg.backprop_loops or None, self.seq_len)
-        self.flops_seen, self.steps_seen = self.flops_seen + self._flops_at[loops], self.steps_seen + 1
+            self._flops_at[loops] = train_flops_per_token(self.model, loops,
+                                                          cfg.backprop_loops or None, self.seq_len)
+        self.flops_seen, self.steps_seen = (self.flops_seen + self._flops_at[loops],
+                                            self.steps_seen + 1)
         self.flops_per_token = self.flops_seen / self.steps_seen
 
     def mfu(self, tokens_per_s: float) -> float:
         return tokens_per_s * self.flops_per_token / (self.peak * self.env.world)
 
     def _announce(self) -> None:
-        """The run's first line and first metrics record: what runs, in which precision, compiled or not, and
-        the peak MFU divides by (each with the reason it was chosen)."""
+        """The run's first line and first metrics record: what runs, in which precision, compiled or
+        not, and the peak MFU divides by (each with the reason it was chosen)."""
         m, cfg, env = self.model_cfg, self.cfg, self.env
-        self.log(f"training {self.run_dir.name}: {m.spec} {m.scheme} d={m.d_model}, {self.total_steps} steps x "
-                 f"{cfg.global_batch} x {self.seq_len} tokens, world {env.world}, {env.device.type} "
-                 f"{env.precision.describe()}, {env.compile.describe()}; "
-                 f"MFU peak {self.peak / 1e9:,.0f} GFLOP/s per device ({self.peak_source}); "
-                 f"{self._trainable_text()}")
+        self.log(f"training {self.run_dir.name}: {m.spec} {m.scheme} d={m.d_model}, "
+                 f"{self.total_steps} steps x {cfg.global_batch} x {self.seq_len} tokens, world "
+                 f"{env.world}, {env.device.type} {env.precision.describe()}, "
+                 f"{env.compile.describe()}; MFU peak {self.peak / 1e9:,.0f} GFLOP/s per device "
+                 f"({self.peak_source}); {self._trainable_text()}")
         run = {"device": env.device.type, "world": env.world, "threads": torch.get_num_threads(),
-               "dtype": env.precision.name, "dtype_reason": env.precision.reason, "compile": env.compile.enabled,
-               "compile_reason": env.compile.reason, "peak_flops": self.peak, "peak_source": self.peak_source,
+               "dtype": env.precision.name, "dtype_reason": env.precision.reason,
+               "compile": env.compile.enabled,
+               "compile_reason": env.compile.reason, "peak_flops": self.peak,
+               "peak_source": self.peak_source,
                "malloc": allocator.tune(), "trainable_params": self.trainable,
                "total_params": sum(p.numel() for p in self.model.parameters())}
         self.metrics.log({"kind": "run", "step": self.step, **run})
-        train = {k: v for k, v in cfg.to_dict().items() if k != "model"}  # the model: resolved, beside
+        # the model: resolved, beside
+        train = {k: v for k, v in cfg.to_dict().items() if k != "model"}
         self.metrics.hparams({"train": train, "model": m.to_dict(), "run": run})
 
     def _trainable_text(self) -> str:
         total = sum(p.numel() for p in self.model.parameters())
-        return f"training {self.trainable:,} of {total:,} parameters ({100 * self.trainable / total:.2f}%)"
+        return (f"training {self.trainable:,} of {total:,} parameters "
+                f"({100 * self.trainable / total:.2f}%)")
 
     def _record(self, ok: bool, loss: float, norm: float, lr: float, rate: float, elapsed: float,
                 bar: Progress) -> None:
         if self.step % self.cfg.log_every == 0 or not ok:
-            self.metrics.log({"kind": "train" if ok else "skip", "step": self.step, "loss": loss, "lr": lr,
+            self.metrics.log({"kind": "train" if ok else "skip", "step": self.step, "loss": loss,
+                              "lr": lr,
                               "grad_norm": norm, "tokens": self.step * self.tokens_per_step,
                               "tokens_per_s": rate, "mfu": self.mfu(rate), "elapsed_s": elapsed,
-                              **self.loss_parts, **({"loops": self.step_loops} if self.loop_dist.sampled else {})})
+                              **self.loss_parts,
+                              **({"loops": self.step_loops} if self.loop_dist.sampled else {})})
         bar.update(loss, rate, self.mfu(rate), lr)
 
     def _evaluate_and_save(self, loss: float, result: TrainResult, bar: Progress) -> None:
-        """Validate every eval_every steps; save every save_every steps (validating first); both at the end."""
+        """Validate every eval_every steps; save every save_every steps (validating first); both at
+        the end."""
         cfg, last = self.cfg, self.step == self.total_steps
         saving = last or (cfg.save_every > 0 and self.step % cfg.save_every == 0)
         if saving or (cfg.eval_every > 0 and self.step % cfg.eval_every == 0):
             result.val_loss = self.evaluate()
             ppl = math.exp(min(result.val_loss, 700))
-            self.metrics.log({"kind": "eval", "step": self.step, "val_loss": result.val_loss, "val_ppl": ppl,
+            self.metrics.log({"kind": "eval", "step": self.step, "val_loss": result.val_loss,
+                              "val_ppl": ppl,
                               "tokens": self.step * self.tokens_per_step})
-            bar.write(f"step {self.step}/{self.total_steps}: train loss {loss:.4f}, val loss {result.val_loss:.4f}, "
-                      f"val ppl {ppl:.2f}")
+            bar.write(f"step {self.step}/{self.total_steps}: train loss {loss:.4f}, val loss "
+                      f"{result.val_loss:.4f}, val ppl {ppl:.2f}")
         if saving:
             result.checkpoint = self.save(result.val_loss)
 
@@ -370,13 +409,13 @@ class Trainer:
             self.nonfinite_in_row = 0
             return
         self.nonfinite_in_row += 1
-        bar.write(f"warning: step {self.step}: non-finite loss {loss} / grad norm {norm}; step skipped "
-                  f"({self.nonfinite_in_row} in a row, abort at {self.cfg.max_nonfinite})")
+        bar.write(f"warning: step {self.step}: non-finite loss {loss} / grad norm {norm}; step "
+                  f"skipped ({self.nonfinite_in_row} in a row, abort at {self.cfg.max_nonfinite})")
         if self.nonfinite_in_row >= self.cfg.max_nonfinite:
             raise NonFiniteLossError(
-                f"loss or gradients were non-finite for {self.nonfinite_in_row} steps in a row (last at step "
-                f"{self.step}); the run diverged: lower train.lr or raise train.warmup, then --resume from the "
-                f"last checkpoint in {self.run_dir}")
+                f"loss or gradients were non-finite for {self.nonfinite_in_row} steps in a row "
+                f"(last at step {self.step}); the run diverged: lower train.lr or raise "
+                f"train.warmup, then --resume from the last checkpoint in {self.run_dir}")
 
 
 def train(run: TrainConfig | RunPlan, resume: bool = False,

@@ -1,22 +1,27 @@
-"""Distributed faults: a rank that dies or hangs makes the others fail within `train.collective_timeout`, with
-one line naming it, instead of waiting out a 30-minute process-group timeout.
+"""Distributed faults: a rank that dies or hangs makes the others fail within
+`train.collective_timeout`, with one line naming it, instead of waiting out a 30-minute
+process-group timeout.
 
     watch = RankWatch(env, timeout_s)      # under torchrun; a no-op in one process
-    with watch, watch.naming_failures():   # starts the watchdog thread; a failed collective is named
+    with watch, watch.naming_failures():   # starts the watchdog thread; a failed collective is
+                                             named
         ... watch.beat(step) at the start of every step ...
 
-Each rank records a heartbeat in the process group's store (the TCPStore torchrun provides) at the start of
-every step: the step, its PID and host. What a waiting rank can then say about the others:
-  - on this host, from /proc: the rank's process is gone (killed, crashed) or stopped (SIGSTOP, a debugger);
+Each rank records a heartbeat in the process group's store (the TCPStore torchrun provides) at the
+start of every step: the step, its PID and host. What a waiting rank can then say about the others:
+  - on this host, from /proc: the rank's process is gone (killed, crashed) or stopped (SIGSTOP, a
+    debugger);
   - anywhere: the rank is behind, its heartbeat at an earlier step than this rank's.
 Two paths report it:
-  - a collective that fails (gloo raises when a peer's connection closes, or at the timeout) becomes a
-    DistributedError naming the rank (`failure`);
-  - the watchdog thread covers what raises nothing in time (a rank stopped mid-step; NCCL, whose own watchdog
-    aborts without naming anyone): once this rank has not started a step for the timeout and another rank is
-    found gone, stopped or behind, it prints the line and exits the process (the main thread is blocked
-    inside the collective). A long evaluation or checkpoint on every rank never fires it: no rank is behind.
-The process group's own timeout is the collective timeout plus GRACE, so the named report comes first.
+  - a collective that fails (gloo raises when a peer's connection closes, or at the timeout) becomes
+    a DistributedError naming the rank (`failure`);
+  - the watchdog thread covers what raises nothing in time (a rank stopped mid-step; NCCL, whose own
+    watchdog aborts without naming anyone): once this rank has not started a step for the timeout
+    and another rank is found gone, stopped or behind, it prints the line and exits the process (the
+    main thread is blocked inside the collective). A long evaluation or checkpoint on every rank
+    never fires it: no rank is behind.
+The process group's own timeout is the collective timeout plus GRACE, so the named report comes
+first.
 """
 from __future__ import annotations
 
@@ -70,7 +75,8 @@ class RankWatch:
     def __enter__(self) -> RankWatch:
         if self.store is not None:
             self.beat(self.step)
-            self._thread = threading.Thread(target=self._watch, name="meshlm-rank-watchdog", daemon=True)
+            self._thread = threading.Thread(target=self._watch, name="meshlm-rank-watchdog",
+                                            daemon=True)
             self._thread.start()
         return self
 
@@ -83,7 +89,7 @@ class RankWatch:
         if self.store is not None:
             self.store.set(KEY.format(rank=self.env.rank), f"{step} {os.getpid()} {self.host}")
 
-    # -- what the other ranks are doing ---------------------------------------------------------------------
+    # -- what the other ranks are doing ------------------------------------------------------------
     def culprits(self) -> list[str]:
         """The other ranks found gone, stopped or behind, each in words ([] if none is)."""
         found = []
@@ -114,28 +120,35 @@ class RankWatch:
         return None
 
     def message(self, culprits: list[str], why: str) -> str:
-        return (f"{'; '.join(culprits)}: rank {self.env.rank} stopped waiting for it ({why}); check that rank's "
-                f"log, stop the job, then resume with --resume from the last checkpoint")
+        return (f"{'; '.join(culprits)}: rank {self.env.rank} stopped waiting for it ({why}); "
+                "check that rank's log, stop the job, then resume with --resume from the last "
+                "checkpoint")
 
     def failure(self, err: BaseException, settle_s: float = 3.0) -> DistributedError:
-        """The error to raise for a collective that failed on this rank, naming the ranks at fault. A peer's
-        connection closes while its process is still exiting: look again for up to `settle_s` seconds."""
+        """The error to raise for a collective that failed on this rank, naming the ranks at fault.
+        A peer's connection closes while its process is still exiting: look again for up to
+        `settle_s` seconds."""
         deadline = time.monotonic() + settle_s
-        while not (culprits := self.culprits() if self.store is not None else []) and time.monotonic() < deadline:
+        while not (culprits := self.culprits() if self.store is not None
+                   else []) and time.monotonic() < deadline:
             time.sleep(0.1)
         if culprits:
-            closed = any(word in str(err) for word in ("Connection closed", "Connection reset", "closed by peer"))
-            why = "its connection closed" if closed else f"train.collective_timeout={self.timeout_s:g}s passed"
+            closed = any(word in str(err)
+                         for word in ("Connection closed", "Connection reset", "closed by peer"))
+            why = ("its connection closed" if closed
+                   else f"train.collective_timeout={self.timeout_s:g}s passed")
             return DistributedError(self.message(culprits, why))
-        return DistributedError(f"a collective failed on rank {self.env.rank} ({str(err).splitlines()[0][:160]}): "
-                                f"another rank died or hangs; check the other ranks' logs, then resume with "
-                                f"--resume from the last checkpoint")
+        return DistributedError(f"a collective failed on rank {self.env.rank} "
+                                f"({str(err).splitlines()[0][:160]}): another rank died or hangs; "
+                                "check the other ranks' logs, then resume with --resume from the "
+                                "last checkpoint")
 
     @contextlib.contextmanager
     def naming_failures(self):
-        """Inside the block, a collective that fails because a peer went away or timed out is re-raised as
-        the DistributedError `failure` makes (while the signal handlers of an enclosing StopRequest still
-        hold: torchrun's SIGTERM to the survivors must not cut the diagnosis short)."""
+        """Inside the block, a collective that fails because a peer went away or timed out is
+        re-raised as the DistributedError `failure` makes (while the signal handlers of an enclosing
+        StopRequest still hold: torchrun's SIGTERM to the survivors must not cut the diagnosis
+        short)."""
         try:
             yield
         except Exception as err:
@@ -143,7 +156,7 @@ class RankWatch:
                 raise self.failure(err) from err
             raise
 
-    # -- the watchdog thread --------------------------------------------------------------------------------
+    # -- the watchdog thread -----------------------------------------------------------------------
     def _watch(self) -> None:
         period = min(5.0, self.timeout_s / 4)
         while not self._stop.wait(period):
@@ -152,14 +165,19 @@ class RankWatch:
             culprits = self.culprits()
             if culprits and not self._stop.is_set():
                 why = f"no step for train.collective_timeout={self.timeout_s:g}s"
-                print(f"meshlm train: error: {self.message(culprits, why)}", file=self.out, flush=True)
-                os._exit(1)  # the main thread is blocked inside the collective: nothing else can end it
+                print(f"meshlm train: error: {self.message(culprits, why)}", file=self.out,
+                      flush=True)
+                # the main thread is blocked inside the collective: nothing else can end it
+                os._exit(1)
 
 
 def is_collective_failure(err: BaseException) -> bool:
-    """A collective that failed because a peer went away or timed out (gloo raises these as RuntimeError)."""
+    """A collective that failed because a peer went away or timed out (gloo raises these as
+    RuntimeError)."""
     if isinstance(err, dist.DistError):
         return True
     text = str(err)
-    return isinstance(err, RuntimeError) and any(s in text for s in ("Connection closed", "Timed out", "timed out",
-                                                                       "Connection reset", "gloo"))
+    return (isinstance(err, RuntimeError)
+            and any(s in text for s in ("Connection closed", "Timed out", "timed out",
+                                        "Connection reset",
+                                        "gloo")))

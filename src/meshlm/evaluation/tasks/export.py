@@ -1,21 +1,24 @@
-"""The suite as lm-eval task YAMLs, so lm-eval's own CLI runs it offline on an exported Hugging Face folder:
+"""The suite as lm-eval task YAMLs, so lm-eval's own CLI runs it offline on an exported Hugging Face
+folder:
 
     meshlm tasks export DIR            # or `meshlm fetch`, which writes <cache>/lm-eval-tasks
     lm_eval --model hf --model_args pretrained=EXPORT,trust_remote_code=True --include_path DIR \
         --tasks meshlm_suite --num_fewshot 0 --seed 1234
 
-Each YAML is one task of meshlm's suite exactly as `meshlm eval` builds it (meshlm.evaluation.tasks.task_specs):
-lm-eval's own YAML for the task, its includes merged in (prompt, choices, metrics), with only the data source,
-`dataset_path: json` with absolute `data_files`, and the splits overridden. Its `!function` helpers are named
-as modules of the installed lm-eval (`!function lm_eval.tasks.hellaswag.utils.process_docs`), so the file names
-no path inside the environment that wrote it: removing that venv, or running lm_eval from another one, leaves
-it working. Names get a `meshlm_` prefix so they never shadow lm-eval's Hub-backed tasks;
-the tag lm-eval's YAML carries is replaced for the same reason. Groups: `meshlm_mmlu` (the 57 cloze subjects,
-size-weighted like `meshlm eval`'s MMLU) and `meshlm_suite` (every task; no aggregate, since the paper's
-average mixes acc and acc_norm: `meshlm eval` computes it).
+Each YAML is one task of meshlm's suite exactly as `meshlm eval` builds it
+(meshlm.evaluation.tasks.task_specs): lm-eval's own YAML for the task, its includes merged in
+(prompt, choices, metrics), with only the data source, `dataset_path: json` with absolute
+`data_files`, and the splits overridden. Its `!function` helpers are named as modules of the
+installed lm-eval (`!function lm_eval.tasks.hellaswag.utils.process_docs`), so the file names no
+path inside the environment that wrote it: removing that venv, or running lm_eval from another one,
+leaves it working. Names get a `meshlm_` prefix so they never shadow lm-eval's Hub-backed tasks; the
+tag lm-eval's YAML carries is replaced for the same reason. Groups: `meshlm_mmlu` (the 57 cloze
+subjects, size-weighted like `meshlm eval`'s MMLU) and `meshlm_suite` (every task; no aggregate,
+since the paper's average mixes acc and acc_norm: `meshlm eval` computes it).
 
-Data paths are absolute because lm-eval resolves relative `data_files` against the working directory; moving
-the folder (or upgrading lm-eval, whose task definitions are copied) means exporting again.
+Data paths are absolute because lm-eval resolves relative `data_files` against the working
+directory; moving the folder (or upgrading lm-eval, whose task definitions are copied) means
+exporting again.
 """
 from __future__ import annotations
 
@@ -34,13 +37,15 @@ TAG = "meshlm_tasks"
 
 
 def exported_name(harness: str) -> str:
-    """lm-eval task name -> the exported one: piqa -> meshlm_piqa, mmlu_anatomy_continuation -> meshlm_mmlu_anatomy."""
+    """lm-eval task name -> the exported one: piqa -> meshlm_piqa, mmlu_anatomy_continuation ->
+    meshlm_mmlu_anatomy."""
     return PREFIX + harness.removesuffix("_continuation")
 
 
 def _copy_data(spec: dict, data_dir: Path) -> dict:
     """Copy a member's data files under data_dir/<task>/ and point the member at the copies."""
-    if "dataset_kwargs" not in spec:  # lm-eval's own data (LAMBADA-standard from the HF datasets cache)
+    # lm-eval's own data (LAMBADA-standard from the HF datasets cache)
+    if "dataset_kwargs" not in spec:
         return spec
     files = spec["dataset_kwargs"]["data_files"]
     target = data_dir / exported_name(spec["task"])
@@ -60,24 +65,28 @@ class _Dumper(yaml.SafeDumper):
     pass
 
 
-_Dumper.add_representer(_Function, lambda dumper, ref: dumper.represent_scalar("!function", str(ref)))
+_Dumper.add_representer(_Function,
+                        lambda dumper, ref: dumper.represent_scalar("!function", str(ref)))
 
 
 def _importable(value, root: Path):
-    """Every `!function` of a loaded lm-eval YAML (a path under lm-eval's task folder `root`, as lm-eval's
-    loader leaves it unresolved) as the dotted name of the installed module: lm_eval.tasks.<folder>.<module>.<fn>."""
+    """Every `!function` of a loaded lm-eval YAML (a path under lm-eval's task folder `root`, as
+    lm-eval's loader leaves it unresolved) as the dotted name of the installed module:
+    lm_eval.tasks.<folder>.<module>.<fn>."""
     if isinstance(value, dict):
         return {key: _importable(v, root) for key, v in value.items()}
     if isinstance(value, list):
         return [_importable(v, root) for v in value]
     if isinstance(value, str) and value.startswith(f"{root}{os.sep}"):
         module, _, function = value.rpartition(".")
-        return _Function(".".join(("lm_eval", "tasks", *Path(module).relative_to(root).parts, function)))
+        return _Function(".".join(("lm_eval", "tasks", *Path(module).relative_to(root).parts,
+                                   function)))
     return value
 
 
 def _task_yaml(spec: dict, source: Path) -> dict:
-    """lm-eval's YAML for the task (includes merged) with meshlm's overrides on top, as `include:` would."""
+    """lm-eval's YAML for the task (includes merged) with meshlm's overrides on top, as `include:`
+    would."""
     import lm_eval.tasks
     from lm_eval.tasks._yaml_loader import load_yaml
 
@@ -92,9 +101,11 @@ def _write(path: Path, config: dict) -> None:
 
 def export_tasks(out: str | Path, tasks: list[Task], cache_dir: str | os.PathLike | None = None,
                  copy_data: bool = True) -> list[str]:
-    """Write one YAML per task (and the two groups) into `out`; with copy_data, the data go to out/data/.
+    """Write one YAML per task (and the two groups) into `out`; with copy_data, the data go to
+    out/data/.
 
-    Returns the names of the top-level entries (tasks and the MMLU group) that `meshlm_suite` holds."""
+    Returns the names of the top-level entries (tasks and the MMLU group) that `meshlm_suite`
+    holds."""
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     index = task_manager(tasks).task_index  # lm-eval's own YAMLs: name -> Entry(yaml_path, …)
@@ -109,8 +120,10 @@ def export_tasks(out: str | Path, tasks: list[Task], cache_dir: str | os.PathLik
             names.append(config["task"])
         if task.name == "mmlu":
             group = PREFIX + MMLU_GROUP
-            _write(out / f"{group}.yaml", {"group": group, "task": names, "metadata": {"version": 1.0},
-                                           "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}]})
+            _write(out / f"{group}.yaml",
+                   {"group": group, "task": names, "metadata": {"version": 1.0},
+                    "aggregate_metric_list": [{"metric": "acc",
+                                               "weight_by_size": True}]})
             names = [group]
         top += names
     _write(out / f"{SUITE_GROUP}.yaml",
@@ -120,9 +133,10 @@ def export_tasks(out: str | Path, tasks: list[Task], cache_dir: str | os.PathLik
 
 def usage(out: str | Path, names: list[str]) -> str:
     """What was written and the lm_eval command that uses it."""
-    return (f"lm-eval tasks: {len(names)} in {Path(out).resolve()} (group {SUITE_GROUP}: {', '.join(names)})\n"
-            f"  lm_eval --model hf --model_args pretrained=HF_FOLDER,trust_remote_code=True "
-            f"--include_path {Path(out).resolve()} --tasks {SUITE_GROUP} --num_fewshot 0 --seed 1234 --device cpu")
+    return (f"lm-eval tasks: {len(names)} in {Path(out).resolve()} (group {SUITE_GROUP}: "
+            f"{', '.join(names)})\n  lm_eval --model hf --model_args "
+            f"pretrained=HF_FOLDER,trust_remote_code=True --include_path {Path(out).resolve()} "
+            f"--tasks {SUITE_GROUP} --num_fewshot 0 --seed 1234 --device cpu")
 
 
 def cache_tasks_dir(cache_dir: str | os.PathLike | None = None) -> Path:
