@@ -13,11 +13,13 @@ Comparisons (targets from the Hugging Face / generation issue):
      meshlm fp32 (what `--dtype auto` decodes in), bf16 (weights stored in bf16), int8 and int4
      (meshlm.quant, every layer and the head), with the weight bytes each reads per token against
      this core's measured copy bandwidth:
-         .venv/bin/python benchmarks/decode_speed.py --versus-transformers --d-model 768 --heads 12 \
+         .venv/bin/python benchmarks/decode_speed.py --versus-transformers --d-model 768 \
+             --heads 12 \
              --vocab 50304 --new-tokens 64 --rounds 3 --threads 1
   3. (--append) the cache's in-place appends vs. appending by concatenation (each step copying every
      slot's whole history), MeSH cached; it shows at long contexts:
-         .venv/bin/python benchmarks/decode_speed.py --append --skip-uncached --prompt 1024 --new-tokens 128
+         .venv/bin/python benchmarks/decode_speed.py --append --skip-uncached --prompt 1024 \
+             --new-tokens 128
 
 Each round runs every variant once, in turn (interleaved, so machine noise hits all alike); the
 table shows medians. `--clock cpu` measures this process's CPU time instead of wall time: on a

@@ -1,7 +1,8 @@
 """Elastic depth, side by side in one run; every figure is a ratio of interleaved medians.
 
     .venv/bin/python benchmarks/elastic.py decode CKPT --exit state:0.2 --threads 1 --clock cpu
-    .venv/bin/python benchmarks/elastic.py gather CKPT --exit state:0.1,state:0.2,state:0.3 --threads 1 --clock cpu
+    .venv/bin/python benchmarks/elastic.py gather CKPT --exit state:0.1,state:0.2,state:0.3 \
+        --threads 1 --clock cpu
     .venv/bin/python benchmarks/elastic.py memory                  # truncated backprop: peak memory
                                                                      vs. fixed K = k
     .venv/bin/python benchmarks/elastic.py throughput --baseline-src /path/to/older/src

@@ -1,7 +1,8 @@
 """Decode speed of adaptive exit against fixed depth on the reasoning suite, at the accuracy each
 reaches.
 
-    python benchmarks/reasoning_exit.py RUN --exit state:0.1,state:0.3 --threads 1 --clock cpu --rounds 7
+    python benchmarks/reasoning_exit.py RUN --exit state:0.1,state:0.3 --threads 1 --clock cpu \
+        --rounds 7
 
 For a run trained on task data: its test problems (--limit per task and difficulty, the trained
 difficulties by default) are answered by greedy cached decoding at fixed depth (the trained K, or

@@ -3,7 +3,8 @@ table.
 
     .venv/bin/python benchmarks/retrofit_llama.py --out /tmp/retrofit-llama
         # ~15 min on 2 CPU cores
-    .venv/bin/python benchmarks/retrofit_llama.py --out /tmp/r --steps 100 --continue-steps 20 --windows 16
+    .venv/bin/python benchmarks/retrofit_llama.py --out /tmp/r --steps 100 --continue-steps 20 \
+        --windows 16
 
 1. Train a vanilla 8-layer Llama-backbone model (`llama-small`) with `meshlm train` on the embedded
    corpus, and export it as a Hugging Face Llama folder (`meshlm convert RUN OUT --to llama`).

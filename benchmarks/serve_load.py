@@ -1,7 +1,8 @@
 """Load on `meshlm serve` through the real async openai client: throughput, time to first token and
 inter-token latency (p50, p99) at several concurrencies, for plain decoding, exit and speculation.
 
-    .venv/bin/python benchmarks/serve_load.py RUN --exit state:1.0 --speculate auto --requests 32 --tokens 32
+    .venv/bin/python benchmarks/serve_load.py RUN --exit state:1.0 --speculate auto --requests 32 \
+        --tokens 32
 
 The server runs in a subprocess on a free 127.0.0.1 port with one torch thread (`--server-threads`),
 the client in this process. For every mode (plain; `exit`; `speculate`) and concurrency (1, 4, 16),

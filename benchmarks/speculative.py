@@ -2,7 +2,8 @@
 acceptance.
 
     .venv/bin/python benchmarks/speculative.py runs/mesh-1+2R8+1 --threads 1 --clock cpu
-    .venv/bin/python benchmarks/speculative.py runs/mesh-small-mesh --draft-loops 1 --temperature 0.8
+    .venv/bin/python benchmarks/speculative.py runs/mesh-small-mesh --draft-loops 1 \
+        --temperature 0.8
 
 Variants, each run once per round in turn (interleaved, the order flipped every round): plain cached
 decoding, `--speculate K_d` for every K_d in --draft-loops (γ chosen from the measured acceptance

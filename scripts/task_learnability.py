@@ -1,7 +1,8 @@
 """How many problems does a reasoning task need before a model of this size learns it?
 
     python scripts/task_learnability.py --task chase --train-difficulty 1-1 --steps 1500
-    python scripts/task_learnability.py --task chase --task-option chase.statements=6,chase.distractors=1 \
+    python scripts/task_learnability.py --task chase \
+        --task-option chase.statements=6,chase.distractors=1 \
         --train-difficulty 1-3 --curriculum 200
 
 A quick check before sizing a study (docs/reasoning.md): it trains a MeshLM on fresh problems drawn

@@ -36,7 +36,8 @@ else:
     raise SystemExit("meshlm is importable: the block did not hold")
 '''
 EPILOGUE = '''
-assert not any(m == "meshlm" or m.startswith("meshlm.") for m in sys.modules), "meshlm entered sys.modules"
+assert not any(m == "meshlm" or m.startswith("meshlm.") for m in sys.modules), \
+    "meshlm entered sys.modules"
 print("clean-env ok")
 '''
 

@@ -22,8 +22,8 @@ printf '{"earlier": true}\n' > "$DISK/eval.json"
 head -c 1048576 /dev/zero > "$DISK/fill" 2>/dev/null
 "$PY" -m meshlm.cli report "$RUN" --out "$DISK/r.html" > "$OUT/report.out" 2> "$OUT/report.err"
 echo $? > "$OUT/report.rc"
-"$PY" -m meshlm.cli eval "$RUN" --tasks none --loops none --limit 2 --out "$DISK/eval.json" > "$OUT/eval.out" \
-    2> "$OUT/eval.err"
+"$PY" -m meshlm.cli eval "$RUN" --tasks none --loops none --limit 2 --out "$DISK/eval.json" \
+    > "$OUT/eval.out" 2> "$OUT/eval.err"
 echo $? > "$OUT/eval.rc"
 cp "$DISK/r.html" "$DISK/eval.json" "$OUT/"
 ls -A "$DISK" > "$OUT/listing"

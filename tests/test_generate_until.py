@@ -41,7 +41,7 @@ def requests(contexts, gen_kwargs):
             for c in contexts]
 
 
-def test_generate_until_is_greedy_decoding_cut_at_the_first_stop_string_and_speculation_changes_nothing():
+def test_generate_until_is_greedy_decoding_cut_at_the_first_stop_and_speculation_changes_nothing():
     from meshlm.evaluation.harness import MeshLMEval
 
     model, tok = build(tiny(spec="1+2R3+1", vocab_size=8192)), load_tokenizer("default")

@@ -15,7 +15,8 @@ import runpy, sys
 for name in ("lm_eval", "datasets", "transformers"):
     sys.modules[name] = None  # `import lm_eval` now raises ImportError
 from meshlm.train import parallel
-parallel.compile_layers = lambda model: None  # the eager-then-compiled sequence, without minutes of compiling
+# the eager-then-compiled sequence, without minutes of compiling
+parallel.compile_layers = lambda model: None
 sys.argv = ["gpu_check.py", *sys.argv[1:]]
 runpy.run_path("benchmarks/gpu_check.py", run_name="__main__")
 """

@@ -206,13 +206,17 @@ from transformers import GenerationConfig
 
 def generate_calls(model, ids, mask):
     common = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
-    knobs = GenerationConfig(assistant_early_exit=1, num_assistant_tokens=2, max_new_tokens=8, do_sample=False)
-    out = {"greedy": model.generate(**common), "speculate": model.generate(**common, speculate="1:2"),
+    knobs = GenerationConfig(assistant_early_exit=1, num_assistant_tokens=2, max_new_tokens=8,
+                             do_sample=False)
+    out = {"greedy": model.generate(**common),
+           "speculate": model.generate(**common, speculate="1:2"),
            "auto": model.generate(**common, speculate="auto"),
-           "assistant_knobs": model.generate(**common, assistant_early_exit=1, num_assistant_tokens=3),
+           "assistant_knobs": model.generate(**common, assistant_early_exit=1,
+                                             num_assistant_tokens=3),
            "generation_config": model.generate(ids, attention_mask=mask, generation_config=knobs)}
     torch.manual_seed(0)
-    out["sampled_speculate"] = model.generate(**{**common, "do_sample": True}, top_k=20, speculate="1:2")
+    out["sampled_speculate"] = model.generate(**{**common, "do_sample": True}, top_k=20,
+                                              speculate="1:2")
     model.config.loops, model.config.exit = 3, "state:0.3"
     out["loops_exit"] = model.generate(**common)
     model.config.loops = model.config.exit = None
@@ -245,16 +249,19 @@ def test_exported_folder_runs_every_generate_feature_where_meshlm_cannot_be_impo
 from transformers import AutoModelForCausalLM, pipeline
 folder, ref = {str(folder)!r}, torch.load({str(tmp_path / "ref.pt")!r})
 model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
-assert type(model).__module__.startswith("transformers_modules."), type(model).__module__  # the folder's code
+# the folder's code
+assert type(model).__module__.startswith("transformers_modules."), type(model).__module__
 with torch.no_grad():
     logits = model(ref["x"], attention_mask=ref["mask"]).logits
 assert (logits - ref["logits"])[ref["mask"].bool()].abs().max().item() <= 1e-6
 for name, out in generate_calls(model, ref["x"], ref["mask"]).items():
     assert torch.equal(out, ref["generated"][name]), name
-text = pipeline("text-generation", model=folder, trust_remote_code=True)("Hi", max_new_tokens=4, do_sample=False)
+text = pipeline("text-generation", model=folder, trust_remote_code=True)("Hi", max_new_tokens=4,
+                                                                        do_sample=False)
 assert text[0]["generated_text"].startswith("Hi")
 model.save_pretrained({str(tmp_path / "again")!r})  # the remote code copies itself
-again = AutoModelForCausalLM.from_pretrained({str(tmp_path / "again")!r}, trust_remote_code=True).eval()
+again = AutoModelForCausalLM.from_pretrained({str(tmp_path / "again")!r},
+                                             trust_remote_code=True).eval()
 with torch.no_grad():
     assert torch.equal(again(ref["x"], attention_mask=ref["mask"]).logits, logits)
 """, tmp_path)

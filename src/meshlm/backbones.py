@@ -1,10 +1,10 @@
 """The backbone registry: the layer kinds a model is built from, each owning everything that is its
 own.
 
-    backbone  layer (meshlm.model)  norm       defaults (fields left at None)         Hugging Face family
-    neox      layers.NeoXLayer      LayerNorm  rotary 25%, MLP 4d                     GPTNeoXForCausalLM (Pythia)
-    llama     llama.LlamaLayer      RMSNorm    rotary 100%, SwiGLU ⌈⅔·4d / 64⌉·64     LlamaForCausalLM
-    olmoe     moe.OlmoeLayer        RMSNorm    as llama + QK-norm, experts d/2 wide   OlmoeForCausalLM
+    backbone  layer class       norm       defaults (fields at None)             HF family
+    neox      layers.NeoXLayer  LayerNorm  rotary 25%, MLP 4d                    GPTNeoXForCausalLM
+    llama     llama.LlamaLayer  RMSNorm    rotary 100%, SwiGLU ⌈⅔·4d / 64⌉·64    LlamaForCausalLM
+    olmoe     moe.OlmoeLayer    RMSNorm    as llama + QK-norm, experts d/2 wide  OlmoeForCausalLM
 
 A backbone is one class registered with `@register_backbone`. It owns
 - its defaults for the fields a config leaves at None (`rotary_fraction`, `mlp_width`, `qk_norm`)

@@ -3,15 +3,15 @@
 Values come from YAML files, `key=value` overrides and JSON, so `coerce` turns what those formats
 produce into the field's annotated type, and refuses anything else:
 
-| annotation   | accepted                                                   | refused                  |
-|--------------|------------------------------------------------------------|--------------------------|
-| bool         | true/false (also the strings "true"/"false"/"yes"/"no")    | 1, 0, "on", any number   |
-| int          | integers; integral floats and numeric strings ("1e4")     | 1.5, true, "ten"         |
-| float        | numbers and numeric strings ("1e-3": YAML 1.1 reads a str) | true, "fast", nan, inf   |
-| str          | strings; integers (spec 24)                                | true, 1.5, lists, maps   |
-| X | None     | null, or what X accepts                                    |                          |
-| list[float]  | a list of numbers                                          | a scalar, a list of str  |
-| dict[...]    | a mapping                                                  | anything else            |
+| annotation  | accepted                                                | refused                 |
+|-------------|---------------------------------------------------------|-------------------------|
+| bool        | true/false (also the strings "true"/"false"/"yes"/"no") | 1, 0, "on", any number  |
+| int         | integers; integral floats and numeric strings ("1e4")   | 1.5, true, "ten"        |
+| float       | numbers, numeric strings ("1e-3": YAML 1.1 reads a str) | true, "fast", nan, inf  |
+| str         | strings; integers (spec 24)                             | true, 1.5, lists, maps  |
+| X | None    | null, or what X accepts                                 |                         |
+| list[float] | a list of numbers                                       | a scalar, a list of str |
+| dict[...]   | a mapping                                               | anything else           |
 
 `check` is the strict form for values already in a dataclass: the value must be of the type as it
 is.

@@ -7,7 +7,8 @@ metadata, data.
     `meshlm convert`/`meshlm retrofit` output          meshlm   the folder itself
     `meshlm quantize` output (int8/int4 layers)        meshlm   the folder itself
     `meshlm convert --to hf` output (MeshForCausalLM)  hf       the folder itself
-    a LoRA run's checkpoint (train.lora_rank > 0)      meshlm   <run>/; adapters merged (meshlm.adapters)
+    a LoRA run's checkpoint (train.lora_rank > 0)      meshlm   <run>/; adapters merged
+                                                                (meshlm.adapters)
     Hugging Face GPT-NeoX (Pythia) / Llama / OLMoE     neox | llama | olmoe   the folder itself
     org/name[@revision] on the Hugging Face Hub        any above ./org--name (meshlm.hub; cached
                                                        snapshot)
@@ -38,7 +39,8 @@ gives wrong numbers silently. The data rule (held-out data for eval and probe), 
 applies:
     1. an explicit `--data` folder;
     2. the prepared folder the checkpoint's training config names (train.data);
-    3. "default": the embedded corpus, prepared (once, cached by tokenizer hash) with the tokenizer above.
+    3. "default": the embedded corpus, prepared (once, cached by tokenizer hash) with the tokenizer
+       above.
 A prepared folder tokenised with a different tokenizer than the model's is a DataError naming both.
 """
 from __future__ import annotations

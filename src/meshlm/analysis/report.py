@@ -50,8 +50,9 @@ TASK_TITLES = {"lambada_openai": "LAMBADA", "piqa": "PIQA", "hellaswag": "HellaS
                "arc_easy": "ARC-E", "arc_challenge": "ARC-C", "sciq": "SciQ", "mmlu": "MMLU",
                "lambada_standard": "LAMBADA-std"}
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222}
-table{border-collapse:collapse;margin:1em 0;font-size:14px}th,td{border:1px solid #ccc;padding:4px 8px;
-text-align:right}th{background:#f3f3f3}td.l,th.l{text-align:left;white-space:nowrap}img{max-width:100%;margin:0.5em 0}
+table{border-collapse:collapse;margin:1em 0;font-size:14px}
+th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}th{background:#f3f3f3}
+td.l,th.l{text-align:left;white-space:nowrap}img{max-width:100%;margin:0.5em 0}
 .note{color:#a33}.foot{font-size:13px;color:#555}code{background:#f5f5f5;padding:1px 4px}"""
 
 
@@ -181,6 +182,11 @@ def _table(header: list[str], columns: list[list[str]], n_rows: int) -> str:
                    h in enumerate(header))
     rows = "".join("<tr>" + "".join(col[r] for col in columns) + "</tr>" for r in range(n_rows))
     return f"<table><tr>{head}</tr>{rows}</table>"
+
+
+def step_note(r) -> str:
+    """" (step N)" after a run's path when its eval.json names the step, else ""."""
+    return f" (step {r.eval['step']})" if r.eval and r.eval.get("step") is not None else ""
 
 
 def table_one(runs: list[RunResults], shots: str | None) -> str:

@@ -72,8 +72,9 @@ def run(args: argparse.Namespace) -> int:
           else []),
         (f"forward FLOPs/token @ {acc.context_length}" + (" (active)" if acc.experts else ""),
          f"{acc.forward_flops_per_token:,}"),
-        ("  of which scheme", f"{acc.scheme_flops_per_token:,} "
-                              f"({100 * acc.scheme_flops_per_token / acc.forward_flops_per_token:.4f}%)"),
+        ("  of which scheme",
+         f"{acc.scheme_flops_per_token:,} "
+         f"({100 * acc.scheme_flops_per_token / acc.forward_flops_per_token:.4f}%)"),
         ("train FLOPs/token", f"{acc.train_flops_per_token:,}"),
     ]
     width = max(len(k) for k, _ in rows)

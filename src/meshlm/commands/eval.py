@@ -176,9 +176,9 @@ def check_inputs(args: argparse.Namespace) -> str | None:
                                            "Face Hub name org/name[@revision]"):
         folder = p.check(locate, args.checkpoint)
         if folder is not None:
-            p.need(not (args.out and Path(args.out).is_dir()), f"--out {args.out} is a folder; "
-                                                               "name the JSON file to write, e.g. "
-                                                               f"{Path(args.out or '.') / 'eval.json'}")
+            p.need(not (args.out and Path(args.out).is_dir()),
+                   f"--out {args.out} is a folder; name the JSON file to write, e.g. "
+                   f"{Path(args.out or '.') / 'eval.json'}")
             p.writable(Path(args.out).parent if args.out else folder.run_dir, "output folder")
             if args.tokenizer:
                 p.check(folder.chosen_tokenizer, args.tokenizer, args.force_tokenizer)

@@ -3,7 +3,8 @@
 
 One JSON object per line (blank lines skipped), either form in one file:
 
-    {"prompt": "Q: 2+2?\\nA:", "completion": " 4"}   ids = prompt · completion · EOS; loss on completion and EOS
+    {"prompt": "Q: 2+2?\\nA:", "completion": " 4"}
+        ids = prompt · completion · EOS; loss on completion and EOS
     {"messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]}
         rendered with a chat template through transformers' `apply_chat_template`; loss on every
         assistant turn as the template renders it (its end-of-turn text included) and on the EOS

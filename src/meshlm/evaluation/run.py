@@ -115,8 +115,8 @@ def depth_stages(model, data, seq_len: int, options: EvalOptions, common: dict, 
 
 
 def suite_for(suite: str, data: str) -> str:
-    """--suite resolved for the data evaluated on (a folder or a train.data value): "reasoning" when asked, or
-    under "auto" for task data; else "text"."""
+    """--suite resolved for the data evaluated on (a folder or a train.data value): "reasoning"
+    when asked, or under "auto" for task data; else "text"."""
     return ("reasoning" if suite == "reasoning"
             or (suite == "auto" and holds_tasks(data)) else "text")
 

@@ -18,8 +18,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
 
 folder = "{folder}"  # this folder
 tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
-model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)  # meshlm need not be installed
-inputs = tokenizer(["To be, or not to be", "Hello"], return_tensors="pt", padding=True)  # pads on the left
+# meshlm need not be installed
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)
+# pads on the left
+inputs = tokenizer(["To be, or not to be", "Hello"], return_tensors="pt", padding=True)
 out = model.generate(**inputs, max_new_tokens=20, do_sample=False)
 print(tokenizer.batch_decode(out, skip_special_tokens=True))
 
@@ -27,9 +29,9 @@ generator = pipeline("text-generation", model=folder, trust_remote_code=True)
 ```
 
 With meshlm installed, `import meshlm.hf` registers the model type, and both loaders work without
-`trust_remote_code`. `trust_remote_code=True` runs `modeling_meshlm.py` from this folder: meshlm's own model
-code, generated when the folder was written. transformers 5 reads config.json before the tokenizer, so the
-tokenizer needs the flag as well (else it asks whether to run the custom code).
+`trust_remote_code`. `trust_remote_code=True` runs `modeling_meshlm.py` from this folder: meshlm's
+own model code, generated when the folder was written. transformers 5 reads config.json before the
+tokenizer, so the tokenizer needs the flag as well (else it asks whether to run the custom code).
 
 lm-evaluation-harness:
 

@@ -3,7 +3,7 @@
 It wraps the one `MeshLM` (as `self.model`, so weights are saved as "model.<meshlm name>") and
 translates Hugging Face conventions to meshlm's:
 
-    attention_mask (B, T_past + T)  -> padding_mask      (left padding in batched generate() included)
+    attention_mask (B, T_past + T)  -> padding_mask (left padding in batched generate() included)
     labels (B, T), shifted inside   -> targets = labels[:, 1:]
     cache (a transformers Cache)    -> the looped KV cache, one entry per *unrolled* layer
 
@@ -148,8 +148,8 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
         """transformers' generate(), plus lossless self-speculative decoding
         (meshlm.generate.speculative).
 
-        Speculation is asked for with `speculate="auto" | "K_d" | "K_d:γ"`, or with transformers' early-exit
-        assistant knobs: `assistant_early_exit=K_d` (loop passes here, not layers) and
+        Speculation is asked for with `speculate="auto" | "K_d" | "K_d:γ"`, or with transformers'
+        early-exit assistant knobs: `assistant_early_exit=K_d` (loop passes here, not layers) and
         `num_assistant_tokens=γ`. transformers' own early-exit assistant cannot share the looped
         cache slots, so it would recompute the shallow loops; this path reuses them. It takes
         input_ids, attention_mask (left padding), max_new_tokens, do_sample, temperature, top_k,

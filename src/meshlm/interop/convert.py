@@ -1,11 +1,12 @@
 """Conversion between Hugging Face model folders (GPT-NeoX/Pythia, Llama, OLMoE), meshlm checkpoints
 and meshlm HF folders.
 
-    neox | llama | olmoe -> meshlm   a vanilla meshlm checkpoint with the same logits (no embedding scaling)
-    meshlm -> neox | llama | olmoe   only a vanilla model (no shared layers, no scheme parameters) of the
-                      family's backbone; a model trained with scaled embeddings has √d folded into the input
-                      table, which is exact (a tied model is then written untied: the output layer
-                      keeps the unscaled table)
+    neox | llama | olmoe -> meshlm   a vanilla meshlm checkpoint with the same logits (no embedding
+                                     scaling)
+    meshlm -> neox | llama | olmoe   only a vanilla model (no shared layers, no scheme parameters)
+                      of the family's backbone; a model trained with scaled embeddings has √d
+                      folded into the input table, which is exact (a tied model is then written
+                      untied: the output layer keeps the unscaled table)
     meshlm -> hf      a MeshForCausalLM folder (any scheme, any backbone) for transformers / lm-eval
                       (meshlm.hf)
     hf     -> meshlm  back to a meshlm checkpoint

@@ -4,11 +4,11 @@ configs.
 Each backbone in meshlm.backbones is its own family: it holds the names, the config translation and
 the checks; this module applies them to state dicts and configs.
 
-    family (= backbone)  transformers class   layers             embeddings / final norm / output layer
-    neox                 GPTNeoXForCausalLM   gpt_neox.layers.i  gpt_neox.embed_in / gpt_neox.final_layer_norm /
-                                                                 embed_out (lm_head in transformers 5 modules)
-    llama                LlamaForCausalLM     model.layers.i     model.embed_tokens / model.norm / lm_head
-    olmoe                OlmoeForCausalLM     model.layers.i     model.embed_tokens / model.norm / lm_head
+    family  transformers class  layers             embeddings / final norm / output layer
+    neox    GPTNeoXForCausalLM  gpt_neox.layers.i  gpt_neox.embed_in / gpt_neox.final_layer_norm /
+                                                   embed_out (lm_head in transformers 5 modules)
+    llama   LlamaForCausalLM    model.layers.i     model.embed_tokens / model.norm / lm_head
+    olmoe   OlmoeForCausalLM    model.layers.i     model.embed_tokens / model.norm / lm_head
 
 meshlm's unique layers, in order (prelude.0 …, cores.0.0 …, cores.1.0 …, coda.0 …), are the family's
 layers 0, 1, …; inside a layer the parameter names are the family's own, so conversion renames layer

@@ -4,8 +4,9 @@
 |---------------------------------------------------|----------------------------------------------|
 | input and output embeddings, every other Linear   | normal(0, init_std = 0.02), biases 0         |
 | (incl. the MoE expert router and experts' gate/up)|                                              |
-| output projections (attention.dense, dense_4h_to_h,| normal(0, init_std / √(2·N)), N = unrolled   |
-| self_attn.o_proj, mlp.down_proj, experts.down_proj)| depth (if scale_output_init; else init_std)  |
+| output projections (attention.dense,              | normal(0, init_std / √(2·N)), N = unrolled   |
+| dense_4h_to_h, self_attn.o_proj, mlp.down_proj,   | depth (if scale_output_init; else init_std)  |
+| experts.down_proj)                                |                                              |
 | LayerNorm, RMSNorm (incl. QK-norm)                | weight 1 (bias 0)                            |
 | MeSH routers                                      | normal(0, router_init_std = 0.02), bias 0:   |
 |                                                   | near-uniform routing at the start            |

@@ -5,7 +5,8 @@ so each pass needs its own keys and values. The cache therefore has one slot per
 execution order:
 
     "2+3R2+1":  slot 0 1 │ 2 3 4 │ 5 6 7 │ 8
-                prelude  │ core, pass 0 │ core, pass 1 │ coda        (modules: prelude.0-1, cores.0.0-2, coda.0)
+                prelude  │ core, pass 0 │ core, pass 1 │ coda
+                (modules: prelude.0-1, cores.0.0-2, coda.0)
 
 `slot_offsets` gives the first slot of every stage; `MeshLM.forward` hands each stage its offset.
 The MeSH buffer, the anchors and every scheme state are per token, so decoding needs no cache for

