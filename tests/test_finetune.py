@@ -21,6 +21,7 @@ from meshlm.data.sft import DEFAULT_TEMPLATE, Renderer, prepare_sft
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import ConfigError, DataError
 from meshlm.loading import open_model
+from meshlm.serve.text import chat_template as serve_template
 from meshlm.train.trainer import train
 
 CHAT = {"messages": [{"role": "system", "content": "Be brief."},
@@ -238,6 +239,11 @@ def test_finetune_then_export_loads_in_a_clean_process(tmp_path):
            "train.progress=false",
            "train.tensorboard=false", "train.dtype=fp32", "train.lr=1e-2")
     meshlm("convert", "runs/base-ft/merged", "hf", "--to", "hf")
+    # the template its data were rendered in travels with the run, the merged model and the export
+    for folder in ("runs/base-ft", "runs/base-ft/merged", "hf"):
+        assert (tmp_path / folder / "chat_template.jinja").read_text() == DEFAULT_TEMPLATE, folder
+    opened = open_model(tmp_path / "runs" / "base-ft")
+    assert serve_template(opened.path, opened.run_dir) == (DEFAULT_TEMPLATE, True)
     x = torch.randint(0, 8192, (2, 12))
     with torch.no_grad():
         expected = open_model(tmp_path / "runs" / "base-ft").model(x).logits
@@ -248,6 +254,11 @@ def test_finetune_then_export_loads_in_a_clean_process(tmp_path):
              "m = AutoModelForCausalLM.from_pretrained('hf', trust_remote_code=True).eval()\n"
              "e = torch.load('expected.pt', weights_only=True)\n"
              "torch.testing.assert_close(m(e['x']).logits, e['logits'], rtol=1e-4, atol=1e-4)\n"
+             "from transformers import AutoTokenizer\n"
+             "chat = [{'role': 'user', 'content': '2+2'}]\n"
+             "text = AutoTokenizer.from_pretrained('hf').apply_chat_template(\n"
+             "    chat, tokenize=False, add_generation_prompt=True)\n"
+             "assert text == '<|user|>\\n2+2\\n<|assistant|>\\n', repr(text)\n"
              "assert 'meshlm' not in sys.modules, 'the remote code imported meshlm'\nprint('ok')\n")
     clean = {**env, "PYTHONPATH": "", "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env=clean,

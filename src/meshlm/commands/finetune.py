@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+TEMPLATE_FILE = "chat_template.jinja"  # where Hugging Face folders keep theirs: all readers look
 FINETUNE_DEFAULTS = ("train.lora_rank=8", "train.lr=1e-3", "train.steps=200", "train.warmup=0.05",
                      "train.eval_every=50", "train.save_every=100")
 
@@ -42,9 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm import checkpoint
+    from meshlm import atomic, checkpoint
     from meshlm.commands.train import log_to_stderr
-    from meshlm.data.sft import cached_sft_data
+    from meshlm.data.sft import DEFAULT_TEMPLATE, cached_sft_data
     from meshlm.loading import locate, open_model
     from meshlm.train.config import load_config
     from meshlm.train.plan import resolve
@@ -55,9 +56,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, [*FINETUNE_DEFAULTS, *name, f"train.init_from={args.source}",
                                     *args.overrides])
     plan = resolve(cfg)  # the folder's model and tokenizer, which the data are prepared with
-    data = cached_sft_data(args.data, plan.tokenizer, chat_template(args, folder.path),
-                           plan.model.context_length)
-    result = train(plan.with_data(data), resume=args.resume, log=log_to_stderr)
+    own = chat_template(args, folder.path, folder.run_dir)  # None: meshlm's default
+    data = cached_sft_data(args.data, plan.tokenizer, own, plan.model.context_length)
+    template = own or DEFAULT_TEMPLATE
+    recorded = ((TEMPLATE_FILE, template),)  # serve and a later finetune read the run's template
+    result = train(plan.with_data(data, recorded), resume=args.resume, log=log_to_stderr)
     print(f"fine-tuned {result.steps} steps: validation loss {result.val_loss:.4f} on the "
           f"completion tokens")
     print(f"checkpoint: {result.checkpoint}")
@@ -66,17 +69,19 @@ def run(args: argparse.Namespace) -> int:
         source = {"format": "meshlm", "path": str(result.checkpoint), "merged": "lora"}
         merged = checkpoint.save_model(opened.model, plan.run_dir / "merged", {"source": source},
                                        opened.tokenizer_file)
+        atomic.write_text(merged / TEMPLATE_FILE, template)
         print(f"merged: {merged} (LoRA folded into the base weights)")
     return 0
 
 
-def chat_template(args: argparse.Namespace, folder: Path) -> str | None:
-    """--chat-template's file, else the model folder's own template (None: meshlm's default)."""
+def chat_template(args: argparse.Namespace, *folders: Path) -> str | None:
+    """--chat-template's file, else the model's own template (the first of `folders` holding one;
+    None: meshlm's default)."""
     from meshlm.data.tokenizer import folder_chat_template
     from meshlm.errors import ConfigError
 
     if not args.chat_template:
-        return folder_chat_template(folder)
+        return folder_chat_template(*folders)
     path = Path(args.chat_template)
     if not path.is_file():
         raise ConfigError(f"--chat-template {path} does not exist; pass a Jinja template file")

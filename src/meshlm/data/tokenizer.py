@@ -183,14 +183,16 @@ def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB) -> Tokenize
     return tok
 
 
-def folder_chat_template(folder: str | os.PathLike | None) -> str | None:
+def folder_chat_template(*folders: str | os.PathLike | None) -> str | None:
     """A model folder's own chat template, as Hugging Face folders carry it: chat_template.jinja,
     else tokenizer_config.json's "chat_template" (a string, or transformers' named list: its
-    "default" entry). None when the folder has none. Fine-tuning (meshlm.data.sft) and serving
-    (meshlm.serve.text) both read it."""
-    if folder is None:
-        return None
-    folder = Path(folder)
+    "default" entry); of several folders (a checkpoint, then its run, where `meshlm finetune`
+    records the template its data were rendered in), the first that has one. None when none has.
+    Fine-tuning (meshlm.data.sft) and serving (meshlm.serve.text) both read it."""
+    return next((t for f in folders if f is not None and (t := _own_template(Path(f)))), None)
+
+
+def _own_template(folder: Path) -> str | None:
     jinja = folder / "chat_template.jinja"
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")

@@ -73,10 +73,12 @@ def hf_tokenizer(tokenizer: TextTokenizer) -> PreTrainedTokenizerFast:
 
 
 def save_hf(model: MeshLM | MeshForCausalLM, folder: str | Path,
-            tokenizer: str | TextTokenizer | None = "default", meta: dict | None = None) -> Path:
+            tokenizer: str | TextTokenizer | None = "default", meta: dict | None = None,
+            chat_template: str | None = None) -> Path:
     """Save a model (and its tokenizer) as a Hugging Face folder that also loads without meshlm;
     `meta` is the source checkpoint's config.json, whose training record goes into the model
-    card."""
+    card; `chat_template` (a fine-tuned run's) goes into chat_template.jinja, where
+    transformers' `apply_chat_template` finds it."""
 
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, (str, Path)) else tokenizer
     if isinstance(model, MeshLM):
@@ -89,6 +91,8 @@ def save_hf(model: MeshLM | MeshForCausalLM, folder: str | Path,
             fast = hf_tokenizer(tok)
             fast.model_max_length = model.config.max_position_embeddings
             fast.save_pretrained(tmp)
+        if chat_template:
+            (tmp / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
         cfg = model.model.config  # the wrapped MeshLM's ModelConfig
         (tmp / "README.md").write_text(model_card(cfg, meta, str(folder)), encoding="utf-8")
     return folder

@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from meshlm import atomic, checkpoint
 from meshlm.backbones import BACKBONES, Backbone
 from meshlm.config import ModelConfig
+from meshlm.data.tokenizer import folder_chat_template
 from meshlm.errors import ConfigError
 from meshlm.interop import FORMATS
 from meshlm.interop.families import export_problems, from_meshlm, hf_config, split_experts
@@ -124,5 +125,6 @@ def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: 
         from meshlm.hf import save_hf  # transformers' model classes: only for this target
 
         return save_hf(source.model, fresh_dir(out, create=False), tok,
-                       source.meta if kind == "meshlm" else None)
+                       source.meta if kind == "meshlm" else None,
+                       folder_chat_template(source.path, source.run_dir))  # a fine-tuned run's
     return write_family(cfg, source.model.state_dict(), out, BACKBONES[to], tok)

@@ -86,10 +86,10 @@ class TextStream:
                     if s.startswith(text[-n:])), default=0)
 
 
-def chat_template(folder: Path | None) -> tuple[str, bool]:
-    """(template, whether it is the folder's own): the folder's
-    (meshlm.data.tokenizer.folder_chat_template), else DEFAULT_CHAT_TEMPLATE."""
-    own = folder_chat_template(folder)
+def chat_template(*folders: Path | None) -> tuple[str, bool]:
+    """(template, whether it is the model's own): the first of `folders` (a checkpoint, then its
+    run) that has one (meshlm.data.tokenizer.folder_chat_template), else DEFAULT_CHAT_TEMPLATE."""
+    own = folder_chat_template(*folders)
     return (own, True) if own is not None else (DEFAULT_CHAT_TEMPLATE, False)
 
 

@@ -46,6 +46,9 @@ class RunPlan:
     total_steps: int
     loops: LoopDistribution  # train.loops: the loop count of each step
     run_dir: Path  # <out_dir>/<name>; the name defaults to "<preset>-<scheme>"
+    # (file name, text) the trainer writes into the run folder once it owns it: what the run's
+    # users need beside its checkpoints (fine-tuning: the chat template its data were rendered in)
+    run_files: tuple[tuple[str, str], ...] = ()
 
     @property
     def tokenizer_file(self) -> Path | None:
@@ -58,11 +61,12 @@ class RunPlan:
         fixed:N, or truncated backprop): the step passes its depth and counts its FLOPs."""
         return self.loops.sampled or bool(self.loops.low) or self.cfg.backprop_loops > 0
 
-    def with_data(self, data_dir: Path) -> RunPlan:
+    def with_data(self, data_dir: Path, run_files: tuple[tuple[str, str], ...] = ()) -> RunPlan:
         """The same run on data prepared after resolving (fine-tuning data, made with its
-        tokenizer)."""
+        tokenizer), with the run files that go with those data."""
         cfg = dataclasses.replace(self.cfg, data=str(data_dir))
-        return dataclasses.replace(self, cfg=cfg, data_dir=data_dir)
+        return dataclasses.replace(self, cfg=cfg, data_dir=data_dir,
+                                   run_files=self.run_files + run_files)
 
 
 def resolve(cfg: TrainConfig) -> RunPlan:

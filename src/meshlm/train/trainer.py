@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from meshlm import checkpoint
+from meshlm import atomic, checkpoint
 from meshlm.adapters import adapt
 from meshlm.backbones import BACKBONES
 from meshlm.data.prepare import validation_batches
@@ -136,6 +136,8 @@ class Trainer:
             self._restore(ckpt)
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+            for name, text in self.plan.run_files:  # ours now (meshlm.train.ownership)
+                atomic.write_text(self.run_dir / name, text)
             if ckpt is not None:
                 # drop what the killed run logged after its checkpoint
                 self.metrics.truncate_after(self.step)
