@@ -11,7 +11,11 @@ prompt counts as a mismatch when any of its tokens differs on another path:
     speculate   --speculate K_d:γ (lossless in exact arithmetic)
     served      the continuous batcher (meshlm.serve.batcher), one request joining per token
                 boundary
-Then the speed of plain cached decoding at batch 1 and 16, fp32 vs bf16, as interleaved medians and
+Then where the differences come from, per precision: the largest logit difference between a row
+decoded alone and in a batch (rows are independent when it is 0: the matmuls are batch-invariant)
+and between cached decoding and one forward over the whole sequence (0 only if every reduction is
+the same whatever the number of new tokens). Then the speed of plain cached decoding at batch 1
+and 16, fp32 vs bf16, as interleaved medians and
 ratios. Prompts are windows of the held-out documents (benchkit.corpus_windows); EOS is ignored.
 """
 from __future__ import annotations
@@ -61,6 +65,28 @@ def mismatches(model, prompts, args, pad_id: int) -> None:
               + ", ".join(f"{p} {counts[p]} ({tokens[p]})" for p in counts), flush=True)
 
 
+def logit_differences(model, prompts) -> None:
+    """Max |Δ logit| of a batch row vs. the row alone, and of cached token-by-token decoding vs. one
+    forward over the sequence, in fp32 and under bf16 (equal-length prompts: no padding)."""
+    from meshlm.model.kv_cache import KVCache
+
+    x = torch.tensor(prompts[:8])  # (8, T)
+    half = x.shape[1] // 2
+    for name, dtype in PRECISIONS.items():
+        with torch.no_grad(), torch.autocast("cpu", dtype=dtype or torch.bfloat16,
+                                             enabled=dtype is not None):
+            whole = model(x).logits.float()
+            alone = model(x[:1]).logits.float()
+            cache = KVCache()
+            steps = [model(x[:, :half], cache=cache).logits]
+            steps += [model(x[:, t:t + 1], cache=cache).logits for t in range(half, x.shape[1])]
+            cached = torch.cat(steps, 1).float()
+        batch = (whole[:1] - alone).abs().max().item()
+        incremental = (whole - cached).abs().max().item()
+        print(f"{name}: max |Δ logit| batch row vs. alone {batch:.3g}, cached vs. whole sequence "
+              f"{incremental:.3g}", flush=True)
+
+
 def speeds(model, prompts, args, pad_id: int, clock) -> None:
     from meshlm.generate import Sampling, generate
 
@@ -97,6 +123,7 @@ def main() -> None:
     opened = open_model(args.checkpoint)
     prompts = corpus_windows(opened.tokenizer, args.prompts, args.prompt_tokens)
     mismatches(opened.model, prompts, args, opened.tokenizer.pad_id)
+    logit_differences(opened.model, prompts)
     speeds(opened.model, prompts, args, opened.tokenizer.pad_id, clock)
 
 
