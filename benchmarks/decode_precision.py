@@ -15,8 +15,8 @@ Then where the differences come from, per precision: the largest logit differenc
 decoded alone and in a batch (rows are independent when it is 0: the matmuls are batch-invariant)
 and between cached decoding and one forward over the whole sequence (0 only if every reduction is
 the same whatever the number of new tokens). Then the speed of plain cached decoding at batch 1
-and 16, fp32 vs bf16, as interleaved medians and
-ratios. Prompts are windows of the held-out documents (benchkit.corpus_windows); EOS is ignored.
+and 16, fp32 vs bf16, as interleaved medians and ratios. Prompts are windows of the held-out
+documents (benchkit.corpus_windows); EOS is ignored.
 """
 from __future__ import annotations
 
