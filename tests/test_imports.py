@@ -139,7 +139,7 @@ def test_the_model_imports_nothing_of_training_data_or_files():
                                        check=True).stdout)
     ours = [m for m in loaded if m.startswith("meshlm")]
     allowed = {"meshlm", "meshlm.errors", "meshlm.fields", "meshlm.backbones", "meshlm.config",
-               "meshlm.presets"}
+               "meshlm.layout", "meshlm.presets"}
     assert "meshlm.model.lm" in ours
     assert [m for m in ours if m not in allowed and not m.startswith("meshlm.model")] == []
     assert not any(m.split(".")[0] in ("transformers", "datasets", "safetensors", "tokenizers")
@@ -160,7 +160,7 @@ def test_the_config_and_both_registries_need_no_torch():
 # loader (as torchtitan's state-dict adapters do): meshlm.loading asks them, they never ask it.
 LAYERS = (
     ("foundation", ("meshlm", "meshlm.errors", "meshlm.fields", "meshlm.fielddocs", "meshlm.atomic",
-                    "meshlm.yaml_files")),
+                    "meshlm.yaml_files", "meshlm.layout")),
     ("registry of backbones", ("meshlm.backbones",)),
     ("model config", ("meshlm.config",)),
     ("model", ("meshlm.model",)),

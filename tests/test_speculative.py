@@ -16,7 +16,7 @@ from meshlm.generate.rounds import Rounds
 from meshlm.generate.speculative import Speculation, SpeculationStats
 from meshlm.model import SCHEMES
 from meshlm.model.kv_cache import KVCache
-from meshlm.model.lm import LoopRun
+from meshlm.model.run import LoopRun
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]  # batch 3, left-padded to 7
 LOOPED = sorted(set(SCHEMES) - {"vanilla"})

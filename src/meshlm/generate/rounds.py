@@ -22,7 +22,7 @@ from meshlm.generate.sampling import Sampling, draw, next_token, padding_if_any,
 from meshlm.generate.timing import Timed
 from meshlm.model import MeshLM
 from meshlm.model.kv_cache import KVCache
-from meshlm.model.lm import LoopRun
+from meshlm.model.run import LoopRun
 
 
 def accept(p: torch.Tensor, q: torch.Tensor, d: torch.Tensor, s: Sampling,

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from meshlm.model import MeshLM
-from meshlm.model.lm import LoopRun
+from meshlm.model.run import LoopRun
 
 
 class Clock:

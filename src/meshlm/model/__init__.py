@@ -6,8 +6,9 @@ whose `@layer_of` attaches the layer to the registry: the list of layer modules 
 from importlib import import_module
 
 from meshlm.backbones import BACKBONES
-from meshlm.model.lm import LMOutput, MeshLM, Stages
+from meshlm.model.lm import LMOutput, MeshLM
 from meshlm.model.memory import MeSH
+from meshlm.model.run import Stages
 from meshlm.model.schemes import SCHEMES
 
 __all__ = ["SCHEMES", "LMOutput", "MeSH", "MeshLM", "Stages"]

@@ -79,7 +79,7 @@ def map_contexts(fn, contexts: list[LoopContext]) -> LoopContext:
 
 def concat_contexts(contexts: list[LoopContext], dim: int = 1) -> LoopContext:
     """Join the contexts of consecutive token runs along T (dim 1), or of runs over other rows
-    along B (dim 0); meshlm.model.lm.LoopRun.join and LoopRun.stack join runs with it."""
+    along B (dim 0); meshlm.model.run.LoopRun.join and LoopRun.stack join runs with it."""
     return map_contexts(lambda parts: torch.cat(parts, dim=dim), contexts)
 
 
