@@ -863,11 +863,11 @@ def _truncate(path: Path) -> None:
 
 
 def _drop_from_manifest(folder: Path, name: str) -> None:
-    from meshlm.checkpoint import _digest
+    from meshlm.manifest import digest
 
     def change(d: dict) -> None:
         del d["files"][name]
-        d["sha256"] = _digest(d["files"])
+        d["sha256"] = digest(d["files"])
     edit_json(folder / "manifest.json", change)
 
 

@@ -124,7 +124,7 @@ def test_a_manifest_must_cover_every_needed_file(tmp_path):
 
     def drop_state(d):
         del d["files"]["state.pt"]
-        d["sha256"] = checkpoint._digest(d["files"])
+        d["sha256"] = checkpoint.digest(d["files"])
     _edit_json(path / "manifest.json", drop_state)
     with pytest.raises(CheckpointError, match="does not cover state.pt"):
         checkpoint.verify(path)
@@ -183,7 +183,7 @@ def test_state_is_loaded_without_executing_code(tmp_path):
     files = {n: {"bytes": (path / n).stat().st_size, "sha256": checkpoint.sha256_file(path / n)}
              for n in ("model.safetensors", "state.pt", "config.json")}
     _edit_json(path / "manifest.json",
-               lambda d: d.update(files=files, sha256=checkpoint._digest(files)))
+               lambda d: d.update(files=files, sha256=checkpoint.digest(files)))
     with pytest.raises(CheckpointError,
                        match="state.pt holds pickled Python objects beyond plain tensors, which "
                              "meshlm never unpickles") as err:

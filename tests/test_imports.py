@@ -165,8 +165,8 @@ LAYERS = (
     ("model config", ("meshlm.config",)),
     ("model", ("meshlm.model",)),
     ("below the loader",  # data, runtime, checkpoints, Hub, LoRA/int8 structure, format adapters
-     ("meshlm.data", "meshlm.reasoning", "meshlm.runtime", "meshlm.checkpoint", "meshlm.hub",
-      "meshlm.adapters", "meshlm.quant", "meshlm.interop")),
+     ("meshlm.data", "meshlm.reasoning", "meshlm.runtime", "meshlm.checkpoint", "meshlm.manifest",
+      "meshlm.hub", "meshlm.adapters", "meshlm.quant", "meshlm.interop")),
     ("loader", ("meshlm.loading",)),
     ("users of a model", ("meshlm.train", "meshlm.evaluation", "meshlm.generate", "meshlm.analysis",
                           "meshlm.serve", "meshlm.hf", "meshlm.quant.report",

@@ -16,6 +16,9 @@
       best                  the checkpoint with the lowest validation loss
       metrics.jsonl
 
+The file names, the formats and the checked reading of config.json and manifest.json live in
+meshlm.manifest.
+
 `write_checkpoint` is the one writer: training (`save_checkpoint`, which adds the pointers and
 pruning), `meshlm convert` and `meshlm retrofit` (a single step-0 folder without state.pt) all go
 through it.
@@ -35,7 +38,6 @@ Loading never executes code: weights via safetensors, the rest via torch.load(we
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import pickle
@@ -54,11 +56,20 @@ from meshlm import atomic
 from meshlm.atomic import as_os_error, fsync_path
 from meshlm.data.hashing import sha256_file
 from meshlm.errors import CheckpointError, storage_error
+from meshlm.manifest import (
+    CONFIG,
+    FORMAT,
+    MANIFEST,
+    MANIFEST_FORMAT,
+    STATE,
+    TOKENIZER,
+    WEIGHTS,
+    digest,
+    missing,
+    read_json,
+    read_manifest,
+)
 
-WEIGHTS, STATE, CONFIG, TOKENIZER = "model.safetensors", "state.pt", "config.json", "tokenizer.json"
-MANIFEST = "manifest.json"
-FORMAT = "meshlm-checkpoint/1"
-MANIFEST_FORMAT = "meshlm-manifest/1"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -174,15 +185,10 @@ def seal(folder: Path, meta: dict[str, Any], names: list[str]) -> None:
     _write_json(folder / CONFIG, {**meta, "format": FORMAT})
     files = {name: _describe(folder / name) for name in (*names, CONFIG)}
     _write_json(folder / MANIFEST,
-                {"format": MANIFEST_FORMAT, "files": files, "sha256": _digest(files)})
+                {"format": MANIFEST_FORMAT, "files": files, "sha256": digest(files)})
     for name in (*names, CONFIG, MANIFEST):
         fsync_path(folder / name)
     fsync_path(folder)
-
-
-def _digest(files: dict[str, Any]) -> str:
-    """SHA-256 of the file list itself: a manifest edited by hand no longer matches it."""
-    return hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
 
 
 def prune(run_dir: Path, keep_last: int) -> None:
@@ -252,63 +258,6 @@ def read_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
-def read_json(file: Path, fix: str = "use an earlier checkpoint") -> dict[str, Any]:
-    """The one reader of meshlm's JSON object files (a checkpoint's config.json and manifest.json,
-    any model folder's config.json or weight index): a CheckpointError naming the file and `fix`
-    if it is missing, unreadable or not an object."""
-    try:
-        data = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise missing(file) from None
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"{file} is unreadable or not JSON ({err}); {fix}") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{file} is not a JSON object; {fix}")
-    return data
-
-
-def missing(file: Path) -> CheckpointError:
-    """A checkpoint file that is not there. With its whole folder gone, the checkpoint was pruned
-    while being read (a training still running keeps only its newest ones), not left incomplete."""
-    if not file.parent.is_dir():
-        return CheckpointError(f"checkpoint {file.parent} was removed while being read (a training "
-                               "still running prunes its older checkpoints); open the run folder "
-                               "again to read its newest one")
-    return CheckpointError(f"{file} is missing: the checkpoint is incomplete; use an earlier one")
-
-
-def read_manifest(path: Path) -> dict[str, dict[str, Any]]:
-    """The checked file list of a checkpoint dir; CheckpointError if it is missing, unreadable or
-    edited."""
-    file = path / MANIFEST
-    if not path.is_dir():
-        raise missing(file)
-    if not file.is_file():
-        legacy = (path / CONFIG).is_file() and "files" in _read_json_or_empty(path / CONFIG)
-        why = ("it was written by meshlm before checksums covered config.json; if you trust it, "
-               "seal it with `python "
-               f"-m meshlm.checkpoint reseal {path}`") if legacy else "the checkpoint is incomplete"
-        raise CheckpointError(f"{file} is missing: {why}; or use an earlier checkpoint")
-    manifest = read_json(file)
-    try:
-        files = manifest["files"]
-        ok = manifest.get("format") == MANIFEST_FORMAT and manifest.get("sha256") == _digest(files)
-    except (KeyError, TypeError) as err:  # a JSON object without the manifest's fields
-        raise CheckpointError(f"{file} is corrupt (it lacks a manifest's fields: {err}); use an "
-                              f"earlier checkpoint") from None
-    if not ok:
-        raise CheckpointError(f"{file} was edited or is corrupt (its digest does not match its "
-                              "file list); use an earlier checkpoint")
-    return files
-
-
-def _read_json_or_empty(path: Path) -> dict:
-    try:
-        return read_json(path)
-    except CheckpointError:
-        return {}
-
-
 def verify(path: str | Path, unread: tuple[str, ...] = ()) -> dict[str, Any]:
     """Check every file's size and SHA-256 against manifest.json, and that the manifest covers every
     file the checkpoint needs (config.json, the weights, state.pt and tokenizer.json when present or
@@ -327,10 +276,10 @@ def verify(path: str | Path, unread: tuple[str, ...] = ()) -> dict[str, Any]:
         if name in unread:
             continue
         try:
-            digest = sha256_file(file)
+            actual = sha256_file(file)
         except FileNotFoundError:
             raise missing(file) from None
-        if digest != expected["sha256"]:
+        if actual != expected["sha256"]:
             raise CheckpointError(f"{file} was edited or is corrupt: its SHA-256 does not match "
                                   f"{MANIFEST}; use an earlier checkpoint")
     meta = read_meta(path)
@@ -366,7 +315,7 @@ def reseal(path: str | Path, force: bool = False) -> Path:
     names = [n for n in (WEIGHTS, STATE, TOKENIZER) if (path / n).is_file()]
     files = {name: _describe(path / name) for name in (*names, CONFIG)}
     tmp = path / f".{MANIFEST}.{os.getpid()}"
-    _write_json(tmp, {"format": MANIFEST_FORMAT, "files": files, "sha256": _digest(files)})
+    _write_json(tmp, {"format": MANIFEST_FORMAT, "files": files, "sha256": digest(files)})
     os.replace(tmp, path / MANIFEST)
     return path / MANIFEST
 
