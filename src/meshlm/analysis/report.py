@@ -17,7 +17,6 @@ probe/probe.json) and the model config (from those files, else from the run's ch
 """
 from __future__ import annotations
 
-import base64
 import datetime
 import html
 import json
@@ -30,6 +29,7 @@ from matplotlib.figure import Figure
 
 from meshlm import atomic, checkpoint
 from meshlm.analysis import plots, reasoning_report
+from meshlm.analysis.report_html import cells, html_page, img, percent, table
 from meshlm.config import ModelConfig
 from meshlm.errors import MeshlmError
 from meshlm.evaluation.results import (
@@ -49,11 +49,6 @@ TASK_TITLES = {"lambada_openai": "LAMBADA", "piqa": "PIQA", "hellaswag": "HellaS
                "winogrande": "WinoGrande",
                "arc_easy": "ARC-E", "arc_challenge": "ARC-C", "sciq": "SciQ", "mmlu": "MMLU",
                "lambada_standard": "LAMBADA-std"}
-STYLE = """body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222}
-table{border-collapse:collapse;margin:1em 0;font-size:14px}
-th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}th{background:#f3f3f3}
-td.l,th.l{text-align:left;white-space:nowrap}img{max-width:100%;margin:0.5em 0}
-.note{color:#a33}.foot{font-size:13px;color:#555}code{background:#f5f5f5;padding:1px 4px}"""
 
 
 class ReportError(MeshlmError):
@@ -152,36 +147,12 @@ def non_embedding_params(model: dict) -> int:
 
 
 # -- sections --------------------------------------------------------------------------------------
-def _cells(values: list[float | None], lower_is_better: bool, fmt: str,
-           errors: list[float | None] | None = None) -> list[str]:
-    """One <td> per value, the best in bold, each with its standard error (± e) where `errors` has
-    one."""
-    present = [v for v in values if v is not None]
-    best = (min if lower_is_better else max)(present) if len(present) > 1 else None
-    errors = errors or [None] * len(values)
-    return ["<td>—</td>" if v is None else f"<td>{'<b>' if v == best else ''}{fmt.format(v)}"
-            f"{'</b>' if v == best else ''}"
-            f"{'' if e is None else f' <small>± {fmt.format(e)}</small>'}</td>"
-            for v, e in zip(values, errors)]
-
-
-def _percent(values: list[float | None]) -> list[float | None]:
-    return [None if v is None else 100 * v for v in values]
-
-
 def mean_stderr(errors: list[float | None]) -> float | None:
     """The standard error of a mean of independent scores: sqrt(Σ se²) / n (None if one is
     unknown)."""
     if not errors or any(e is None for e in errors):
         return None
     return math.sqrt(sum(e * e for e in errors)) / len(errors)
-
-
-def _table(header: list[str], columns: list[list[str]], n_rows: int) -> str:
-    head = "".join(f"<th class='l'>{h}</th>" if i < 2 else f"<th>{h}</th>" for i,
-                   h in enumerate(header))
-    rows = "".join("<tr>" + "".join(col[r] for col in columns) + "</tr>" for r in range(n_rows))
-    return f"<table><tr>{head}</tr>{rows}</table>"
 
 
 def step_note(r) -> str:
@@ -200,7 +171,7 @@ def table_one(runs: list[RunResults], shots: str | None) -> str:
             [f"<td>{non_embedding_params(r.model):,}</td>" if r.model
              else "<td>—</td>" for r in runs]]
     ppl, sources = zip(*(r.ppl for r in runs))
-    ppl_cells = _cells(list(ppl), True, "{:.2f}")
+    ppl_cells = cells(list(ppl), True, "{:.2f}")
     ppl_cells = [c.replace("</td>", "<sup>†</sup></td>") if src == "train" else c for c,
                  src in zip(ppl_cells, sources)]
     columns = left + [ppl_cells]
@@ -208,8 +179,8 @@ def table_one(runs: list[RunResults], shots: str | None) -> str:
         return [getattr(s.tasks[task], name) if s and task in s.tasks else None for s in suites]
 
     for task in tasks:
-        columns.append(_cells(_percent(task_field(task, "score")), False, "{:.2f}",
-                              _percent(task_field(task, "stderr"))))
+        columns.append(cells(percent(task_field(task, "score")), False, "{:.2f}",
+                             percent(task_field(task, "stderr"))))
     header = ["run", "variant", "spec", "non-emb. params", "val PPL"]
     if tasks:
         # an average only where a suite has every task shown (the same tasks averaged)
@@ -217,7 +188,7 @@ def table_one(runs: list[RunResults], shots: str | None) -> str:
         averages = [s.average if ok else None for s, ok in zip(suites, complete)]
         errors = [mean_stderr([s.tasks[t].stderr for t in tasks]) if ok else None
                   for s, ok in zip(suites, complete)]
-        columns.append(_cells(_percent(averages), False, "{:.2f}", _percent(errors)))
+        columns.append(cells(percent(averages), False, "{:.2f}", percent(errors)))
         metric = {t: next(s.tasks[t].metric for s in suites if s and t in s.tasks) for t in tasks}
         header += [*(f"{TASK_TITLES[t]}<br><small>{metric[t]}</small>" for t in tasks),
                    f"avg<br><small>{len(tasks)} of {PAPER_TASKS} tasks</small>"]
@@ -226,7 +197,7 @@ def table_one(runs: list[RunResults], shots: str | None) -> str:
     foot += ("<p class='foot'><sup>†</sup> the trainer's last validation (train.eval_windows "
              "windows); <code>meshlm eval RUN</code> scores the whole validation split.</p>"
              if "train" in sources else "")
-    return (f"<h3>{shots}-shot</h3>" if shots else "") + _table(header, columns, len(runs)) + foot
+    return (f"<h3>{shots}-shot</h3>" if shots else "") + table(header, columns, len(runs)) + foot
 
 
 def report_figures(runs: list[RunResults]) -> dict[str, Figure]:
@@ -267,7 +238,7 @@ def reasoning_section(runs: list[RunResults], figures: dict) -> str:
     if not rows:
         return ("<p>No run was evaluated on the reasoning suite (runs trained on "
                 "<code>task:</code> data are).</p>")
-    images = "".join(_img(figures[name]) for name in reasoning_report.FIGURES if name in figures)
+    images = "".join(img(figures[name]) for name in reasoning_report.FIGURES if name in figures)
     return ("<p>Exact-match accuracy (%) from greedy cached decoding; 'beyond' = test "
             "difficulties above the training range; ρ = Spearman correlation of exit loops with "
             "difficulty.</p>"
@@ -282,7 +253,7 @@ def training_section(runs: list[RunResults], figures: dict) -> str:
             f"{r.curves['train'][-1][1]:.4f}" + (f", validation loss {r.curves['val'][-1][1]:.4f}"
                                                   if r.curves.get("val") else "") + "</li>"
             for r in runs if r.curves.get("train")]
-    return _img(figures["curves"]) + (f"<ul>{''.join(rows)}</ul>" if rows else "")
+    return img(figures["curves"]) + (f"<ul>{''.join(rows)}</ul>" if rows else "")
 
 
 def loops_section(runs: list[RunResults], figures: dict) -> str:
@@ -295,9 +266,9 @@ def loops_section(runs: list[RunResults], figures: dict) -> str:
                [f"<td class='l'>{html.escape(r.variant)}</td>" for r in runs]]
     for k in counts:
         losses = [next((row.loss for row in rows if row.loops == k), None) for _, rows in series]
-        columns.append(_cells(losses, True, "{:.4f}"))
-    return _img(figures["loops"]) + _table(["run", "variant", *(f"K'={k}" for k in counts)],
-                                           columns, len(runs))
+        columns.append(cells(losses, True, "{:.4f}"))
+    return img(figures["loops"]) + table(["run", "variant", *(f"K'={k}" for k in counts)],
+                                         columns, len(runs))
 
 
 def exit_section(runs: list[RunResults], figures: dict) -> str:
@@ -307,11 +278,11 @@ def exit_section(runs: list[RunResults], figures: dict) -> str:
                 "state:0.1,kl:1e-3</code>).</p>")
     columns = [[f"<td class='l'>{html.escape(r.name)}</td>" for r, _ in rows],
                [f"<td class='l'>{html.escape(row.exit)}</td>" for _, row in rows],
-               _cells([row.loss for _, row in rows], True, "{:.4f}"),
-               _cells([row.avg_loops for _, row in rows], True, "{:.2f}"),
-               _cells([row.flops_ratio for _, row in rows], True, "{:.3f}")]
+               cells([row.loss for _, row in rows], True, "{:.4f}"),
+               cells([row.avg_loops for _, row in rows], True, "{:.2f}"),
+               cells([row.flops_ratio for _, row in rows], True, "{:.3f}")]
     header = ["run", "exit rule", "val loss", "avg loops/token", "FLOPs vs. fixed"]
-    return _img(figures["exit"]) + _table(header, columns, len(rows))
+    return img(figures["exit"]) + table(header, columns, len(rows))
 
 
 def probe_section(runs: list[RunResults], figures: dict) -> str:
@@ -325,7 +296,7 @@ def probe_section(runs: list[RunResults], figures: dict) -> str:
              f"{probed[0].tokens} tokens each (mean ± std over samples).</p>"]
     for name, title in titles.items():
         if name in figures:
-            parts.append(f"<h3>{title}</h3>{_img(figures[name])}")
+            parts.append(f"<h3>{title}</h3>{img(figures[name])}")
     return "".join(parts)
 
 
@@ -359,10 +330,6 @@ def _step(r: RunResults) -> str:
     return "" if r.eval is None or r.eval.step is None else f" (step {r.eval.step})"
 
 
-def _img(png: bytes) -> str:
-    return f"<img src='data:image/png;base64,{base64.b64encode(png).decode('ascii')}'>"
-
-
 # -- the page --------------------------------------------------------------------------------------
 def render(runs: list[RunResults], title: str = "meshlm report",
            figures: dict[str, bytes] | None = None) -> str:
@@ -385,8 +352,7 @@ def render(runs: list[RunResults], title: str = "meshlm report",
             f"id='reasoning'>Reasoning suite</h2>{reasoning_section(runs, figures)}<h2 "
             f"id='probes'>Probes</h2>{probe_section(runs, figures)}<h2 "
             f"id='notes'>Notes</h2>{notes(runs)}")
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            f"<style>{STYLE}</style></head><body>{body}</body></html>\n")
+    return html_page(title, body)
 
 
 def write_report(paths: list[str | Path], out: str | Path, title: str = "meshlm report",

@@ -93,40 +93,20 @@ def load_study(path: str | Path, extra_overrides: list[str] = (), only: str | No
     if not isinstance(variants, dict) or not variants:
         problems.append("`variants` must map at least one variant name to {overrides: [...]}")
         variants = {}
-    given_seeds = seeds
-    seeds = raw.get("seeds", [0]) if given_seeds is None else given_seeds
-    if not (isinstance(seeds, list) and seeds and all(isinstance(s, int) for s in seeds)):
-        problems.append(f"`seeds` must be a non-empty list of integers, not {seeds!r}")
+    study_seeds = raw.get("seeds", [0]) if seeds is None else seeds
+    if not (isinstance(study_seeds, list) and study_seeds
+            and all(isinstance(s, int) for s in study_seeds)):
+        problems.append(f"`seeds` must be a non-empty list of integers, not {study_seeds!r}")
     if only is not None and variants:
-        patterns = [p.strip() for p in only.split(",") if p.strip()]
-        kept = {v: spec for v,
-                spec in variants.items() if any(fnmatch.fnmatchcase(v, p) for p in patterns)}
-        if not kept:
-            problems.append(f"--only {only!r} matches no variant (variants: {', '.join(variants)})")
-        variants = kept
+        variants = selected_variants(variants, only, problems)
     if problems:
         raise ConfigError(f"study {path}: " + "; ".join(problems))
     name = str(raw.get("name") or path.stem)
     out_dir = Path(raw.get("out_dir", "runs/studies"))
     common = [*map(str, raw.get("overrides", [])), *extra_overrides]
-    runs = []
-    for variant, spec in variants.items():
-        spec = spec or {}
-        # --seeds override a variant's own list too
-        for seed in (given_seeds or spec.get("seeds", seeds)):
-            run_dir = out_dir / name / f"{variant}-s{seed}"
-            overrides = [*common, *map(str, spec.get("overrides", [])), f"train.seed={seed}",
-                         f"train.out_dir={out_dir / name}", f"train.name={run_dir.name}",
-                         "train.progress=false"]
-            runs.append(Run(variant, seed, overrides, run_dir))
-    config = raw.get("config")
-    # resolved now, so every run's `meshlm train --config` finds it from any directory
-    if config is not None:
-        try:
-            config = str(find_config(config))
-        except ConfigError as err:
-            raise ConfigError(f"study {path}: {err}") from None
-    study = Study(name, out_dir, config, runs, list(map(str, raw.get("eval", []))),
+    runs = plan_runs(variants, out_dir / name, common, study_seeds, seeds)
+    study = Study(name, out_dir, shared_config(raw.get("config"), path), runs,
+                  list(map(str, raw.get("eval", []))),
                   list(map(str, raw.get("probe", []))), shlex.split(raw.get("launcher", "")),
                   float(raw.get("assumed_mfu", 0.4)), float(raw.get("peak_flops", 0.0)),
                   int(raw.get("gpus", 1)))
@@ -134,6 +114,45 @@ def load_study(path: str | Path, extra_overrides: list[str] = (), only: str | No
         # fail now, not after hours of training, if any run's config is invalid
         train_config(study, run)
     return study
+
+
+def selected_variants(variants: dict, only: str, problems: list[str]) -> dict:
+    """The variants whose names match one of `only`'s comma-separated names or shell patterns
+    (none matching: a problem appended)."""
+    patterns = [p.strip() for p in only.split(",") if p.strip()]
+    kept = {v: spec for v,
+            spec in variants.items() if any(fnmatch.fnmatchcase(v, p) for p in patterns)}
+    if not kept:
+        problems.append(f"--only {only!r} matches no variant (variants: {', '.join(variants)})")
+    return kept
+
+
+def plan_runs(variants: dict, study_dir: Path, common: list[str], seeds: list[int],
+              given_seeds: list[int] | None) -> list[Run]:
+    """Every variant × seed as a run in <study_dir>/<variant>-s<seed>: the study's overrides, then
+    the variant's, then its seed, folder and name. A variant's own seeds replace the study's, and
+    `given_seeds` (--seeds) replace both."""
+    runs = []
+    for variant, spec in variants.items():
+        spec = spec or {}
+        for seed in (given_seeds or spec.get("seeds", seeds)):
+            run_dir = study_dir / f"{variant}-s{seed}"
+            overrides = [*common, *map(str, spec.get("overrides", [])), f"train.seed={seed}",
+                         f"train.out_dir={study_dir}", f"train.name={run_dir.name}",
+                         "train.progress=false"]
+            runs.append(Run(variant, seed, overrides, run_dir))
+    return runs
+
+
+def shared_config(config: str | None, path: Path) -> str | None:
+    """The study's train config resolved now, so every run's `meshlm train --config` finds it from
+    any directory (None: none)."""
+    if config is None:
+        return None
+    try:
+        return str(find_config(config))
+    except ConfigError as err:
+        raise ConfigError(f"study {path}: {err}") from None
 
 
 def train_config(study: Study, run: Run):

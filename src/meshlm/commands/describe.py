@@ -37,6 +37,21 @@ def run(args: argparse.Namespace) -> int:
         from meshlm.errors import ConfigError
 
         raise ConfigError(f"--context {args.context} must be >= 1 (tokens of attention context)")
+    cfg = ModelConfig.from_preset(args.preset, **preset_overrides(args))
+    acc = describe(cfg, args.context)
+    if args.json:
+        print(json.dumps({"preset": args.preset, "config": cfg.to_dict(), **acc.to_dict()},
+                         indent=2))
+        return 0
+    rows = table_rows(args.preset, cfg, acc)
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def preset_overrides(args: argparse.Namespace) -> dict:
+    """The ModelConfig fields the flags set over the preset's (scheme options nested)."""
     overrides = {k: v for k, v in (("spec", args.spec), ("scheme", args.scheme)) if v is not None}
     options = {k: v for k, v in (("slots", args.slots), ("routing", args.routing)) if v is not None}
     if options:
@@ -45,14 +60,14 @@ def run(args: argparse.Namespace) -> int:
         overrides["max_loops"] = args.max_loops
     if args.loop_lora_rank is not None:
         overrides["loop_lora_rank"] = args.loop_lora_rank
-    cfg = ModelConfig.from_preset(args.preset, **overrides)
-    acc = describe(cfg, args.context)
-    if args.json:
-        print(json.dumps({"preset": args.preset, "config": cfg.to_dict(), **acc.to_dict()},
-                         indent=2))
-        return 0
-    rows = [
-        ("preset", args.preset), ("spec", cfg.spec), ("scheme", cfg.scheme),
+    return overrides
+
+
+def table_rows(preset: str, cfg, acc) -> list[tuple[str, object]]:
+    """(label, value) rows of the table for a config (meshlm.config.ModelConfig) and its
+    accounting (meshlm.model.accounting.Accounting)."""
+    return [
+        ("preset", preset), ("spec", cfg.spec), ("scheme", cfg.scheme),
         ("backbone", cfg.backbone),
         ("d_model / heads / kv heads", f"{cfg.d_model} / {cfg.n_heads} / {cfg.kv_heads}"),
         ("vocab", f"{cfg.vocab_size:,}"),
@@ -77,7 +92,3 @@ def run(args: argparse.Namespace) -> int:
          f"({100 * acc.scheme_flops_per_token / acc.forward_flops_per_token:.4f}%)"),
         ("train FLOPs/token", f"{acc.train_flops_per_token:,}"),
     ]
-    width = max(len(k) for k, _ in rows)
-    for k, v in rows:
-        print(f"{k:<{width}}  {v}")
-    return 0

@@ -45,12 +45,25 @@ def exit_list(text: str) -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    _add_input_arguments(p)
+    _add_task_arguments(p)
+    _add_depth_arguments(p)
+    _add_scope_arguments(p)
+    _add_run_arguments(p)
+
+
+def _add_input_arguments(p: argparse.ArgumentParser) -> None:
+    """The model to evaluate, its tokenizer and its validation data."""
     p.add_argument("checkpoint", metavar="CKPT",
                    help="a run folder (its latest checkpoint), a step-NNNNNN folder, a converted "
                         "or retrofitted folder, or a Hugging Face folder (meshlm.loading)")
     add_tokenizer_arguments(p)
     p.add_argument("--data", help="prepared-data folder for perplexity (default: what the model "
                                   "was trained on)")
+
+
+def _add_task_arguments(p: argparse.ArgumentParser) -> None:
+    """The downstream tasks: which, at what depth or exit, with what decoding and shots."""
     p.add_argument("--tasks", default="all",
                    help="comma-separated tasks, 'all' (default) or 'none': the paper's suite "
                         "(lambada_openai, piqa, hellaswag, winogrande, arc_easy, arc_challenge, "
@@ -70,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(same tokens)")
     p.add_argument("--shots", type=int_list, default=[0, 5],
                    help="few-shot settings, e.g. 0,5 (default)")
+
+
+def _add_depth_arguments(p: argparse.ArgumentParser) -> None:
+    """Validation loss against loop count and under adaptive exit."""
     p.add_argument("--loops", type=int_list, default=None,
                    help="loop counts for loss vs. depth, e.g. 1,2,3,4, or none (default: 1 … 2K "
                         "for looped models)")
@@ -78,6 +95,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and average loops per token for each)")
     p.add_argument("--exit-loops", type=int, default=None,
                    help="the most loop steps a token may run under --exit (default: the trained K)")
+
+
+def _add_scope_arguments(p: argparse.ArgumentParser) -> None:
+    """Which suite is scored and on how many items."""
     p.add_argument("--suite", choices=("auto", "text", "reasoning"), default="auto",
                    help="reasoning: exact-match accuracy on task data's test set by difficulty x "
                         "loops (and --exit), instead of the lm-eval tasks; auto (default): "
@@ -85,6 +106,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=None,
                    help="at most N items per task (each MMLU subject counts as a task; per task "
                         "and difficulty in the reasoning suite) and N validation windows")
+
+
+def _add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """Batching, device, precision and what is written."""
     p.add_argument("--batch-size", type=int, default=8,
                    help="validation windows per forward (default 8)")
     p.add_argument("--batch-tokens", type=int, default=8192,
