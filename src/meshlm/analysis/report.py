@@ -155,11 +155,6 @@ def mean_stderr(errors: list[float | None]) -> float | None:
     return math.sqrt(sum(e * e for e in errors)) / len(errors)
 
 
-def step_note(r) -> str:
-    """" (step N)" after a run's path when its eval.json names the step, else ""."""
-    return f" (step {r.eval['step']})" if r.eval and r.eval.get("step") is not None else ""
-
-
 def table_one(runs: list[RunResults], shots: str | None) -> str:
     """Variant, spec, non-embedding params, PPL, per-task paper metric (%) and average for one shot
     setting (shots None: no downstream results, the rest of the table still shown)."""
