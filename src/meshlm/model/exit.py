@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from meshlm.errors import ConfigError
 from meshlm.model.kv_cache import LayerCache
 from meshlm.model.layers import Rope, attention_mask_from_padding
+from meshlm.model.registry import named_into
 
 GATHER_BELOW = 0.5  # gather the active tokens when fewer than this fraction of the batch's tokens
 CRITERIA: dict[str, type[Criterion]] = {}
@@ -62,12 +63,7 @@ CRITERIA: dict[str, type[Criterion]] = {}
 def register_criterion(name: str):
     """Class decorator: the exit criterion called `name` (rules read `name:τ`)."""
 
-    def wrap(cls: type[Criterion]) -> type[Criterion]:
-        cls.name = name
-        CRITERIA[name] = cls
-        return cls
-
-    return wrap
+    return named_into(CRITERIA, name)
 
 
 @dataclass

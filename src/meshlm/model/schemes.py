@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from meshlm.config import SCHEME_OPTIONS, ModelConfig, canonical_scheme
+from meshlm.model.registry import named_into
 
 SCHEMES: dict[str, type[Scheme]] = {}
 
@@ -36,12 +37,7 @@ def register(name: str):
         raise ValueError(f"scheme {name!r} has no entry in meshlm.config.SCHEME_OPTIONS; declare "
                          "its options there")
 
-    def wrap(cls: type[Scheme]) -> type[Scheme]:
-        cls.name = name
-        SCHEMES[name] = cls
-        return cls
-
-    return wrap
+    return named_into(SCHEMES, name)
 
 
 @dataclass
