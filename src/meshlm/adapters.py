@@ -9,7 +9,7 @@ meshlm.model.loop_lora).
 
 `train.lora_targets` picks the Linears, comma-separated:
     attention, mlp              the layer projections of that kind
-                                (meshlm.model.loop_lora.ROLE_NAMES)
+                                (each layer class's `roles`)
     prelude, core, coda         restrict to those stacks (alone: every Linear of their layers)
     routers                     MeSH's router pairs train in full (a Linear(d, 2B): a low-rank delta
                                 of it saves nothing, and its forward returns weights, not a tensor
@@ -36,7 +36,7 @@ from typing import Any
 from torch import nn
 
 from meshlm.errors import ConfigError
-from meshlm.model.loop_lora import ROLE_NAMES, targets_of
+from meshlm.model.loop_lora import ROLES, example_target, targets_of
 from meshlm.trainable import SECTIONS, trainable_roles, words
 
 _PREFIX = {"routers": ("scheme.routers.",), "scheme": ("scheme.",),
@@ -79,7 +79,7 @@ def target_names(model: nn.Module, targets: str) -> list[str]:
     """Full names of the plain Linears `targets` picks (routers excluded: they train in full)."""
     picked = [w for w in words(targets) if w != "routers"]
     sections = [w for w in picked if w in SECTIONS] or list(SECTIONS)
-    kinds = ",".join(w for w in picked if w not in SECTIONS) or ",".join(ROLE_NAMES)
+    kinds = ",".join(w for w in picked if w not in SECTIONS) or ",".join(ROLES)
     stacks = {"prelude": [("prelude", model.prelude)], "coda": [("coda", model.coda)],
               "core": [(f"cores.{i}", core) for i, core in enumerate(model.cores)]}
     return [f"{prefix}.{j}.{name}" for section in sections for prefix, stack in stacks[section]
@@ -96,7 +96,7 @@ def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:
         raise ConfigError(f"lora_targets={spec.targets!r} matches no Linear of this "
                           f"{model.config.backbone} model; use roles attention, mlp, prelude, "
                           "core, coda, routers or layer-local names such as "
-                          f"{ROLE_NAMES['attention'][0]!r}")
+                          f"{example_target(model.config.backbone)!r}")
     if names:
         config = LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
                             target_modules=names)

@@ -29,13 +29,18 @@ import torch
 from torch import nn
 
 from meshlm.config import ModelConfig
-from meshlm.model.layers import RMSNorm
+from meshlm.model.layers import Layer, RMSNorm
 from meshlm.model.loop_lora import LowRank, init_low_rank
 from meshlm.model.memory import Router
 from meshlm.model.moe import Experts
 from meshlm.model.schemes import DynamicAlpha, StaticAlpha
 
-OUTPUT_PROJECTIONS = ("attention.dense", "mlp.dense_4h_to_h", "self_attn.o_proj", "mlp.down_proj")
+
+def output_projections(model: nn.Module) -> set[str]:
+    """Full names of the Linears each layer names as writing into the residual stream."""
+    return {f"{where}.{name}" for where, layer in model.named_modules() if isinstance(layer, Layer)
+            for name, _ in layer.named_modules()
+            if name and name.endswith(type(layer).output_projections)}
 
 
 @torch.no_grad()
@@ -43,9 +48,10 @@ def init_weights(model: nn.Module, cfg: ModelConfig) -> None:
     out_std = (cfg.init_std / math.sqrt(2 * cfg.layout.unrolled_depth) if cfg.scale_output_init
                else cfg.init_std)
     alpha_init = torch.tensor(model.scheme.options.get("alpha_init", [1.0, 1.0, 0.0]))
+    scaled = output_projections(model)
     for name, module in model.named_modules():  # generic pass: layers, embeddings, norms
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            std = out_std if name.endswith(OUTPUT_PROJECTIONS) else cfg.init_std
+            std = out_std if name in scaled else cfg.init_std
             nn.init.normal_(module.weight, std=std)
             if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)

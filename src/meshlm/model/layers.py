@@ -27,6 +27,7 @@ it.
 from __future__ import annotations
 
 import abc
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -117,8 +118,15 @@ class Layer(nn.Module, abc.ABC):
     (B, T, d).
 
     Wrappers that act per layer (activation checkpointing, compile, FSDP units) find layers by this
-    class. `norm` builds the backbone's normalisation (also used for the model's final norm).
+    class. `norm` builds the backbone's normalisation (also used for the model's final norm). The
+    layer also names its own Linears, so nothing outside it lists a backbone's parameter names:
+    `roles` (LoRA and per-loop LoRA targets by role) and `output_projections` (the Linears that
+    write into the residual stream, whose init is scaled by 1/√(2·depth): meshlm.model.init).
     """
+
+    # role -> layer-local names of its Linears (a name matches as a suffix)
+    roles: ClassVar[dict[str, tuple[str, ...]]] = {}
+    output_projections: ClassVar[tuple[str, ...]] = ()  # layer-local names, matched as suffixes
 
     @staticmethod
     @abc.abstractmethod
@@ -159,6 +167,10 @@ class NeoXMLP(nn.Module):
 @layer_of("neox")
 class NeoXLayer(Layer):
     """Pre-LN GPT-NeoX layer with parallel residual: x + Attn(LN1 x) + MLP(LN2 x)."""
+
+    roles = {"attention": ("attention.query_key_value", "attention.dense"),
+             "mlp": ("mlp.dense_h_to_4h", "mlp.dense_4h_to_h")}
+    output_projections = ("attention.dense", "mlp.dense_4h_to_h")
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

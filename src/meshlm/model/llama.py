@@ -74,6 +74,11 @@ class SwiGLU(nn.Module):
 class LlamaLayer(Layer):
     """Pre-norm, sequential residual: x + Attn(N1 x), then + FeedForward(N2 ·)."""
 
+    roles = {"attention": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                           "self_attn.o_proj"),
+             "mlp": ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    output_projections = ("self_attn.o_proj", "mlp.down_proj")
+
     FeedForward: type[nn.Module] = SwiGLU
 
     def __init__(self, cfg: ModelConfig):

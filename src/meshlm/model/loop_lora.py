@@ -36,16 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.backbones import BACKBONES
 from meshlm.errors import ConfigError
 
-# layer-local names of each role's Linears, over every backbone (neox, llama, olmoe)
-ROLE_NAMES = {
-    "attention": ("attention.query_key_value", "attention.dense", "self_attn.q_proj",
-                  "self_attn.k_proj",
-                  "self_attn.v_proj", "self_attn.o_proj"),
-    "mlp": ("mlp.dense_h_to_4h", "mlp.dense_4h_to_h", "mlp.gate_proj", "mlp.up_proj",
-            "mlp.down_proj"),
-}
+ROLES = ("attention", "mlp")  # each layer class names its Linears per role (Layer.roles)
 
 
 class PerStep(nn.ModuleList):
@@ -92,9 +86,15 @@ def targets_of(layer: nn.Module, targets: str) -> list[str]:
     """Names (inside `layer`) of the plain Linears that `targets` picks: comma-separated roles or
     name suffixes."""
     wanted = [t.strip() for t in targets.split(",") if t.strip()]
-    suffixes = tuple(s for t in wanted for s in ROLE_NAMES.get(t, (t,)))
+    roles = getattr(type(layer), "roles", {})
+    suffixes = tuple(s for t in wanted for s in roles.get(t, (t,)))
     return [name for name,
             m in layer.named_modules() if type(m) is nn.Linear and name.endswith(suffixes)]
+
+
+def example_target(backbone: str) -> str:
+    """A layer-local Linear name of the backbone's attention, for messages."""
+    return BACKBONES[backbone].layer.roles["attention"][0]
 
 
 def passes_per_core(layout, loop_cap: int) -> list[int]:
@@ -121,7 +121,7 @@ def attach(cores: nn.ModuleList, cfg) -> None:
     if not found:
         raise ConfigError(f"loop_lora_targets={cfg.loop_lora_targets!r} matches no Linear of the "
                           f"shared core (backbone {cfg.backbone}); use roles attention, mlp or "
-                          f"layer-local names such as {ROLE_NAMES['attention'][0]!r}")
+                          f"layer-local names such as {example_target(cfg.backbone)!r}")
 
 
 def select_pass(core: nn.Module, index: int) -> None:
