@@ -12,8 +12,8 @@ average.
 """
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -82,7 +82,11 @@ def exit_figure(runs: dict[str, list[EvalResult]], out: Path) -> None:
 
 
 def main() -> None:
-    study, out = Path(sys.argv[1]), Path(sys.argv[2])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("study", type=Path, help="the study's run folder (runs/studies/NAME)")
+    p.add_argument("out", type=Path, help="where loops.png and exit.png go")
+    args = p.parse_args()
+    study, out = args.study, args.out
     out.mkdir(parents=True, exist_ok=True)
     runs = load(study)
     loops_figure(runs, out)
