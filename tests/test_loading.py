@@ -234,3 +234,24 @@ def test_a_folder_is_recognised_read_built_and_checked_once(wide, tmp_path, call
     opened = open_model(folder)  # an already located folder is not recognised again
     assert opened.path == run / "step-000001" and dict(calls.counted) == {
         "resolve": 1, "_recognise": 1, "load_checkpoint": 1, "weight_mismatch": 1, "__init__": 1}
+
+
+def test_a_checkpoint_rewritten_between_recognising_and_loading_is_refused(tmp_path):
+    """The model is built from the config.json bytes read when the folder was recognised; its
+    weights load only if the verified manifest names those bytes. A consistent rewrite in between
+    (config.json and manifest.json both new, as another process's atomic save leaves them) is one
+    error, not a model built from one config with weights checked against another."""
+    from conftest import build, tiny
+
+    from meshlm.errors import CheckpointError
+
+    folder = checkpoint.save_model(build(tiny(spec="1+1R2+1", scheme="base")), tmp_path / "ckpt")
+    located = locate(folder)
+    assert open_model(located).model.config == located.model_config()  # unchanged: it opens
+    meta = checkpoint.read_meta(folder)
+    meta["model"] = {**meta["model"], "spec": "1+1R3+1"}  # same weights, another depth
+    checkpoint.seal(folder, meta, [checkpoint.WEIGHTS])
+    checkpoint.verify(folder)  # a valid checkpoint on its own ...
+    with pytest.raises(CheckpointError, match="changed while it was being opened"):
+        open_model(located)  # ... but not the one `located` read
+    assert open_model(folder).model.config.spec == "1+1R3+1"  # opened afresh, it is the new one

@@ -66,7 +66,7 @@ from meshlm.manifest import (
     WEIGHTS,
     digest,
     missing,
-    read_json,
+    read_json_and_digest,
     read_manifest,
 )
 
@@ -250,19 +250,27 @@ def resolve(path: str | Path) -> Path:
 
 def read_meta(path: str | Path) -> dict[str, Any]:
     """A checkpoint's config.json (of a run dir: of its newest checkpoint), checked to be one."""
+    return read_meta_and_digest(path)[0]
+
+
+def read_meta_and_digest(path: str | Path) -> tuple[dict[str, Any], str]:
+    """read_meta, and the SHA-256 of the bytes it parsed (manifest.read_json_and_digest)."""
     file = resolve(path) / CONFIG
-    meta = read_json(file)
+    meta, sha256 = read_json_and_digest(file)
     if meta.get("format") != FORMAT:
         raise CheckpointError(f"{file} is not a meshlm checkpoint config (format {FORMAT!r} "
                               f"expected)")
-    return meta
+    return meta, sha256
 
 
-def verify(path: str | Path, unread: tuple[str, ...] = ()) -> dict[str, Any]:
+def verify(path: str | Path, unread: tuple[str, ...] = (),
+           config_sha256: str | None = None) -> dict[str, Any]:
     """Check every file's size and SHA-256 against manifest.json, and that the manifest covers every
     file the checkpoint needs (config.json, the weights, state.pt and tokenizer.json when present or
-    named); returns the metadata. Files in `unread` (state.pt for a reader that never loads it) are
-    checked by size only: hashing gigabytes of optimizer state proves nothing about the weights."""
+    named); returns the metadata, parsed from the very bytes that were hashed. Files in `unread`
+    (state.pt for a reader that never loads it) are checked by size only: hashing gigabytes of
+    optimizer state proves nothing about the weights. `config_sha256`: the hash of the config.json
+    a caller already built from, which must be the verified one (no rewrite in between)."""
     path = resolve(path)
     files = read_manifest(path)
     for name, expected in files.items():
@@ -273,7 +281,7 @@ def verify(path: str | Path, unread: tuple[str, ...] = ()) -> dict[str, Any]:
         if size != expected["bytes"]:
             raise CheckpointError(f"{file} is truncated or corrupt: {size} bytes, expected "
                                   f"{expected['bytes']}; use an earlier checkpoint")
-        if name in unread:
+        if name in unread or name == CONFIG:  # config.json: hashed with the bytes parsed below
             continue
         try:
             actual = sha256_file(file)
@@ -282,7 +290,13 @@ def verify(path: str | Path, unread: tuple[str, ...] = ()) -> dict[str, Any]:
         if actual != expected["sha256"]:
             raise CheckpointError(f"{file} was edited or is corrupt: its SHA-256 does not match "
                                   f"{MANIFEST}; use an earlier checkpoint")
-    meta = read_meta(path)
+    meta, config_hash = read_meta_and_digest(path)
+    if CONFIG in files and config_hash != files[CONFIG]["sha256"]:
+        raise CheckpointError(f"{path / CONFIG} was edited or is corrupt: its SHA-256 does not "
+                              f"match {MANIFEST}; use an earlier checkpoint")
+    if config_sha256 is not None and config_sha256 != config_hash:
+        raise CheckpointError(f"{path / CONFIG} changed while it was being opened (another process "
+                              "rewrote the checkpoint); open it again")
     needed = {CONFIG, WEIGHTS} | {n for n in (STATE, TOKENIZER) if (path / n).exists()}
     needed |= {meta["tokenizer"]} if isinstance(meta.get("tokenizer"), str) else set()
     uncovered = sorted(needed - set(files))
@@ -320,10 +334,13 @@ def reseal(path: str | Path, force: bool = False) -> Path:
     return path / MANIFEST
 
 
-def load_checkpoint(path: str | Path, with_state: bool = True, check: bool = True) -> Checkpoint:
-    """Read (and verify) one checkpoint; every failure is a CheckpointError naming the file."""
+def load_checkpoint(path: str | Path, with_state: bool = True, check: bool = True,
+                    config_sha256: str | None = None) -> Checkpoint:
+    """Read (and verify) one checkpoint; every failure is a CheckpointError naming the file.
+    `config_sha256`: see verify."""
     path = resolve(path)
-    meta = verify(path, () if with_state else (STATE,)) if check else read_meta(path)
+    meta = (verify(path, () if with_state else (STATE,), config_sha256) if check
+            else read_meta(path))
     try:
         weights = load_file(str(path / WEIGHTS))
     except (SafetensorError, OSError, ValueError) as err:

@@ -72,7 +72,7 @@ from meshlm.data.tokenizer import (
 )
 from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError
 from meshlm.interop import folders
-from meshlm.interop.folders import KNOWN_FAMILIES, format_of, mismatch, read_json
+from meshlm.interop.folders import KNOWN_FAMILIES, format_of, mismatch, read_json_and_digest
 from meshlm.model import MeshLM
 from meshlm.quant.calibrate import empty_structure
 from meshlm.runtime import devices
@@ -89,6 +89,9 @@ class ModelFolder:
     format: str  # "meshlm", "hf" or a family name
     config: dict[str, Any]  # its config.json
     hub: str | None = None  # "org/name@commit" for a Hugging Face Hub snapshot (meshlm.hub)
+    # SHA-256 of the config.json bytes read: a meshlm checkpoint's weights load only if the
+    # verified manifest names these bytes (no rewrite between recognising and loading)
+    config_sha256: str | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -185,7 +188,8 @@ class ModelFolder:
     def weights(self, check: bool = True) -> dict[str, torch.Tensor]:
         """The meshlm-named state dict, by the format's adapter (meshlm.interop.folders; fp32 for
         Hugging Face folders); `check` verifies a meshlm checkpoint's hashes."""
-        return folders.read_weights(self.format, self.path, self.model_config(), check)
+        return folders.read_weights(self.format, self.path, self.model_config(), check,
+                                    self.config_sha256)
 
 
 def locate(path: str | os.PathLike | ModelFolder) -> ModelFolder:
@@ -207,11 +211,12 @@ def _recognise(path: Path) -> ModelFolder:
     """config.json read once: its format names the adapter (meshlm.interop.folders)."""
     config = path / checkpoint.CONFIG
     if config.is_file():
-        raw = read_json(config)
-        return ModelFolder(path, format_of(raw, config), raw)
+        raw, sha256 = read_json_and_digest(config)
+        return ModelFolder(path, format_of(raw, config), raw, config_sha256=sha256)
     if (path / "latest").is_file() or checkpoint.list_checkpoints(path):
         step = checkpoint.resolve(path)
-        return ModelFolder(step, "meshlm", checkpoint.read_meta(step))
+        meta, sha256 = checkpoint.read_meta_and_digest(step)
+        return ModelFolder(step, "meshlm", meta, config_sha256=sha256)
     raise CheckpointError(f"{path} has no config.json: it is not a meshlm checkpoint or run, nor a "
                           f"{KNOWN_FAMILIES} or meshlm Hugging Face folder")
 

@@ -29,15 +29,23 @@ def read_json(file: Path, fix: str = "use an earlier checkpoint") -> dict[str, A
     """The one reader of meshlm's JSON object files (a checkpoint's config.json and manifest.json,
     any model folder's config.json or weight index): a CheckpointError naming the file and `fix`
     if it is missing, unreadable or not an object."""
+    return read_json_and_digest(file, fix)[0]
+
+
+def read_json_and_digest(file: Path, fix: str = "use an earlier checkpoint"
+                         ) -> tuple[dict[str, Any], str]:
+    """read_json, and the SHA-256 of the very bytes it parsed: what a reader compares with a
+    manifest to know that the config it built from is the one verified (not a later rewrite)."""
     try:
-        data = json.loads(file.read_text())
+        raw = file.read_bytes()
+        data = json.loads(raw.decode())
     except FileNotFoundError:
         raise missing(file) from None
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{file} is unreadable or not JSON ({err}); {fix}") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{file} is not a JSON object; {fix}")
-    return data
+    return data, hashlib.sha256(raw).hexdigest()
 
 
 def missing(file: Path) -> CheckpointError:

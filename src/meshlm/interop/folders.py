@@ -23,7 +23,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from meshlm import checkpoint
+from meshlm import checkpoint, manifest
 from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.errors import CheckpointError
@@ -37,8 +37,13 @@ _REFETCH = {"hf": "re-export it with `meshlm convert`"}  # the fix for a bad wei
 
 def read_json(path: Path) -> dict[str, Any]:
     """A Hugging Face folder's config.json or weight index, by the one JSON reader
-    (meshlm.checkpoint.read_json)."""
-    return checkpoint.read_json(path, "re-download or re-export it")
+    (meshlm.manifest.read_json)."""
+    return read_json_and_digest(path)[0]
+
+
+def read_json_and_digest(path: Path) -> tuple[dict[str, Any], str]:
+    """read_json, and the SHA-256 of the bytes it parsed (meshlm.manifest.read_json_and_digest)."""
+    return manifest.read_json_and_digest(path, "re-download or re-export it")
 
 
 def format_of(raw: dict[str, Any], config: Path) -> str:
@@ -64,13 +69,15 @@ def model_config(form: str, raw: dict[str, Any], folder: Path) -> ModelConfig:
     return family_config(raw, BACKBONES[form], folder / checkpoint.CONFIG)
 
 
-def read_weights(form: str, folder: Path, cfg: ModelConfig,
-                 check: bool = True) -> dict[str, torch.Tensor]:
+def read_weights(form: str, folder: Path, cfg: ModelConfig, check: bool = True,
+                 config_sha256: str | None = None) -> dict[str, torch.Tensor]:
     """The meshlm-named state dict of a folder of format `form` (fp32 for the Hugging Face formats);
-    `check` verifies a meshlm checkpoint's hashes. Whether they fit cfg's model is the loader's
-    check."""
+    `check` verifies a meshlm checkpoint's hashes, and that its config.json is still the bytes
+    hashing to `config_sha256` (the ones cfg was built from). Whether they fit cfg's model is the
+    loader's check."""
     if form == "meshlm":
-        return checkpoint.load_checkpoint(folder, with_state=False, check=check).weights
+        return checkpoint.load_checkpoint(folder, with_state=False, check=check,
+                                          config_sha256=config_sha256).weights
     files = read_weight_files(folder, _REFETCH.get(form, "download it again"))
     if form == "hf":
         return {k.removeprefix(HF_PREFIX): v.float() for k, v in files.items()}
