@@ -80,6 +80,25 @@ def test_meshlm_to_hf_and_back_is_exact(tmp_path):
     assert torch.equal(logits_of(open_model(tmp_path / "again").model, x), logits_of(model, x))
 
 
+def test_a_chat_template_travels_with_every_conversion(tmp_path):
+    """A fine-tuned model's template (chat_template.jinja, meshlm.data.tokenizer.TEMPLATE_FILE)
+    goes into each format's folder, where transformers' tokenizer and meshlm serve find it."""
+    from transformers import AutoTokenizer
+
+    from meshlm.data.tokenizer import TEMPLATE_FILE
+
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    save_model(build(tiny(spec="2", scheme="vanilla", vocab_size=8192)), tmp_path / "ckpt")
+    (tmp_path / "ckpt" / TEMPLATE_FILE).write_text(template)
+    for source, to in (("ckpt", "neox"), ("ckpt", "hf"), ("neox", "meshlm")):  # and back
+        assert main(["convert", str(tmp_path / source), str(tmp_path / to), "--to", to]) == 0
+        assert (tmp_path / to / TEMPLATE_FILE).read_text() == template, to
+    chat = [{"role": "user", "content": "hi"}]
+    for to in ("neox", "hf"):
+        tokenizer = AutoTokenizer.from_pretrained(tmp_path / to)
+        assert tokenizer.apply_chat_template(chat, tokenize=False) == "[user] hi\n", to
+
+
 # -- retrofit --------------------------------------------------------------------------------------
 def test_retrofit_plan_blocks():
     p = plan(24, "4+8R2+4")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-TEMPLATE_FILE = "chat_template.jinja"  # where Hugging Face folders keep theirs: all readers look
 FINETUNE_DEFAULTS = ("train.lora_rank=8", "train.lr=1e-3", "train.steps=200", "train.warmup=0.05",
                      "train.eval_every=50", "train.save_every=100")
 
@@ -46,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from meshlm import atomic, checkpoint
     from meshlm.commands.train import log_to_stderr
     from meshlm.data.sft import DEFAULT_TEMPLATE, cached_sft_data
+    from meshlm.data.tokenizer import TEMPLATE_FILE
     from meshlm.loading import locate, open_model
     from meshlm.train.config import load_config
     from meshlm.train.plan import resolve

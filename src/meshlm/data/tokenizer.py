@@ -183,6 +183,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB) -> Tokenize
     return tok
 
 
+TEMPLATE_FILE = "chat_template.jinja"  # where Hugging Face folders keep a chat template
+
+
 def folder_chat_template(*folders: str | os.PathLike | None) -> str | None:
     """A model folder's own chat template, as Hugging Face folders carry it: chat_template.jinja,
     else tokenizer_config.json's "chat_template" (a string, or transformers' named list: its
@@ -193,7 +196,7 @@ def folder_chat_template(*folders: str | os.PathLike | None) -> str | None:
 
 
 def _own_template(folder: Path) -> str | None:
-    jinja = folder / "chat_template.jinja"
+    jinja = folder / TEMPLATE_FILE
     if jinja.is_file():
         return jinja.read_text(encoding="utf-8")
     config = folder / "tokenizer_config.json"

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFa
 
 from meshlm import atomic
 from meshlm.config import ModelConfig
-from meshlm.data.tokenizer import TextTokenizer, load_tokenizer
+from meshlm.data.tokenizer import TEMPLATE_FILE, TextTokenizer, load_tokenizer
 from meshlm.errors import CheckpointError
 from meshlm.hf.card import model_card
 from meshlm.hf.configuration import MeshConfig
@@ -92,7 +92,7 @@ def save_hf(model: MeshLM | MeshForCausalLM, folder: str | Path,
             fast.model_max_length = model.config.max_position_embeddings
             fast.save_pretrained(tmp)
         if chat_template:
-            (tmp / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+            (tmp / TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
         cfg = model.model.config  # the wrapped MeshLM's ModelConfig
         (tmp / "README.md").write_text(model_card(cfg, meta, str(folder)), encoding="utf-8")
     return folder

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from meshlm import atomic, checkpoint
 from meshlm.backbones import BACKBONES, Backbone
 from meshlm.config import ModelConfig
-from meshlm.data.tokenizer import folder_chat_template
+from meshlm.data.tokenizer import TEMPLATE_FILE, folder_chat_template
 from meshlm.errors import ConfigError
 from meshlm.interop import FORMATS
 from meshlm.interop.families import export_problems, from_meshlm, hf_config, split_experts
@@ -44,10 +44,9 @@ from meshlm.loading import open_model
 
 
 def write_family(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: str | Path,
-                 family: Backbone,
-                 tokenizer=None) -> Path:
+                 family: Backbone, tokenizer=None, chat_template: str | None = None) -> Path:
     """Write a vanilla meshlm model as a GPT-NeoX, Llama or OLMoE folder (config.json +
-    model.safetensors)."""
+    model.safetensors, the tokenizer, and `chat_template` as chat_template.jinja)."""
     problems = export_problems(cfg, family)
     if problems or any(k.startswith("scheme.") for k in state):
         raise ConfigError("; ".join(problems) or f"only a vanilla model converts to {family.title}")
@@ -78,6 +77,8 @@ def write_family(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: str |
             from meshlm.hf import hf_tokenizer
 
             hf_tokenizer(tokenizer).save_pretrained(tmp)
+        if chat_template:
+            (tmp / TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
     return folder
 
 
@@ -114,17 +115,20 @@ def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: 
     if to not in FORMATS or (to == kind and not source.merged):
         raise ConfigError(f"cannot convert {kind} to {to!r}; choose --to from "
                           f"{', '.join(f for f in FORMATS if f != kind)}")
+    template = folder_chat_template(source.path, source.run_dir)  # a fine-tuned run's, or None
     if to == "meshlm":
         fresh_dir(out, create=False)
-        return checkpoint.save_model(source.model, out,
-                                     {"source": {"format": kind, "path": str(src)}},
-                                     source.tokenizer_file)
+        saved = checkpoint.save_model(source.model, out,
+                                      {"source": {"format": kind, "path": str(src)}},
+                                      source.tokenizer_file)
+        if template:
+            atomic.write_text(saved / TEMPLATE_FILE, template)
+        return saved
     # a folder naming none is written without one
     tok = source.tokenizer if source.tokenizer_source else None
     if to == "hf":
         from meshlm.hf import save_hf  # transformers' model classes: only for this target
 
         return save_hf(source.model, fresh_dir(out, create=False), tok,
-                       source.meta if kind == "meshlm" else None,
-                       folder_chat_template(source.path, source.run_dir))  # a fine-tuned run's
-    return write_family(cfg, source.model.state_dict(), out, BACKBONES[to], tok)
+                       source.meta if kind == "meshlm" else None, template)
+    return write_family(cfg, source.model.state_dict(), out, BACKBONES[to], tok, template)
