@@ -57,8 +57,8 @@ def mismatches(model, prompts, args, pad_id: int) -> None:
             out = paths(model, prompts, args.new_tokens, args.speculate, pad_id)
         ref = out.pop("alone")
         counts = {path: sum(a != b for a, b in zip(ref, rows)) for path, rows in out.items()}
-        tokens = {path: sum(x != y for a, b in zip(ref, rows) for x, y in zip(a, b)) for path,
-                  rows in out.items()}
+        tokens = {path: sum(x != y for a, b in zip(ref, rows) for x, y in zip(a, b))
+                  for path, rows in out.items()}
         total = len(prompts) * args.new_tokens
         print(f"{name}: prompts differing from plain decoding alone (of {len(prompts)}; tokens of "
               f"{total}): "

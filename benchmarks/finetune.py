@@ -91,8 +91,8 @@ def main() -> None:
                                  capture_output=True,
                                  text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
             results[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    median = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name,
-              runs in results.items()}
+    median = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+              for name, runs in results.items()}
     full = median["full"]
     print(f"{args.preset}, seq {args.seq}, batch {args.batch}, "
           f"{'bf16 autocast' if args.bf16 else 'fp32'}, 1 thread, median of {args.rounds} "

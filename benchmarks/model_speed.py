@@ -169,8 +169,8 @@ def _policy_child(kind: str) -> None:
 def policy_comparison(args) -> dict:
     """Median over alternating child processes of (transformers step time / meshlm step time)."""
     argv = [a for a in sys.argv[1:] if a not in ("--policy", "--json")]
-    env = {k: v for k,
-           v in os.environ.items() if not k.startswith("MALLOC_") and k != "MESHLM_MALLOC"}
+    env = {k: v
+           for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "MESHLM_MALLOC"}
     runs = {"meshlm": [], "hf-neox": []}
     for round_ in range(args.policy_rounds):
         for kind in (("meshlm", "hf-neox") if round_ % 2 == 0 else ("hf-neox", "meshlm")):
@@ -237,8 +237,8 @@ def main() -> None:
               f"rss +{rss[k] / 2**20:8.1f} MiB")
     if args.policy:
         m, h = result["policy"]["meshlm"], result["policy"]["hf-neox"]
-        ms = {kind: ", ".join(f"{1000 * r['seconds']:.1f}" for r in rs) for kind,
-              rs in (("m", m), ("h", h))}
+        ms = {kind: ", ".join(f"{1000 * r['seconds']:.1f}" for r in rs)
+              for kind, rs in (("m", m), ("h", h))}
         print(f"policy: meshlm vanilla in {m[0]['dtype']}, malloc tuned: {ms['m']} ms/step; "
               f"transformers {h[0]['dtype']}: {ms['h']} ms/step")
     for name, ratio in result["ratios"].items():

@@ -76,18 +76,18 @@ def main() -> None:
     models = {k: build(k, args) for k in ("moe-mesh", "moe-base", "dense-base")}
     x = torch.randint(0, args.vocab, (args.batch, args.seq),
                       generator=torch.Generator().manual_seed(0))
-    full = interleaved_medians({k: (lambda m=m, o=o: step(m, o, x, True)) for k,
-                                (m, o) in models.items()},
+    full = interleaved_medians({k: (lambda m=m, o=o: step(m, o, x, True))
+                                for k, (m, o) in models.items()},
                                args.rounds, clock)
-    fwd_bwd = interleaved_medians({k: (lambda m=m, o=o: step(m, o, x, False)) for k,
-                                   (m, o) in models.items()},
+    fwd_bwd = interleaved_medians({k: (lambda m=m, o=o: step(m, o, x, False))
+                                   for k, (m, o) in models.items()},
                                   args.rounds, clock)
     acc = {k: account(m) for k, (m, _) in models.items()}
     result = {
         "setup": vars(args) | {"threads": torch.get_num_threads()},
         "params": {k: {"total": a.total_params, "active": a.active_params,
-                       "forward_flops_per_token": a.forward_flops_per_token} for k,
-                   a in acc.items()},
+                       "forward_flops_per_token": a.forward_flops_per_token}
+                   for k, a in acc.items()},
         "seconds_per_step": full, "seconds_forward_backward": fwd_bwd,
         "ratios": {
             "moe-base/dense-base training step": full["moe-base"] / full["dense-base"],

@@ -79,8 +79,8 @@ def child(args: argparse.Namespace) -> None:
 
 
 def measure(args: argparse.Namespace, variant: str) -> dict:
-    env = {k: v for k,
-           v in os.environ.items() if not k.startswith("MALLOC_") and k != "MESHLM_MALLOC"}
+    env = {k: v
+           for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "MESHLM_MALLOC"}
     env.update(VARIANTS[variant][0], PYTHONPATH=str(SRC))
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)

@@ -94,8 +94,8 @@ def main() -> None:
           f"torch threads {torch.get_num_threads()}")
 
     peak = measure_matmul_peak(torch.device("cpu"), torch.float32, n=2048, seconds=1.0, clock=clock)
-    steps = {name: make_step(name, m, batches, clock) for name,
-             m in build_models(model_cfg).items()}
+    steps = {name: make_step(name, m, batches, clock)
+             for name, m in build_models(model_cfg).items()}
     times = {name: [] for name in steps}
     for round_ in range(args.rounds + 1):
         for name, step in steps.items():

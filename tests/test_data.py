@@ -91,8 +91,8 @@ def test_an_input_named_twice_or_also_inside_a_folder_given_is_read_once(tmp_pat
 
 
 def test_jsonl_with_text_field_blank_lines_and_nulls(tmp_path, tok):
-    lines = [json.dumps({"body": d, "n": i}) for i,
-             d in enumerate(DOCS)] + ["", json.dumps({"body": None})]
+    lines = [json.dumps({"body": d, "n": i})
+             for i, d in enumerate(DOCS)] + ["", json.dumps({"body": None})]
     path = write(tmp_path / "data.jsonl", "\n".join(lines) + "\n")
     m = run_prepare([path], tmp_path / "out", text_field="body")
     assert m["documents"] == 5 and documents_in(tmp_path / "out", tok) == sorted(DOCS)

@@ -124,8 +124,8 @@ def test_a_cache_under_autograd_gives_the_gradients_of_the_whole_sequence():
     cache = KVCache()
     # room 4, then 8 (a copy), then the third chunk would be written in place into a buffer autograd
     # saved
-    chunked = torch.cat([model(x[:, a:b], cache=cache).logits for a,
-                         b in ((0, 4), (4, 6), (6, 7), (7, 9))], 1)
+    chunked = torch.cat([model(x[:, a:b], cache=cache).logits
+                         for a, b in ((0, 4), (4, 6), (6, 7), (7, 9))], 1)
     chunked.square().mean().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()

@@ -30,8 +30,8 @@ def fake_suite(shots: int, offset: float) -> dict:
     """A downstream summary in run_suite's format (the real one needs lm-eval; see
     test_evaluate)."""
     tasks = {name: {"acc": 0.3 + offset, "acc_norm": 0.35 + offset, "metric": task.metric,
-                    "score": 0.3 + offset, "stderr": 0.01, "items": 10} for name,
-             task in SUITE.items()}
+                    "score": 0.3 + offset, "stderr": 0.01, "items": 10}
+             for name, task in SUITE.items()}
     return Suite.from_dict({"tasks": tasks, "average": 0.3 + offset, "covered": len(tasks), "of": 9,
                             "items": 80, "shots": shots, "limit": 10, "seconds": 1.0})
 

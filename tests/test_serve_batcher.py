@@ -133,8 +133,8 @@ def test_eos_ends_a_row_and_one_token_requests_never_join():
     with torch.no_grad():
         model.embed_out.weight[0] += 10.0 * model.embed_out.weight[7]  # token 0 (EOS) often wins
     batcher = Batcher(model, eos_id=0, pad_id=1)
-    rs = [Request(p, Sampling(max_new_tokens=n, temperature=0)) for p,
-          n in zip(PROMPTS, [1, 12, 12, 12, 12])]
+    rs = [Request(p, Sampling(max_new_tokens=n, temperature=0))
+          for p, n in zip(PROMPTS, [1, 12, 12, 12, 12])]
     staggered(batcher, rs, every=1)
     assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
     assert all(r.finish == ("stop" if r.tokens[-1] == 0 else "length") for r in rs)

@@ -279,8 +279,8 @@ class OlmoeBackbone(LlamaBackbone):
                     aux_loss_weight=float(raw.get("router_aux_loss_coef", 0.01)))
 
     def hf_config_kwargs(self, cfg):
-        llama = {k: v for k,
-                 v in super().hf_config_kwargs(cfg).items() if k not in ("head_dim", "mlp_bias")}
+        llama = {k: v for k, v in super().hf_config_kwargs(cfg).items()
+                 if k not in ("head_dim", "mlp_bias")}
         return dict(llama, num_experts=cfg.n_experts, num_experts_per_tok=cfg.top_k,
                     norm_topk_prob=cfg.norm_topk_prob,
                     router_aux_loss_coef=cfg.aux_loss_weight, clip_qkv=None,

@@ -154,8 +154,8 @@ def save_checkpoint(run_dir: str | Path, step: int, weights: dict[str, torch.Ten
     `tokenizer`: a tokenizer.json to carry along (one that is not built in), so the checkpoint
     stands alone."""
     run_dir = Path(run_dir)
-    bad = [name for name,
-           t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    bad = [name
+           for name, t in weights.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if bad:
         raise CheckpointError(f"refusing to save step {step}: non-finite values in {bad[0]} "
                               f"(and {len(bad) - 1} more); the run diverged, lower train.lr")

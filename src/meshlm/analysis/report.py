@@ -167,8 +167,8 @@ def table_one(runs: list[RunResults], shots: str | None) -> str:
              else "<td>—</td>" for r in runs]]
     ppl, sources = zip(*(r.ppl for r in runs))
     ppl_cells = cells(list(ppl), True, "{:.2f}")
-    ppl_cells = [c.replace("</td>", "<sup>†</sup></td>") if src == "train" else c for c,
-                 src in zip(ppl_cells, sources)]
+    ppl_cells = [c.replace("</td>", "<sup>†</sup></td>") if src == "train" else c
+                 for c, src in zip(ppl_cells, sources)]
     columns = left + [ppl_cells]
     def task_field(task: str, name: str) -> list[float | None]:
         return [getattr(s.tasks[task], name) if s and task in s.tasks else None for s in suites]

@@ -31,8 +31,8 @@ def percent(values: list[float | None]) -> list[float | None]:
 
 def table(header: list[str], columns: list[list[str]], n_rows: int) -> str:
     """A table of `columns` (each a list of <td> cells); the first two header cells left-aligned."""
-    head = "".join(f"<th class='l'>{h}</th>" if i < 2 else f"<th>{h}</th>" for i,
-                   h in enumerate(header))
+    head = "".join(f"<th class='l'>{h}</th>" if i < 2 else f"<th>{h}</th>"
+                   for i, h in enumerate(header))
     rows = "".join("<tr>" + "".join(col[r] for col in columns) + "</tr>" for r in range(n_rows))
     return f"<table><tr>{head}</tr>{rows}</table>"
 

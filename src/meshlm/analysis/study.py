@@ -120,8 +120,8 @@ def selected_variants(variants: dict, only: str, problems: list[str]) -> dict:
     """The variants whose names match one of `only`'s comma-separated names or shell patterns
     (none matching: a problem appended)."""
     patterns = [p.strip() for p in only.split(",") if p.strip()]
-    kept = {v: spec for v,
-            spec in variants.items() if any(fnmatch.fnmatchcase(v, p) for p in patterns)}
+    kept = {v: spec
+            for v, spec in variants.items() if any(fnmatch.fnmatchcase(v, p) for p in patterns)}
     if not kept:
         problems.append(f"--only {only!r} matches no variant (variants: {', '.join(variants)})")
     return kept

@@ -155,8 +155,8 @@ def text_file_pieces(path: Path, stats: ReadStats) -> Iterator[str]:
 def text_file_documents(path: Path, doc_id: str, stats: ReadStats) -> Documents:
     """A text file is one document (BOM dropped)."""
     pieces = text_file_pieces(path, stats)
-    chunks = non_blank(safe_chunks(p.removeprefix("\ufeff") if i == 0 else p for i,
-                                   p in enumerate(pieces)))
+    chunks = non_blank(safe_chunks(p.removeprefix("\ufeff") if i == 0 else p
+                                   for i, p in enumerate(pieces)))
     if chunks is not None:
         yield doc_id, chunks
 

@@ -144,8 +144,8 @@ def split_records(records: list, val_fraction: float) -> tuple[list, list]:
     ranked = sorted(range(len(records)), key=lambda i: share(records[i]))
     n_val = min(len(records) - 1, max(1, sum(share(r) < val_fraction for r in records)))
     val = set(ranked[:n_val])
-    return [r for i, r in enumerate(records) if i not in val], [r for i,
-                                                                r in enumerate(records) if i in val]
+    return ([r for i, r in enumerate(records) if i not in val],
+            [r for i, r in enumerate(records) if i in val])
 
 
 def prepare_sft(data: str | os.PathLike, out: Path, tokenizer: TextTokenizer,
@@ -182,8 +182,8 @@ def prepare_sft(data: str | os.PathLike, out: Path, tokenizer: TextTokenizer,
                      "version": VERSION,
                      "template": "default" if template is None
                      else hashlib.sha256(template.encode()).hexdigest()[:16],
-                     "loss_tokens": {s: int(sum(sum(m) for _, m in items)) for s,
-                                     items in examples.items()}},
+                     "loss_tokens": {s: int(sum(sum(m) for _, m in items))
+                                     for s, items in examples.items()}},
     }
     write_manifest(out, manifest)
     return manifest

@@ -117,8 +117,8 @@ class MeshLMEval(LM):
             windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
                 token_list=self.tokenizer.encode(req.args[0]), prefix_token=self.tokenizer.eos_id,
                 max_seq_len=self.max_length, context_len=1)]
-            total = sum(logprob for logprob,
-                        _ in self.score([(list(c), list(t)) for c, t in windows]))
+            total = sum(logprob
+                        for logprob, _ in self.score([(list(c), list(t)) for c, t in windows]))
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
             out.append(total)
         return out

@@ -145,8 +145,8 @@ def loop_means(problems: list[dict], indices: list[int], chosen: list[Answer]) -
     token."""
     # positions processed: the prompt's (prefill), then each fed answer token; answer_loops[0] is
     # the last prompt position's (it predicts answer token 0), already in prompt_loops
-    tokens = sum(len(problems[i]["prompt"]) + len(a.answer_loops[1:]) for i,
-                 a in zip(indices, chosen))
+    tokens = sum(len(problems[i]["prompt"]) + len(a.answer_loops[1:])
+                 for i, a in zip(indices, chosen))
     loops = sum(a.prompt_loops + sum(a.answer_loops[1:]) for a in chosen)
     answer_steps = [step for a in chosen for step in a.answer_loops]
     return {"avg_loops": loops / max(tokens, 1),

@@ -177,8 +177,8 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
                              "speculate / assistant_early_exit for transformers' generate()")
         ids = inputs if inputs is not None else kwargs["input_ids"]
         mask = kwargs.get("attention_mask")
-        prompts = [row[m.bool()].tolist() for row,
-                   m in zip(ids, torch.ones_like(ids) if mask is None else mask)]
+        prompts = [row[m.bool()].tolist()
+                   for row, m in zip(ids, torch.ones_like(ids) if mask is None else mask)]
         eos, pad = get("eos_token_id"), get("pad_token_id")
         eos = eos[0] if isinstance(eos, (list, tuple)) else eos
         sampled = bool(get("do_sample"))

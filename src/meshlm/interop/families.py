@@ -69,8 +69,8 @@ def from_meshlm(state: dict[str, torch.Tensor], layout: Layout,
                 family: Backbone) -> dict[str, torch.Tensor]:
     """meshlm state dict -> the family's state dict (transformers 5 module names, stacked
     experts)."""
-    prefixes = {name + ".": f"{family.layer_prefix}{i}." for i,
-                name in enumerate(unique_layer_names(layout))}
+    prefixes = {name + ".": f"{family.layer_prefix}{i}."
+                for i, name in enumerate(unique_layer_names(layout))}
     inverse = {}
     for theirs, ours in family.top_level:
         inverse.setdefault(ours, theirs)

@@ -88,8 +88,8 @@ def targets_of(layer: nn.Module, targets: str) -> list[str]:
     wanted = [t.strip() for t in targets.split(",") if t.strip()]
     roles = getattr(type(layer), "roles", {})
     suffixes = tuple(s for t in wanted for s in roles.get(t, (t,)))
-    return [name for name,
-            m in layer.named_modules() if type(m) is nn.Linear and name.endswith(suffixes)]
+    return [name for name, m in layer.named_modules()
+            if type(m) is nn.Linear and name.endswith(suffixes)]
 
 
 def example_target(backbone: str) -> str:

@@ -41,8 +41,8 @@ def targets(model: nn.Module, parts: set[str]) -> dict[str, nn.Linear]:
     unknown = parts - set(PARTS)
     if unknown:
         raise ValueError(f"unknown parts {sorted(unknown)}; choose from {', '.join(PARTS)}")
-    return {name: m for name,
-            m in model.named_modules() if type(m) is nn.Linear and part_of(name) in parts}
+    return {name: m
+            for name, m in model.named_modules() if type(m) is nn.Linear and part_of(name) in parts}
 
 
 @dataclass

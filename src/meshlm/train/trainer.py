@@ -141,9 +141,9 @@ class Trainer(Checkpointing):
                 if getattr(out, name) is not None:
                     parts[name] += getattr(out, name).detach().float()
         loss = parallel.all_mean(total / len(batches), env)
-        self.loss_parts = {name: parallel.all_mean(value / len(batches), env).item()
-                           for name,
-                           value in parts.items()} if BACKBONES[self.model_cfg.backbone].moe else {}
+        self.loss_parts = ({name: parallel.all_mean(value / len(batches), env).item()
+                            for name, value in parts.items()}
+                           if BACKBONES[self.model_cfg.backbone].moe else {})
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip or math.inf)
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP2
             norm = norm.full_tensor()

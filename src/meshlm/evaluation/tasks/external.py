@@ -109,6 +109,6 @@ def summarise(raw: dict[str, Any]) -> dict[str, dict[str, Any]]:
                      "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
                      "items": int(raw.get("n-samples", {}).get(name, {}).get("effective", 0)),
                      "output_type": config.get("output_type"), "external": True,
-                     "metrics": {k: float(v) for k,
-                                 v in values.items() if "," in k and isinstance(v, (int, float))}}
+                     "metrics": {k: float(v) for k, v in values.items()
+                                 if "," in k and isinstance(v, (int, float))}}
     return out
