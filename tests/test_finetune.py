@@ -243,7 +243,7 @@ def test_finetune_then_export_loads_in_a_clean_process(tmp_path):
     for folder in ("runs/base-ft", "runs/base-ft/merged", "hf"):
         assert (tmp_path / folder / "chat_template.jinja").read_text() == DEFAULT_TEMPLATE, folder
     opened = open_model(tmp_path / "runs" / "base-ft")
-    assert serve_template(opened.path, opened.run_dir) == (DEFAULT_TEMPLATE, True)
+    assert serve_template(opened.folder.chat_template) == (DEFAULT_TEMPLATE, True)
     x = torch.randint(0, 8192, (2, 12))
     with torch.no_grad():
         expected = open_model(tmp_path / "runs" / "base-ft").model(x).logits

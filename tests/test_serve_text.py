@@ -3,6 +3,7 @@ import json
 
 import pytest
 
+from meshlm.data.tokenizer import folder_chat_template
 from meshlm.errors import ConfigError
 from meshlm.serve.text import DEFAULT_CHAT_TEMPLATE, TextStream, chat_template, render_chat
 
@@ -43,11 +44,11 @@ def test_eos_is_not_text_and_incomplete_characters_wait():
 
 def test_chat_templates_default_and_folder(tmp_path):
     messages = [{"role": "user", "content": "hi"}]
-    assert chat_template(tmp_path) == (DEFAULT_CHAT_TEMPLATE, False)
+    assert chat_template(folder_chat_template(tmp_path)) == (DEFAULT_CHAT_TEMPLATE, False)
     own = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor "
            "%}<|assistant|>")
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": own}))
-    template, is_own = chat_template(tmp_path)
+    template, is_own = chat_template(folder_chat_template(tmp_path))
     assert (is_own
             and render_chat(template, messages, eos_token="</s>") == "<|user|>hi</s><|assistant|>")
     refusing = "{{ raise_exception('only user turns') }}"
@@ -63,7 +64,7 @@ def test_the_folder_template_is_read_as_finetune_reads_it(tmp_path):
     "default" entry."""
     named = [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
-    assert chat_template(tmp_path) == ("D", True)
+    assert chat_template(folder_chat_template(tmp_path)) == ("D", True)
     (tmp_path / "chat_template.jinja").write_text("J", encoding="utf-8")
-    assert chat_template(tmp_path) == ("J", True)
+    assert chat_template(folder_chat_template(tmp_path)) == ("J", True)
 

@@ -67,6 +67,7 @@ from meshlm.data.tokenizer import (
     TextTokenizer,
     check_vocab,
     differences,
+    folder_chat_template,
     load_tokenizer,
     resolve_tokenizer_path,
 )
@@ -124,6 +125,12 @@ class ModelFolder:
     @cached_property
     def _model_config(self) -> ModelConfig:
         return folders.model_config(self.format, self.config, self.path)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's own chat template: the folder's, else its run's (where `meshlm finetune`
+        records the one it trained in); None without one (meshlm.data.tokenizer)."""
+        return folder_chat_template(self.path, self.run_dir)
 
     def own_tokenizer(self) -> str | None:
         """Rules 2 and 3: the tokenizer file the folder carries, else the one its training config

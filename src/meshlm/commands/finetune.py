@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, [*FINETUNE_DEFAULTS, *name, f"train.init_from={args.source}",
                                     *args.overrides])
     plan = resolve(cfg)  # the folder's model and tokenizer, which the data are prepared with
-    own = chat_template(args, folder.path, folder.run_dir)  # None: meshlm's default
+    own = chat_template(args, folder)  # None: meshlm's default
     data = cached_sft_data(args.data, plan.tokenizer, own, plan.model.context_length)
     template = own or DEFAULT_TEMPLATE
     recorded = ((TEMPLATE_FILE, template),)  # serve and a later finetune read the run's template
@@ -74,14 +74,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def chat_template(args: argparse.Namespace, *folders: Path) -> str | None:
-    """--chat-template's file, else the model's own template (the first of `folders` holding one;
-    None: meshlm's default)."""
-    from meshlm.data.tokenizer import folder_chat_template
+def chat_template(args: argparse.Namespace, folder) -> str | None:
+    """--chat-template's file, else the model's own template (meshlm.loading.ModelFolder's; None:
+    meshlm's default)."""
     from meshlm.errors import ConfigError
 
     if not args.chat_template:
-        return folder_chat_template(*folders)
+        return folder.chat_template
     path = Path(args.chat_template)
     if not path.is_file():
         raise ConfigError(f"--chat-template {path} does not exist; pass a Jinja template file")

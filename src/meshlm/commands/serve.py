@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     opened = open_model(args.checkpoint, args.device, tokenizer=args.tokenizer)
     model, tok = opened.model, opened.tokenizer
     device, chosen = precision.for_decoding(args.dtype, model)
-    template, own = chat_template(opened.path, opened.run_dir)  # a fine-tuned run's own
+    template, own = chat_template(opened.folder.chat_template)  # a fine-tuned run's: its own
     cfg = model.config
     name = args.name or opened.run_dir.resolve().name
     served = Served(name=name, tokenizer=tok, context_length=cfg.context_length,

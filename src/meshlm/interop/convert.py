@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 from meshlm import atomic, checkpoint
 from meshlm.backbones import BACKBONES, Backbone
 from meshlm.config import ModelConfig
-from meshlm.data.tokenizer import TEMPLATE_FILE, folder_chat_template
+from meshlm.data.tokenizer import TEMPLATE_FILE
 from meshlm.errors import ConfigError
 from meshlm.interop import FORMATS
 from meshlm.interop.families import export_problems, from_meshlm, hf_config, split_experts
@@ -115,7 +115,7 @@ def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: 
     if to not in FORMATS or (to == kind and not source.merged):
         raise ConfigError(f"cannot convert {kind} to {to!r}; choose --to from "
                           f"{', '.join(f for f in FORMATS if f != kind)}")
-    template = folder_chat_template(source.path, source.run_dir)  # a fine-tuned run's, or None
+    template = source.folder.chat_template  # a fine-tuned run's, or None
     if to == "meshlm":
         fresh_dir(out, create=False)
         saved = checkpoint.save_model(source.model, out,

@@ -19,12 +19,9 @@ trained on plain text would start writing the user's next turn.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from meshlm.data.tokenizer import folder_chat_template
 from meshlm.errors import ConfigError
 
 DEFAULT_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] "
@@ -86,10 +83,9 @@ class TextStream:
                     if s.startswith(text[-n:])), default=0)
 
 
-def chat_template(*folders: Path | None) -> tuple[str, bool]:
-    """(template, whether it is the model's own): the first of `folders` (a checkpoint, then its
-    run) that has one (meshlm.data.tokenizer.folder_chat_template), else DEFAULT_CHAT_TEMPLATE."""
-    own = folder_chat_template(*folders)
+def chat_template(own: str | None) -> tuple[str, bool]:
+    """(template, whether it is the model's own): `own` (the opened folder's,
+    meshlm.loading.ModelFolder.chat_template), else DEFAULT_CHAT_TEMPLATE."""
     return (own, True) if own is not None else (DEFAULT_CHAT_TEMPLATE, False)
 
 
