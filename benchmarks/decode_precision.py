@@ -1,4 +1,5 @@
-"""Greedy decoding in fp32 and under bf16 autocast: how often each decoding path changes the tokens,
+"""Greedy decoding in fp32 and in bf16, each with the weights `meshlm generate --dtype` decodes with
+(fp32 laid out by split_linears, bf16 stored): how often each decoding path changes the tokens,
 and what decoding in fp32 costs. The measurement behind `--dtype auto` = fp32 for decoding
 (docs/serve.md).
 
@@ -25,7 +26,27 @@ import argparse
 import torch
 from benchkit import add_timing_arguments, corpus_windows, interleaved_medians, timing_setup
 
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16}
+PRECISIONS = ("fp32", "bf16")  # --dtype values
+
+
+def decoders(model) -> dict[str, tuple[torch.nn.Module, object]]:
+    """{--dtype: (a copy of `model` with the weights `meshlm generate --dtype` decodes with, its
+    precision)}: fp32 laid out for one-token products (split_linears), bf16 stored in bf16."""
+    import copy
+
+    from meshlm.runtime import precision
+
+    out = {}
+    for name in PRECISIONS:
+        copied = copy.deepcopy(model)
+        out[name] = copied, precision.for_decoding(name, copied)[1]
+    return out
+
+
+def autocast(chosen):
+    from meshlm.runtime import precision
+
+    return precision.autocast(torch.device("cpu"), chosen)
 
 
 def paths(model, prompts, n: int, speculate: str, pad_id: int) -> dict[str, list[list[int]]]:
@@ -50,10 +71,9 @@ def paths(model, prompts, n: int, speculate: str, pad_id: int) -> dict[str, list
     return out
 
 
-def mismatches(model, prompts, args, pad_id: int) -> None:
-    for name, dtype in PRECISIONS.items():
-        with torch.no_grad(), torch.autocast("cpu", dtype=dtype or torch.bfloat16,
-                                             enabled=dtype is not None):
+def mismatches(models, prompts, args, pad_id: int) -> None:
+    for name, (model, chosen) in models.items():
+        with torch.no_grad(), autocast(chosen):
             out = paths(model, prompts, args.new_tokens, args.speculate, pad_id)
         ref = out.pop("alone")
         counts = {path: sum(a != b for a, b in zip(ref, rows)) for path, rows in out.items()}
@@ -65,16 +85,15 @@ def mismatches(model, prompts, args, pad_id: int) -> None:
               + ", ".join(f"{p} {counts[p]} ({tokens[p]})" for p in counts), flush=True)
 
 
-def logit_differences(model, prompts) -> None:
+def logit_differences(models, prompts) -> None:
     """Max |Δ logit| of a batch row vs. the row alone, and of cached token-by-token decoding vs. one
     forward over the sequence, in fp32 and under bf16 (equal-length prompts: no padding)."""
     from meshlm.model.kv_cache import KVCache
 
     x = torch.tensor(prompts[:8])  # (8, T)
     half = x.shape[1] // 2
-    for name, dtype in PRECISIONS.items():
-        with torch.no_grad(), torch.autocast("cpu", dtype=dtype or torch.bfloat16,
-                                             enabled=dtype is not None):
+    for name, (model, chosen) in models.items():
+        with torch.no_grad(), autocast(chosen):
             whole = model(x).logits.float()
             alone = model(x[:1]).logits.float()
             cache = KVCache()
@@ -87,20 +106,19 @@ def logit_differences(model, prompts) -> None:
               f"{incremental:.3g}", flush=True)
 
 
-def speeds(model, prompts, args, pad_id: int, clock) -> None:
+def speeds(models, prompts, args, pad_id: int, clock) -> None:
     from meshlm.generate import Sampling, generate
 
     s = Sampling(max_new_tokens=args.new_tokens, temperature=0, stop_at_eos=False)
     for batch in (1, 16):
         rows = (prompts * 16)[:batch]
 
-        def run(dtype, rows=rows):
+        def run(model, chosen, rows=rows):
             def step():
-                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16,
-                                                     enabled=dtype is not None):
+                with torch.no_grad(), autocast(chosen):
                     generate(model, rows, s, pad_id=pad_id)
             return step
-        t = interleaved_medians({name: run(dtype) for name, dtype in PRECISIONS.items()},
+        t = interleaved_medians({name: run(*pair) for name, pair in models.items()},
                                 args.rounds, clock)
         rate = {name: batch * args.new_tokens / sec for name, sec in t.items()}
         print(f"batch {batch}: fp32 {rate['fp32']:.0f} tokens/s, bf16 {rate['bf16']:.0f} tokens/s; "
@@ -122,9 +140,10 @@ def main() -> None:
     clock = timing_setup(args)
     opened = open_model(args.checkpoint)
     prompts = corpus_windows(opened.tokenizer, args.prompts, args.prompt_tokens)
-    mismatches(opened.model, prompts, args, opened.tokenizer.pad_id)
-    logit_differences(opened.model, prompts)
-    speeds(opened.model, prompts, args, opened.tokenizer.pad_id, clock)
+    models = decoders(opened.model)
+    mismatches(models, prompts, args, opened.tokenizer.pad_id)
+    logit_differences(models, prompts)
+    speeds(models, prompts, args, opened.tokenizer.pad_id, clock)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,10 @@ Comparisons (targets from the Hugging Face / generation issue):
   2. MeSH vs. base at the same spec, both cached: tokens/s ≥ 0.95×.
   4. (--versus-transformers) a vanilla stack of --layers (default 12) layers at --d-model against
      transformers' GPTNeoXForCausalLM.generate on the same weights: transformers fp32 and bf16,
-     meshlm fp32 (what `--dtype auto` decodes in), bf16 (weights stored in bf16), int8 and int4
-     (meshlm.quant, every layer and the head), with the weight bytes each reads per token against
-     this core's measured copy bandwidth:
+     meshlm fp32 (what `--dtype auto` decodes in, split_linears' layout), fp32 through plain
+     F.linear, bf16 (weights stored in bf16), int8 and int4 (meshlm.quant, every layer and the
+     head), each with the weights `meshlm generate` decodes with, and with the weight bytes each
+     reads per token against this core's measured copy bandwidth:
          .venv/bin/python benchmarks/decode_speed.py --versus-transformers --d-model 768 \
              --heads 12 \
              --vocab 50304 --new-tokens 64 --rounds 3 --threads 1
@@ -89,6 +90,18 @@ def copy_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
     return 2 * a.numel() * 4 / best
 
 
+def decoding_copy(model, dtype: str) -> torch.nn.Module:
+    """A copy of `model` with the weights `meshlm generate --dtype DTYPE` decodes with
+    (precision.for_decoding: fp32 split for one-token products, bf16 stored)."""
+    import copy
+
+    from meshlm.runtime import precision
+
+    model = copy.deepcopy(model)
+    precision.for_decoding(dtype, model)
+    return model
+
+
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights one decoded token reads: everything but the input embedding table (one row
     of it)."""
@@ -123,12 +136,11 @@ def versus_transformers(args) -> None:
     hf.load_state_dict(from_meshlm(ours.state_dict(), cfg.layout, BACKBONES["neox"]), strict=False)
     bf16, fp32 = precision.Precision(torch.bfloat16,
                                      "as requested"), precision.Precision(None, "as requested")
-    stored = copy.deepcopy(ours)
-    precision.store_weights(stored, bf16)
     models = {"transformers fp32": hf, "transformers bf16": copy.deepcopy(hf).to(torch.bfloat16),
-              "meshlm fp32": ours, "meshlm bf16": stored,
-              "meshlm int8": quantize_model(ours, 8, PARTS)[0],
-              "meshlm int4": quantize_model(ours, 4, PARTS)[0]}
+              "meshlm fp32": decoding_copy(ours, "auto"), "meshlm fp32 F.linear": ours,
+              "meshlm bf16": decoding_copy(ours, "bf16"),
+              "meshlm int8": decoding_copy(quantize_model(ours, 8, PARTS)[0], "auto"),
+              "meshlm int4": decoding_copy(quantize_model(ours, 4, PARTS)[0], "auto")}
     prompt = torch.randint(2, args.vocab, (1, args.prompt),
                            generator=torch.Generator().manual_seed(0))
     s = Sampling(max_new_tokens=args.new_tokens, temperature=0, stop_at_eos=False)
@@ -153,9 +165,10 @@ def versus_transformers(args) -> None:
           f"{args.rounds} rounds (medians); copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     for name, r in rate.items():
         moved = weight_bytes_per_token(models[name]) * r
-        print(f"  {name:<18} {r:7.2f} tokens/s  weights {moved / 1e9:5.2f} GB/s = "
+        print(f"  {name:<20} {r:7.2f} tokens/s  weights {moved / 1e9:5.2f} GB/s = "
               f"{moved / bandwidth:4.0%} of bandwidth")
-    for a, b in (("meshlm fp32", "transformers fp32"), ("meshlm bf16", "transformers bf16"),
+    for a, b in (("meshlm fp32", "transformers fp32"), ("meshlm fp32", "meshlm fp32 F.linear"),
+                 ("meshlm fp32", "transformers bf16"), ("meshlm bf16", "transformers bf16"),
                  ("meshlm bf16", "transformers fp32"), ("meshlm int8", "transformers fp32"),
                  ("meshlm int8", "meshlm fp32"), ("meshlm int4", "meshlm fp32"),
                  ("meshlm bf16", "meshlm fp32")):

@@ -10,6 +10,7 @@ from test_decode_precision import bf16_machine  # noqa: F401 (fixture)
 
 from meshlm.generate import Sampling, generate
 from meshlm.runtime import precision
+from meshlm.runtime.split_linear import SplitLinear
 
 CPU = torch.device("cpu")
 
@@ -41,9 +42,12 @@ def test_stored_bf16_weights_compute_exactly_what_autocast_computes(cfg):
 
 def test_the_policy_stores_weights_in_the_precision_it_computes_in(bf16_machine):  # noqa: F811
     decoding, evaluating = build(tiny()), build(tiny())
+    plain = sum(type(m) is torch.nn.Linear for m in decoding.modules())
     assert precision.for_decoding("auto", decoding)[1].dtype is None
-    # decoding under auto: fp32, exact across paths
-    assert linear_dtypes(decoding) == {torch.float32}
+    # decoding under auto: fp32, exact across paths, every plain Linear laid out for decoding
+    split = [m for m in decoding.modules() if isinstance(m, SplitLinear)]
+    assert len(split) == plain > 0 and linear_dtypes(decoding) == set()
+    assert {m.blocks.dtype for m in split} == {torch.float32}
     assert precision.for_model("auto", evaluating)[1].dtype == torch.bfloat16
     assert linear_dtypes(evaluating) == {torch.bfloat16}
     asked = build(tiny())

@@ -1,0 +1,62 @@
+"""fp32 decoding's weight layout (meshlm.runtime.split_linear): a SplitLinear computes what its
+nn.Linear computes, to fp32 rounding, for any row count, block count and shape, and a model decoded
+with split layers makes the same greedy tokens, cached, uncached and under speculation."""
+import copy
+
+import pytest
+import torch
+from conftest import build, tiny
+
+from meshlm.generate import Sampling, generate
+from meshlm.model.memory import Router
+from meshlm.runtime.split_linear import MIN_BLOCK, SplitLinear, parts_for, split_linears
+
+
+@pytest.mark.parametrize("out_features, in_features, bias", [(96, 40, True), (1000, 33, False),
+                                                             (7, 5, True)])
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_a_split_layer_computes_its_linear(out_features, in_features, bias, parts):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    split = SplitLinear(linear, parts)
+    assert split.blocks.shape == (parts, in_features, -(-out_features // parts))
+    for shape in ((1, in_features), (5, in_features), (2, 3, in_features), (300, in_features)):
+        x = torch.randn(shape)
+        y = split(x)
+        assert y.shape == (*shape[:-1], out_features)
+        torch.testing.assert_close(y, linear(x), rtol=1e-6, atol=1e-6)
+
+
+def test_a_layer_gets_one_block_per_thread_but_none_narrower_than_the_minimum():
+    assert parts_for(4 * MIN_BLOCK, 2) == 2 and parts_for(4 * MIN_BLOCK, 8) == 4
+    assert parts_for(MIN_BLOCK - 1, 2) == 1 and parts_for(50304, 1) == 1
+
+
+def test_only_plain_fp32_linears_are_split():
+    model = build(tiny(spec="1+1R2+1", scheme="mesh", vocab_size=256))
+    plain = sum(type(m) is torch.nn.Linear for m in model.modules())
+    routers = sum(isinstance(m, Router) for m in model.modules())
+    assert routers > 0  # MeSH's routers are nn.Linear subclasses with their own forward
+    assert split_linears(model, threads=2) == plain
+    assert sum(isinstance(m, Router) for m in model.modules()) == routers
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    bf16 = build(tiny()).to(torch.bfloat16)
+    assert split_linears(bf16, threads=2) == 0
+
+
+@pytest.mark.parametrize("cfg", [tiny(spec="1+1R3+1", scheme="mesh", vocab_size=256),
+                                 tiny(spec="1+2R2+1", backbone="llama", tie_embeddings=True,
+                                      vocab_size=256)])
+def test_split_decoding_makes_the_same_tokens_every_way(cfg):
+    model = build(cfg)
+    split = copy.deepcopy(model)
+    split_linears(split, threads=2)
+    prompts, s = [[3, 4, 5, 6], [9, 2]], Sampling(max_new_tokens=12, temperature=0,
+                                                  stop_at_eos=False)
+    reference = generate(model, prompts, s)
+    assert generate(split, prompts, s) == reference
+    assert generate(split, prompts, s, cache=False) == reference
+    assert generate(split, prompts, s, speculate="1:3") == reference
+    ids = torch.tensor(prompts[0])[None]
+    with torch.no_grad():
+        torch.testing.assert_close(split(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
