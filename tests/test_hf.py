@@ -175,6 +175,24 @@ def test_bundler_rewrites_every_meshlm_import_form_and_refuses_the_rest():
             _localize_imports(text, "t.py", earlier={"x"}, everywhere={"x", "later"})
 
 
+@pytest.mark.parametrize("first, second", [
+    ("from dataclasses import replace\n", "def replace():\n    pass\n"),  # imported, then defined
+    ("def replace():\n    pass\n", "from dataclasses import replace\n"),  # defined, then imported
+    ("def f():\n    pass\n", "f = 1\n")])
+def test_bundler_refuses_one_top_level_name_bound_by_two_sources(tmp_path, monkeypatch, first,
+                                                                 second):
+    """In the one generated file a later binding replaces an earlier one for every source: a
+    library name and a meshlm function of the same name would silently call the wrong one."""
+    from meshlm.hf import remote
+
+    (tmp_path / "a.py").write_text(first)
+    (tmp_path / "b.py").write_text(second)
+    monkeypatch.setattr(remote, "PACKAGE", tmp_path)
+    monkeypatch.setattr(remote, "sources", lambda: ("a.py", "b.py"))
+    with pytest.raises(remote.BundleError, match="meshlm/b.py .*'(replace|f)'.*meshlm/a.py"):
+        remote.modeling_source.__wrapped__()
+
+
 def test_generated_code_runs_as_its_own_package(tmp_path):
     """Fast in-process stand-in for the fresh-process test: the generated module alone builds the
     same model."""

@@ -188,16 +188,24 @@ def modeling_source() -> str:
     everywhere = set(_HEADER_NAMES).union(*(set().union(*_top_level_names(text))
                                             for text in texts.values()))
     parts = [_HEADER.format(sources="\n".join(f"    meshlm/{rel}" for rel in sources()))]
-    owner, earlier = {}, set(_HEADER_NAMES)
+    owner, importer, earlier = {}, {}, set(_HEADER_NAMES)
     for rel in sources():
         text = _localize_imports(texts[rel], rel, earlier, everywhere)
         # the rewritten text: aliases like `b = a` count as defined
         defined, imported = _top_level_names(text)
         for name in defined:
-            if name in owner:
-                raise BundleError(f"meshlm/{rel} and meshlm/{owner[name]} both define {name!r}; "
-                                  f"rename one so the generated {MODELING_FILE} stays correct")
+            if name in owner or name in importer:
+                other = owner.get(name) or importer[name]
+                raise BundleError(f"meshlm/{rel} defines {name!r}, which meshlm/{other} also "
+                                  f"{'defines' if name in owner else 'imports'}; rename one so "
+                                  f"the generated {MODELING_FILE} stays correct")
             owner[name] = rel
+        for name in imported - defined:
+            if name in owner:  # a library's name bound over a bundled definition, or under it
+                raise BundleError(f"meshlm/{rel} imports {name!r}, which meshlm/{owner[name]} "
+                                  f"defines; rename one so the generated {MODELING_FILE} stays "
+                                  "correct")
+            importer.setdefault(name, rel)
         parts.append(f"\n# {'=' * 40} meshlm/{rel} {'=' * 40}\n")
         parts.append(text)
         earlier |= defined | imported

@@ -101,14 +101,25 @@ def quantize_layers(model: nn.Module, layers: dict[str, nn.Linear], bits: int, g
     clips = {}
     for name, layer in layers.items():
         clip = best_clip(layer.weight, cal.gram.get(name) if cal else None, bits, group_size)
-        replace(model, name, QuantizedLinear.from_linear(layer, bits, group_size, clip))
+        replace_module(model, name, QuantizedLinear.from_linear(layer, bits, group_size, clip))
         clips[name] = float(clip.mean())
     return clips
 
 
-def replace(model: nn.Module, name: str, module: nn.Module) -> None:
+def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, leaf = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def structure_of(model: nn.Module) -> dict | None:
+    """The part of a `quantization` entry that empty_structure needs ({"bits", "group_size",
+    "layers"}), read off `model`'s QuantizedLinear layers; None for a model without any."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    if not layers:
+        return None
+    (bits, group_size), = {(m.bits, m.group_size if m.bits == 4 else None)
+                           for m in layers.values()}
+    return {"bits": bits, "group_size": group_size, "layers": list(layers)}
 
 
 def empty_structure(model: nn.Module, spec: dict) -> None:
@@ -116,6 +127,6 @@ def empty_structure(model: nn.Module, spec: dict) -> None:
     follow via load_state_dict): how meshlm.loading opens a quantized checkpoint."""
     for name in spec["layers"]:
         layer = model.get_submodule(name)
-        replace(model, name,
+        replace_module(model, name,
                 QuantizedLinear(layer.in_features, layer.out_features, layer.bias is not None,
                                 spec["bits"], spec["group_size"]))
