@@ -103,16 +103,34 @@ def test_the_quantized_checkpoint_is_verified_and_reopens_bit_exactly(tmp_path):
         open_model(folder)
 
 
-def test_a_quantized_checkpoint_is_not_converted_silently(tmp_path):
+@pytest.mark.parametrize("bits", BITS)
+def test_a_quantized_checkpoint_exports_to_hf_and_back_bit_exactly(tmp_path, bits):
     from meshlm.errors import ConfigError
+    from meshlm.hf import load_hf
     from meshlm.interop.convert import convert
 
-    model = build(tiny(spec="1+1R2+1", vocab_size=256))
-    quantized, spec = quantize_model(model, 8)
-    folder = save_model(quantized, tmp_path / "q",
-                        {"quantization": {**spec, "source": {"path": "runs/x"}}})
-    with pytest.raises(ConfigError, match=r"int8 .* \(runs/x\)"):
-        convert(folder, tmp_path / "hf", to="hf")
+    model = build(tiny(spec="1+1R2+1", vocab_size=256, tie_embeddings=False))
+    quantized, spec = quantize_model(model, bits, ("cores", "head"), group_size=32)
+    folder = save_model(quantized, tmp_path / "q", {"model": model.config.to_dict(),
+                                                    "quantization": {**spec,
+                                                                     "source": {"path": "runs/x"}}})
+    with pytest.raises(ConfigError, match=rf"int{bits} .*--to hf.*\(runs/x\)"):
+        convert(folder, tmp_path / "neox", to="neox")
+    hf_folder = convert(folder, tmp_path / "hf")  # the default target of a quantized checkpoint
+    config = json.loads((hf_folder / "config.json").read_text())
+    assert config["meshlm_quantization"]["layers"] == spec["layers"]
+    assert "quantization_config" not in config  # no transformers quantizer is asked for
+    back = convert(hf_folder, tmp_path / "back")
+    ids = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        reference = quantized(ids).logits
+        exported = load_hf(hf_folder)
+        assert exported.model.embed_out.qweight.dtype == quantized.embed_out.qweight.dtype
+        assert exported.model.embed_out.scales.dtype == torch.bfloat16
+        assert torch.equal(exported(ids).logits, reference)
+        assert torch.equal(open_model(hf_folder).model(ids).logits, reference)
+        assert torch.equal(open_model(back).model(ids).logits, reference)
+    assert verify(back)["quantization"]["layers"] == spec["layers"]
 
 
 def test_the_command_spells_the_parts_and_group_sizes_of_meshlm_quant():

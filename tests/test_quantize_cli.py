@@ -47,6 +47,44 @@ def test_quantize_then_generate_and_eval_in_fresh_processes(tmp_path, bits):
                   str(tmp_path / "e.json"), env=env)
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "e.json").read_text())
+    exported_without_meshlm(folder, tmp_path, env)
+
+
+def exported_without_meshlm(folder, tmp_path, env) -> None:
+    """`meshlm convert` writes the quantized checkpoint as a Hugging Face folder whose own code, in
+    a process where meshlm cannot be imported, gives the quantized model's logits bit for bit and
+    the same greedy tokens cached, uncached and under speculation, also after saving it again."""
+    from cleanenv import run_without_meshlm
+
+    from meshlm.loading import open_model
+
+    done = meshlm("convert", str(folder), str(tmp_path / "hf"), env=env)  # default: --to hf
+    assert done.returncode == 0, done.stderr
+    model = open_model(folder).model
+    ids = torch.randint(0, 8192, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits
+    reference = tmp_path / "ref.pt"
+    torch.save({"ids": ids, "logits": logits}, reference)
+    run_without_meshlm(f"""
+import torch
+from transformers import AutoModelForCausalLM
+ref = torch.load({str(reference)!r})
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "hf")!r},
+                                             trust_remote_code=True).eval()
+assert any(type(m).__name__ == "QuantizedLinear" for m in model.modules())
+with torch.no_grad():
+    assert torch.equal(model(ref["ids"]).logits, ref["logits"])
+    cached = model.generate(ref["ids"][:1], max_new_tokens=8, do_sample=False)
+    uncached = model.generate(ref["ids"][:1], max_new_tokens=8, do_sample=False, use_cache=False)
+    spec = model.generate(ref["ids"][:1], max_new_tokens=8, do_sample=False, speculate="2:3")
+assert torch.equal(cached, uncached) and torch.equal(cached, spec)
+model.save_pretrained({str(tmp_path / "again")!r})
+again = AutoModelForCausalLM.from_pretrained({str(tmp_path / "again")!r},
+                                             trust_remote_code=True).eval()
+with torch.no_grad():
+    assert torch.equal(again(ref["ids"]).logits, ref["logits"])
+""", tmp_path)
 
 
 def test_quantizing_a_quantized_checkpoint_names_its_source(tmp_path):

@@ -111,12 +111,14 @@ class ModelFolder:
     @property
     def meta(self) -> dict[str, Any]:
         """A meshlm checkpoint's config.json; for other folders the same keys that apply (format,
-        model)."""
+        model, and a quantized meshlm-HF export's quantization)."""
         if self.format == "meshlm":
             return self.config
         source = {"format": self.format, "path": str(self.path),
                   **({"hub": self.hub} if self.hub else {})}
-        return {"format": self.format, "model": self.model_config().to_dict(), "source": source}
+        quantized = self.config.get("meshlm_quantization") if self.format == "hf" else None
+        return {"format": self.format, "model": self.model_config().to_dict(), "source": source,
+                **({"quantization": quantized} if quantized else {})}
 
     def model_config(self) -> ModelConfig:
         """The model config.json describes, built once per recognised folder."""
@@ -194,9 +196,10 @@ class ModelFolder:
 
     def weights(self, check: bool = True) -> dict[str, torch.Tensor]:
         """The meshlm-named state dict, by the format's adapter (meshlm.interop.folders; fp32 for
-        Hugging Face folders); `check` verifies a meshlm checkpoint's hashes."""
+        Hugging Face folders but a quantized export); `check` verifies a meshlm checkpoint's
+        hashes."""
         return folders.read_weights(self.format, self.path, self.model_config(), check,
-                                    self.config_sha256)
+                                    self.config_sha256, bool(self.meta.get("quantization")))
 
 
 def locate(path: str | os.PathLike | ModelFolder) -> ModelFolder:

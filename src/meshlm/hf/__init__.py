@@ -30,6 +30,7 @@ from meshlm.hf.card import model_card
 from meshlm.hf.configuration import MeshConfig
 from meshlm.hf.modeling import MeshForCausalLM
 from meshlm.model import MeshLM
+from meshlm.quant.calibrate import structure_of
 
 AutoConfig.register(MeshConfig.model_type, MeshConfig, exist_ok=True)
 AutoModelForCausalLM.register(MeshConfig, MeshForCausalLM, exist_ok=True)
@@ -39,9 +40,12 @@ __all__ = ["MeshConfig", "MeshForCausalLM", "config_from_model_config", "from_me
            "load_hf", "save_hf"]
 
 
-def config_from_model_config(cfg: ModelConfig, eos_id: int = 0, pad_id: int = 1) -> MeshConfig:
+def config_from_model_config(cfg: ModelConfig, eos_id: int = 0, pad_id: int = 1,
+                            quantization: dict | None = None) -> MeshConfig:
+    """`quantization`: the int8/int4 layers of a quantized model (meshlm.quant.structure_of)."""
     return MeshConfig(
         meshlm=cfg.to_dict(),
+        meshlm_quantization=quantization,
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.d_model,
         num_attention_heads=cfg.n_heads,
@@ -54,10 +58,14 @@ def config_from_model_config(cfg: ModelConfig, eos_id: int = 0, pad_id: int = 1)
 
 
 def from_meshlm(model: MeshLM, eos_id: int = 0, pad_id: int = 1) -> MeshForCausalLM:
-    """Wrap a MeshLM's weights (copied) in a MeshForCausalLM."""
-    hf = MeshForCausalLM(config_from_model_config(model.config, eos_id, pad_id))
+    """Wrap a MeshLM's weights (copied) in a MeshForCausalLM; int8/int4 layers (`meshlm quantize`)
+    stay as they are."""
+    quantization = structure_of(model)
+    hf = MeshForCausalLM(config_from_model_config(model.config, eos_id, pad_id, quantization))
     hf.model.load_state_dict(model.state_dict())
     hf.generation_config.eos_token_id, hf.generation_config.pad_token_id = eos_id, pad_id
+    if quantization:  # .to(dtype) would turn the bf16 scales into the table's dtype
+        return hf.eval()
     return hf.to(next(model.parameters()).dtype).eval()
 
 

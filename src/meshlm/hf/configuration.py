@@ -31,10 +31,14 @@ class MeshConfig(PretrainedConfig):
         loops: int | None = None,
         # per-token adaptive exit at inference, e.g. "state:0.05" (None: off)
         exit: str | None = None,
+        # `meshlm quantize` output: {"bits", "group_size", "layers"}, the int8/int4 layers the
+        # weights file holds (not `quantization_config`, which names a transformers quantizer)
+        meshlm_quantization: dict[str, Any] | None = None,
         **kwargs: Any,
     ):
         self.loops = loops
         self.exit = exit
+        self.meshlm_quantization = meshlm_quantization
         self.meshlm = dict(meshlm or {})
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size

@@ -19,6 +19,8 @@ What is non-standard, and why:
   accepts both names and fills whichever field the installed `CausalLMOutputWithPast` declares.
 - Gradient checkpointing (`gradient_checkpointing_enable()`, also under PEFT) checkpoints every
   layer with meshlm.model.recompute, as training does.
+- A `meshlm quantize` checkpoint exports with its int8/int4 layers (meshlm.quant.linear, bundled):
+  config.meshlm_quantization names them and they are rebuilt before the weights load.
 - Weight init happens once, in `MeshLM.__init__` (meshlm.model.init); `_init_weights` only
   recomputes the rotary table that loading on the meta device leaves empty.
 
@@ -42,6 +44,7 @@ from meshlm.hf.remote import write_remote_code
 from meshlm.model.layers import RotaryEmbedding
 from meshlm.model.lm import MeshLM
 from meshlm.model.recompute import checkpoint_layers
+from meshlm.quant.calibrate import empty_structure
 
 # generate() arguments the speculative path understands; any other one is refused with its name
 SPECULATIVE_KWARGS = {"input_ids", "attention_mask", "max_new_tokens", "do_sample", "temperature",
@@ -75,6 +78,8 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: MeshConfig):
         super().__init__(config)
         self.model = MeshLM(ModelConfig.from_dict(config.meshlm))
+        if getattr(config, "meshlm_quantization", None):  # int8/int4 layers, weights follow
+            empty_structure(self.model, config.meshlm_quantization)
         self.post_init()
 
     def _init_weights(self, module: torch.nn.Module) -> None:

@@ -94,6 +94,16 @@ def fresh_dir(folder: str | Path, create: bool = True) -> Path:
     return folder
 
 
+def check_quantized_target(src, quantized: dict, to: str) -> None:
+    """int8/int4 layers (meshlm.quant) travel between a meshlm checkpoint and the meshlm-HF export
+    (whose remote code carries them) only: no family format has them."""
+    origin = (quantized.get("source") or {}).get("path")
+    raise ConfigError(f"{src} holds int{quantized['bits']} weights written by meshlm quantize, "
+                      f"which {to!r} cannot hold; convert it --to hf (or meshlm), or convert the "
+                      "full-precision checkpoint it came from"
+                      + (f" ({origin})" if origin else ""))
+
+
 # -- one entry point for the CLI -------------------------------------------------------------------
 def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: str | None = None,
             force_tokenizer: bool = False) -> Path:
@@ -102,15 +112,13 @@ def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: 
     meshlm.loading.open_model (its tokenizer rule; a `tokenizer` that encodes unlike the source's
     own is refused unless `force_tokenizer`)."""
     source = open_model(src, tokenizer=tokenizer, force_tokenizer=force_tokenizer)
-    quantized = source.meta.get("quantization")
-    if quantized:  # int8/int4 layers (meshlm.quant) have no counterpart in the exported formats
-        raise ConfigError(f"{src} holds int{quantized['bits']} weights written by meshlm quantize; "
-                          "convert the full-precision checkpoint it came from "
-                          f"({quantized['source']['path']})")
     if tokenizer:
         source.tokenizer  # noqa: B018 (checked before anything is written)
     kind, cfg = source.format, source.model.config
-    to = to or (cfg.backbone if kind == "meshlm" else "meshlm")
+    quantized = source.meta.get("quantization")
+    to = to or ("meshlm" if kind != "meshlm" else "hf" if quantized else cfg.backbone)
+    if quantized and to not in ("hf", "meshlm"):
+        check_quantized_target(src, quantized, to)
     # meshlm -> meshlm merges a LoRA run's adapters
     if to not in FORMATS or (to == kind and not source.merged):
         raise ConfigError(f"cannot convert {kind} to {to!r}; choose --to from "
@@ -119,7 +127,8 @@ def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: 
     if to == "meshlm":
         fresh_dir(out, create=False)
         saved = checkpoint.save_model(source.model, out,
-                                      {"source": {"format": kind, "path": str(src)}},
+                                      {"source": {"format": kind, "path": str(src)},
+                                       **({"quantization": quantized} if quantized else {})},
                                       source.tokenizer_file)
         if template:
             atomic.write_text(saved / TEMPLATE_FILE, template)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 GROUP_SIZES = (32, 64, 128, 256)
+ALIGNMENT = 64  # bytes: PyTorch's CPU allocator's, which the int8 kernel relies on
 
 
 def quantize_weight(w: torch.Tensor, bits: int, group_size: int, clip: torch.Tensor | None = None
@@ -120,6 +121,10 @@ class QuantizedLinear(nn.Module):
 
     def _cpu_matmul(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) bf16 -> (M, out) bf16
         if self.bits == 8:
+            if self.qweight.data_ptr() % ALIGNMENT or self.scales.data_ptr() % ALIGNMENT:
+                # views into a memory-mapped file (transformers' from_pretrained) can sit at any
+                # offset, and the kernel's vector loads crash off PyTorch's 64-byte alignment
+                self.qweight, self.scales = self.qweight.clone(), self.scales.clone()
             return torch._weight_int8pack_mm(rows, self.qweight, self.scales)
         if self._packed is None:
             q = torch.stack([self.qweight & 15, self.qweight >> 4], -1).reshape(self.out_features,
