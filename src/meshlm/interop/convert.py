@@ -94,14 +94,14 @@ def fresh_dir(folder: str | Path, create: bool = True) -> Path:
     return folder
 
 
-def check_quantized_target(src, quantized: dict, to: str) -> None:
+def quantized_target_error(src, quantized: dict, to: str) -> ConfigError:
     """int8/int4 layers (meshlm.quant) travel between a meshlm checkpoint and the meshlm-HF export
     (whose remote code carries them) only: no family format has them."""
     origin = (quantized.get("source") or {}).get("path")
-    raise ConfigError(f"{src} holds int{quantized['bits']} weights written by meshlm quantize, "
-                      f"which {to!r} cannot hold; convert it --to hf (or meshlm), or convert the "
-                      "full-precision checkpoint it came from"
-                      + (f" ({origin})" if origin else ""))
+    return ConfigError(f"{src} holds int{quantized['bits']} weights written by meshlm quantize, "
+                       f"which {to!r} cannot hold; convert it --to hf (or meshlm), or convert the "
+                       "full-precision checkpoint it came from"
+                       + (f" ({origin})" if origin else ""))
 
 
 # -- one entry point for the CLI -------------------------------------------------------------------
@@ -118,7 +118,7 @@ def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: 
     quantized = source.meta.get("quantization")
     to = to or ("meshlm" if kind != "meshlm" else "hf" if quantized else cfg.backbone)
     if quantized and to not in ("hf", "meshlm"):
-        check_quantized_target(src, quantized, to)
+        raise quantized_target_error(src, quantized, to)
     # meshlm -> meshlm merges a LoRA run's adapters
     if to not in FORMATS or (to == kind and not source.merged):
         raise ConfigError(f"cannot convert {kind} to {to!r}; choose --to from "

@@ -128,5 +128,5 @@ def empty_structure(model: nn.Module, spec: dict) -> None:
     for name in spec["layers"]:
         layer = model.get_submodule(name)
         replace_module(model, name,
-                QuantizedLinear(layer.in_features, layer.out_features, layer.bias is not None,
-                                spec["bits"], spec["group_size"]))
+                       QuantizedLinear(layer.in_features, layer.out_features,
+                                       layer.bias is not None, spec["bits"], spec["group_size"]))

@@ -4,9 +4,11 @@ Decoding one token per row is a matrix-vector product per layer, bound by stream
 from memory. PyTorch's fp32 `F.linear` (an (out, in) weight) streams about 13 GB/s on a 2-core Zen 5
 at one thread and at two (docs/quantize.md): its matrix-vector kernel runs on one thread and reads
 the weight row by row. The same product over the weight stored transposed, (in, out), and cut into
-P blocks of output columns, one `torch.bmm` batch entry each, streams with all P threads: 1.9x the
-speed of F.linear at one row, and no slower at any row count measured (1 ... 256 rows,
-benchmarks/decode_speed.py has the end-to-end figure).
+P blocks of output columns, one `torch.bmm` batch entry each, streams with all P threads. Over the
+weights of a 12-layer d = 768 stack with a 50,304-word head (benchmarks/split_linear.py): 1.67x
+F.linear's speed at one row with two threads, 1.2-2.0x at 2-64 rows, 1.03x at 256; with one thread
+(P = 1: the transposed layout alone) 1.24x at one row, 1.41x at two, 0.96-1.01x from four on.
+Decoding that model runs 1.72-1.80x faster (benchmarks/decode_speed.py --versus-transformers).
 
 `split_linears(model)` swaps every plain nn.Linear of a model for a `SplitLinear` holding the same
 numbers; the results agree with F.linear to fp32 rounding (tests/test_split_linear.py). Only for
