@@ -46,6 +46,9 @@ def test_only_plain_fp32_linears_are_split():
 
 @pytest.mark.parametrize("cfg", [tiny(spec="1+1R3+1", scheme="mesh", vocab_size=256),
                                  tiny(spec="1+2R2+1", backbone="llama", tie_embeddings=True,
+                                      vocab_size=256),
+                                 tiny(spec="1+1R2+1", backbone="olmoe", scheme="mesh",
+                                      n_kv_heads=2, n_experts=4, top_k=2, mlp_hidden=16,
                                       vocab_size=256)])
 def test_split_decoding_makes_the_same_tokens_every_way(cfg):
     model = build(cfg)
