@@ -79,15 +79,27 @@ def decode_seconds(model, prompts, args, cache: bool, concatenate: bool = False)
 
 def copy_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
     """Bytes/s of the best of `reps` copies between two `megabytes` tensors, both touched first
-    (read + write counted; no page faults timed): this core's memory bandwidth, the ceiling of
-    batch-1 decoding, which reads every weight once per token."""
+    (read + write counted; no page faults timed): this core's memory bandwidth."""
     a, b = torch.ones(megabytes * 2**20 // 4), torch.zeros(megabytes * 2**20 // 4)
+    return 2 * a.numel() * 4 / best_seconds(lambda: b.copy_(a), reps)
+
+
+def read_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
+    """Bytes/s of the best of `reps` sums over a `megabytes` tensor (reads only, with every torch
+    thread): the ceiling of batch-1 decoding, which reads every weight once per token and writes
+    next to nothing."""
+    a = torch.ones(megabytes * 2**20 // 4)
+    return a.numel() * 4 / best_seconds(a.sum, reps)
+
+
+def best_seconds(step, reps: int) -> float:
+    """The fastest of `reps` calls of `step`, after one warm-up."""
     best = float("inf")
     for _ in range(reps + 1):  # the first is a warm-up
         start = time.perf_counter()
-        b.copy_(a)
+        step()
         best = min(best, time.perf_counter() - start)
-    return 2 * a.numel() * 4 / best
+    return best
 
 
 def decoding_copy(model, dtype: str) -> torch.nn.Module:
@@ -159,14 +171,15 @@ def versus_transformers(args) -> None:
     t = interleaved_medians({name: step(name, m) for name, m in models.items()}, args.rounds,
                             clock_of(args))
     rate = {name: args.new_tokens / sec for name, sec in t.items()}
-    bandwidth = copy_bandwidth()
+    copying, reading = copy_bandwidth(), read_bandwidth()
     print(f"vanilla {args.layers} layers, d_model {args.d_model}, vocab {args.vocab}, batch 1, "
           f"prompt {args.prompt}, {args.new_tokens} new tokens, {torch.get_num_threads()} threads, "
-          f"{args.rounds} rounds (medians); copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+          f"{args.rounds} rounds (medians); copy bandwidth {copying / 1e9:.1f} GB/s, read "
+          f"bandwidth {reading / 1e9:.1f} GB/s")
     for name, r in rate.items():
         moved = weight_bytes_per_token(models[name]) * r
         print(f"  {name:<20} {r:7.2f} tokens/s  weights {moved / 1e9:5.2f} GB/s = "
-              f"{moved / bandwidth:4.0%} of bandwidth")
+              f"{moved / reading:4.0%} of read, {moved / copying:4.0%} of copy bandwidth")
     for a, b in (("meshlm fp32", "transformers fp32"), ("meshlm fp32", "meshlm fp32 F.linear"),
                  ("meshlm fp32", "transformers bf16"), ("meshlm bf16", "transformers bf16"),
                  ("meshlm bf16", "transformers fp32"), ("meshlm int8", "transformers fp32"),
