@@ -688,6 +688,8 @@ CASES: list[Case] = [
          "--max-batch 0 must be >= 1"),
     Case("serve", "a port out of range", ["serve", "{run}", "--port", "70000"], 2,
          "--port 70000 must be in"),
+    Case("serve", "a negative prefill chunk", ["serve", "{run}", "--prefill-chunk", "-1"], 2,
+         "--prefill-chunk -1 must be >= 0"),
     Case("serve", "an unavailable device", ["serve", "{run}", "--device", "cuda"], 2,
          "no CUDA device is visible", patch=no_cuda),
     Case("serve", "three problems at once",

@@ -192,3 +192,63 @@ def test_a_failing_batch_ends_its_own_requests_and_the_others_go_on(monkeypatch)
         pass
     assert broken.finish == "error" and "out of memory" in broken.error and broken.done.is_set()
     assert fine.finish == "length" and fine.tokens == reference(model, fine)
+
+
+@pytest.mark.parametrize("scheme", [*LOOPED, "vanilla"])
+def test_chunked_prefill_decodes_as_alone(scheme):
+    """Newcomers whose prompts are longer than the chunk prefill 3 columns per boundary while the
+    others decode; every row still decodes what it decodes alone (exit included)."""
+    model = build(tiny(scheme=scheme, spec="1+2+1+1" if scheme == "vanilla" else "1+1R3+1"))
+    batcher = Batcher(model, eos_id=0, pad_id=1, prefill_chunk=3)
+    rs = requests() + [Request(list(range(30, 41)), greedy(6), exit=None if scheme == "vanilla"
+                               else "state:0.2")]
+    staggered(batcher, rs, every=1)
+    assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
+
+
+def test_a_long_prompt_prefills_a_chunk_per_boundary_while_the_others_decode():
+    model = build(tiny(spec="1+1R2+1", context_length=128))
+    batcher = Batcher(model, eos_id=0, pad_id=1, prefill_chunk=4)
+    running, long = Request(PROMPTS[1], greedy(30)), Request(list(range(2, 42)), greedy(5))
+    batcher.submit(running)
+    batcher.step()  # nothing else decodes: the short prompt prefills whole
+    batcher.submit(long)
+    prefilled = []
+    for _ in range(12):
+        before = len(running.tokens)
+        batcher.step()
+        assert len(running.tokens) == before + 1  # the running row gets a token every boundary
+        prefilled.append(sum(p.done for _, p in batcher.prefilling))
+        assert batcher.running == 2
+    assert prefilled[:9] == [4, 8, 12, 16, 20, 24, 28, 32, 36] and prefilled[9] == 0  # 40 = 10 × 4
+    # as at any admission, the prefill's token and the first decoded one at the 10th boundary
+    assert len(long.tokens) == 4
+    while batcher.step():
+        pass
+    assert [running.tokens, long.tokens] == [reference(model, running), reference(model, long)]
+
+
+def test_a_request_stopped_while_its_prompt_prefills_frees_its_row():
+    model = build(tiny(spec="1+1R2+1", context_length=128))
+    batcher = Batcher(model, eos_id=0, pad_id=1, prefill_chunk=4)
+    running = Request(PROMPTS[1], greedy(20))
+    batcher.submit(running)
+    batcher.step()
+    cancelled, kept = Request(list(range(2, 30)), greedy(5)), Request(list(range(5, 25)), greedy(5))
+    batcher.submit(cancelled)
+    batcher.submit(kept)
+    batcher.step()  # both joined one prefill group
+    (_, prefill), = batcher.prefilling
+    assert len(prefill) == 2 and prefill.done == 4
+    batcher.cancel(cancelled)
+    batcher.step()
+    assert cancelled.finish == "cancelled" and not cancelled.tokens and len(prefill) == 1
+    assert batcher.running == 2
+    while batcher.step():
+        pass
+    assert kept.tokens == reference(model, kept) and running.tokens == reference(model, running)
+
+
+def test_a_bad_prefill_chunk_is_refused():
+    with pytest.raises(ConfigError, match="prefill_chunk=0 must be >= 1"):
+        Batcher(build(tiny()), eos_id=0, pad_id=1, prefill_chunk=0)

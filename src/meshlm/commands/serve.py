@@ -3,7 +3,8 @@
 
 RUN_OR_FOLDER is anything `meshlm generate` opens (meshlm.loading). The server listens on 127.0.0.1
 by default; `--max-batch` rows decode together, `--max-queue` requests may wait (more get 429), each
-request may run for `--timeout` seconds. SIGTERM stops admitting, lets the running requests finish
+request may run for `--timeout` seconds; while rows decode, a longer prompt prefills
+`--prefill-chunk` tokens per step. SIGTERM stops admitting, lets the running requests finish
 within `--grace` seconds and exits 0; Ctrl-C does the same and exits 130.
 """
 from __future__ import annotations
@@ -13,6 +14,9 @@ import signal
 import sys
 
 from meshlm.runtime.options import add_dtype_argument
+
+# tokens per prefill chunk: benchmarks/chunked_prefill.py (docs/serve.md) measures the trade
+DEFAULT_PREFILL_CHUNK = 256
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -27,6 +31,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=16, help="rows decoding together (default 16)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for a row; more get 429 (default 64)")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="N",
+                   help="while other rows decode, prefill longer prompts N tokens per step, so "
+                        f"they do not stall the others (0: whole prompts; default "
+                        f"{DEFAULT_PREFILL_CHUNK})")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a request may run (default 600)")
     p.add_argument("--grace", type=float, default=30.0,
@@ -52,6 +60,8 @@ def check_inputs(args: argparse.Namespace) -> None:
     p.need(0 <= args.port <= 65535, f"--port {args.port} must be in 0 … 65535")
     p.need(args.max_batch >= 1, f"--max-batch {args.max_batch} must be >= 1")
     p.need(args.max_queue >= 0, f"--max-queue {args.max_queue} must be >= 0")
+    p.need(args.prefill_chunk >= 0, f"--prefill-chunk {args.prefill_chunk} must be >= 0 (0: "
+                                    "whole prompts)")
     p.need(args.timeout > 0, f"--timeout {args.timeout} must be > 0 seconds")
     p.need(args.grace >= 0, f"--grace {args.grace} must be >= 0 seconds")
     p.need(args.threads is None or args.threads >= 1, f"--threads {args.threads} must be >= 1")
@@ -103,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
                           "context_length": cfg.context_length,
                           "precision": chosen.name,
                           "chat_template": "folder" if own else "meshlm default"})
-    batcher = Batcher(model, tok.eos_id, tok.pad_id, args.max_batch, args.max_queue)
+    batcher = Batcher(model, tok.eos_id, tok.pad_id, args.max_batch, args.max_queue,
+                      args.prefill_chunk or None)
     engine = Engine(batcher, lambda: precision.autocast(device, chosen))
     app = create_app(engine, served)
     app.router.on_startup.append(engine.start)

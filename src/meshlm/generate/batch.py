@@ -61,12 +61,10 @@ class Batch:
     def keep(self, rows: list[int]) -> None:
         """Keep only these rows (in order); forget the columns that are padding in all of them."""
         index = torch.tensor(rows, dtype=torch.long, device=self.mask.device)
-        self.kv.select(index)
-        self.mask, self.pending = self.mask[index], self.pending[index]
-        if rows:
-            unused = int(self.mask.bool().any(0).long().argmax())  # the first column still read
-            self.kv.drop_front(unused)
-            self.mask = self.mask[:, unused:]
+        mask = self.mask[index]
+        unused = int(mask.bool().any(0).long().argmax()) if rows else 0  # first column still read
+        self.kv.select(index, start=unused)  # copies the kept rows' columns from there on only
+        self.mask, self.pending = mask[:, unused:], self.pending[index]
 
 
 def _pad_left(mask: torch.Tensor, width: int) -> torch.Tensor:

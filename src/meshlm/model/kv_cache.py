@@ -126,19 +126,16 @@ class KVCache:
             if i < len(self._keys):
                 self._lengths[i] = min(self._lengths[i], length)
 
-    def select(self, index: torch.Tensor) -> None:
-        """Keep only the batch rows in `index` (e.g. drop finished sequences)."""
-        self._keys = [None if k is None else k[index] for k in self._keys]
-        self._values = [None if v is None else v[index] for v in self._values]
-
-    def drop_front(self, n: int) -> None:
-        """Forget the first `n` positions of every slot (columns that are padding in every row):
-        views of the same buffers, so later appends still write in place."""
-        if n <= 0:
-            return
-        self._keys = [None if k is None else k[..., n:, :] for k in self._keys]
-        self._values = [None if v is None else v[..., n:, :] for v in self._values]
-        self._lengths = [max(length - n, 0) for length in self._lengths]
+    def select(self, index: torch.Tensor, start: int = 0) -> None:
+        """Keep only the batch rows in `index` (e.g. drop finished sequences) and, of them, the
+        positions from `start` on (columns no kept row reads): one copy of the filled positions
+        that stay, not of the buffers' spare room or of the dropped columns."""
+        for i, (k, v) in enumerate(zip(self._keys, self._values)):
+            if k is not None:
+                n = self._lengths[i]
+                self._keys[i] = k[..., start:n, :][index]
+                self._values[i] = v[..., start:n, :][index]
+                self._lengths[i] = max(n - start, 0)
 
     @classmethod
     def stack(cls, caches: list[KVCache], room: int = 0) -> KVCache:

@@ -34,10 +34,11 @@ import torch
 
 from meshlm.errors import ConfigError, MeshlmError
 from meshlm.generate import Sampling, check_room
+from meshlm.generate.batch import Batch
 from meshlm.generate.speculative import Speculation
 from meshlm.model import MeshLM
 from meshlm.model.exit import ExitRule
-from meshlm.serve.cohorts import Cohort, PlainCohort, SpeculativeCohort
+from meshlm.serve.cohorts import Cohort, PlainCohort, Prefill, SpeculativeCohort
 
 FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error")
 _ids = itertools.count()
@@ -93,14 +94,21 @@ class BatcherStats:
 
 
 class Batcher:
+    """`prefill_chunk`: while other rows decode, a plain cohort's newcomers whose prompts are longer
+    prefill this many columns per token boundary (None: whole prompts at once)."""
+
     def __init__(self, model: MeshLM, eos_id: int, pad_id: int, max_batch: int = 16,
-                 max_queue: int = 64):
+                 max_queue: int = 64, prefill_chunk: int | None = None):
         if max_batch < 1 or max_queue < 0:
             raise ConfigError(f"max_batch={max_batch} must be >= 1 and max_queue={max_queue} >= 0")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ConfigError(f"prefill_chunk={prefill_chunk} must be >= 1 (or None: whole "
+                              "prompts)")
         self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
-        self.max_batch, self.max_queue = max_batch, max_queue
+        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.waiting: deque[Request] = deque()
         self.cohorts: dict[tuple, Cohort] = {}
+        self.prefilling: list[tuple[tuple, Prefill]] = []  # (cohort key, prompts part-prefilled)
         self.stats = BatcherStats()
         self._wake = threading.Condition()
 
@@ -138,7 +146,8 @@ class Batcher:
 
     @property
     def running(self) -> int:
-        return sum(len(c) for c in self.cohorts.values())
+        """Admitted requests: decoding, or prefilling their prompts."""
+        return sum(len(c) for c in self.cohorts.values()) + sum(len(p) for _, p in self.prefilling)
 
     @property
     def queued(self) -> int:
@@ -150,13 +159,14 @@ class Batcher:
         to do."""
         self._retire_stopped()
         self._admit()
+        self._advance_prefills()
         for key, cohort in list(self.cohorts.items()):
             self._leave(cohort)  # requests done at admission (one token, or EOS first)
             if len(cohort):
                 self._decode_or_fail(cohort)
             if not len(cohort):
                 del self.cohorts[key]
-        return bool(self.cohorts or self.waiting)
+        return bool(self.cohorts or self.waiting or self.prefilling)
 
     def serve(self, stop: threading.Event, idle_wait: float = 0.05) -> None:
         """Decode until `stop` is set, sleeping while there is no work. A bug that escapes a step
@@ -175,9 +185,11 @@ class Batcher:
                         self._wake.wait(idle_wait)
 
     def _fail_running(self, err: Exception) -> None:
-        for cohort in self.cohorts.values():
-            self._fail(cohort.requests, err)
+        for group in [c.requests for c in self.cohorts.values()] + \
+                [p.requests for _, p in self.prefilling]:
+            self._fail(group, err)
         self.cohorts.clear()
+        self.prefilling.clear()
 
     def _fail(self, requests: list[Request], err: Exception) -> None:
         for r in requests:
@@ -207,18 +219,67 @@ class Batcher:
         for r in group:
             seed = r.sampling.seed
             r.generator = None if seed is None else torch.Generator(device).manual_seed(seed)
-        cohort = self.cohorts.get(key)
-        if cohort is None:
-            first = group[0]
-            cohort = PlainCohort(self.model, first.loops, first.exit, self.pad_id) \
-                if first.speculate is None else \
-                SpeculativeCohort(self.model, first.loops, first.speculate, self.pad_id, first)
+        chunk = self.prefill_chunk
+        if chunk is not None and group[0].speculate is None and \
+                max(len(r.prompt) for r in group) > chunk:
+            self.prefilling.append((key, Prefill.of(group, self.pad_id, device)))
+            return
+        cohort = self._cohort(key, group[0])
         # only now part of the cohort: a failed prefill leaves the batch as it was
         tokens = cohort.admit(group)
         self.cohorts[key] = cohort
+        self._admitted(group, tokens)
+
+    def _cohort(self, key: tuple, first: Request) -> Cohort:
+        """The running cohort of `key`, or a new one for requests like `first` (not yet
+        registered)."""
+        if key in self.cohorts:
+            return self.cohorts[key]
+        if first.speculate is None:
+            return PlainCohort(self.model, first.loops, first.exit, self.pad_id)
+        return SpeculativeCohort(self.model, first.loops, first.speculate, self.pad_id, first)
+
+    def _admitted(self, group: list[Request], tokens: list[int]) -> None:
         self.stats.admitted += len(group)
         for r, token in zip(group, tokens):
             self._deliver(r, [token])
+
+    def _advance_prefills(self) -> None:
+        """Prefill one more chunk of every part-prefilled group (all of it when no row is decoding:
+        then nothing waits on it); a complete group joins its cohort and gets its first tokens.
+        Requests stopped meanwhile leave first."""
+        chunk = self.prefill_chunk if self.cohorts else None
+        for entry in list(self.prefilling):
+            key, prefill = entry
+            self._drop_stopped(prefill)
+            if not len(prefill):
+                self.prefilling.remove(entry)
+                continue
+            first = prefill.requests[0]
+            try:
+                batch = prefill.advance(self.model, first.loops, first.exit, chunk)
+            except Exception as err:  # noqa: BLE001 - one broken prefill must not stop the others
+                self.prefilling.remove(entry)
+                self._fail(prefill.requests, err)
+                continue
+            if batch is not None:
+                self.prefilling.remove(entry)
+                self._join(key, prefill.requests, batch)
+
+    def _drop_stopped(self, prefill: Prefill) -> None:
+        """Finish the requests of `prefill` that were cancelled or timed out; free their rows."""
+        for r in prefill.requests:
+            if self._stopped(r):
+                self._finish(r, r.stop_requested)
+        live = [i for i, r in enumerate(prefill.requests) if r.finish is None]
+        if len(live) < len(prefill):
+            prefill.keep(live)
+
+    def _join(self, key: tuple, group: list[Request], batch: Batch) -> None:
+        cohort = self._cohort(key, group[0])
+        cohort.join(group, batch)
+        self.cohorts[key] = cohort
+        self._admitted(group, batch.pending.tolist())
 
     def _decode_or_fail(self, cohort: Cohort) -> None:
         """Decode the cohort once; if that fails, its requests end with finish "error" (the others

@@ -9,12 +9,14 @@ each row's pending token (sampled, not yet fed):
     join    prefill the prompts admitted at this boundary as one left-padded batch in a cache of
             their own (exactly what `meshlm.generate` does with several prompts), then stack their
             rows under the batch's, right-aligned (KVCache.stack): the shorter side is left-padded,
-            mask 0, which every query ignores and default positions skip
+            mask 0, which every query ignores and default positions skip. A plain cohort's
+            newcomers may prefill a chunk of columns per boundary instead (`Prefill`), so a long
+            prompt does not stall the running rows for the length of its whole prefill
     step    feed every row's pending token in one forward; each row samples its next token with its
             own settings and random generator
-    leave   drop finished rows (KVCache.select), then the leading columns no row still needs
-            (drop_front), so the cache holds the live requests only: B rows × the longest live
-            sequence
+    leave   drop finished rows and the leading columns no row still needs (KVCache.select, one
+            copy of what stays), so the cache holds the live requests only: B rows × the longest
+            live sequence
 
 Under `exit` each token stops looping once it has converged; the forward computes only the
 still-active rows' core passes (meshlm.model.exit gathers them) and copies exited rows' keys/values
@@ -24,6 +26,7 @@ decoder over the same rows: each step is a plain step or a draft-verify round, a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +48,53 @@ def pick(logits: torch.Tensor, requests: list) -> torch.Tensor:
     return tokens
 
 
+@dataclass
+class Prefill:
+    """Newcomers' prompts prefilled in one cache, `chunk` columns at a time: each chunk is one
+    cached forward over the next columns of the left-padded prompts, as speculation's verify feeds
+    several tokens after a cache, so the result is the whole prompt's prefill to floating-point
+    rounding. The last chunk samples each one's first token."""
+
+    requests: list
+    ids: torch.Tensor  # (N, T) left-padded prompts
+    mask: torch.Tensor  # (N, T) 1 = real token
+    kv: KVCache = field(default_factory=KVCache)
+    done: int = 0  # columns prefilled so far
+
+    @classmethod
+    def of(cls, requests: list, pad_id: int, device: torch.device) -> Prefill:
+        """The requests' prompts, left-padded, with nothing prefilled yet."""
+        return cls(requests, *left_pad([r.prompt for r in requests], pad_id, device))
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    @property
+    def remaining(self) -> int:
+        return self.ids.shape[1] - self.done
+
+    @torch.no_grad()
+    def advance(self, model: MeshLM, loops: int | None, exit: str | None,
+                chunk: int | None = None) -> Batch | None:
+        """Prefill the next `chunk` columns (None: all that remain); after the last, the rows as a
+        Batch with each one's first token pending, else None."""
+        end = self.ids.shape[1] if chunk is None else min(self.done + chunk, self.ids.shape[1])
+        out = model(self.ids[:, self.done:end], padding_mask=padding_if_any(self.mask[:, :end]),
+                    cache=self.kv, loops=loops, exit=exit)
+        self.done = end
+        if self.remaining:
+            return None
+        return Batch(self.kv, self.mask, pick(out.logits[:, -1], self.requests))
+
+    def keep(self, rows: list[int]) -> None:
+        """Keep only these rows (in order): requests stopped while their prompts prefilled."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.ids.device)
+        self.requests = [self.requests[r] for r in rows]
+        self.ids, self.mask = self.ids[index], self.mask[index]
+        if self.done:
+            self.kv.select(index)
+
+
 class Cohort(ABC):
     """Rows of requests with one compute setting. Subclasses prefill (`admit`) and decode
     (`step`)."""
@@ -63,8 +113,8 @@ class Cohort(ABC):
 
     def prompts(self, requests: list) -> tuple[torch.Tensor, torch.Tensor]:
         """The requests' prompts as (N, T) left-padded ids and their padding mask."""
-        return left_pad([r.prompt for r in requests], self.pad_id,
-                        self.model.embed_in.weight.device)
+        prefill = Prefill.of(requests, self.pad_id, self.model.embed_in.weight.device)
+        return prefill.ids, prefill.mask
 
     def join(self, requests: list, batch: Batch) -> None:
         """Add prefilled requests' rows below the batch's (right-aligned)."""
@@ -96,15 +146,12 @@ class PlainCohort(Cohort):
         super().__init__(model, loops, pad_id)
         self.exit = exit
 
-    @torch.no_grad()
     def admit(self, requests: list) -> list[int]:
         """Prefill the prompts; join the batch with each one's first token pending (returned)."""
-        (ids, mask), kv = self.prompts(requests), KVCache()
-        out = self.model(ids, padding_mask=padding_if_any(mask), cache=kv, loops=self.loops,
-                         exit=self.exit)
-        tokens = pick(out.logits[:, -1], requests)
-        self.join(requests, Batch(kv, mask, tokens))
-        return tokens.tolist()
+        batch = Prefill.of(requests, self.pad_id, self.model.embed_in.weight.device).advance(
+            self.model, self.loops, self.exit)
+        self.join(requests, batch)
+        return batch.pending.tolist()
 
     @torch.no_grad()
     def step(self) -> list[list[int]]:
