@@ -38,7 +38,7 @@ def main() -> None:
     torch.manual_seed(0)
     linears = [torch.nn.Linear(i, o, bias=False) for o, i in stack_shapes(args.d_model, args.layers,
                                                                            args.vocab)]
-    split = [SplitLinear(m, parts_for(m.out_features, threads)) for m in linears]
+    split = [SplitLinear.of(m, parts_for(m.out_features, threads)) for m in linears]
     megabytes = sum(m.weight.numel() for m in linears) * 4 / 1e6
     print(f"{len(linears)} fp32 weights, {megabytes:.0f} MB, {threads} threads, {args.rounds} "
           "rounds (medians)")

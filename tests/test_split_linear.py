@@ -9,6 +9,7 @@ from conftest import build, tiny
 
 from meshlm.generate import Sampling, generate
 from meshlm.model.memory import Router
+from meshlm.runtime import machine, precision, split_linear
 from meshlm.runtime.split_linear import MIN_BLOCK, SplitLinear, parts_for, split_linears
 
 
@@ -18,7 +19,7 @@ from meshlm.runtime.split_linear import MIN_BLOCK, SplitLinear, parts_for, split
 def test_a_split_layer_computes_its_linear(out_features, in_features, bias, parts):
     torch.manual_seed(0)
     linear = torch.nn.Linear(in_features, out_features, bias=bias)
-    split = SplitLinear(linear, parts)
+    split = SplitLinear.of(linear, parts)
     assert split.blocks.shape == (parts, in_features, -(-out_features // parts))
     for shape in ((1, in_features), (5, in_features), (2, 3, in_features), (300, in_features)):
         x = torch.randn(shape)
@@ -63,3 +64,25 @@ def test_split_decoding_makes_the_same_tokens_every_way(cfg):
     ids = torch.tensor(prompts[0])[None]
     with torch.no_grad():
         torch.testing.assert_close(split(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("speedup, splits", [(1.7, True), (1.05, False)])
+def test_decoding_splits_only_where_this_machines_probe_found_it_faster(monkeypatch, tmp_path,
+                                                                       speedup, splits):
+    """The probe runs once per machine (cached with its figures); fp32 decoding follows it."""
+    monkeypatch.setenv("MESHLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(machine, "cpu_info", lambda: {"model": "Fake CPU", "flags": frozenset()})
+    probes = []
+    monkeypatch.setattr(split_linear, "_probe",
+                        lambda threads: probes.append(threads) or {"split_over_linear": speedup})
+    for _ in range(2):
+        model = build(tiny())
+        precision.for_decoding("auto", model)
+        assert any(isinstance(m, SplitLinear) for m in model.modules()) == splits
+    assert len(probes) == 1 and "split-linear|Fake CPU" in (tmp_path / "machine.json").read_text()
+
+
+def test_the_probe_measures_both_layouts():
+    figures = split_linear._probe(threads=2, reps=1)
+    assert figures["linear_ms"] > 0 and figures["split_ms"] > 0
+    assert figures["split_over_linear"] == pytest.approx(figures["linear_ms"] / figures["split_ms"])

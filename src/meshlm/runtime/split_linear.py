@@ -13,31 +13,46 @@ Decoding that model runs 1.72-1.80x faster (benchmarks/decode_speed.py --versus-
 `split_linears(model)` swaps every plain nn.Linear of a model for a `SplitLinear` holding the same
 numbers; the results agree with F.linear to fp32 rounding (tests/test_split_linear.py). Only for
 inference on CPU (the weight is a frozen buffer); CUDA's kernels need no such layout.
+
+Whether it pays depends on the CPU and the BLAS build, so `split_pays()` measures it once per
+machine (CPU model, torch version, threads; cached by meshlm.runtime.machine like the bf16 probe):
+one-row products over PROBE_MB of weights, split against F.linear, best of a few. Decoding splits
+only where the split was at least MIN_SPEEDUP times as fast.
 """
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshlm.runtime import machine
+
 # output columns per block below which a further split stops paying
 MIN_BLOCK = 256
+# the probe's weights (more than a CPU's caches: decoding streams from memory) and its threshold
+PROBE_MB, PROBE_SHAPE, MIN_SPEEDUP = 128, (4096, 1024), 1.1
 
 
 class SplitLinear(nn.Module):
     """y = x Wᵀ + b with W (out, in) stored as `blocks` (P, in, w): block p holds output columns
     p·w ... (p+1)·w − 1, the last zero-padded up to P·w ≥ out."""
 
-    def __init__(self, linear: nn.Linear, parts: int):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, parts: int):
         super().__init__()
-        weight = linear.weight.detach()  # (out, in)
+        weight = weight.detach()  # (out, in)
         self.out_features, self.in_features = weight.shape
         width = -(-self.out_features // parts)
         padded = F.pad(weight, (0, 0, 0, parts * width - self.out_features))  # (P·w, in)
         # (P, w, in) -> (P, in, w), each block contiguous
         self.register_buffer("blocks", padded.reshape(parts, width, -1).transpose(1, 2)
                              .contiguous())
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach())
+        self.register_buffer("bias", None if bias is None else bias.detach())
+
+    @classmethod
+    def of(cls, linear: nn.Linear, parts: int) -> SplitLinear:
+        return cls(linear.weight, linear.bias, parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts, _, width = self.blocks.shape
@@ -70,6 +85,41 @@ def split_linears(model: nn.Module, threads: int | None = None) -> int:
         for name, child in list(parent.named_children()):
             if (type(child) is nn.Linear and child.weight.dtype == torch.float32
                     and child.weight.device.type == "cpu"):
-                setattr(parent, name, SplitLinear(child, parts_for(child.out_features, threads)))
+                setattr(parent, name,
+                        SplitLinear.of(child, parts_for(child.out_features, threads)))
                 swapped += 1
     return swapped
+
+
+def split_pays() -> bool:
+    """Whether one-row products run at least MIN_SPEEDUP times as fast split as through F.linear
+    on this machine (measured once, then cached)."""
+    threads = torch.get_num_threads()
+    key = f"split-linear|{machine.cpu_info()['model']}|torch {torch.__version__}|threads {threads}"
+    method = f"best of 5 one-row passes over {PROBE_MB} MB of {PROBE_SHAPE} fp32 weights"
+    entry = machine.lookup(key, lambda: _probe(threads), method)
+    return entry["value"]["split_over_linear"] >= MIN_SPEEDUP
+
+
+def _probe(threads: int, reps: int = 5) -> dict:
+    out_features, in_features = PROBE_SHAPE
+    count = max(1, PROBE_MB * 2**20 // (4 * out_features * in_features))
+    # the values do not matter to the speed (fp32, no denormals): filled, not drawn, to be quick
+    weights = [torch.full(PROBE_SHAPE, 0.01) for _ in range(count)]
+    split = [SplitLinear(w, None, parts_for(out_features, threads)) for w in weights]
+    x = torch.full((1, in_features), 0.5)
+    with torch.no_grad():
+        seconds = {"linear": _best(lambda: [F.linear(x, w) for w in weights], reps),
+                   "split": _best(lambda: [m(x) for m in split], reps)}
+    return {"split_over_linear": seconds["linear"] / seconds["split"],
+            "linear_ms": seconds["linear"] * 1e3, "split_ms": seconds["split"] * 1e3}
+
+
+def _best(step, reps: int) -> float:
+    step()  # warm-up
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+    return best
