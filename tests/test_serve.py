@@ -31,7 +31,9 @@ def folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(folder):
-    s = Server(folder, "--max-batch", "4")
+    """The module's server prefills prompts of more than 3 tokens 3 at a time while others decode
+    (--prefill-chunk), so the concurrent requests below check chunked prefill too."""
+    s = Server(folder, "--max-batch", "4", "--prefill-chunk", "3")
     yield s
     s.stop()
 
