@@ -252,3 +252,26 @@ def test_a_request_stopped_while_its_prompt_prefills_frees_its_row():
 def test_a_bad_prefill_chunk_is_refused():
     with pytest.raises(ConfigError, match="prefill_chunk=0 must be >= 1"):
         Batcher(build(tiny()), eos_id=0, pad_id=1, prefill_chunk=0)
+
+
+def test_a_failing_chunked_prefill_ends_its_own_requests_and_the_others_go_on(monkeypatch):
+    from meshlm.serve import cohorts
+
+    model = build(tiny(spec="1+1R2+1", context_length=128))
+    batcher = Batcher(model, eos_id=0, pad_id=1, prefill_chunk=4)
+    running, broken = Request(PROMPTS[1], greedy(12)), Request(list(range(2, 30)), greedy(5))
+    real_advance = cohorts.Prefill.advance
+
+    def advance(self, *args):
+        if self.done >= 8:
+            raise RuntimeError("out of memory")
+        return real_advance(self, *args)
+    monkeypatch.setattr(cohorts.Prefill, "advance", advance)
+    batcher.submit(running)
+    batcher.step()
+    batcher.submit(broken)
+    while batcher.step():
+        pass
+    assert broken.finish == "error" and "out of memory" in broken.error and not broken.tokens
+    assert running.finish == "length" and running.tokens == reference(model, running)
+    assert batcher.prefilling == [] and batcher.running == 0

@@ -258,13 +258,13 @@ class Batcher:
             first = prefill.requests[0]
             try:
                 batch = prefill.advance(self.model, first.loops, first.exit, chunk)
+                if batch is not None:
+                    self.prefilling.remove(entry)
+                    self._join(key, prefill.requests, batch)
             except Exception as err:  # noqa: BLE001 - one broken prefill must not stop the others
-                self.prefilling.remove(entry)
+                if entry in self.prefilling:
+                    self.prefilling.remove(entry)
                 self._fail(prefill.requests, err)
-                continue
-            if batch is not None:
-                self.prefilling.remove(entry)
-                self._join(key, prefill.requests, batch)
 
     def _drop_stopped(self, prefill: Prefill) -> None:
         """Finish the requests of `prefill` that were cancelled or timed out; free their rows."""
