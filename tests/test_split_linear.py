@@ -10,7 +10,14 @@ from conftest import build, tiny
 from meshlm.generate import Sampling, generate
 from meshlm.model.memory import Router
 from meshlm.runtime import machine, precision, split_linear
-from meshlm.runtime.split_linear import MIN_BLOCK, SplitLinear, parts_for, split_linears
+from meshlm.runtime.split_linear import (
+    MIN_BLOCK,
+    SharedSplitLinear,
+    SplitLinear,
+    parts_for,
+    split_linears,
+    split_tied_head,
+)
 
 
 @pytest.mark.parametrize("out_features, in_features, bias", [(96, 40, True), (1000, 33, False),
@@ -55,6 +62,7 @@ def test_split_decoding_makes_the_same_tokens_every_way(cfg):
     model = build(cfg)
     split = copy.deepcopy(model)
     split_linears(split, threads=2)
+    assert split_tied_head(split, threads=2) == cfg.tie_embeddings
     prompts, s = [[3, 4, 5, 6], [9, 2]], Sampling(max_new_tokens=12, temperature=0,
                                                   stop_at_eos=False)
     reference = generate(model, prompts, s)
@@ -86,3 +94,27 @@ def test_the_probe_measures_both_layouts():
     figures = split_linear._probe(threads=2, reps=1)
     assert figures["linear_ms"] > 0 and figures["split_ms"] > 0
     assert figures["split_over_linear"] == pytest.approx(figures["linear_ms"] / figures["split_ms"])
+
+
+@pytest.mark.parametrize("out_features, parts", [(1000, 2), (1001, 3), (7, 1)])
+def test_a_shared_split_reads_the_table_it_was_given_without_a_copy(out_features, parts):
+    torch.manual_seed(0)
+    table = torch.nn.Parameter(torch.randn(out_features, 24))
+    head = SharedSplitLinear(table, parts)
+    assert head.table.data_ptr() == table.data_ptr() and not list(head.parameters())
+    for shape in ((1, 24), (3, 5, 24)):
+        x = torch.randn(shape)
+        torch.testing.assert_close(head(x), torch.nn.functional.linear(x, table), rtol=1e-6,
+                                   atol=1e-6)
+
+
+def test_decoding_splits_a_tied_head_over_the_embedding_table(monkeypatch):
+    monkeypatch.setattr(precision, "split_pays", lambda: True)
+    tied = build(tiny(spec="1+1R2+1", tie_embeddings=True, vocab_size=1024))
+    precision.for_decoding("auto", tied)
+    assert isinstance(tied.embed_out, SharedSplitLinear)
+    assert tied.embed_out.table.data_ptr() == tied.embed_in.weight.data_ptr()  # no second table
+    untied = build(tiny(spec="1+1R2+1", vocab_size=1024))
+    precision.for_decoding("auto", untied)
+    assert isinstance(untied.embed_out, SplitLinear)
+    assert not split_tied_head(untied)

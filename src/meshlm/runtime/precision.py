@@ -40,7 +40,7 @@ import torch
 
 from meshlm.runtime import machine
 from meshlm.runtime.options import DTYPE_CHOICES as CHOICES
-from meshlm.runtime.split_linear import split_linears, split_pays
+from meshlm.runtime.split_linear import split_linears, split_pays, split_tied_head
 
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 # bf16 GEMM over fp32 GEMM throughput below which autocast's casts eat the gain
@@ -128,6 +128,7 @@ def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, 
     chosen = Precision(None, DECODING_FP32) if requested == "auto" else choose(requested, device)
     if chosen.dtype is None and device.type == "cpu" and split_pays():
         split_linears(model)
+        split_tied_head(model)
     return device, store_weights(model, chosen)
 
 
