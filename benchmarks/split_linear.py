@@ -5,6 +5,11 @@ head, 0.5 GB), at each row count a decode call can have. Prints the speed ratio 
 
     .venv/bin/python benchmarks/split_linear.py                      # torch's threads
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/split_linear.py --threads 1
+    .venv/bin/python benchmarks/split_linear.py --tied-decode        # greedy decoding, tied head
+
+--tied-decode instead decodes 32 greedy tokens with a vanilla stack of that shape whose head is its
+embedding table, three ways: through F.linear, with the layers split, and with the tied head split
+too (SharedSplitLinear, views of the table); it checks the tokens agree and prints speed ratios.
 
 Each round runs both variants once (interleaved); medians of --rounds. Rows: 1 is a decode step, a
 handful is speculation's verify or a served batch, hundreds is a prefill.
@@ -17,12 +22,44 @@ import torch
 import torch.nn.functional as F
 from benchkit import add_timing_arguments, interleaved_medians, timing_setup
 
-from meshlm.runtime.split_linear import SplitLinear, parts_for
+from meshlm.runtime.split_linear import SplitLinear, parts_for, split_linears, split_tied_head
 
 
 def stack_shapes(d: int, layers: int, vocab: int) -> list[tuple[int, int]]:
     """(out, in) of every matmul a GPT-NeoX layer stack and its head run per token."""
     return [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers + [(vocab, d)]
+
+
+def tied_decode(args, clock) -> None:
+    """--tied-decode (module docstring)."""
+    import copy
+
+    from meshlm.config import ModelConfig
+    from meshlm.generate import Sampling, generate
+    from meshlm.model import MeshLM
+
+    cfg = ModelConfig(spec=str(args.layers), d_model=args.d_model, n_heads=args.d_model // 64,
+                      vocab_size=args.vocab, context_length=128, scheme="vanilla",
+                      scale_embeddings=False, tie_embeddings=True)
+    plain = MeshLM(cfg).eval()
+    layers = copy.deepcopy(plain)
+    split_linears(layers)
+    head = copy.deepcopy(layers)
+    assert split_tied_head(head)
+    models = {"F.linear": plain, "split layers": layers, "split layers and tied head": head}
+    s = Sampling(max_new_tokens=32, temperature=0, stop_at_eos=False)
+    prompt = torch.randint(2, args.vocab, (1, 32), generator=torch.Generator().manual_seed(0))
+
+    def decode(model):
+        return lambda: generate(model, prompt.tolist(), s)
+    with torch.no_grad():
+        tokens = {name: decode(m)() for name, m in models.items()}
+        t = interleaved_medians({name: decode(m) for name, m in models.items()}, args.rounds, clock)
+    same = len({str(t) for t in tokens.values()}) == 1
+    print(f"tied vanilla {args.layers} x d {args.d_model}, vocab {args.vocab}, 32 tokens, "
+          f"{torch.get_num_threads()} threads, same tokens: {same}")
+    for name in models:
+        print(f"  {name:<27} {t['F.linear'] / t[name]:.2f}x F.linear's speed")
 
 
 def main() -> None:
@@ -31,9 +68,12 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--rows", default="1,2,4,8,16,64,256")
+    p.add_argument("--tied-decode", action="store_true", help="decode with a tied head instead")
     add_timing_arguments(p, rounds=5)
     args = p.parse_args()
     clock = timing_setup(args)
+    if args.tied_decode:
+        return tied_decode(args, clock)
     threads = torch.get_num_threads()
     torch.manual_seed(0)
     linears = [torch.nn.Linear(i, o, bias=False) for o, i in stack_shapes(args.d_model, args.layers,
