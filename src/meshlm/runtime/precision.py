@@ -18,7 +18,7 @@ argmax flips (measured in docs/serve.md). In fp32 it does not, so speculation is
 batched request decodes as it would alone. It costs little: decoding one token per row is bound by
 reading the weights, not by multiplying (docs/serve.md and docs/quantize.md have the measured
 ratios). fp32 decoding on CPU lays the linear weights out for it (meshlm.runtime.split_linear:
-transposed and cut into one block of output columns per thread: decoding at d = 768 runs 1.7-1.8x
+transposed and cut into one block of output columns per thread: decoding at d = 768 runs 1.6-1.8x
 faster than through F.linear on a 2-core Zen 5) where a probe, cached per machine, finds that layout
 faster (split_pays). It changes nothing but the speed: the same fp32 arithmetic, to rounding.
 

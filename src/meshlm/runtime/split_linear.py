@@ -8,7 +8,7 @@ P blocks of output columns, one `torch.bmm` batch entry each, streams with all P
 weights of a 12-layer d = 768 stack with a 50,304-word head (benchmarks/split_linear.py): 1.67x
 F.linear's speed at one row with two threads, 1.2-2.0x at 2-64 rows, 1.03x at 256; with one thread
 (P = 1: the transposed layout alone) 1.24x at one row, 1.41x at two, 0.96-1.01x from four on.
-Decoding that model runs 1.72-1.80x faster (benchmarks/decode_speed.py --versus-transformers).
+Decoding that model runs 1.59-1.80x faster (benchmarks/decode_speed.py --versus-transformers).
 
 `split_linears(model)` swaps every plain nn.Linear of a model for a `SplitLinear` holding the same
 numbers, and `split_tied_head(model)` gives a tied MeshLM a `SharedSplitLinear` head over views of
