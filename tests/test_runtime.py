@@ -239,3 +239,15 @@ def test_malloc_opt_out_leaves_the_defaults():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                          timeout=60).stdout
     assert out.strip() == "malloc left at its defaults (MESHLM_MALLOC=default) None"
+
+
+def test_cache_keys_tell_cpus_of_one_model_name_apart_by_their_flags(monkeypatch):
+    """A hypervisor may name an AVX2-only and an AVX-512 EPYC alike ("AMD EPYC"); a shared home
+    folder must not hand one the other's probe."""
+    ids = []
+    for flags in (("avx2",), ("avx2", "avx512f", "avx512_bf16"),
+                  ("avx512_bf16", "avx2", "avx512f")):
+        monkeypatch.setattr(machine, "cpu_info",
+                            lambda flags=flags: {"model": "AMD EPYC", "flags": frozenset(flags)})
+        ids.append(machine.cpu_id())
+    assert ids[0] != ids[1] == ids[2] and all(i.startswith("AMD EPYC #") for i in ids)

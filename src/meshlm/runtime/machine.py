@@ -1,6 +1,7 @@
 """A small per-machine cache of measured facts (matmul peaks, the bf16 probe): <cache>/machine.json,
-where <cache> is $MESHLM_CACHE or ~/.cache/meshlm. Each entry is keyed by what it depends on (CPU or
-GPU model, torch version, threads) and records its value, the date it was measured and how.
+where <cache> is $MESHLM_CACHE or ~/.cache/meshlm. Each entry is keyed by what it depends on (CPU
+model and flags (cpu_id) or GPU model, torch version, threads) and records its value, the date it
+was measured and how.
 
 Delete the file (or one entry) to measure again, e.g. after a run on a busy machine measured a low
 peak.
@@ -8,6 +9,7 @@ peak.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import platform
 from collections.abc import Callable
@@ -40,6 +42,15 @@ def cpu_info() -> dict[str, Any]:
     except OSError:
         pass
     return {"model": model, "flags": frozenset(flags)}
+
+
+def cpu_id() -> str:
+    """The CPU as cache keys name it: its model and a digest of its flags. A hypervisor may report
+    only "AMD EPYC" for an AVX2-only and an AVX-512 generation alike, and a home folder (with the
+    cache) may be shared by machines of both; the flags tell them apart."""
+    info = cpu_info()
+    digest = hashlib.sha256(" ".join(sorted(info["flags"])).encode()).hexdigest()[:8]
+    return f"{info['model']} #{digest}"
 
 
 def path() -> Path:

@@ -80,7 +80,8 @@ def cached_peak(device: torch.device, dtype: torch.dtype) -> dict:
     seconds = 1.0 if device.type == "cuda" else 2.0
     threads = torch.get_num_threads() if device.type == "cpu" else 0
     dname = str(dtype).removeprefix("torch.")
-    key = f"peak|{device_name(device)}|{dname}|threads {threads}|torch {torch.__version__}"
+    who = machine.cpu_id() if device.type == "cpu" else device_name(device)
+    key = f"peak|{who}|{dname}|threads {threads}|torch {torch.__version__}"
     # CPU time per thread: time the machine gave this process, whatever else runs beside it
     if threads:
         method = (f"best {dname} {n}^3 matmul over {seconds:g} s of wall time, timed on CPU time "

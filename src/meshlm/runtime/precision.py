@@ -86,8 +86,8 @@ def choose(requested: str, device: torch.device) -> Precision:
 def cpu_bf16_probe() -> dict:
     """{"bf16_gflops", "fp32_gflops", "date"}: best of a few PROBE_N³ matmuls each, cached per
     machine."""
-    info, threads = machine.cpu_info(), torch.get_num_threads()
-    key = f"bf16-probe|{info['model']}|torch {torch.__version__}|threads {threads}"
+    threads = torch.get_num_threads()
+    key = f"bf16-probe|{machine.cpu_id()}|torch {torch.__version__}|threads {threads}"
     method = f"best of 5 {PROBE_N}^3 matmuls per dtype, {threads} threads"
     entry = machine.lookup(key, _probe, method)
     return {**entry["value"], "date": entry["date"]}

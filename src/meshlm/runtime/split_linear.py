@@ -16,9 +16,9 @@ its embedding table; the results agree with F.linear to fp32 rounding (tests/tes
 Only for inference on CPU (the weight is a frozen buffer); CUDA's kernels need no such layout.
 
 Whether it pays depends on the CPU and the BLAS build, so `split_pays()` measures it once per
-machine (CPU model, torch version, threads; cached by meshlm.runtime.machine like the bf16 probe):
-one-row products over PROBE_MB of weights, split against F.linear, best of a few. Decoding splits
-only where the split was at least MIN_SPEEDUP times as fast.
+machine (CPU model and flags, torch version, threads; cached by meshlm.runtime.machine like the
+bf16 probe): one-row products over PROBE_MB of weights, split against F.linear, best of a few.
+Decoding splits only where the split was at least MIN_SPEEDUP times as fast.
 """
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def split_pays() -> bool:
     """Whether one-row products run at least MIN_SPEEDUP times as fast split as through F.linear
     on this machine (measured once, then cached)."""
     threads = torch.get_num_threads()
-    key = f"split-linear|{machine.cpu_info()['model']}|torch {torch.__version__}|threads {threads}"
+    key = f"split-linear|{machine.cpu_id()}|torch {torch.__version__}|threads {threads}"
     method = f"best of 5 one-row passes over {PROBE_MB} MB of {PROBE_SHAPE} fp32 weights"
     entry = machine.lookup(key, lambda: _probe(threads), method)
     return entry["value"]["split_over_linear"] >= MIN_SPEEDUP
