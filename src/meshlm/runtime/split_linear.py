@@ -135,11 +135,15 @@ def split_tied_head(model: nn.Module, threads: int | None = None) -> bool:
 def split_pays() -> bool:
     """Whether one-row products run at least MIN_SPEEDUP times as fast split as through F.linear
     on this machine (measured once, then cached)."""
+    return split_speedup() >= MIN_SPEEDUP
+
+
+def split_speedup() -> float:
+    """This machine's one-row speed split over F.linear, from the cache or measured now."""
     threads = torch.get_num_threads()
     key = f"split-linear|{machine.cpu_id()}|torch {torch.__version__}|threads {threads}"
     method = f"best of 5 one-row passes over {PROBE_MB} MB of {PROBE_SHAPE} fp32 weights"
-    entry = machine.lookup(key, lambda: _probe(threads), method)
-    return entry["value"]["split_over_linear"] >= MIN_SPEEDUP
+    return machine.lookup(key, lambda: _probe(threads), method)["value"]["split_over_linear"]
 
 
 def _probe(threads: int, reps: int = 5) -> dict:
