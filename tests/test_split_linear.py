@@ -109,7 +109,7 @@ def test_a_shared_split_reads_the_table_it_was_given_without_a_copy(out_features
 
 
 def test_decoding_splits_a_tied_head_over_the_embedding_table(monkeypatch):
-    monkeypatch.setattr(precision, "split_pays", lambda: True)
+    monkeypatch.setattr(precision, "split_speedup", lambda: 1.7)
     tied = build(tiny(spec="1+1R2+1", tie_embeddings=True, vocab_size=1024))
     precision.for_decoding("auto", tied)
     assert isinstance(tied.embed_out, SharedSplitLinear)

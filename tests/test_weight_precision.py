@@ -42,7 +42,7 @@ def test_stored_bf16_weights_compute_exactly_what_autocast_computes(cfg):
 
 def test_the_policy_stores_weights_in_the_precision_it_computes_in(bf16_machine,  # noqa: F811
                                                                    monkeypatch):
-    monkeypatch.setattr(precision, "split_pays", lambda: True)  # the probe's finding here
+    monkeypatch.setattr(precision, "split_speedup", lambda: 1.7)  # the probe's finding here
     decoding, evaluating = build(tiny()), build(tiny())
     plain = sum(type(m) is torch.nn.Linear for m in decoding.modules())
     assert precision.for_decoding("auto", decoding)[1].dtype is None

@@ -20,7 +20,7 @@ reading the weights, not by multiplying (docs/serve.md and docs/quantize.md have
 ratios). fp32 decoding on CPU lays the linear weights out for it (meshlm.runtime.split_linear:
 transposed and cut into one block of output columns per thread: decoding at d = 768 runs 1.6-1.8x
 faster than through F.linear on a 2-core Zen 5) where a probe, cached per machine, finds that layout
-faster (split_pays). It changes nothing but the speed: the same fp32 arithmetic, to rounding.
+faster (split_speedup). It changes nothing but the speed: the same fp32 arithmetic, to rounding.
 
 Weights follow the compute precision: where a command computes in bf16 (`for_model` under auto on
 bf16 hardware, or `--dtype bf16` anywhere), `store_weights` keeps every nn.Linear's weight and bias
@@ -40,7 +40,8 @@ import torch
 
 from meshlm.runtime import machine
 from meshlm.runtime.options import DTYPE_CHOICES as CHOICES
-from meshlm.runtime.split_linear import split_linears, split_pays, split_speedup, split_tied_head
+from meshlm.runtime.split_linear import MIN_SPEEDUP as SPLIT_MIN_SPEEDUP
+from meshlm.runtime.split_linear import split_linears, split_speedup, split_tied_head
 
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 # bf16 GEMM over fp32 GEMM throughput below which autocast's casts eat the gain
@@ -129,11 +130,12 @@ def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, 
     nn.Linear layers are replaced."""
     device = next(model.parameters()).device
     chosen = Precision(None, DECODING_FP32) if requested == "auto" else choose(requested, device)
-    if chosen.dtype is None and device.type == "cpu" and split_pays():
+    speedup = split_speedup() if chosen.dtype is None and device.type == "cpu" else 0.0
+    if speedup >= SPLIT_MIN_SPEEDUP:  # measured once per machine (split_linear.split_speedup)
         split_linears(model)
         split_tied_head(model)
-        chosen = Precision(None, f"{chosen.reason}; {SPLIT_NOTE} ({split_speedup():.1f}x "
-                                 "F.linear's one-row speed here, measured once)")
+        chosen = Precision(None, f"{chosen.reason}; {SPLIT_NOTE} ({speedup:.1f}x F.linear's "
+                                 "one-row speed here, measured once)")
     return device, store_weights(model, chosen)
 
 

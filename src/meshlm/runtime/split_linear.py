@@ -15,7 +15,7 @@ numbers, and `split_tied_head(model)` gives a tied MeshLM a `SharedSplitLinear` 
 its embedding table; the results agree with F.linear to fp32 rounding (tests/test_split_linear.py).
 Only for inference on CPU (the weight is a frozen buffer); CUDA's kernels need no such layout.
 
-Whether it pays depends on the CPU and the BLAS build, so `split_pays()` measures it once per
+Whether it pays depends on the CPU and the BLAS build, so `split_speedup()` measures it once per
 machine (CPU model and flags, torch version, threads; cached by meshlm.runtime.machine like the
 bf16 probe): one-row products over PROBE_MB of weights, split against F.linear, best of a few.
 Decoding splits only where the split was at least MIN_SPEEDUP times as fast.
@@ -130,12 +130,6 @@ def split_tied_head(model: nn.Module, threads: int | None = None) -> bool:
     parts = parts_for(table.shape[0], threads or torch.get_num_threads())
     model.embed_out = SharedSplitLinear(table, parts)
     return True
-
-
-def split_pays() -> bool:
-    """Whether one-row products run at least MIN_SPEEDUP times as fast split as through F.linear
-    on this machine (measured once, then cached)."""
-    return split_speedup() >= MIN_SPEEDUP
 
 
 def split_speedup() -> float:
