@@ -80,26 +80,20 @@ def decode_seconds(model, prompts, args, cache: bool, concatenate: bool = False)
 def copy_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
     """Bytes/s of the best of `reps` copies between two `megabytes` tensors, both touched first
     (read + write counted; no page faults timed): this core's memory bandwidth."""
+    from meshlm.runtime import machine
+
     a, b = torch.ones(megabytes * 2**20 // 4), torch.zeros(megabytes * 2**20 // 4)
-    return 2 * a.numel() * 4 / best_seconds(lambda: b.copy_(a), reps)
+    return 2 * a.numel() * 4 / machine.best_seconds(lambda: b.copy_(a), reps)
 
 
 def read_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
     """Bytes/s of the best of `reps` sums over a `megabytes` tensor (reads only, with every torch
     thread): the ceiling of batch-1 decoding, which reads every weight once per token and writes
     next to nothing."""
+    from meshlm.runtime import machine
+
     a = torch.ones(megabytes * 2**20 // 4)
-    return a.numel() * 4 / best_seconds(a.sum, reps)
-
-
-def best_seconds(step, reps: int) -> float:
-    """The fastest of `reps` calls of `step`, after one warm-up."""
-    best = float("inf")
-    for _ in range(reps + 1):  # the first is a warm-up
-        start = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return a.numel() * 4 / machine.best_seconds(a.sum, reps)
 
 
 def decoding_copy(model, dtype: str) -> torch.nn.Module:

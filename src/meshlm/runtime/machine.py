@@ -12,10 +12,13 @@ import datetime
 import hashlib
 import json
 import platform
+import time
 from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from meshlm import atomic
 from meshlm.data.cache_dir import cache_dir
@@ -51,6 +54,23 @@ def cpu_id() -> str:
     info = cpu_info()
     digest = hashlib.sha256(" ".join(sorted(info["flags"])).encode()).hexdigest()[:8]
     return f"{info['model']} #{digest}"
+
+
+def cpu_key(measured: str, threads: int) -> str:
+    """The cache key of a measurement named `measured` of this CPU at `threads` threads."""
+    return f"{measured}|{cpu_id()}|torch {torch.__version__}|threads {threads}"
+
+
+def best_seconds(step: Callable[[], Any], reps: int) -> float:
+    """The fastest of `reps` timed calls of `step`, after one untimed warm-up (kernels chosen,
+    caches filled): how the probes measure."""
+    step()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def path() -> Path:

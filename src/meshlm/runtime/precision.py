@@ -33,7 +33,6 @@ and compute the same per row whatever the batch.
 from __future__ import annotations
 
 import contextlib
-import time
 from dataclasses import dataclass
 
 import torch
@@ -88,9 +87,8 @@ def cpu_bf16_probe() -> dict:
     """{"bf16_gflops", "fp32_gflops", "date"}: best of a few PROBE_N³ matmuls each, cached per
     machine."""
     threads = torch.get_num_threads()
-    key = f"bf16-probe|{machine.cpu_id()}|torch {torch.__version__}|threads {threads}"
     method = f"best of 5 {PROBE_N}^3 matmuls per dtype, {threads} threads"
-    entry = machine.lookup(key, _probe, method)
+    entry = machine.lookup(machine.cpu_key("bf16-probe", threads), _probe, method)
     return {**entry["value"], "date": entry["date"]}
 
 
@@ -100,13 +98,8 @@ def _probe() -> dict:
 
 def _gemm_gflops(dtype: torch.dtype, reps: int = 5) -> float:
     a, b = torch.randn(PROBE_N, PROBE_N, dtype=dtype), torch.randn(PROBE_N, PROBE_N, dtype=dtype)
-    a @ b  # warm-up: oneDNN picks and caches its kernel
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * PROBE_N**3 / best / 1e9
+    # the warm-up lets oneDNN pick and cache its kernel
+    return 2 * PROBE_N**3 / machine.best_seconds(lambda: a @ b, reps) / 1e9
 
 
 def autocast(device: torch.device, precision: Precision):

@@ -22,8 +22,6 @@ Decoding splits only where the split was at least MIN_SPEEDUP times as fast.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -135,9 +133,10 @@ def split_tied_head(model: nn.Module, threads: int | None = None) -> bool:
 def split_speedup() -> float:
     """This machine's one-row speed split over F.linear, from the cache or measured now."""
     threads = torch.get_num_threads()
-    key = f"split-linear|{machine.cpu_id()}|torch {torch.__version__}|threads {threads}"
     method = f"best of 5 one-row passes over {PROBE_MB} MB of {PROBE_SHAPE} fp32 weights"
-    return machine.lookup(key, lambda: _probe(threads), method)["value"]["split_over_linear"]
+    entry = machine.lookup(machine.cpu_key("split-linear", threads), lambda: _probe(threads),
+                           method)
+    return entry["value"]["split_over_linear"]
 
 
 def _probe(threads: int, reps: int = 5) -> dict:
@@ -148,17 +147,8 @@ def _probe(threads: int, reps: int = 5) -> dict:
     split = [SplitLinear(w, None, parts_for(out_features, threads)) for w in weights]
     x = torch.full((1, in_features), 0.5)
     with torch.no_grad():
-        seconds = {"linear": _best(lambda: [F.linear(x, w) for w in weights], reps),
-                   "split": _best(lambda: [m(x) for m in split], reps)}
+        seconds = {"linear": machine.best_seconds(lambda: [F.linear(x, w) for w in weights], reps),
+                   "split": machine.best_seconds(lambda: [m(x) for m in split], reps)}
     return {"split_over_linear": seconds["linear"] / seconds["split"],
             "linear_ms": seconds["linear"] * 1e3, "split_ms": seconds["split"] * 1e3}
 
-
-def _best(step, reps: int) -> float:
-    step()  # warm-up
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        step()
-        best = min(best, time.perf_counter() - start)
-    return best
