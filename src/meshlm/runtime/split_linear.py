@@ -34,6 +34,13 @@ MIN_BLOCK = 256
 PROBE_MB, PROBE_SHAPE, MIN_SPEEDUP = 128, (4096, 1024), 1.1
 
 
+def blocked_product(rows: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """rows (M, in) @ blocks (P, in, w) -> (M, P·w), block p's columns at p·w …: one bmm batch
+    entry, and so one thread, per block."""
+    y = torch.bmm(rows.expand(blocks.shape[0], *rows.shape), blocks)  # (P, M, w)
+    return y.transpose(0, 1).reshape(rows.shape[0], -1)
+
+
 class SplitLinear(nn.Module):
     """y = x Wᵀ + b with W (out, in) stored as `blocks` (P, in, w): block p holds output columns
     p·w ... (p+1)·w − 1, the last zero-padded up to P·w ≥ out."""
@@ -54,11 +61,8 @@ class SplitLinear(nn.Module):
         return cls(linear.weight, linear.bias, parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        parts, _, width = self.blocks.shape
         rows = x.reshape(-1, self.in_features)  # (M, in)
-        # (P, M, in) @ (P, in, w) -> (P, M, w): one batch entry, and so one thread, per block
-        y = torch.bmm(rows.expand(parts, *rows.shape), self.blocks)
-        y = y.transpose(0, 1).reshape(rows.shape[0], parts * width)[:, :self.out_features]
+        y = blocked_product(rows, self.blocks)[:, :self.out_features]  # padding columns dropped
         if self.bias is not None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.out_features)
@@ -84,8 +88,7 @@ class SharedSplitLinear(nn.Module):
         rows = x.reshape(-1, self.in_features)  # (M, in)
         split = self.parts * self.width
         blocks = self.table[:split].view(self.parts, self.width, self.in_features)  # (P, w, in)
-        y = torch.bmm(rows.expand(self.parts, *rows.shape), blocks.transpose(1, 2))  # (P, M, w)
-        y = y.transpose(0, 1).reshape(rows.shape[0], split)
+        y = blocked_product(rows, blocks.transpose(1, 2))  # (M, P·w)
         if split < self.out_features:
             y = torch.cat([y, F.linear(rows, self.table[split:])], 1)
         return y.reshape(*x.shape[:-1], self.out_features)
