@@ -218,7 +218,7 @@ def test_a_long_prompt_prefills_a_chunk_per_boundary_while_the_others_decode():
         before = len(running.tokens)
         batcher.step()
         assert len(running.tokens) == before + 1  # the running row gets a token every boundary
-        prefilled.append(sum(p.done for _, p in batcher.prefilling))
+        prefilled.append(sum(p.done for p in batcher.prefilling))
         assert batcher.running == 2
     assert prefilled[:9] == [4, 8, 12, 16, 20, 24, 28, 32, 36] and prefilled[9] == 0  # 40 = 10 × 4
     # as at any admission, the prefill's token and the first decoded one at the 10th boundary
@@ -238,7 +238,7 @@ def test_a_request_stopped_while_its_prompt_prefills_frees_its_row():
     batcher.submit(cancelled)
     batcher.submit(kept)
     batcher.step()  # both joined one prefill group
-    (_, prefill), = batcher.prefilling
+    prefill, = batcher.prefilling
     assert len(prefill) == 2 and prefill.done == 4
     batcher.cancel(cancelled)
     batcher.step()

@@ -108,7 +108,7 @@ class Batcher:
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.waiting: deque[Request] = deque()
         self.cohorts: dict[tuple, Cohort] = {}
-        self.prefilling: list[tuple[tuple, Prefill]] = []  # (cohort key, prompts part-prefilled)
+        self.prefilling: list[Prefill] = []  # prompts part-prefilled, one group per cohort key
         self.stats = BatcherStats()
         self._wake = threading.Condition()
 
@@ -147,7 +147,7 @@ class Batcher:
     @property
     def running(self) -> int:
         """Admitted requests: decoding, or prefilling their prompts."""
-        return sum(len(c) for c in self.cohorts.values()) + sum(len(p) for _, p in self.prefilling)
+        return sum(len(c) for c in self.cohorts.values()) + sum(map(len, self.prefilling))
 
     @property
     def queued(self) -> int:
@@ -186,7 +186,7 @@ class Batcher:
 
     def _fail_running(self, err: Exception) -> None:
         for group in [c.requests for c in self.cohorts.values()] + \
-                [p.requests for _, p in self.prefilling]:
+                [p.requests for p in self.prefilling]:
             self._fail(group, err)
         self.cohorts.clear()
         self.prefilling.clear()
@@ -222,7 +222,7 @@ class Batcher:
         chunk = self.prefill_chunk
         if chunk is not None and group[0].speculate is None and \
                 max(len(r.prompt) for r in group) > chunk:
-            self.prefilling.append((key, Prefill.of(group, self.pad_id, device)))
+            self.prefilling.append(Prefill.of(group, self.pad_id, device))
             return
         cohort = self._cohort(key, group[0])
         # only now part of the cohort: a failed prefill leaves the batch as it was
@@ -249,21 +249,20 @@ class Batcher:
         then nothing waits on it); a complete group joins its cohort and gets its first tokens.
         Requests stopped meanwhile leave first."""
         chunk = self.prefill_chunk if self.cohorts else None
-        for entry in list(self.prefilling):
-            key, prefill = entry
+        for prefill in list(self.prefilling):
             self._drop_stopped(prefill)
             if not len(prefill):
-                self.prefilling.remove(entry)
+                self.prefilling.remove(prefill)
                 continue
-            first = prefill.requests[0]
+            first = prefill.requests[0]  # all of a group share the key, and so loops and exit
             try:
                 batch = prefill.advance(self.model, first.loops, first.exit, chunk)
                 if batch is not None:
-                    self.prefilling.remove(entry)
-                    self._join(key, prefill.requests, batch)
+                    self.prefilling.remove(prefill)
+                    self._join(first.key(), prefill.requests, batch)
             except Exception as err:  # noqa: BLE001 - one broken prefill must not stop the others
-                if entry in self.prefilling:
-                    self.prefilling.remove(entry)
+                if prefill in self.prefilling:
+                    self.prefilling.remove(prefill)
                 self._fail(prefill.requests, err)
 
     def _drop_stopped(self, prefill: Prefill) -> None:

@@ -48,7 +48,7 @@ def pick(logits: torch.Tensor, requests: list) -> torch.Tensor:
     return tokens
 
 
-@dataclass
+@dataclass(eq=False)  # one group is itself: tensors have no truth value to compare by
 class Prefill:
     """Newcomers' prompts prefilled in one cache, `chunk` columns at a time: each chunk is one
     cached forward over the next columns of the left-padded prompts, as speculation's verify feeds
