@@ -196,10 +196,9 @@ class ModelFolder:
 
     def weights(self, check: bool = True) -> dict[str, torch.Tensor]:
         """The meshlm-named state dict, by the format's adapter (meshlm.interop.folders; fp32 for
-        Hugging Face folders but a quantized export); `check` verifies a meshlm checkpoint's
-        hashes."""
+        Hugging Face folders); `check` verifies a meshlm checkpoint's hashes."""
         return folders.read_weights(self.format, self.path, self.model_config(), check,
-                                    self.config_sha256, bool(self.meta.get("quantization")))
+                                    self.config_sha256)
 
 
 def locate(path: str | os.PathLike | ModelFolder) -> ModelFolder:

@@ -70,10 +70,9 @@ def model_config(form: str, raw: dict[str, Any], folder: Path) -> ModelConfig:
 
 
 def read_weights(form: str, folder: Path, cfg: ModelConfig, check: bool = True,
-                 config_sha256: str | None = None, quantized: bool = False
-                 ) -> dict[str, torch.Tensor]:
-    """The meshlm-named state dict of a folder of format `form` (fp32 for the Hugging Face formats,
-    but for a `quantized` meshlm-HF export's, which keeps its stored dtypes);
+                 config_sha256: str | None = None) -> dict[str, torch.Tensor]:
+    """The meshlm-named state dict of a folder of format `form` (fp32 for the Hugging Face formats;
+    a quantized meshlm-HF export's integer weights stay integers);
     `check` verifies a meshlm checkpoint's hashes, and that its config.json is still the bytes
     hashing to `config_sha256` (the ones cfg was built from). Whether they fit cfg's model is the
     loader's check."""
@@ -81,8 +80,8 @@ def read_weights(form: str, folder: Path, cfg: ModelConfig, check: bool = True,
         return checkpoint.load_checkpoint(folder, with_state=False, check=check,
                                           config_sha256=config_sha256).weights
     files = read_weight_files(folder, _REFETCH.get(form, "download it again"))
-    if form == "hf":  # a quantized export's int8/uint8 weights and bf16 scales stay as stored
-        return {k.removeprefix(HF_PREFIX): v if quantized else v.float()
+    if form == "hf":  # int8/uint8 (meshlm.quant): not numbers to cast; bf16 scales load back exact
+        return {k.removeprefix(HF_PREFIX): v.float() if v.is_floating_point() else v
                 for k, v in files.items()}
     try:
         state = to_meshlm(files, cfg.layout, BACKBONES[form])
