@@ -51,6 +51,18 @@ def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, clock
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def decoding_copy(model: torch.nn.Module, dtype: str) -> tuple[torch.nn.Module, object]:
+    """(a copy of `model` with the weights `meshlm generate --dtype DTYPE` decodes with, the
+    precision it decodes in): precision.for_decoding's (fp32 split for one-token products where
+    that pays, bf16 stored in bf16)."""
+    import copy
+
+    from meshlm.runtime import precision
+
+    model = copy.deepcopy(model)
+    return model, precision.for_decoding(dtype, model)[1]
+
+
 def corpus_prompts(tok, count: int, length: int) -> list[list[int]]:
     """`count` prompts of `length` tokens: the openings of held-out documents of the embedded corpus
     (validation split), so decoding is measured on real text."""

@@ -24,23 +24,15 @@ from __future__ import annotations
 import argparse
 
 import torch
-from benchkit import add_timing_arguments, corpus_windows, interleaved_medians, timing_setup
+from benchkit import (
+    add_timing_arguments,
+    corpus_windows,
+    decoding_copy,
+    interleaved_medians,
+    timing_setup,
+)
 
 PRECISIONS = ("fp32", "bf16")  # --dtype values
-
-
-def decoders(model) -> dict[str, tuple[torch.nn.Module, object]]:
-    """{--dtype: (a copy of `model` with the weights `meshlm generate --dtype` decodes with, its
-    precision)}: fp32 laid out for one-token products (split_linears), bf16 stored in bf16."""
-    import copy
-
-    from meshlm.runtime import precision
-
-    out = {}
-    for name in PRECISIONS:
-        copied = copy.deepcopy(model)
-        out[name] = copied, precision.for_decoding(name, copied)[1]
-    return out
 
 
 def autocast(chosen):
@@ -140,7 +132,7 @@ def main() -> None:
     clock = timing_setup(args)
     opened = open_model(args.checkpoint)
     prompts = corpus_windows(opened.tokenizer, args.prompts, args.prompt_tokens)
-    models = decoders(opened.model)
+    models = {name: decoding_copy(opened.model, name) for name in PRECISIONS}
     mismatches(models, prompts, args, opened.tokenizer.pad_id)
     logit_differences(models, prompts)
     speeds(models, prompts, args, opened.tokenizer.pad_id, clock)

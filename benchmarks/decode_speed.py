@@ -35,7 +35,13 @@ import statistics
 import time
 
 import torch
-from benchkit import add_shape_arguments, add_timing_arguments, interleaved_medians, timing_setup
+from benchkit import (
+    add_shape_arguments,
+    add_timing_arguments,
+    decoding_copy,
+    interleaved_medians,
+    timing_setup,
+)
 
 
 def build(scheme: str, args) -> torch.nn.Module:
@@ -96,18 +102,6 @@ def read_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
     return a.numel() * 4 / machine.best_seconds(a.sum, reps)
 
 
-def decoding_copy(model, dtype: str) -> torch.nn.Module:
-    """A copy of `model` with the weights `meshlm generate --dtype DTYPE` decodes with
-    (precision.for_decoding: fp32 split for one-token products, bf16 stored)."""
-    import copy
-
-    from meshlm.runtime import precision
-
-    model = copy.deepcopy(model)
-    precision.for_decoding(dtype, model)
-    return model
-
-
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights one decoded token reads: everything but the input embedding table (one row
     of it)."""
@@ -143,10 +137,10 @@ def versus_transformers(args) -> None:
     bf16, fp32 = precision.Precision(torch.bfloat16,
                                      "as requested"), precision.Precision(None, "as requested")
     models = {"transformers fp32": hf, "transformers bf16": copy.deepcopy(hf).to(torch.bfloat16),
-              "meshlm fp32": decoding_copy(ours, "auto"), "meshlm fp32 F.linear": ours,
-              "meshlm bf16": decoding_copy(ours, "bf16"),
-              "meshlm int8": decoding_copy(quantize_model(ours, 8, PARTS)[0], "auto"),
-              "meshlm int4": decoding_copy(quantize_model(ours, 4, PARTS)[0], "auto")}
+              "meshlm fp32": decoding_copy(ours, "auto")[0], "meshlm fp32 F.linear": ours,
+              "meshlm bf16": decoding_copy(ours, "bf16")[0],
+              "meshlm int8": decoding_copy(quantize_model(ours, 8, PARTS)[0], "auto")[0],
+              "meshlm int4": decoding_copy(quantize_model(ours, 4, PARTS)[0], "auto")[0]}
     prompt = torch.randint(2, args.vocab, (1, args.prompt),
                            generator=torch.Generator().manual_seed(0))
     s = Sampling(max_new_tokens=args.new_tokens, temperature=0, stop_at_eos=False)
