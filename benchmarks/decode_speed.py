@@ -11,9 +11,10 @@ Comparisons (targets from the Hugging Face / generation issue):
   4. (--versus-transformers) a vanilla stack of --layers (default 12) layers at --d-model against
      transformers' GPTNeoXForCausalLM.generate on the same weights: transformers fp32 and bf16,
      meshlm fp32 (what `--dtype auto` decodes in, split_linears' layout), fp32 through plain
-     F.linear, bf16 (weights stored in bf16), int8 and int4 (meshlm.quant, every layer and the
-     head), each with the weights `meshlm generate` decodes with, and with the weight bytes each
-     reads per token against this core's measured copy bandwidth:
+     F.linear, bf16 (weights stored in bf16), int8, int4 and w8a8 (int8 weights and
+     activations; meshlm.quant, every layer and the head), each with the weights `meshlm
+     generate` decodes with, and with the weight bytes each reads per token against this core's
+     measured copy bandwidth:
          .venv/bin/python benchmarks/decode_speed.py --versus-transformers --d-model 768 \
              --heads 12 \
              --vocab 50304 --new-tokens 64 --rounds 3 --threads 1
@@ -140,6 +141,8 @@ def versus_transformers(args) -> None:
               "meshlm fp32": decoding_copy(ours, "auto")[0], "meshlm fp32 F.linear": ours,
               "meshlm bf16": decoding_copy(ours, "bf16")[0],
               "meshlm int8": decoding_copy(quantize_model(ours, 8, PARTS)[0], "auto")[0],
+              "meshlm w8a8": decoding_copy(quantize_model(ours, 8, PARTS, activations="int8")[0],
+                                           "auto")[0],
               "meshlm int4": decoding_copy(quantize_model(ours, 4, PARTS)[0], "auto")[0]}
     prompt = torch.randint(2, args.vocab, (1, args.prompt),
                            generator=torch.Generator().manual_seed(0))
@@ -171,7 +174,9 @@ def versus_transformers(args) -> None:
     for a, b in (("meshlm fp32", "transformers fp32"), ("meshlm fp32", "meshlm fp32 F.linear"),
                  ("meshlm fp32", "transformers bf16"), ("meshlm bf16", "transformers bf16"),
                  ("meshlm bf16", "transformers fp32"), ("meshlm int8", "transformers fp32"),
-                 ("meshlm int8", "meshlm fp32"), ("meshlm int4", "meshlm fp32"),
+                 ("meshlm int8", "meshlm fp32"), ("meshlm w8a8", "transformers fp32"),
+                 ("meshlm w8a8", "meshlm fp32"), ("meshlm w8a8", "meshlm int8"),
+                 ("meshlm int4", "meshlm fp32"),
                  ("meshlm bf16", "meshlm fp32")):
         print(f"{a} / {b}: {rate[a] / rate[b]:.2f}x")
 

@@ -58,6 +58,18 @@ def copy_run(tmp: Path, world: dict[str, Path]) -> Path:
     return run
 
 
+def quantized_copy(tmp: Path, world: dict[str, Path]) -> None:
+    """tmp/run (a copy of the run) with an int8 checkpoint of it at tmp/run/int8."""
+    from meshlm.checkpoint import save_model
+    from meshlm.loading import open_model
+    from meshlm.quant import quantize_model
+
+    opened = open_model(copy_run(tmp, world))
+    model, spec = quantize_model(opened.model, 8)
+    save_model(model, tmp / "run" / "int8",
+               {**opened.meta, "quantization": {**spec, "source": {"path": str(opened.path)}}})
+
+
 def step_dir(tmp: Path) -> Path:
     return tmp / "run" / "step-000002"
 
@@ -819,6 +831,16 @@ CASES: list[Case] = [
     Case("convert", "a full disk while exporting to Hugging Face",
          ["convert", "{run}", "{tmp}/out", "--to", "hf"], 1,
          "no space left on device", patch=full_disk, after=_no_folder_left("out")),
+    # -- quantize
+    Case("quantize", "int8 activations with int4 weights",
+         ["quantize", "{run}", "--bits", "4", "--activations", "int8"], 2,
+         "--activations int8 needs --bits 8"),
+    Case("quantize", "an unknown part", ["quantize", "{run}", "--bits", "8", "--parts", "body"], 2,
+         "unknown ['body']"),
+    Case("quantize", "a checkpoint that is already quantized",
+         ["quantize", "{tmp}/run/int8", "--bits", "8"], 2,
+         "is quantized already",
+         setup=lambda tmp, w: quantized_copy(tmp, w)),
     Case("retrofit", "--scheme-options that are not JSON",
          ["retrofit", "{run}", "{tmp}/out", "--spec", "1+1R2+1",
           "--scheme-options", "slots=4"], 2,

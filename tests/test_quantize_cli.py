@@ -20,20 +20,22 @@ def meshlm(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantize_then_generate_and_eval_in_fresh_processes(tmp_path, bits):
+@pytest.mark.parametrize("bits,activations,name", [(8, "bf16", "int8"), (4, "bf16", "int4"),
+                                                   (8, "int8", "w8a8")])
+def test_quantize_then_generate_and_eval_in_fresh_processes(tmp_path, bits, activations, name):
     torch.manual_seed(0)
     source = save_model(build(tiny(spec="1+1R3+1", vocab_size=8192, context_length=64, d_model=64)),
                         tmp_path / "m")
     env = {**clean_env(), "MESHLM_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path)}
-    done = meshlm("quantize", str(source), "--bits", str(bits), "--group-size", "32", "--parts",
-                  "cores,coda",
+    done = meshlm("quantize", str(source), "--bits", str(bits), "--activations", activations,
+                  "--group-size", "32", "--parts", "cores,coda",
                   "--seq-len", "32", "--calibration", "4", "--report-windows", "4", env=env)
     assert done.returncode == 0, done.stderr
     assert "(trained)" in done.stdout and "state distance" in done.stdout  # the per-loop report
-    folder = source / f"int{bits}"
+    folder = source / name  # the default output folder
     entry = verify(folder)["quantization"]  # hashes like any checkpoint
     assert entry["bits"] == bits and len(entry["report"]["states"]) == 4  # h⁰ … h³
+    assert entry["activations"] == activations
     assert all(entry["calibration"]["visits"][n] == (3 if n.startswith("cores.") else 1)
                for n in entry["layers"])
     texts = []
@@ -47,10 +49,10 @@ def test_quantize_then_generate_and_eval_in_fresh_processes(tmp_path, bits):
                   str(tmp_path / "e.json"), env=env)
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "e.json").read_text())
-    exported_without_meshlm(folder, tmp_path, env)
+    exported_without_meshlm(folder, tmp_path, env, activations)
 
 
-def exported_without_meshlm(folder, tmp_path, env) -> None:
+def exported_without_meshlm(folder, tmp_path, env, activations: str) -> None:
     """`meshlm convert` writes the quantized checkpoint as a Hugging Face folder whose own code, in
     a process where meshlm cannot be imported, gives the quantized model's logits bit for bit and
     the same greedy tokens cached, uncached and under speculation, also after saving it again."""
@@ -72,7 +74,8 @@ from transformers import AutoModelForCausalLM
 ref = torch.load({str(reference)!r})
 model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "hf")!r},
                                              trust_remote_code=True).eval()
-assert any(type(m).__name__ == "QuantizedLinear" for m in model.modules())
+assert {{m.activations for m in model.modules()
+        if type(m).__name__ == "QuantizedLinear"}} == {{{activations!r}}}
 with torch.no_grad():
     assert torch.equal(model(ref["ids"]).logits, ref["logits"])
     cached = model.generate(ref["ids"][:1], max_new_tokens=8, do_sample=False)

@@ -1,20 +1,21 @@
-"""`meshlm quantize RUN --bits 8|4`: a weight-only int8 (per channel) or int4 (grouped) checkpoint
-of RUN.
+"""`meshlm quantize RUN --bits 8|4 [--activations int8]`: an int8 (per channel) or int4 (grouped)
+checkpoint of RUN, weight-only or (int8) with int8-rounded activation rows.
 
 Calibrates on windows of the training split (every loop visit of a shared layer counted), quantizes
 the chosen parts (default: the looped cores; prelude, coda, head and routers stay fp32), prints and
 stores the per-loop error report (state distance after each loop step, held-out loss at each loop
-count), and writes a verified meshlm checkpoint (default RUN/int8 or RUN/int4) that `meshlm
-generate`, `eval` and `serve` open as any other. See meshlm.quant and docs/quantize.md.
+count), and writes a verified meshlm checkpoint (default RUN/int8, RUN/int4 or RUN/w8a8) that
+`meshlm generate`, `eval` and `serve` open as any other. See meshlm.quant and docs/quantize.md.
 """
 from __future__ import annotations
 
 import argparse
 
-# meshlm.quant's PARTS, DEFAULT_PARTS and GROUP_SIZES, spelled out: the parser is built before torch
-# may load (meshlm.cli tunes malloc first); tests/test_quant.py checks they agree
+# meshlm.quant's PARTS, DEFAULT_PARTS, GROUP_SIZES and ACTIVATIONS, spelled out: the parser is built
+# before torch may load (meshlm.cli tunes malloc first); tests/test_quant.py checks they agree
 PARTS, DEFAULT_PARTS, GROUP_SIZES = ("prelude", "cores", "coda", "head",
                                      "routers"), ("cores",), (32, 64, 128, 256)
+ACTIVATIONS = ("bf16", "int8")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,10 +24,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="8: int8 per channel; 4: int4 grouped")
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64,
                    help="int4 group (default 64)")
+    p.add_argument("--activations", choices=ACTIVATIONS, default="bf16",
+                   help="bf16: weight-only (default); int8 (with --bits 8): each activation row "
+                        "rounded to int8 too, the faster CPU kernel (docs/quantize.md)")
     p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
                    help=f"what to quantize, comma-separated from {','.join(PARTS)} (default "
                         f"{','.join(DEFAULT_PARTS)})")
-    p.add_argument("--out", default=None, help="output folder (default RUN/int8 or RUN/int4)")
+    p.add_argument("--out", default=None,
+                   help="output folder (default RUN/int8, RUN/int4, or RUN/w8a8 with int8 "
+                        "activations)")
     p.add_argument("--data", default=None,
                    help="prepared data to calibrate and report on (default: the run's)")
     p.add_argument("--calibration", type=int, default=32,
@@ -59,11 +65,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"calibrating {opened.path} "
           f"on {sum(len(b) for b in batches)} windows of {seq_len} tokens", flush=True)
     with torch.no_grad():
-        quantized, spec = quantize_model(opened.model, args.bits, parts, args.group_size, batches)
+        quantized, spec = quantize_model(opened.model, args.bits, parts, args.group_size, batches,
+                                         args.activations)
         if not args.no_report:
             spec["report"] = error_report(opened, quantized, args, seq_len)
     write(opened, quantized, spec, out)
-    print(f"wrote {out}: int{args.bits} {', '.join(spec['parts'])} ({len(spec['layers'])} layers), "
+    kind = "int8 weights and activations" if args.activations == "int8" else f"int{args.bits}"
+    print(f"wrote {out}: {kind} {', '.join(spec['parts'])} ({len(spec['layers'])} layers), "
           f"{megabytes(quantized):.1f} MB of weights (full precision {megabytes(opened.model):.1f} "
           "MB)")
     return 0
@@ -80,11 +88,15 @@ def check_inputs(args: argparse.Namespace):
     p.need(bool(parts) and not unknown,
            f"--parts {args.parts!r}: unknown {unknown or 'empty'}; choose from "
            f"{','.join(PARTS)}, e.g. --parts cores")
+    p.need(args.bits == 8 or args.activations == "bf16",
+           f"--activations int8 needs --bits 8 (int4 weights take bf16 activations), e.g. "
+           f"meshlm quantize {args.checkpoint} --bits 8 --activations int8")
     p.need(args.calibration >= 1, f"--calibration {args.calibration} must be >= 1 window")
     p.need(args.report_windows >= 1, f"--report-windows {args.report_windows} must be >= 1 window")
     p.need(Path(args.checkpoint).is_dir(),
            f"{args.checkpoint} is not a folder; pass a meshlm run or checkpoint")
-    out = Path(args.out) if args.out else Path(args.checkpoint) / f"int{args.bits}"
+    name = "w8a8" if args.activations == "int8" else f"int{args.bits}"
+    out = Path(args.out) if args.out else Path(args.checkpoint) / name
     p.writable(out, "--out")
     p.raise_if_any()
     return parts, out

@@ -95,13 +95,14 @@ def best_clip(weight: torch.Tensor, gram: torch.Tensor | None, bits: int,
 
 
 def quantize_layers(model: nn.Module, layers: dict[str, nn.Linear], bits: int, group_size: int,
-                    cal: Calibration | None = None) -> dict[str, float]:
+                    cal: Calibration | None = None, activations: str = "bf16") -> dict[str, float]:
     """Replace each of `layers` in `model` by its QuantizedLinear (in place); returns {name: mean
     clip}."""
     clips = {}
     for name, layer in layers.items():
         clip = best_clip(layer.weight, cal.gram.get(name) if cal else None, bits, group_size)
-        replace_module(model, name, QuantizedLinear.from_linear(layer, bits, group_size, clip))
+        replace_module(model, name,
+                       QuantizedLinear.from_linear(layer, bits, group_size, clip, activations))
         clips[name] = float(clip.mean())
     return clips
 
@@ -113,20 +114,24 @@ def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 def structure_of(model: nn.Module) -> dict | None:
     """The part of a `quantization` entry that empty_structure needs ({"bits", "group_size",
-    "layers"}), read off `model`'s QuantizedLinear layers; None for a model without any."""
+    "activations", "layers"}), read off `model`'s QuantizedLinear layers; None for a model without
+    any."""
     layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
     if not layers:
         return None
-    (bits, group_size), = {(m.bits, m.group_size if m.bits == 4 else None)
-                           for m in layers.values()}
-    return {"bits": bits, "group_size": group_size, "layers": list(layers)}
+    (bits, group_size, activations), = {(m.bits, m.group_size if m.bits == 4 else None,
+                                         m.activations) for m in layers.values()}
+    return {"bits": bits, "group_size": group_size, "activations": activations,
+            "layers": list(layers)}
 
 
 def empty_structure(model: nn.Module, spec: dict) -> None:
     """Give `model` the QuantizedLinear layers named in a checkpoint's `quantization` entry (weights
-    follow via load_state_dict): how meshlm.loading opens a quantized checkpoint."""
+    follow via load_state_dict): how meshlm.loading opens a quantized checkpoint. An entry without
+    "activations" (written before int8 activations existed) is weight-only, bf16."""
     for name in spec["layers"]:
         layer = model.get_submodule(name)
         replace_module(model, name,
                        QuantizedLinear(layer.in_features, layer.out_features,
-                                       layer.bias is not None, spec["bits"], spec["group_size"]))
+                                       layer.bias is not None, spec["bits"], spec["group_size"],
+                                       spec.get("activations", "bf16")))

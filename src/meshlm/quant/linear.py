@@ -1,15 +1,27 @@
-"""Weight-only quantized linear layers, stored portably and run through PyTorch's own CPU kernels.
+"""Quantized linear layers, stored portably and run through PyTorch's own CPU kernels.
 
     int8  per output channel, symmetric:  W[n, k] ≈ scale[n] · q[n, k],            q ∈ [−127, 127]
     int4 grouped along k (group g), asymmetric: W[n, k] ≈ scale[n, j] · (q[n, k] − 8) + zero[n, j],
           j = k // g, q ∈ [0, 15]; two values per byte (even k in the low nibble)
 
 Scales and zeros are bf16, the precision the kernels take, so the stored numbers are exactly the
-ones computed with. On CPU the matmul is `torch._weight_int8pack_mm` /
-`torch._weight_int4pack_mm_for_cpu` with bf16 activations and fp32 accumulation; elsewhere the
-weight is dequantized into the input's dtype and F.linear runs. Both kernels compute each row on its
-own, so a row's output does not depend on what else is in the batch (tests/test_quant.py): cached
-and uncached decoding, speculation's verify and a batch see the same numbers.
+ones computed with. How the activations meet the weight (`activations`):
+
+    "bf16"  weight-only: `torch._weight_int8pack_mm` / `torch._weight_int4pack_mm_for_cpu` on bf16
+            activations, fp32 accumulation
+    "int8"  (int8 weights only) each activation row rounded to int8 with its own scale,
+            x[m, k] ≈ s[m] · a[m, k], s[m] = max_k |x[m, k]| / 127; `torch._int_mm` sums a · q in
+            int32 (exact) and y[m, n] = sum · s[m] · scale[n] in fp32: the int8 dot-product
+            instructions, about 1.5× the weight-only kernel's speed per weight at one token. On a
+            CPU without them (no AVX512-VNNI, AVX-VNNI or AMX) oneDNN's int8 kernels saturate
+            16-bit pair sums, so a probe (exact_int8_products) sends the same rounded activations
+            through the weight-only kernel instead: integers up to 127 are exact in bf16, and it
+            sums in fp32
+
+Off CPU the weight is dequantized into the input's dtype and F.linear runs (on the rounded
+activations for "int8"). Every path computes each row on its own, so a row's output does not
+depend on what else is in the batch (tests/test_quant.py): cached and uncached decoding,
+speculation's verify and a batch see the same numbers.
 
 `clip` (per output row, ≤ 1) shrinks the quantization range: chosen by calibration
 (meshlm.quant.calibrate) to minimise the layer's output error on real inputs, trading clipped
@@ -17,11 +29,14 @@ outliers for finer steps.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 GROUP_SIZES = (32, 64, 128, 256)
+ACTIVATIONS = ("bf16", "int8")
 ALIGNMENT = 64  # bytes: PyTorch's CPU allocator's, which the int8 kernel relies on
 
 
@@ -46,6 +61,25 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int, clip: torch.Ten
     return {"qweight": q[:, 0::2] | (q[:, 1::2] << 4), "scales": scales, "zeros": zeros}
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(M, K) fp32 -> (int8 (M, K), fp32 (M, 1) scale s): x ≈ s · q, symmetric, one scale per
+    row."""
+    scale = torch.linalg.vector_norm(x, float("inf"), -1, keepdim=True).div_(127).clamp_min_(1e-30)
+    return torch.round(x / scale).to(torch.int8), scale
+
+
+@functools.cache
+def exact_int8_products() -> bool:
+    """Whether torch._int_mm sums int8 products exactly on this CPU: oneDNN's VNNI and AMX kernels
+    do; its older x86 kernels saturate 16-bit pair sums (measured: every output of a random
+    (3, 768) × (768, 64) product wrong with oneDNN held to AVX2 or AVX-512 without VNNI)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-127, 128, (2, 256), dtype=torch.int8, generator=g)
+    w = torch.randint(-127, 128, (32, 256), dtype=torch.int8, generator=g)
+    a[0], w[0] = 127, 127  # the largest pair sums
+    return torch.equal(torch._int_mm(a, w.t()).long(), a.long() @ w.long().t())
+
+
 def dequantize(stored: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
     """The (N, K) fp32 weight the stored tensors stand for."""
     q, scales = stored["qweight"], stored["scales"].float()
@@ -59,19 +93,24 @@ def dequantize(stored: dict[str, torch.Tensor], group_size: int) -> torch.Tensor
 
 
 class QuantizedLinear(nn.Module):
-    """An nn.Linear(in_features, out_features) whose weight is int8 (per channel) or int4 (grouped);
-    the bias, if any, stays fp32. Build with `from_linear`, or empty (then load a state dict)."""
+    """An nn.Linear(in_features, out_features) whose weight is int8 (per channel) or int4 (grouped),
+    meeting bf16 or (int8 only) int8-rounded activations (module docstring); the bias, if any,
+    stays fp32. Build with `from_linear`, or empty (then load a state dict)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int,
-                 group_size: int = 64):
+                 group_size: int = 64, activations: str = "bf16"):
         super().__init__()
         if bits not in (4, 8):
             raise ValueError(f"bits must be 8 or 4, not {bits}")
         if bits == 4 and in_features % group_size:
             raise ValueError(f"int4 needs in_features ({in_features}) divisible by the group size "
                              f"{group_size}")
+        if activations not in ACTIVATIONS or (bits == 4 and activations != "bf16"):
+            raise ValueError(f"activations {activations!r}: int8 weights take "
+                             f"{' or '.join(ACTIVATIONS)}, int4 weights bf16")
         self.in_features, self.out_features, self.bits, self.group_size = (
             in_features, out_features, bits, group_size)
+        self.activations = activations
         if bits == 8:
             self.register_buffer("qweight",
                                  torch.zeros(out_features, in_features, dtype=torch.int8))
@@ -83,14 +122,15 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.bfloat16))
             self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=torch.bfloat16))
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        # int4: the CPU kernel's layout, built once
+        # the CPU kernel's operands, built once: int4 its packed layout, int8 activations the
+        # (in, out) weight view and fp32 scales
         self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int, group_size: int = 64,
-                    clip: torch.Tensor | None = None) -> QuantizedLinear:
+                    clip: torch.Tensor | None = None, activations: str = "bf16") -> QuantizedLinear:
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, bits,
-                    group_size)
+                    group_size, activations)
         for name, value in quantize_weight(linear.weight.detach(), bits, group_size, clip).items():
             getattr(layer, name).copy_(value)
         if linear.bias is not None:
@@ -111,15 +151,40 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (…, in) -> (…, out), in x's dtype
         rows = x.reshape(-1, self.in_features)
-        if x.device.type == "cpu":
-            y = self._cpu_matmul(rows.to(torch.bfloat16)).to(x.dtype)
+        if x.device.type != "cpu":
+            y = self._dequantized_product(rows)
+        elif self.activations == "int8":
+            y = self._int8_product(rows)
         else:
-            y = F.linear(rows, self.weight_fp32().to(x.dtype))
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+            y = self._weight_only_product(rows)
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def _cpu_matmul(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) bf16 -> (M, out) bf16
+    def _dequantized_product(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
+        if self.activations == "int8":
+            q, scale = quantize_rows(rows.float())
+            rows = (q.float() * scale).to(rows.dtype)
+        bias = None if self.bias is None else self.bias.to(rows.dtype)
+        return F.linear(rows, self.weight_fp32().to(rows.dtype), bias)
+
+    def _int8_product(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out) fp32
+        q, row_scale = quantize_rows(rows.float())
+        if exact_int8_products():
+            if self._packed is None:
+                self._packed = (self.qweight.t(), self.scales.float())
+            weight, scales = self._packed  # (in, out) int8 view, (out,) fp32
+            # (M, out) int32 sums: exact, whatever the batch
+            products, scale = torch._int_mm(q, weight), row_scale * scales
+        else:  # the rounded activations through the weight-only kernel (module docstring)
+            products, scale = self._bf16_kernel(q.to(torch.bfloat16)), row_scale
+        if self.bias is None:
+            return products * scale
+        return torch.addcmul(self.bias, products, scale)  # fewer calls: decoding's cost
+
+    def _weight_only_product(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
+        y = self._bf16_kernel(rows.to(torch.bfloat16)).to(rows.dtype)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _bf16_kernel(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) bf16 -> (M, out) bf16
         if self.bits == 8:
             if self.qweight.data_ptr() % ALIGNMENT or self.scales.data_ptr() % ALIGNMENT:
                 # views into a memory-mapped file (transformers' from_pretrained) can sit at any
@@ -138,5 +203,6 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.bits == 4 else ""
+        activations = ", int8 activations" if self.activations == "int8" else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"int{self.bits}{group}")
+                f"int{self.bits}{group}{activations}")
