@@ -26,9 +26,9 @@ Weights follow the compute precision: where a command computes in bf16 (`for_mod
 bf16 hardware, or `--dtype bf16` anywhere), `store_weights` keeps every nn.Linear's weight and bias
 in bf16, so autocast finds them cast already instead of holding an fp32 copy and a bf16 one. The
 numbers are bit-identical to autocast over fp32 weights (autocast rounds the same way; norms, the
-embedding table and the loss stay fp32; tests/test_weight_precision.py). Weight-only int8/int4
-(`meshlm quantize`, meshlm.quant) is the smaller step for decoding: its kernels read int8 or int4
-and compute the same per row whatever the batch.
+embedding table and the loss stay fp32; tests/test_weight_precision.py). int8/int4 (`meshlm
+quantize`, meshlm.quant; weight-only, or int8 with int8 activation rows) is the smaller step for
+decoding: its kernels read int8 or int4 and compute the same per row whatever the batch.
 """
 from __future__ import annotations
 
