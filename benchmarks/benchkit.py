@@ -51,6 +51,11 @@ def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, clock
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def stack_shapes(d: int, layers: int, vocab: int) -> list[tuple[int, int]]:
+    """(out, in) of every matmul a GPT-NeoX layer stack and its head run per token."""
+    return [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers + [(vocab, d)]
+
+
 def decoding_copy(model: torch.nn.Module, dtype: str) -> tuple[torch.nn.Module, object]:
     """(a copy of `model` with the weights `meshlm generate --dtype DTYPE` decodes with, the
     precision it decodes in): precision.for_decoding's (fp32 split for one-token products where

@@ -20,14 +20,9 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from benchkit import add_timing_arguments, interleaved_medians, timing_setup
+from benchkit import add_timing_arguments, interleaved_medians, stack_shapes, timing_setup
 
 from meshlm.runtime.split_linear import SplitLinear, parts_for, split_linears, split_tied_head
-
-
-def stack_shapes(d: int, layers: int, vocab: int) -> list[tuple[int, int]]:
-    """(out, in) of every matmul a GPT-NeoX layer stack and its head run per token."""
-    return [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers + [(vocab, d)]
 
 
 def tied_decode(args, clock) -> None:
