@@ -51,6 +51,14 @@ def interleaved_medians(steps: dict[str, Callable[[], None]], rounds: int, clock
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def add_stack_arguments(p: argparse.ArgumentParser) -> None:
+    """A decoder stack's linear layers (stack_shapes) and the row counts to time them at."""
+    p.add_argument("--d-model", type=int, default=768)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--rows", default="1,2,4,8,16,64,256")
+
+
 def stack_shapes(d: int, layers: int, vocab: int) -> list[tuple[int, int]]:
     """(out, in) of every matmul a GPT-NeoX layer stack and its head run per token."""
     return [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers + [(vocab, d)]

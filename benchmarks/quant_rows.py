@@ -15,7 +15,13 @@ from __future__ import annotations
 import argparse
 
 import torch
-from benchkit import add_timing_arguments, interleaved_medians, stack_shapes, timing_setup
+from benchkit import (
+    add_stack_arguments,
+    add_timing_arguments,
+    interleaved_medians,
+    stack_shapes,
+    timing_setup,
+)
 
 from meshlm.quant import QuantizedLinear
 from meshlm.runtime.split_linear import SplitLinear, parts_for
@@ -31,10 +37,7 @@ def formats(linears: list[torch.nn.Linear], threads: int) -> dict[str, list[torc
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--d-model", type=int, default=768)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--vocab", type=int, default=50304)
-    p.add_argument("--rows", default="1,2,4,8,16,64,256")
+    add_stack_arguments(p)
     add_timing_arguments(p, rounds=5)
     args = p.parse_args()
     clock = timing_setup(args)

@@ -20,7 +20,13 @@ import argparse
 
 import torch
 import torch.nn.functional as F
-from benchkit import add_timing_arguments, interleaved_medians, stack_shapes, timing_setup
+from benchkit import (
+    add_stack_arguments,
+    add_timing_arguments,
+    interleaved_medians,
+    stack_shapes,
+    timing_setup,
+)
 
 from meshlm.runtime.split_linear import SplitLinear, parts_for, split_linears, split_tied_head
 
@@ -59,10 +65,7 @@ def tied_decode(args, clock) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--d-model", type=int, default=768)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--vocab", type=int, default=50304)
-    p.add_argument("--rows", default="1,2,4,8,16,64,256")
+    add_stack_arguments(p)
     p.add_argument("--tied-decode", action="store_true", help="decode with a tied head instead")
     add_timing_arguments(p, rounds=5)
     args = p.parse_args()
