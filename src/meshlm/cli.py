@@ -50,7 +50,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("meshlm.commands.serve",
               "serve a model over an OpenAI-compatible HTTP API with continuous batching"),
     "quantize": ("meshlm.commands.quantize",
-                 "weight-only int8/int4 checkpoint with a per-loop error report"),
+                 "int8/int4 checkpoint (weight-only, or int8 activations too) with a per-loop "
+                 "error report"),
     "convert": ("meshlm.commands.convert",
                 "convert between GPT-NeoX (Pythia), meshlm and Hugging Face formats"),
     "retrofit": ("meshlm.commands.retrofit",
