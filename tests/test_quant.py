@@ -123,6 +123,18 @@ def test_quantized_decoding_is_exact_across_cache_and_speculation(bits, activati
     model = build(tiny(spec=spec, vocab_size=512, d_model=64))
     quantized, _ = quantize_model(model, bits, ("prelude", "cores", "coda"), group_size=32,
                                   activations=activations)
+    assert_decodes_exactly(quantized)
+
+
+def test_int8_activations_decode_exactly_through_the_weight_only_fallback(monkeypatch):
+    monkeypatch.setattr(linear_module, "exact_int8_products", lambda: False)  # a CPU without VNNI
+    model = build(tiny(spec="1+1R4+1", vocab_size=512, d_model=64))
+    assert_decodes_exactly(quantize_model(model, 8, ("prelude", "cores", "coda"),
+                                          activations="int8")[0])
+
+
+def assert_decodes_exactly(quantized) -> None:
+    """Greedy tokens cached == uncached == under speculation == batched (left-padded)."""
     s = Sampling(max_new_tokens=12, temperature=0, stop_at_eos=False)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     with torch.no_grad():
