@@ -73,9 +73,9 @@ def exact_int8_products() -> bool:
     """Whether torch._int_mm sums int8 products exactly on this CPU: oneDNN's VNNI and AMX kernels
     do; its older x86 kernels saturate 16-bit pair sums (measured: every output of a random
     (3, 768) × (768, 64) product wrong with oneDNN held to AVX2 or AVX-512 without VNNI)."""
-    g = torch.Generator().manual_seed(0)
-    a = torch.randint(-127, 128, (2, 256), dtype=torch.int8, generator=g)
-    w = torch.randint(-127, 128, (32, 256), dtype=torch.int8, generator=g)
+    g = torch.Generator().manual_seed(0)  # on the CPU whatever the default device
+    a = torch.randint(-127, 128, (2, 256), dtype=torch.int8, generator=g, device="cpu")
+    w = torch.randint(-127, 128, (32, 256), dtype=torch.int8, generator=g, device="cpu")
     a[0], w[0] = 127, 127  # the largest pair sums
     return torch.equal(torch._int_mm(a, w.t()).long(), a.long() @ w.long().t())
 
