@@ -133,6 +133,18 @@ def test_int8_activations_decode_exactly_through_the_weight_only_fallback(monkey
                                           activations="int8")[0])
 
 
+@pytest.mark.parametrize("bits,activations,words", [
+    (8, "bf16", "4 linear layers int8 weight-only"),
+    (4, "bf16", "4 linear layers int4 in groups of 32"),
+    (8, "int8", "4 linear layers int8 with int8 activations")])
+def test_decoding_names_the_quantized_layers(bits, activations, words):
+    from meshlm.runtime import precision
+
+    model = build(tiny(spec="1+1R2+1", vocab_size=256))
+    quantized, _ = quantize_model(model, bits, ("cores",), group_size=32, activations=activations)
+    assert precision.for_decoding("auto", quantized)[1].describe().endswith(f"; {words})")
+
+
 def assert_decodes_exactly(quantized) -> None:
     """Greedy tokens cached == uncached == under speculation == batched (left-padded)."""
     s = Sampling(max_new_tokens=12, temperature=0, stop_at_eos=False)

@@ -125,6 +125,14 @@ def structure_of(model: nn.Module) -> dict | None:
             "layers": list(layers)}
 
 
+def describe(structure: dict) -> str:
+    """A structure_of entry in words, e.g. "8 linear layers int8 with int8 activations"."""
+    kind = (f"int4 in groups of {structure['group_size']}" if structure["bits"] == 4 else
+            "int8 with int8 activations" if structure.get("activations") == "int8" else
+            "int8 weight-only")
+    return f"{len(structure['layers'])} linear layers {kind}"
+
+
 def empty_structure(model: nn.Module, spec: dict) -> None:
     """Give `model` the QuantizedLinear layers named in a checkpoint's `quantization` entry (weights
     follow via load_state_dict): how meshlm.loading opens a quantized checkpoint. An entry without

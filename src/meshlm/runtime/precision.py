@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshlm.quant.calibrate import describe, structure_of
 from meshlm.runtime import machine
 from meshlm.runtime.options import DTYPE_CHOICES as CHOICES
 from meshlm.runtime.split_linear import MIN_SPEEDUP as SPLIT_MIN_SPEEDUP
@@ -129,6 +130,9 @@ def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, 
         split_tied_head(model)
         chosen = Precision(None, f"{chosen.reason}; {SPLIT_NOTE} ({speedup:.1f}x F.linear's "
                                  "one-row speed here, measured once)")
+    quantized = structure_of(model)
+    if quantized:  # those layers run their own kernels whatever the precision (meshlm.quant)
+        chosen = Precision(chosen.dtype, f"{chosen.reason}; {describe(quantized)}")
     return device, store_weights(model, chosen)
 
 
