@@ -59,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
         raise ConfigError(f"{opened.path} is quantized already; pass the full-precision checkpoint "
                           f"it came from ({opened.meta['quantization']['source']['path']})")
+    check_group_size(opened.model, args, parts)
     seq_len = args.seq_len or opened.seq_len
     train = opened.held_out(args.data, split="train")
     batches = windows(train, args.calibration, seq_len)
@@ -100,6 +101,25 @@ def check_inputs(args: argparse.Namespace):
     p.writable(out, "--out")
     p.raise_if_any()
     return parts, out
+
+
+def check_group_size(model, args: argparse.Namespace, parts: tuple[str, ...]) -> None:
+    """int4 groups must tile every quantized layer's input: else a one-line error naming a group
+    size that does (or --bits 8)."""
+    from meshlm.errors import ConfigError
+    from meshlm.quant.calibrate import targets
+
+    if args.bits != 4:
+        return
+    widths = {name: m.in_features for name, m in targets(model, set(parts)).items()}
+    ragged = [name for name, width in widths.items() if width % args.group_size]
+    if ragged:
+        fits = [g for g in GROUP_SIZES if all(width % g == 0 for width in widths.values())]
+        fix = f"--group-size {max(fits)}" if fits else "--bits 8"
+        raise ConfigError(f"--group-size {args.group_size} does not divide the input width of "
+                          f"{ragged[0]} ({widths[ragged[0]]}"
+                          f"{f', and {len(ragged) - 1} more layers' if len(ragged) > 1 else ''}); "
+                          f"pass {fix}")
 
 
 def windows(data, count: int, seq_len: int, batch_size: int = 8):

@@ -38,6 +38,10 @@ from torch import nn
 GROUP_SIZES = (32, 64, 128, 256)
 ACTIVATIONS = ("bf16", "int8")
 ALIGNMENT = 64  # bytes: PyTorch's CPU allocator's, which the int8 kernel relies on
+# torch._weight_int8pack_mm reads in_features in blocks of 16: past a ragged end it reads out of
+# bounds (wrong sums, or a crash: measured), so the weight gets zero columns up to a multiple
+INT8PACK_K = 16
+INT4PACK_N = 16  # torch._convert_weight_to_int4pack_for_cpu takes out_features in multiples of 16
 
 
 def quantize_weight(w: torch.Tensor, bits: int, group_size: int, clip: torch.Tensor | None = None
@@ -122,9 +126,8 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.bfloat16))
             self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=torch.bfloat16))
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        # the CPU kernel's operands, built once: int4 its packed layout, int8 activations the
-        # (in, out) weight view and fp32 scales
-        self._packed: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the CPU kernels' operands, built on first use: kernel name -> tensors
+        self._operands: dict[str, tuple] = {}
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int, group_size: int = 64,
@@ -146,7 +149,7 @@ class QuantizedLinear(nn.Module):
         return dequantize(self.stored(), self.group_size)
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._packed = None  # new weights: repack on the next call
+        self._operands = {}  # new weights: repack on the next call
         super()._load_from_state_dict(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (…, in) -> (…, out), in x's dtype
@@ -173,9 +176,8 @@ class QuantizedLinear(nn.Module):
     def _int8_product(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out) fp32
         q, row_scale = quantize_rows(rows if rows.dtype == torch.float32 else rows.float())
         if exact_int8_products():
-            if self._packed is None:
-                self._packed = (self.qweight.t(), self.scales.float())
-            weight, scales = self._packed  # (in, out) int8 view, (out,) fp32
+            # (in, out) int8 view, (out,) fp32
+            weight, scales = self._cached("int_mm", lambda: (self.qweight.t(), self.scales.float()))
             # (M, out) int32 sums: exact, whatever the batch
             products, scale = torch._int_mm(q, weight), row_scale * scales
         else:  # the rounded activations through the weight-only kernel (module docstring)
@@ -190,20 +192,37 @@ class QuantizedLinear(nn.Module):
 
     def _bf16_kernel(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) bf16 -> (M, out) bf16
         if self.bits == 8:
-            if self.qweight.data_ptr() % ALIGNMENT or self.scales.data_ptr() % ALIGNMENT:
-                # views into a memory-mapped file (transformers' from_pretrained) can sit at any
-                # offset, and the kernel's vector loads crash off PyTorch's 64-byte alignment
-                self.qweight, self.scales = self.qweight.clone(), self.scales.clone()
-            return torch._weight_int8pack_mm(rows, self.qweight, self.scales)
-        if self._packed is None:
-            q = torch.stack([self.qweight & 15, self.qweight >> 4], -1).reshape(self.out_features,
-                                                                                -1)
-            packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-            # (in/g, out, 2)
-            scales_zeros = torch.stack([self.scales.T, self.zeros.T], -1).contiguous()
-            self._packed = (packed, scales_zeros)
-        packed, scales_zeros = self._packed
-        return torch._weight_int4pack_mm_for_cpu(rows, packed, self.group_size, scales_zeros)
+            weight, scales, pad = self._cached("int8pack", self._int8pack_operands)
+            rows = F.pad(rows, (0, pad)) if pad else rows  # zero columns meet zero columns
+            return torch._weight_int8pack_mm(rows, weight, scales)
+        packed, scales_zeros, pad = self._cached("int4pack", self._int4pack_operands)
+        y = torch._weight_int4pack_mm_for_cpu(rows, packed, self.group_size, scales_zeros)
+        return y[:, :self.out_features].contiguous() if pad else y
+
+    def _cached(self, kernel: str, build):
+        if kernel not in self._operands:
+            self._operands[kernel] = build()
+        return self._operands[kernel]
+
+    def _int8pack_operands(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(qweight with in_features padded to INT8PACK_K, scales, the padding), 64-byte aligned:
+        views into a memory-mapped file (transformers' from_pretrained) can sit at any offset, and
+        the kernel's vector loads crash off PyTorch's alignment."""
+        pad = -self.in_features % INT8PACK_K
+        weight = F.pad(self.qweight, (0, pad)) if pad else self.qweight
+        weight = weight.clone() if weight.data_ptr() % ALIGNMENT else weight
+        scales = self.scales.clone() if self.scales.data_ptr() % ALIGNMENT else self.scales
+        return weight, scales, pad
+
+    def _int4pack_operands(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(the kernel's packed weight, its (in/g, out, 2) scales and zeros, the padding):
+        out_features padded to INT4PACK_N with rows whose outputs are cut off again."""
+        pad = -self.out_features % INT4PACK_N
+        q = torch.stack([self.qweight & 15, self.qweight >> 4], -1).reshape(self.out_features, -1)
+        packed = torch._convert_weight_to_int4pack_for_cpu(F.pad(q.to(torch.int32), (0, 0, 0, pad)),
+                                                            1)
+        scales_zeros = F.pad(torch.stack([self.scales.T, self.zeros.T], -1), (0, 0, 0, pad))
+        return packed, scales_zeros.contiguous(), pad
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.bits == 4 else ""
