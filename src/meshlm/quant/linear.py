@@ -176,8 +176,7 @@ class QuantizedLinear(nn.Module):
     def _int8_product(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out) fp32
         q, row_scale = quantize_rows(rows if rows.dtype == torch.float32 else rows.float())
         if exact_int8_products():
-            # (in, out) int8 view, (out,) fp32
-            weight, scales = self._cached("int_mm", lambda: (self.qweight.t(), self.scales.float()))
+            weight, scales = self._cached("int_mm", self._int_mm_operands)
             # (M, out) int32 sums: exact, whatever the batch
             products, scale = torch._int_mm(q, weight), row_scale * scales
         else:  # the rounded activations through the weight-only kernel (module docstring)
@@ -203,6 +202,10 @@ class QuantizedLinear(nn.Module):
         if kernel not in self._operands:
             self._operands[kernel] = build()
         return self._operands[kernel]
+
+    def _int_mm_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the (in, out) int8 view of qweight torch._int_mm multiplies by, (out,) fp32 scales)."""
+        return self.qweight.t(), self.scales.float()
 
     def _int8pack_operands(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(qweight with in_features padded to INT8PACK_K, scales, the padding), 64-byte aligned:

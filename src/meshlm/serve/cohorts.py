@@ -113,8 +113,8 @@ class Cohort(ABC):
 
     def prompts(self, requests: list) -> tuple[torch.Tensor, torch.Tensor]:
         """The requests' prompts as (N, T) left-padded ids and their padding mask."""
-        prefill = Prefill.of(requests, self.pad_id, self.model.embed_in.weight.device)
-        return prefill.ids, prefill.mask
+        return left_pad([r.prompt for r in requests], self.pad_id,
+                        self.model.embed_in.weight.device)
 
     def join(self, requests: list, batch: Batch) -> None:
         """Add prefilled requests' rows below the batch's (right-aligned)."""
