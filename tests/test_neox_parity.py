@@ -63,3 +63,25 @@ def test_state_dict_round_trip_is_exact():
     reference = hf.state_dict()
     assert set(back) == set(reference)
     assert all(torch.equal(back[k], reference[k]) for k in back)
+
+
+@pytest.mark.parametrize("rotary_pct", [0.25, 1.0], ids=["pythia-partial", "every-dim"])
+def test_rotary_equals_transformers_bit_for_bit(rotary_pct):
+    """meshlm rotates with a roll and a signed sin table; transformers splits, negates and
+    concatenates: the same numbers, exactly, on a strided q (a view of the fused qkv)."""
+    from transformers.models.gpt_neox.modeling_gpt_neox import (
+        GPTNeoXRotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
+
+    from meshlm.model.layers import RotaryEmbedding, apply_rotary
+
+    cfg = ModelConfig(spec="1", d_model=128, n_heads=2, vocab_size=64, context_length=64,
+                      scheme="vanilla", rotary_pct=rotary_pct)
+    positions = torch.arange(40).reshape(2, 20)
+    q = torch.randn(2, 20, cfg.n_heads, 3 * cfg.head_dim).transpose(1, 2)[..., :cfg.head_dim]
+    hf_config = GPTNeoXConfig(**hf_config_kwargs(cfg, BACKBONES["neox"]))
+    cos, sin = GPTNeoXRotaryEmbedding(config=hf_config)(q, positions)
+    ours = apply_rotary(q, RotaryEmbedding(cfg.rotary_dims, cfg.rotary_base)(positions,
+                                                                               torch.float32))
+    assert torch.equal(ours, apply_rotary_pos_emb(q, q, cos, sin)[0])

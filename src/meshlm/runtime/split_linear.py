@@ -34,10 +34,15 @@ MIN_BLOCK = 256
 PROBE_MB, PROBE_SHAPE, MIN_SPEEDUP = 128, (4096, 1024), 1.1
 
 
-def blocked_product(rows: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """rows (M, in) @ blocks (P, in, w) -> (M, P·w), block p's columns at p·w …: one bmm batch
-    entry, and so one thread, per block."""
-    y = torch.bmm(rows.expand(blocks.shape[0], *rows.shape), blocks)  # (P, M, w)
+def blocked_product(rows: torch.Tensor, blocks: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rows (M, in) @ blocks (P, in, w) [+ bias (P, 1, w)] -> (M, P·w), block p's columns at
+    p·w …: one bmm batch entry, and so one thread, per block."""
+    batch = rows.expand(blocks.shape[0], *rows.shape)
+    # (P, M, w); the bias added by the product itself: one tensor call fewer
+    y = torch.bmm(batch, blocks) if bias is None else torch.baddbmm(bias, batch, blocks)
+    if rows.shape[0] == 1:  # decoding's one row: (P, 1, w) is already (1, P·w) in memory
+        return y.view(1, -1)
     return y.transpose(0, 1).reshape(rows.shape[0], -1)
 
 
@@ -55,6 +60,11 @@ class SplitLinear(nn.Module):
         self.register_buffer("blocks", padded.reshape(parts, width, -1).transpose(1, 2)
                              .contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach())
+        # the bias as blocks (P, 1, w), zero-padded like the weight; derived, so not saved
+        self.register_buffer("bias_blocks", None if bias is None else F.pad(
+            bias.detach(), (0, parts * width - self.out_features)).view(parts, 1, width),
+                             persistent=False)
+        self.padded = parts * width != self.out_features
 
     @classmethod
     def of(cls, linear: nn.Linear, parts: int) -> SplitLinear:
@@ -62,9 +72,9 @@ class SplitLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (M, in)
-        y = blocked_product(rows, self.blocks)[:, :self.out_features]  # padding columns dropped
-        if self.bias is not None:
-            y = y + self.bias
+        y = blocked_product(rows, self.blocks, self.bias_blocks)
+        if self.padded:
+            y = y[:, :self.out_features]  # padding columns dropped
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
