@@ -12,7 +12,8 @@ Comparisons (targets from the Hugging Face / generation issue):
      transformers' GPTNeoXForCausalLM.generate on the same weights: transformers fp32 and bf16,
      meshlm fp32 (what `--dtype auto` decodes in, split_linears' layout), fp32 through plain
      F.linear, bf16 (weights stored in bf16), int8, int4 and w8a8 (int8 weights and
-     activations; meshlm.quant, every layer and the head), each with the weights `meshlm
+     activations; meshlm.quant, every layer and the head; "w8a8 _int_mm" without the one-row
+     kernel meshlm.quant.native compiles), each with the weights `meshlm
      generate` decodes with, and with the weight bytes each reads per token against this core's
      measured copy bandwidth:
          .venv/bin/python benchmarks/decode_speed.py --versus-transformers --d-model 768 \
@@ -144,6 +145,7 @@ def versus_transformers(args) -> None:
               "meshlm w8a8": decoding_copy(quantize_model(ours, 8, PARTS, activations="int8")[0],
                                            "auto")[0],
               "meshlm int4": decoding_copy(quantize_model(ours, 4, PARTS)[0], "auto")[0]}
+    models["meshlm w8a8 _int_mm"] = without_row_kernel(models["meshlm w8a8"])
     prompt = torch.randint(2, args.vocab, (1, args.prompt),
                            generator=torch.Generator().manual_seed(0))
     s = Sampling(max_new_tokens=args.new_tokens, temperature=0, stop_at_eos=False)
@@ -176,12 +178,27 @@ def versus_transformers(args) -> None:
                  ("meshlm bf16", "transformers fp32"), ("meshlm int8", "transformers fp32"),
                  ("meshlm int8", "meshlm fp32"), ("meshlm w8a8", "transformers fp32"),
                  ("meshlm w8a8", "meshlm fp32"), ("meshlm w8a8", "meshlm int8"),
+                 ("meshlm w8a8", "meshlm w8a8 _int_mm"), ("meshlm w8a8 _int_mm", "meshlm fp32"),
                  ("meshlm int4", "meshlm fp32"),
                  ("meshlm bf16", "meshlm fp32")):
         print(f"{a} / {b}: {rate[a] / rate[b]:.2f}x")
 
 
 CPU = torch.device("cpu")
+
+
+def without_row_kernel(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of a decoding-ready w8a8 model whose one-row products go through torch._int_mm, not
+    the kernel meshlm.quant.native compiled: what that kernel buys."""
+    import copy
+
+    from meshlm.quant import QuantizedLinear
+
+    model = copy.deepcopy(model)
+    for layer in model.modules():
+        if isinstance(layer, QuantizedLinear):
+            layer.row_kernel = None
+    return model
 
 
 def clock_of(args):

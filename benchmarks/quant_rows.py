@@ -1,6 +1,8 @@
 """The linear layers of a decode step in every decoding format, at each row count a decode call can
 have: fp32 in its decoding layout (SplitLinear, what `--dtype auto` decodes with on CPU), int8
-weight-only, int8 weights with int8 activations (w8a8) and int4 (meshlm.quant), on the weights of a
+weight-only, int8 weights with int8 activations (w8a8: as decoding runs them, one row through the
+kernel meshlm.quant.native compiles for this CPU; "w8a8 _int_mm": every row through
+torch._int_mm) and int4 (meshlm.quant), on the weights of a
 decoder stack too large for the caches (default: 12 layers of d = 768 and a 50,304-word head).
 Prints each format's time per call and its speed against fp32's.
 
@@ -13,6 +15,7 @@ handful is speculation's verify or a served batch, hundreds is a prefill.
 from __future__ import annotations
 
 import argparse
+import copy
 
 import torch
 from benchkit import (
@@ -24,14 +27,19 @@ from benchkit import (
 )
 
 from meshlm.quant import QuantizedLinear
+from meshlm.quant.native import give_row_kernel
 from meshlm.runtime.split_linear import SplitLinear, parts_for
 
 
 def formats(linears: list[torch.nn.Linear], threads: int) -> dict[str, list[torch.nn.Module]]:
     """{format: the stack's layers in it}."""
+    w8a8 = torch.nn.ModuleList(QuantizedLinear.from_linear(m, 8, activations="int8")
+                               for m in linears)
+    plain_w8a8 = copy.deepcopy(w8a8)
+    give_row_kernel(w8a8)
     return {"fp32": [SplitLinear.of(m, parts_for(m.out_features, threads)) for m in linears],
             "int8": [QuantizedLinear.from_linear(m, 8) for m in linears],
-            "w8a8": [QuantizedLinear.from_linear(m, 8, activations="int8") for m in linears],
+            "w8a8": list(w8a8), "w8a8 _int_mm": list(plain_w8a8),
             "int4": [QuantizedLinear.from_linear(m, 4, group_size=64) for m in linears]}
 
 

@@ -135,6 +135,9 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         # the CPU kernels' operands, built on first use: kernel name -> tensors
         self._operands: dict[str, tuple] = {}
+        # int8 activations at one row: a drop-in for torch._int_mm that decoding may give the
+        # layer (meshlm.quant.native: exact too, so the same numbers); None: torch._int_mm
+        self.row_kernel = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int, group_size: int = 64,
@@ -186,8 +189,9 @@ class QuantizedLinear(nn.Module):
             operands = self._operands.get("int_mm") or self._cached("int_mm",
                                                                     self._int_mm_operands)
             weight, scales, bias = operands
-            # (M, out) int32 sums: exact, whatever the batch
-            products, scale = torch._int_mm(q, weight), row_scale * scales
+            kernel = self.row_kernel if q.shape[0] == 1 and self.row_kernel else torch._int_mm
+            # (M, out) int32 sums: exact, whatever the batch and the kernel
+            products, scale = kernel(q, weight), row_scale * scales
         else:  # the rounded activations through the weight-only kernel (module docstring)
             products, scale, bias = self._bf16_kernel(q.to(torch.bfloat16)), row_scale, self.bias
         if bias is None:
@@ -215,7 +219,7 @@ class QuantizedLinear(nn.Module):
     def _int_mm_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(the (in, out) int8 view of qweight torch._int_mm multiplies by, (out,) fp32 scales,
         the bias): one dict lookup a call instead of three module attribute lookups."""
-        return self.qweight.t(), self.scales.float(), self.bias
+        return self.qweight.contiguous().t(), self.scales.float(), self.bias
 
     def _int8pack_operands(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(qweight with in_features padded to INT8PACK_K, scales, the padding), 64-byte aligned:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from meshlm.quant.calibrate import describe, structure_of
+from meshlm.quant.native import give_row_kernel
 from meshlm.runtime import machine
 from meshlm.runtime.options import DTYPE_CHOICES as CHOICES
 from meshlm.runtime.split_linear import MIN_SPEEDUP as SPLIT_MIN_SPEEDUP
@@ -115,6 +116,7 @@ DECODING_FP32 = ("auto: decoding in fp32, where greedy output does not depend on
 
 
 SPLIT_NOTE = "linear weights split per thread for one-token products"
+ROW_KERNEL_NOTE = "one-token int8 products by meshlm's kernel compiled for this CPU"
 
 
 def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, Precision]:
@@ -132,7 +134,10 @@ def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, 
                                  "one-row speed here, measured once)")
     quantized = structure_of(model)
     if quantized:  # those layers run their own kernels whatever the precision (meshlm.quant)
-        chosen = Precision(chosen.dtype, f"{chosen.reason}; {describe(quantized)}")
+        reason = f"{chosen.reason}; {describe(quantized)}"
+        if device.type == "cpu" and give_row_kernel(model):
+            reason += f"; {ROW_KERNEL_NOTE}"
+        chosen = Precision(chosen.dtype, reason)
     return device, store_weights(model, chosen)
 
 

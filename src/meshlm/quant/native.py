@@ -1,0 +1,135 @@
+"""The one-row int8 product compiled on this machine (int8_rows.c), for decoding with int8
+activations.
+
+A decoded token multiplies one int8 activation row by every int8 weight: a matrix-vector product
+bound by streaming the weights. At one row oneDNN's `torch._int_mm` reads them at ~60% of a
+core's bandwidth on a 2-core Zen 5; a plain C loop that the compiler vectorises for this CPU
+reads ~80% (1.4x the speed over a 12-layer d = 768 stack, docs/quantize.md). Both return the
+exact int32 sums, so the layer can take either at any row and its outputs stay the same numbers
+bit for bit: batch-independence, cached = uncached and speculation's exactness do not move.
+
+`int8_row_kernel()` compiles int8_rows.c once per machine with the C compiler ($CC, else cc or
+gcc; -O3 -march=native -fopenmp, with fewer flags where the compiler refuses those) into
+<cache>/kernels/ (<cache> as meshlm.runtime.machine), keyed by the source, the compiler and the
+CPU; checks it against exact integer products; and returns a drop-in for `torch._int_mm` at one
+row, or None: no compiler, a failed build or check, or MESHLM_NATIVE=0. Then the layers keep
+PyTorch's kernel. The library is code this process runs, built from meshlm's own source; delete
+the folder to rebuild it.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from meshlm.data.cache_dir import cache_dir
+from meshlm.quant.linear import QuantizedLinear, exact_int8_products
+from meshlm.runtime.machine import cpu_id
+
+SOURCE = Path(__file__).with_name("int8_rows.c")
+# tried in order: the first set this compiler accepts is built
+FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O3",))
+BUILD_SECONDS = 60
+
+
+def compiler() -> str | None:
+    """The C compiler to build with: $CC, else cc, else gcc (None: none on PATH)."""
+    for name in (os.environ.get("CC"), "cc", "gcc"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+@functools.cache
+def int8_row_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
+    """(q (1, K) int8, weight (K, N) int8, the transposed view of a contiguous (N, K)) -> (1, N)
+    int32, equal to torch._int_mm(q, weight); or None where it cannot be had (module
+    docstring)."""
+    if os.environ.get("MESHLM_NATIVE", "1") == "0" or not SOURCE.is_file():
+        return None
+    cc = compiler()
+    library = _built(cc) if cc else None
+    if library is None:
+        return None
+    function = library.int8_row_product
+    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    function.restype = None
+
+    def product(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rows = weight.t()  # (N, K): the stored qweight
+        if not rows.is_contiguous():  # not from QuantizedLinear's operands, which are
+            rows = rows.contiguous()
+        y = torch.empty(1, rows.shape[0], dtype=torch.int32)
+        function(rows.data_ptr(), q.data_ptr(), y.data_ptr(), rows.shape[0], rows.shape[1],
+                 torch.get_num_threads())
+        return y
+
+    return product if _exact(product) else None
+
+
+def give_row_kernel(model: torch.nn.Module) -> int:
+    """Give every int8-activation layer of `model` on the CPU the compiled kernel where this
+    machine has it (and where torch._int_mm's sums are exact, which the other rows take). Returns
+    how many layers got it."""
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)
+              and m.activations == "int8" and m.qweight.is_cpu]
+    kernel = int8_row_kernel() if layers and exact_int8_products() else None
+    for layer in layers if kernel else ():
+        layer.row_kernel = kernel
+    return len(layers) if kernel else 0
+
+
+def _built(cc: str) -> ctypes.CDLL | None:
+    """The library built from SOURCE by `cc` for this CPU: from the cache, or compiled now."""
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
+                                 timeout=BUILD_SECONDS).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), cc, version, cpu_id()]).encode())
+    target = cache_dir() / "kernels" / f"int8_rows-{key.hexdigest()[:16]}.so"
+    if not target.is_file() and not _compile(cc, target):
+        return None
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError:
+        return None
+
+
+def _compile(cc: str, target: Path) -> bool:
+    """Compile SOURCE into `target` with the first flag set `cc` accepts; written to a temp file
+    beside it and renamed, so a reader never loads half a library."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for flags in FLAG_SETS:
+            fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+            os.close(fd)
+            done = subprocess.run([cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp],
+                                  capture_output=True, timeout=BUILD_SECONDS).returncode == 0
+            if done:
+                os.replace(tmp, target)
+                return True
+            os.unlink(tmp)
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return False
+
+
+def _exact(product) -> bool:
+    """Whether `product` gives the exact integer sums, on ragged shapes and the extreme values."""
+    g = torch.Generator().manual_seed(0)
+    for n, k in ((37, 200), (64, 768), (5, 1)):
+        q = torch.randint(-128, 128, (1, k), dtype=torch.int8, generator=g)
+        weight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+        q[0, :k // 2], weight[0, :k // 2] = -128, -128  # the largest sums
+        if not torch.equal(product(q, weight.t()).long(), q.long() @ weight.long().t()):
+            return False
+    return True

@@ -1,0 +1,120 @@
+"""The one-row int8 product compiled on this machine (meshlm.quant.native): exact, the same
+numbers as torch._int_mm, so decoding through it changes no output; built once per machine and
+CPU, atomically; where it cannot be built (no compiler, a failing build, MESHLM_NATIVE=0) the
+layers keep PyTorch's kernel."""
+import copy
+import os
+import stat
+
+import pytest
+import torch
+from conftest import build, tiny
+from test_quant import assert_decodes_exactly
+
+from meshlm.generate import Sampling, generate
+from meshlm.model.kv_cache import KVCache
+from meshlm.quant import QuantizedLinear, native, quantize_model
+from meshlm.quant.linear import exact_int8_products
+from meshlm.runtime import precision
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """A cache of its own and no kernel remembered from earlier in this process."""
+    monkeypatch.setenv("MESHLM_CACHE", str(tmp_path))
+    native.int8_row_kernel.cache_clear()
+    yield tmp_path / "kernels"
+    native.int8_row_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (37, 200), (2304, 768), (50, 3072)])
+def test_the_compiled_product_is_the_exact_integer_product(fresh_build, n, k):
+    kernel = native.int8_row_kernel()
+    assert kernel is not None, "this machine has a C compiler (cc or gcc): the kernel builds"
+    g = torch.Generator().manual_seed(n)
+    q = torch.randint(-128, 128, (1, k), dtype=torch.int8, generator=g)
+    weight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    exact = q.long() @ weight.long().t()
+    assert torch.equal(kernel(q, weight.t()).long(), exact)
+    if exact_int8_products():
+        assert torch.equal(kernel(q, weight.t()), torch._int_mm(q, weight.t()))
+    assert [p.name for p in fresh_build.iterdir()] == [p.name for p in fresh_build.glob("*.so")]
+
+
+def test_decoding_through_the_kernel_gives_the_same_numbers(fresh_build):
+    model = build(tiny(spec="1+1R3+1", vocab_size=512, d_model=64))
+    quantized = quantize_model(model, 8, ("prelude", "cores", "coda"), activations="int8")[0]
+    _, chosen = precision.for_decoding("auto", quantized)
+    plain = copy.deepcopy(quantized)  # the same decoding layout, torch._int_mm at every row
+    for layer in plain.modules():
+        if isinstance(layer, QuantizedLinear):
+            layer.row_kernel = None
+    layers = [m for m in quantized.modules() if isinstance(m, QuantizedLinear)]
+    if not exact_int8_products():  # a CPU whose torch._int_mm saturates: nothing to pair with
+        assert all(m.row_kernel is None for m in layers)
+        return
+    assert layers and all(m.row_kernel is native.int8_row_kernel() for m in layers)
+    assert precision.ROW_KERNEL_NOTE in chosen.reason
+    s = Sampling(max_new_tokens=10, temperature=0, stop_at_eos=False)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    assert [generate(quantized, [p], s)[0] for p in prompts] == \
+        [generate(plain, [p], s)[0] for p in prompts]
+    assert_decodes_exactly(quantized)
+    ids, step = torch.tensor([[5, 6, 7]]), torch.tensor([[9]])
+    caches = KVCache(), KVCache()
+    with torch.no_grad():  # one token after a cached past: one row per layer, the kernel's case
+        for model_, cache in zip((quantized, plain), caches):
+            model_(ids, cache=cache)
+        calls = []
+        for layer in layers:  # count the kernel's calls in this step
+            layer.row_kernel = lambda q, w, kernel=layer.row_kernel: calls.append(1) or kernel(q, w)
+        assert torch.equal(quantized(step, cache=caches[0]).logits,
+                           plain(step, cache=caches[1]).logits)
+        # every quantized layer once per visit: the core's three loop passes, prelude and coda one
+        assert len(calls) == sum(3 if name.startswith("cores.") else 1 for name, m in
+                                 quantized.named_modules() if isinstance(m, QuantizedLinear))
+
+
+def fake_compiler(folder, exit_code: int) -> str:
+    path = folder / "cc"
+    path.write_text(f"#!/bin/sh\necho fake cc 1.0\nexit {exit_code}\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+@pytest.mark.parametrize("how", ["no compiler", "a failing build", "MESHLM_NATIVE=0"])
+def test_without_the_kernel_the_layers_keep_torchs(fresh_build, monkeypatch, tmp_path, how):
+    if how == "no compiler":
+        monkeypatch.delenv("CC", raising=False)
+        monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    elif how == "a failing build":
+        (tmp_path / "bin").mkdir()
+        monkeypatch.setenv("CC", fake_compiler(tmp_path / "bin", 1))
+    else:
+        monkeypatch.setenv("MESHLM_NATIVE", "0")
+    assert native.int8_row_kernel() is None
+    model = build(tiny(spec="1+1R3+1", vocab_size=256))
+    quantized = quantize_model(model, 8, ("cores",), activations="int8")[0]
+    _, chosen = precision.for_decoding("auto", quantized)
+    assert precision.ROW_KERNEL_NOTE not in chosen.reason
+    assert all(m.row_kernel is None for m in quantized.modules()
+               if isinstance(m, QuantizedLinear))
+    assert_decodes_exactly(quantized)
+    # a failed build leaves nothing behind, not even its temp file
+    assert not fresh_build.exists() or not any(fresh_build.iterdir())
+
+
+def test_the_library_is_built_once_and_reused(fresh_build):
+    assert native.int8_row_kernel() is not None
+    (library,) = fresh_build.glob("*.so")
+    built = library.stat().st_mtime_ns
+    native.int8_row_kernel.cache_clear()  # a new process
+    assert native.int8_row_kernel() is not None
+    assert list(fresh_build.glob("*.so")) == [library] and library.stat().st_mtime_ns == built
+
+
+def test_weight_only_layers_get_no_kernel(fresh_build):
+    model = build(tiny(spec="1+1R2+1", vocab_size=256))
+    quantized = quantize_model(model, 8, ("cores",))[0]
+    assert native.give_row_kernel(quantized) == 0
+    assert os.environ["MESHLM_CACHE"] == str(fresh_build.parent)
