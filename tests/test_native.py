@@ -41,7 +41,9 @@ def test_the_compiled_product_is_the_exact_integer_product(fresh_build, n, k):
     assert [p.name for p in fresh_build.iterdir()] == [p.name for p in fresh_build.glob("*.so")]
 
 
-def test_decoding_through_the_kernel_gives_the_same_numbers(fresh_build):
+def test_decoding_through_the_kernel_gives_the_same_numbers(fresh_build, monkeypatch):
+    # whether this CPU's probe finds it faster is the next tests' matter: here it is used
+    monkeypatch.setattr(native, "_probe", lambda kernel: {"kernel_over_int_mm": 2.0})
     model = build(tiny(spec="1+1R3+1", vocab_size=512, d_model=64))
     quantized = quantize_model(model, 8, ("prelude", "cores", "coda"), activations="int8")[0]
     _, chosen = precision.for_decoding("auto", quantized)
@@ -118,3 +120,27 @@ def test_weight_only_layers_get_no_kernel(fresh_build):
     quantized = quantize_model(model, 8, ("cores",))[0]
     assert native.give_row_kernel(quantized) == 0
     assert os.environ["MESHLM_CACHE"] == str(fresh_build.parent)
+
+
+@pytest.mark.parametrize("speedup, used", [(1.4, True), (0.9, False)])
+def test_layers_get_the_kernel_only_where_this_machines_probe_found_it_faster(
+        fresh_build, monkeypatch, speedup, used):
+    """Measured once per machine (cached with its figures in machine.json), as the split layout."""
+    if not exact_int8_products():
+        return  # no torch._int_mm to pair with: no kernel whatever the probe
+    probes = []
+    monkeypatch.setattr(native, "_probe",
+                        lambda kernel: probes.append(1) or {"kernel_over_int_mm": speedup})
+    for _ in range(2):
+        quantized = quantize_model(build(tiny(spec="1+1R2+1", vocab_size=256)), 8, ("cores",),
+                                   activations="int8")[0]
+        assert (native.give_row_kernel(quantized) > 0) == used
+    assert len(probes) == 1
+    assert "int8-row-kernel" in (fresh_build.parent / "machine.json").read_text()
+
+
+def test_the_probe_times_both_kernels(fresh_build):
+    figures = native._probe(native.int8_row_kernel(), reps=1)
+    assert figures["int_mm_ms"] > 0 and figures["kernel_ms"] > 0
+    assert figures["kernel_over_int_mm"] == pytest.approx(figures["int_mm_ms"] /
+                                                          figures["kernel_ms"])

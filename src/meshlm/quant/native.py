@@ -15,6 +15,12 @@ CPU; checks it against exact integer products; and returns a drop-in for `torch.
 row, or None: no compiler, a failed build or check, or MESHLM_NATIVE=0. Then the layers keep
 PyTorch's kernel. The library is code this process runs, built from meshlm's own source; delete
 the folder to rebuild it.
+
+Whether it pays depends on the CPU (oneDNN may have a better kernel for it, AMX for one) and on
+the OpenMP runtime torch was built with, so `give_row_kernel` uses it only where a probe found it
+at least MIN_SPEEDUP times torch._int_mm's one-row speed: one-row products over PROBE_MB of
+weights, measured once per machine (CPU, torch version, threads) and cached in machine.json like
+the split-layout probe (meshlm.runtime.split_linear).
 """
 from __future__ import annotations
 
@@ -32,12 +38,14 @@ import torch
 
 from meshlm.data.cache_dir import cache_dir
 from meshlm.quant.linear import QuantizedLinear, exact_int8_products
-from meshlm.runtime.machine import cpu_id
+from meshlm.runtime import machine
 
 SOURCE = Path(__file__).with_name("int8_rows.c")
 # tried in order: the first set this compiler accepts is built
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O3",))
 BUILD_SECONDS = 60
+# the probe's weights (more than a CPU's caches: decoding streams from memory) and its threshold
+PROBE_MB, PROBE_SHAPE, MIN_SPEEDUP = 64, (3072, 768), 1.05
 
 
 def compiler() -> str | None:
@@ -64,9 +72,8 @@ def int8_row_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | 
     function.restype = None
 
     def product(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        rows = weight.t()  # (N, K): the stored qweight
-        if not rows.is_contiguous():  # not from QuantizedLinear's operands, which are
-            rows = rows.contiguous()
+        rows = weight.t()  # (N, K): the stored qweight (QuantizedLinear's operands: contiguous)
+        rows, q = rows.contiguous(), q.contiguous()  # no copies when they are, as C reads them
         y = torch.empty(1, rows.shape[0], dtype=torch.int32)
         function(rows.data_ptr(), q.data_ptr(), y.data_ptr(), rows.shape[0], rows.shape[1],
                  torch.get_num_threads())
@@ -77,14 +84,38 @@ def int8_row_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | 
 
 def give_row_kernel(model: torch.nn.Module) -> int:
     """Give every int8-activation layer of `model` on the CPU the compiled kernel where this
-    machine has it (and where torch._int_mm's sums are exact, which the other rows take). Returns
-    how many layers got it."""
+    machine has it, torch._int_mm's sums are exact (the other rows take it) and the kernel is the
+    faster (row_kernel_speedup). Returns how many layers got it."""
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)
               and m.activations == "int8" and m.qweight.is_cpu]
     kernel = int8_row_kernel() if layers and exact_int8_products() else None
+    if kernel and row_kernel_speedup(kernel) < MIN_SPEEDUP:
+        kernel = None
     for layer in layers if kernel else ():
         layer.row_kernel = kernel
     return len(layers) if kernel else 0
+
+
+def row_kernel_speedup(kernel) -> float:
+    """This machine's one-row speed of `kernel` over torch._int_mm, from the cache or measured
+    now."""
+    threads = torch.get_num_threads()
+    method = f"best of 5 one-row passes over {PROBE_MB} MB of {PROBE_SHAPE} int8 weights"
+    entry = machine.lookup(machine.cpu_key("int8-row-kernel", threads), lambda: _probe(kernel),
+                           method)
+    return entry["value"]["kernel_over_int_mm"]
+
+
+def _probe(kernel, reps: int = 5) -> dict:
+    count = max(1, PROBE_MB * 2**20 // (PROBE_SHAPE[0] * PROBE_SHAPE[1]))
+    # the values do not matter to the speed: filled, not drawn, to be quick
+    weights = [torch.full(PROBE_SHAPE, 3, dtype=torch.int8).t() for _ in range(count)]
+    q = torch.full((1, PROBE_SHAPE[1]), -5, dtype=torch.int8)
+    seconds = {"int_mm": machine.best_seconds(lambda: [torch._int_mm(q, w) for w in weights],
+                                              reps),
+               "kernel": machine.best_seconds(lambda: [kernel(q, w) for w in weights], reps)}
+    return {"kernel_over_int_mm": seconds["int_mm"] / seconds["kernel"],
+            "int_mm_ms": seconds["int_mm"] * 1e3, "kernel_ms": seconds["kernel"] * 1e3}
 
 
 def _built(cc: str) -> ctypes.CDLL | None:
@@ -94,7 +125,7 @@ def _built(cc: str) -> ctypes.CDLL | None:
                                  timeout=BUILD_SECONDS).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), cc, version, cpu_id()]).encode())
+    key = hashlib.sha256("\n".join([SOURCE.read_text(), cc, version, machine.cpu_id()]).encode())
     target = cache_dir() / "kernels" / f"int8_rows-{key.hexdigest()[:16]}.so"
     if not target.is_file() and not _compile(cc, target):
         return None
@@ -109,17 +140,22 @@ def _compile(cc: str, target: Path) -> bool:
     beside it and renamed, so a reader never loads half a library."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        for flags in FLAG_SETS:
+    except OSError:
+        return False
+    for flags in FLAG_SETS:
+        tmp = None
+        try:
             fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
             os.close(fd)
-            done = subprocess.run([cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp],
-                                  capture_output=True, timeout=BUILD_SECONDS).returncode == 0
-            if done:
+            if subprocess.run([cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp],
+                              capture_output=True, timeout=BUILD_SECONDS).returncode == 0:
                 os.replace(tmp, target)
                 return True
-            os.unlink(tmp)
-    except (OSError, subprocess.SubprocessError):
-        pass
+        except (OSError, subprocess.SubprocessError):
+            pass
+        finally:
+            if tmp and os.path.exists(tmp):
+                os.unlink(tmp)
     return False
 
 
