@@ -11,6 +11,7 @@ from conftest import build, tiny
 from servekit import ROOT, clean_env
 
 from meshlm.checkpoint import save_model, verify
+from meshlm.quant import native
 
 
 def meshlm(*args: str, env: dict) -> subprocess.CompletedProcess:
@@ -45,11 +46,23 @@ def test_quantize_then_generate_and_eval_in_fresh_processes(tmp_path, bits, acti
         assert done.returncode == 0, done.stderr
         texts.append(done.stdout)
     assert texts[0] == texts[1]  # speculation exact with respect to the quantized model
+    assert ("kernel compiled for this CPU" in done.stderr) == row_kernel_paid(tmp_path / "cache")
     done = meshlm("eval", str(folder), "--tasks", "none", "--loops", "2,3", "--out",
                   str(tmp_path / "e.json"), env=env)
     assert done.returncode == 0, done.stderr
     assert json.loads((tmp_path / "e.json").read_text())
     exported_without_meshlm(folder, tmp_path, env, activations)
+
+
+def row_kernel_paid(cache) -> bool:
+    """Whether this run's probe found meshlm's compiled one-row int8 kernel faster than
+    torch._int_mm (no probe: no int8 activations, no compiler, or a CPU whose _int_mm is not
+    exact)."""
+    path = cache / "machine.json"
+    probes = json.loads(path.read_text()) if path.exists() else {}
+    return any(key.startswith("int8-row-kernel")
+               and entry["value"]["kernel_over_int_mm"] >= native.MIN_SPEEDUP
+               for key, entry in probes.items())
 
 
 def exported_without_meshlm(folder, tmp_path, env, activations: str) -> None:
