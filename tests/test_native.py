@@ -144,3 +144,17 @@ def test_the_probe_times_both_kernels(fresh_build):
     assert figures["int_mm_ms"] > 0 and figures["kernel_ms"] > 0
     assert figures["kernel_over_int_mm"] == pytest.approx(figures["int_mm_ms"] /
                                                           figures["kernel_ms"])
+
+
+@pytest.mark.parametrize("opened_up", ["file", "folder"])
+def test_a_library_others_could_have_replaced_is_not_loaded(fresh_build, opened_up):
+    """$MESHLM_CACHE may be shared: a group- or world-writable library (or folder) is not run."""
+    assert native.int8_row_kernel() is not None
+    (library,) = fresh_build.glob("*.so")
+    target = library if opened_up == "file" else fresh_build
+    target.chmod(target.stat().st_mode | stat.S_IWOTH)
+    native.int8_row_kernel.cache_clear()
+    assert native.int8_row_kernel() is None
+    target.chmod(target.stat().st_mode & ~stat.S_IWOTH)
+    native.int8_row_kernel.cache_clear()
+    assert native.int8_row_kernel() is not None

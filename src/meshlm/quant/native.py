@@ -13,8 +13,9 @@ gcc; -O3 -march=native -fopenmp, with fewer flags where the compiler refuses tho
 <cache>/kernels/ (<cache> as meshlm.runtime.machine), keyed by the source, the compiler and the
 CPU; checks it against exact integer products; and returns a drop-in for `torch._int_mm` at one
 row, or None: no compiler, a failed build or check, or MESHLM_NATIVE=0. Then the layers keep
-PyTorch's kernel. The library is code this process runs, built from meshlm's own source; delete
-the folder to rebuild it.
+PyTorch's kernel. The library is code this process runs, built from meshlm's own source: one that
+another user could have written (not owned by this user, or its file or folder writable by group
+or others) is not loaded. Delete the folder to rebuild it.
 
 Whether it pays depends on the CPU (oneDNN may have a better kernel for it, AMX for one) and on
 the OpenMP runtime torch was built with, so `give_row_kernel` uses it only where a probe found it
@@ -29,6 +30,7 @@ import functools
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Callable
@@ -129,17 +131,30 @@ def _built(cc: str) -> ctypes.CDLL | None:
     target = cache_dir() / "kernels" / f"int8_rows-{key.hexdigest()[:16]}.so"
     if not target.is_file() and not _compile(cc, target):
         return None
+    if not (_private(target) and _private(target.parent)):
+        return None
     try:
         return ctypes.CDLL(str(target))
     except OSError:
         return None
 
 
+def _private(path: Path) -> bool:
+    """Whether only this user could have written `path`: owned by them, not writable by group or
+    others. A library is code this process runs, and $MESHLM_CACHE may be a folder others share;
+    one that someone else could have replaced is not loaded (as ssh treats its keys)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
 def _compile(cc: str, target: Path) -> bool:
     """Compile SOURCE into `target` with the first flag set `cc` accepts; written to a temp file
     beside it and renamed, so a reader never loads half a library."""
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # this user's alone
     except OSError:
         return False
     for flags in FLAG_SETS:
