@@ -1,7 +1,8 @@
-"""The one-row int8 product compiled on this machine (meshlm.quant.native): exact, the same
-numbers as torch._int_mm, so decoding through it changes no output; built once per machine and
-CPU, atomically; where it cannot be built (no compiler, a failing build, MESHLM_NATIVE=0) the
-layers keep PyTorch's kernel."""
+"""The one-row int8-activation product compiled on this machine (meshlm.quant.native): the row
+rounded as quantize_rows rounds it, the exact integer sums, the same scaling, so the same numbers
+as the torch ops bit for bit and decoding through it changes no output; built once per machine
+and CPU, atomically, loaded only when private; used where its probe found it faster; where it
+cannot be built (no compiler, a failing build, MESHLM_NATIVE=0) the layers keep PyTorch's ops."""
 import copy
 import os
 import stat
@@ -14,7 +15,7 @@ from test_quant import assert_decodes_exactly
 from meshlm.generate import Sampling, generate
 from meshlm.model.kv_cache import KVCache
 from meshlm.quant import QuantizedLinear, native, quantize_model
-from meshlm.quant.linear import exact_int8_products
+from meshlm.quant.linear import exact_int8_products, quantize_rows, scaled_int8_products
 from meshlm.runtime import precision
 
 
@@ -27,23 +28,29 @@ def fresh_build(monkeypatch, tmp_path):
     native.int8_row_kernel.cache_clear()
 
 
-@pytest.mark.parametrize("n, k", [(1, 1), (37, 200), (2304, 768), (50, 3072)])
-def test_the_compiled_product_is_the_exact_integer_product(fresh_build, n, k):
+@pytest.mark.parametrize("n, k, size", [(1, 1, 1.0), (37, 200, 1e-3), (2304, 768, 1.0),
+                                        (50, 3072, 80.0), (8, 64, 0.0)])
+def test_the_compiled_product_is_the_torch_ops_numbers_bit_for_bit(fresh_build, n, k, size):
     kernel = native.int8_row_kernel()
     assert kernel is not None, "this machine has a C compiler (cc or gcc): the kernel builds"
     g = torch.Generator().manual_seed(n)
-    q = torch.randint(-128, 128, (1, k), dtype=torch.int8, generator=g)
+    x = torch.randn(1, k, generator=g) * size
+    x[0, 0] = size * 3  # a large entry, so most of the row rounds to small integers
+    if size == 1.0 and k >= 8:  # max 127: the scale is 1.0 exactly, and x/s = 2.5 … are ties
+        x[0, :8] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5])
+        assert quantize_rows(x)[1].item() == 1.0
     weight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
-    exact = q.long() @ weight.long().t()
-    assert torch.equal(kernel(q, weight.t()).long(), exact)
+    q, scale = quantize_rows(x)
+    exact = (q.long() @ weight.long().t()).float() * scale  # exact integer sums, then the scale
+    assert torch.equal(kernel(x, weight.t()), exact)
     if exact_int8_products():
-        assert torch.equal(kernel(q, weight.t()), torch._int_mm(q, weight.t()))
+        assert torch.equal(kernel(x, weight.t()), scaled_int8_products(x, weight.t()))
     assert [p.name for p in fresh_build.iterdir()] == [p.name for p in fresh_build.glob("*.so")]
 
 
 def test_decoding_through_the_kernel_gives_the_same_numbers(fresh_build, monkeypatch):
     # whether this CPU's probe finds it faster is the next tests' matter: here it is used
-    monkeypatch.setattr(native, "_probe", lambda kernel: {"kernel_over_int_mm": 2.0})
+    monkeypatch.setattr(native, "_probe", lambda kernel: {"kernel_over_torch": 2.0})
     model = build(tiny(spec="1+1R3+1", vocab_size=512, d_model=64))
     quantized = quantize_model(model, 8, ("prelude", "cores", "coda"), activations="int8")[0]
     _, chosen = precision.for_decoding("auto", quantized)
@@ -69,7 +76,7 @@ def test_decoding_through_the_kernel_gives_the_same_numbers(fresh_build, monkeyp
             model_(ids, cache=cache)
         calls = []
         for layer in layers:  # count the kernel's calls in this step
-            layer.row_kernel = lambda q, w, kernel=layer.row_kernel: calls.append(1) or kernel(q, w)
+            layer.row_kernel = lambda x, w, kernel=layer.row_kernel: calls.append(1) or kernel(x, w)
         assert torch.equal(quantized(step, cache=caches[0]).logits,
                            plain(step, cache=caches[1]).logits)
         # every quantized layer once per visit: the core's three loop passes, prelude and coda one
@@ -130,7 +137,7 @@ def test_layers_get_the_kernel_only_where_this_machines_probe_found_it_faster(
         return  # no torch._int_mm to pair with: no kernel whatever the probe
     probes = []
     monkeypatch.setattr(native, "_probe",
-                        lambda kernel: probes.append(1) or {"kernel_over_int_mm": speedup})
+                        lambda kernel: probes.append(1) or {"kernel_over_torch": speedup})
     for _ in range(2):
         quantized = quantize_model(build(tiny(spec="1+1R2+1", vocab_size=256)), 8, ("cores",),
                                    activations="int8")[0]
@@ -141,8 +148,8 @@ def test_layers_get_the_kernel_only_where_this_machines_probe_found_it_faster(
 
 def test_the_probe_times_both_kernels(fresh_build):
     figures = native._probe(native.int8_row_kernel(), reps=1)
-    assert figures["int_mm_ms"] > 0 and figures["kernel_ms"] > 0
-    assert figures["kernel_over_int_mm"] == pytest.approx(figures["int_mm_ms"] /
+    assert figures["torch_ms"] > 0 and figures["kernel_ms"] > 0
+    assert figures["kernel_over_torch"] == pytest.approx(figures["torch_ms"] /
                                                           figures["kernel_ms"])
 
 

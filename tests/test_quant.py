@@ -74,7 +74,7 @@ def test_int8_activations_compute_the_exact_integer_product_then_scale():
     x = torch.randn(3, 200) * torch.tensor([[1.0], [1e-3], [50.0]])
     a, row_scale = quantize_rows(x)
     sums = (a.double() @ layer.qweight.double().T).float()  # exact: every sum is an integer
-    exact = sums * (row_scale * layer.scales.float())
+    exact = (sums * row_scale) * layer.scales.float()
     y = layer(x)
     if linear_module.exact_int8_products():
         assert torch.equal(y, exact)

@@ -61,7 +61,7 @@ def row_kernel_paid(cache) -> bool:
     path = cache / "machine.json"
     probes = json.loads(path.read_text()) if path.exists() else {}
     return any(key.startswith("int8-row-kernel")
-               and entry["value"]["kernel_over_int_mm"] >= native.MIN_SPEEDUP
+               and entry["value"]["kernel_over_torch"] >= native.MIN_SPEEDUP
                for key, entry in probes.items())
 
 

@@ -11,8 +11,9 @@ ones computed with. How the activations meet the weight (`activations`):
             activations, fp32 accumulation
     "int8"  (int8 weights only) each activation row rounded to int8 with its own scale,
             x[m, k] ≈ s[m] · a[m, k], s[m] = max_k |x[m, k]| / 127; `torch._int_mm` sums a · q in
-            int32 (exact) and y[m, n] = sum · s[m] · scale[n] in fp32: the int8 dot-product
-            instructions, about 1.5× the weight-only kernel's speed per weight at one token. On a
+            int32 (exact) and y[m, n] = (sum · s[m]) · scale[n] in fp32: the int8 dot-product
+            instructions, about 1.5× the weight-only kernel's speed per weight at one token (at
+            one row decoding may run the same steps as one compiled call: meshlm.quant.native). On a
             CPU without them (no AVX512-VNNI, AVX-VNNI or AMX) oneDNN's int8 kernels saturate
             16-bit pair sums, so a probe (exact_int8_products) sends the same rounded activations
             through the weight-only kernel instead: integers up to 127 are exact in bf16, and it
@@ -79,6 +80,13 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return x.div(scale).round_().to(torch.int8), scale
 
 
+def scaled_int8_products(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows (M, K) fp32, weight (K, N) int8 -> (M, N) fp32: each row rounded to int8 with its own
+    scale (quantize_rows), its exact int32 sums (torch._int_mm), times that scale."""
+    q, scale = quantize_rows(rows)
+    return torch._int_mm(q, weight) * scale
+
+
 @functools.cache
 def exact_int8_products() -> bool:
     """Whether torch._int_mm sums int8 products exactly on this CPU: oneDNN's VNNI and AMX kernels
@@ -135,8 +143,8 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         # the CPU kernels' operands, built on first use: kernel name -> tensors
         self._operands: dict[str, tuple] = {}
-        # int8 activations at one row: a drop-in for torch._int_mm that decoding may give the
-        # layer (meshlm.quant.native: exact too, so the same numbers); None: torch._int_mm
+        # int8 activations at one row: a drop-in for scaled_int8_products that decoding may give
+        # the layer (meshlm.quant.native: one compiled call, the same numbers); None: torch ops
         self.row_kernel = None
 
     @classmethod
@@ -184,19 +192,20 @@ class QuantizedLinear(nn.Module):
         return F.linear(rows, self.weight_fp32().to(rows.dtype), bias)
 
     def _int8_product(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out) fp32
-        q, row_scale = quantize_rows(rows if rows.dtype == torch.float32 else rows.float())
-        if exact_int8_products():
-            operands = self._operands.get("int_mm") or self._cached("int_mm",
-                                                                    self._int_mm_operands)
-            weight, scales, bias = operands
-            kernel = self.row_kernel if q.shape[0] == 1 and self.row_kernel else torch._int_mm
-            # (M, out) int32 sums: exact, whatever the batch and the kernel
-            products, scale = kernel(q, weight), row_scale * scales
-        else:  # the rounded activations through the weight-only kernel (module docstring)
-            products, scale, bias = self._bf16_kernel(q.to(torch.bfloat16)), row_scale, self.bias
+        rows = rows if rows.dtype == torch.float32 else rows.float()
+        if not exact_int8_products():  # the rounded activations through the weight-only kernel
+            q, row_scale = quantize_rows(rows)  # (module docstring)
+            products, bias = self._bf16_kernel(q.to(torch.bfloat16)), self.bias
+            return products * row_scale if bias is None else torch.addcmul(bias, products,
+                                                                           row_scale)
+        operands = self._operands.get("int_mm") or self._cached("int_mm", self._int_mm_operands)
+        weight, scales, bias = operands
+        one_row = rows.shape[0] == 1 and self.row_kernel
+        # (M, out): each row's exact int32 sums times its scale, the same numbers either way
+        scaled = (self.row_kernel if one_row else scaled_int8_products)(rows, weight)
         if bias is None:
-            return products * scale
-        return torch.addcmul(bias, products, scale)  # fewer calls: decoding's cost
+            return scaled * scales
+        return torch.addcmul(bias, scaled, scales)  # fewer calls: decoding's cost
 
     def _weight_only_product(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
         y = self._bf16_kernel(rows.to(torch.bfloat16)).to(rows.dtype)

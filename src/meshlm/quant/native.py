@@ -1,27 +1,30 @@
-"""The one-row int8 product compiled on this machine (int8_rows.c), for decoding with int8
-activations.
+"""The one-row int8-activation product compiled on this machine (int8_rows.c), for decoding.
 
-A decoded token multiplies one int8 activation row by every int8 weight: a matrix-vector product
-bound by streaming the weights. At one row oneDNN's `torch._int_mm` reads them at ~60% of a
-core's bandwidth on a 2-core Zen 5; a plain C loop that the compiler vectorises for this CPU
-reads ~80% (1.4x the speed over a 12-layer d = 768 stack, docs/quantize.md). Both return the
-exact int32 sums, so the layer can take either at any row and its outputs stay the same numbers
-bit for bit: batch-independence, cached = uncached and speculation's exactness do not move.
+A decoded token rounds one activation row to int8 and multiplies it by every int8 weight: a
+matrix-vector product bound by streaming the weights. At one row oneDNN's `torch._int_mm` reads
+them at ~60% of a core's bandwidth on a 2-core Zen 5; a plain C loop that the compiler
+vectorises for this CPU reads ~80% (1.4x the speed over a 12-layer d = 768 stack,
+docs/quantize.md), and one call also does the row's rounding and scaling, eight tensor ops in
+meshlm.quant.linear. Its sums are the exact int32 integers and every other step the same IEEE
+fp32 operation, so the layer can take either path at any row and its outputs stay the same
+numbers bit for bit: batch-independence, cached = uncached and speculation's exactness do not
+move.
 
 `int8_row_kernel()` compiles int8_rows.c once per machine with the C compiler ($CC, else cc or
 gcc; -O3 -march=native -fopenmp, with fewer flags where the compiler refuses those) into
 <cache>/kernels/ (<cache> as meshlm.runtime.machine), keyed by the source, the compiler and the
-CPU; checks it against exact integer products; and returns a drop-in for `torch._int_mm` at one
-row, or None: no compiler, a failed build or check, or MESHLM_NATIVE=0. Then the layers keep
-PyTorch's kernel. The library is code this process runs, built from meshlm's own source: one that
-another user could have written (not owned by this user, or its file or folder writable by group
-or others) is not loaded. Delete the folder to rebuild it.
+CPU; checks it against scaled_int8_products with exact integer sums; and returns a drop-in for
+scaled_int8_products at one row, or None: no compiler, a failed build or check, or
+MESHLM_NATIVE=0. Then the layers keep PyTorch's ops. The library is code this process runs,
+built from meshlm's own source: one that another user could have written (not owned by this
+user, or its file or folder writable by group or others) is not loaded. Delete the folder to
+rebuild it.
 
 Whether it pays depends on the CPU (oneDNN may have a better kernel for it, AMX for one) and on
 the OpenMP runtime torch was built with, so `give_row_kernel` uses it only where a probe found it
-at least MIN_SPEEDUP times torch._int_mm's one-row speed: one-row products over PROBE_MB of
-weights, measured once per machine (CPU, torch version, threads) and cached in machine.json like
-the split-layout probe (meshlm.runtime.split_linear).
+at least MIN_SPEEDUP times the torch path's one-row speed: one-row products over PROBE_MB of
+weights, rounding included, measured once per machine (CPU, torch version, threads) and cached
+in machine.json like the split-layout probe (meshlm.runtime.split_linear).
 """
 from __future__ import annotations
 
@@ -39,7 +42,12 @@ from pathlib import Path
 import torch
 
 from meshlm.data.cache_dir import cache_dir
-from meshlm.quant.linear import QuantizedLinear, exact_int8_products
+from meshlm.quant.linear import (
+    QuantizedLinear,
+    exact_int8_products,
+    quantize_rows,
+    scaled_int8_products,
+)
 from meshlm.runtime import machine
 
 SOURCE = Path(__file__).with_name("int8_rows.c")
@@ -60,9 +68,9 @@ def compiler() -> str | None:
 
 @functools.cache
 def int8_row_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None:
-    """(q (1, K) int8, weight (K, N) int8, the transposed view of a contiguous (N, K)) -> (1, N)
-    int32, equal to torch._int_mm(q, weight); or None where it cannot be had (module
-    docstring)."""
+    """(x (1, K) fp32, weight (K, N) int8, the transposed view of a contiguous (N, K)) -> (1, N)
+    fp32, equal bit for bit to meshlm.quant.linear.scaled_int8_products(x, weight); or None where
+    it cannot be had (module docstring)."""
     if os.environ.get("MESHLM_NATIVE", "1") == "0" or not SOURCE.is_file():
         return None
     cc = compiler()
@@ -70,18 +78,19 @@ def int8_row_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | 
     if library is None:
         return None
     function = library.int8_row_product
-    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
-    function.restype = None
+    function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    function.restype = ctypes.c_int
 
-    def product(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = weight.t()  # (N, K): the stored qweight (QuantizedLinear's operands: contiguous)
-        rows, q = rows.contiguous(), q.contiguous()  # no copies when they are, as C reads them
-        y = torch.empty(1, rows.shape[0], dtype=torch.int32)
-        function(rows.data_ptr(), q.data_ptr(), y.data_ptr(), rows.shape[0], rows.shape[1],
-                 torch.get_num_threads())
+        rows, x = rows.contiguous(), x.contiguous()  # no copies when they are, as C reads them
+        y, scale = torch.empty(1, rows.shape[0]), torch.empty(1)
+        if function(x.data_ptr(), rows.data_ptr(), y.data_ptr(), scale.data_ptr(),
+                    rows.shape[0], rows.shape[1], torch.get_num_threads()):
+            raise MemoryError(f"int8 row product: no memory for {rows.shape[1]} int8 values")
         return y
 
-    return product if _exact(product) else None
+    return product if _same_numbers(product) else None
 
 
 def give_row_kernel(model: torch.nn.Module) -> int:
@@ -99,25 +108,28 @@ def give_row_kernel(model: torch.nn.Module) -> int:
 
 
 def row_kernel_speedup(kernel) -> float:
-    """This machine's one-row speed of `kernel` over torch._int_mm, from the cache or measured
-    now."""
+    """This machine's one-row speed of `kernel` over scaled_int8_products (torch._int_mm), from
+    the cache or measured now."""
     threads = torch.get_num_threads()
-    method = f"best of 5 one-row passes over {PROBE_MB} MB of {PROBE_SHAPE} int8 weights"
+    method = (f"best of 5 one-row passes over {PROBE_MB} MB of {PROBE_SHAPE} int8 weights, "
+              "rounding included")
     entry = machine.lookup(machine.cpu_key("int8-row-kernel", threads), lambda: _probe(kernel),
                            method)
-    return entry["value"]["kernel_over_int_mm"]
+    return entry["value"]["kernel_over_torch"]
 
 
 def _probe(kernel, reps: int = 5) -> dict:
     count = max(1, PROBE_MB * 2**20 // (PROBE_SHAPE[0] * PROBE_SHAPE[1]))
     # the values do not matter to the speed: filled, not drawn, to be quick
     weights = [torch.full(PROBE_SHAPE, 3, dtype=torch.int8).t() for _ in range(count)]
-    q = torch.full((1, PROBE_SHAPE[1]), -5, dtype=torch.int8)
-    seconds = {"int_mm": machine.best_seconds(lambda: [torch._int_mm(q, w) for w in weights],
-                                              reps),
-               "kernel": machine.best_seconds(lambda: [kernel(q, w) for w in weights], reps)}
-    return {"kernel_over_int_mm": seconds["int_mm"] / seconds["kernel"],
-            "int_mm_ms": seconds["int_mm"] * 1e3, "kernel_ms": seconds["kernel"] * 1e3}
+    x = torch.full((1, PROBE_SHAPE[1]), -0.5)
+
+    def passes(step):
+        return machine.best_seconds(lambda: [step(x, w) for w in weights], reps)
+
+    seconds = {"torch": passes(scaled_int8_products), "kernel": passes(kernel)}
+    return {"kernel_over_torch": seconds["torch"] / seconds["kernel"],
+            "torch_ms": seconds["torch"] * 1e3, "kernel_ms": seconds["kernel"] * 1e3}
 
 
 def _built(cc: str) -> ctypes.CDLL | None:
@@ -174,13 +186,18 @@ def _compile(cc: str, target: Path) -> bool:
     return False
 
 
-def _exact(product) -> bool:
-    """Whether `product` gives the exact integer sums, on ragged shapes and the extreme values."""
+def _same_numbers(product) -> bool:
+    """Whether `product` gives scaled_int8_products' numbers bit for bit, on ragged shapes, rows of
+    very different scales, an all-zero row and the extreme weights."""
     g = torch.Generator().manual_seed(0)
-    for n, k in ((37, 200), (64, 768), (5, 1)):
-        q = torch.randint(-128, 128, (1, k), dtype=torch.int8, generator=g)
-        weight = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
-        q[0, :k // 2], weight[0, :k // 2] = -128, -128  # the largest sums
-        if not torch.equal(product(q, weight.t()).long(), q.long() @ weight.long().t()):
+    for (n, k), size in zip(((37, 200), (64, 768), (5, 1), (16, 64)), (1.0, 1e-3, 50.0, 0.0)):
+        x = torch.randn(1, k, generator=g) * size
+        if k >= 8:  # max 127: the scale is 1.0 exactly, so x/s = 2.5 etc. are ties (to even)
+            x[0, :8] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5])
+        weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+        weight[0] = 127  # the largest sums
+        q, scale = quantize_rows(x)
+        exact = (q.long() @ weight.long().t()).float() * scale  # the sums without torch._int_mm
+        if not torch.equal(product(x, weight.t()), exact):
             return False
     return True
