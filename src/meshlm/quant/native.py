@@ -51,6 +51,7 @@ from meshlm.quant.linear import (
 from meshlm.runtime import machine
 
 SOURCE = Path(__file__).with_name("int8_rows.c")
+CPU = torch.device("cpu")
 # tried in order: the first set this compiler accepts is built
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O3",))
 BUILD_SECONDS = 60
@@ -84,7 +85,9 @@ def int8_row_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | 
     def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = weight.t()  # (N, K): the stored qweight (QuantizedLinear's operands: contiguous)
         rows, x = rows.contiguous(), x.contiguous()  # no copies when they are, as C reads them
-        y, scale = torch.empty(1, rows.shape[0]), torch.empty(1)
+        # fp32 on the CPU, whatever torch's default dtype and device: C writes floats there
+        y = torch.empty(1, rows.shape[0], dtype=torch.float32, device=CPU)
+        scale = torch.empty(1, dtype=torch.float32, device=CPU)
         if function(x.data_ptr(), rows.data_ptr(), y.data_ptr(), scale.data_ptr(),
                     rows.shape[0], rows.shape[1], torch.get_num_threads()):
             raise MemoryError(f"int8 row product: no memory for {rows.shape[1]} int8 values")
@@ -121,8 +124,8 @@ def row_kernel_speedup(kernel) -> float:
 def _probe(kernel, reps: int = 5) -> dict:
     count = max(1, PROBE_MB * 2**20 // (PROBE_SHAPE[0] * PROBE_SHAPE[1]))
     # the values do not matter to the speed: filled, not drawn, to be quick
-    weights = [torch.full(PROBE_SHAPE, 3, dtype=torch.int8).t() for _ in range(count)]
-    x = torch.full((1, PROBE_SHAPE[1]), -0.5)
+    weights = [torch.full(PROBE_SHAPE, 3, dtype=torch.int8, device=CPU).t() for _ in range(count)]
+    x = torch.full((1, PROBE_SHAPE[1]), -0.5, dtype=torch.float32, device=CPU)
 
     def passes(step):
         return machine.best_seconds(lambda: [step(x, w) for w in weights], reps)
@@ -189,12 +192,12 @@ def _compile(cc: str, target: Path) -> bool:
 def _same_numbers(product) -> bool:
     """Whether `product` gives scaled_int8_products' numbers bit for bit, on ragged shapes, rows of
     very different scales, an all-zero row and the extreme weights."""
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator(device=CPU).manual_seed(0)
     for (n, k), size in zip(((37, 200), (64, 768), (5, 1), (16, 64)), (1.0, 1e-3, 50.0, 0.0)):
-        x = torch.randn(1, k, generator=g) * size
+        x = torch.randn(1, k, generator=g, dtype=torch.float32, device=CPU) * size
         if k >= 8:  # max 127: the scale is 1.0 exactly, so x/s = 2.5 etc. are ties (to even)
-            x[0, :8] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5])
-        weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+            x[0, :8] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5], device=CPU)
+        weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g, device=CPU)
         weight[0] = 127  # the largest sums
         q, scale = quantize_rows(x)
         exact = (q.long() @ weight.long().t()).float() * scale  # the sums without torch._int_mm
