@@ -5,7 +5,7 @@
        s    = max(max_j |x[j]| * (float)(1/127), 1e-30f)        the row's scale
        q[j] = nearbyint(x[j] / s)                                int8, in [-127, 127]
        y[i] = (float)(sum_j w[i*k + j] * q[j]) * s               the exact int32 sum, scaled
-   and *scale = s. Every step is the fp32 operation meshlm.quant.linear does with torch ops for
+   Every step is the fp32 operation meshlm.quant.linear does with torch ops for
    other row counts (quantize_rows, then torch._int_mm, then the product by s), in IEEE
    arithmetic (no -ffast-math), so the results are the same bit for bit. |sum| <= k * 127 * 127
    fits int32 for k up to 133,000.
@@ -20,7 +20,7 @@
 #include <stdlib.h>
 
 int int8_row_product(const float *restrict x, const int8_t *restrict w, float *restrict y,
-                     float *restrict scale, int64_t n, int64_t k, int threads) {
+                     int64_t n, int64_t k, int threads) {
     float amax = 0.0f;
     for (int64_t j = 0; j < k; j++)
         amax = fmaxf(amax, fabsf(x[j]));
@@ -41,6 +41,5 @@ int int8_row_product(const float *restrict x, const int8_t *restrict w, float *r
         y[i] = (float)sum * s;
     }
     free(q);
-    *scale = s;
     return 0;
 }

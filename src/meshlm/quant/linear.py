@@ -193,19 +193,18 @@ class QuantizedLinear(nn.Module):
 
     def _int8_product(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out) fp32
         rows = rows if rows.dtype == torch.float32 else rows.float()
-        if not exact_int8_products():  # the rounded activations through the weight-only kernel
-            q, row_scale = quantize_rows(rows)  # (module docstring)
-            products, bias = self._bf16_kernel(q.to(torch.bfloat16)), self.bias
-            return products * row_scale if bias is None else torch.addcmul(bias, products,
-                                                                           row_scale)
-        operands = self._operands.get("int_mm") or self._cached("int_mm", self._int_mm_operands)
-        weight, scales, bias = operands
-        one_row = rows.shape[0] == 1 and self.row_kernel
-        # (M, out): each row's exact int32 sums times its scale, the same numbers either way
-        scaled = (self.row_kernel if one_row else scaled_int8_products)(rows, weight)
+        if exact_int8_products():
+            weight, scales, bias = self._cached("int_mm", self._int_mm_operands)
+            kernel = self.row_kernel if rows.shape[0] == 1 and self.row_kernel else \
+                scaled_int8_products
+            # (M, out): each row's exact int32 sums times its scale, the same numbers either way
+            products, factor = kernel(rows, weight), scales
+        else:  # the rounded activations through the weight-only kernel (module docstring)
+            q, row_scale = quantize_rows(rows)
+            products, factor, bias = self._bf16_kernel(q.to(torch.bfloat16)), row_scale, self.bias
         if bias is None:
-            return scaled * scales
-        return torch.addcmul(bias, scaled, scales)  # fewer calls: decoding's cost
+            return products * factor
+        return torch.addcmul(bias, products, factor)  # fewer calls: decoding's cost
 
     def _weight_only_product(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
         y = self._bf16_kernel(rows.to(torch.bfloat16)).to(rows.dtype)

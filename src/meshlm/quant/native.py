@@ -61,10 +61,8 @@ PROBE_MB, PROBE_SHAPE, MIN_SPEEDUP = 64, (3072, 768), 1.05
 
 def compiler() -> str | None:
     """The C compiler to build with: $CC, else cc, else gcc (None: none on PATH)."""
-    for name in (os.environ.get("CC"), "cc", "gcc"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
+    found = (shutil.which(name) for name in (os.environ.get("CC"), "cc", "gcc") if name)
+    return next((path for path in found if path), None)
 
 
 @functools.cache
@@ -79,7 +77,7 @@ def int8_row_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | 
     if library is None:
         return None
     function = library.int8_row_product
-    function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     function.restype = ctypes.c_int
 
     def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -87,9 +85,8 @@ def int8_row_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | 
         rows, x = rows.contiguous(), x.contiguous()  # no copies when they are, as C reads them
         # fp32 on the CPU, whatever torch's default dtype and device: C writes floats there
         y = torch.empty(1, rows.shape[0], dtype=torch.float32, device=CPU)
-        scale = torch.empty(1, dtype=torch.float32, device=CPU)
-        if function(x.data_ptr(), rows.data_ptr(), y.data_ptr(), scale.data_ptr(),
-                    rows.shape[0], rows.shape[1], torch.get_num_threads()):
+        if function(x.data_ptr(), rows.data_ptr(), y.data_ptr(), rows.shape[0], rows.shape[1],
+                    torch.get_num_threads()):
             raise MemoryError(f"int8 row product: no memory for {rows.shape[1]} int8 values")
         return y
 
