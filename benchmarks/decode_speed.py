@@ -141,7 +141,8 @@ def versus_transformers(args) -> None:
     models = {"transformers fp32": hf, "transformers bf16": copy.deepcopy(hf).to(torch.bfloat16),
               "meshlm fp32": decoding_copy(ours, "auto")[0], "meshlm fp32 F.linear": ours,
               "meshlm bf16": decoding_copy(ours, "bf16")[0],
-              "meshlm int8": decoding_copy(quantize_model(ours, 8, PARTS)[0], "auto")[0],
+              "meshlm int8": decoding_copy(quantize_model(ours, 8, PARTS, activations="bf16")[0],
+                                           "auto")[0],
               "meshlm w8a8": decoding_copy(quantize_model(ours, 8, PARTS, activations="int8")[0],
                                            "auto")[0],
               "meshlm int4": decoding_copy(quantize_model(ours, 4, PARTS)[0], "auto")[0]}

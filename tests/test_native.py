@@ -124,7 +124,7 @@ def test_the_library_is_built_once_and_reused(fresh_build):
 
 def test_weight_only_layers_get_no_kernel(fresh_build):
     model = build(tiny(spec="1+1R2+1", vocab_size=256))
-    quantized = quantize_model(model, 8, ("cores",))[0]
+    quantized = quantize_model(model, 8, ("cores",), activations="bf16")[0]
     assert native.give_row_kernel(quantized) == 0
     assert os.environ["MESHLM_CACHE"] == str(fresh_build.parent)
 

@@ -88,6 +88,16 @@ def test_int8_activations_compute_the_exact_integer_product_then_scale():
         QuantizedLinear(64, 8, False, 4, 32, activations="int8")
 
 
+def test_int8_weights_take_int8_activations_unless_asked_for_weight_only():
+    model = build(tiny(spec="1+1R2+1", vocab_size=256))
+    for bits, activations, expected in [(8, None, "int8"), (8, "bf16", "bf16"), (4, None, "bf16")]:
+        quantized, spec = quantize_model(model, bits, ("cores",), group_size=32,
+                                         activations=activations)
+        assert spec["activations"] == expected
+        assert {m.activations for m in quantized.modules()
+                if isinstance(m, QuantizedLinear)} == {expected}
+
+
 def test_calibration_sees_every_loop_visit_of_a_shared_layer():
     model = build(tiny(spec="1+1R3+1", vocab_size=256))
     batches = [torch.randint(0, 256, (2, 16)) for _ in range(4)]

@@ -21,14 +21,18 @@ def meshlm(*args: str, env: dict) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bits,activations,name", [(8, "bf16", "int8"), (4, "bf16", "int4"),
-                                                   (8, "int8", "w8a8")])
-def test_quantize_then_generate_and_eval_in_fresh_processes(tmp_path, bits, activations, name):
+# (bits, --activations or None for the default, what it stores, the default output folder)
+@pytest.mark.parametrize("bits,flag,activations,name", [(8, "bf16", "bf16", "int8"),
+                                                        (4, None, "bf16", "int4"),
+                                                        (8, None, "int8", "w8a8")])
+def test_quantize_then_generate_and_eval_in_fresh_processes(tmp_path, bits, flag, activations,
+                                                            name):
     torch.manual_seed(0)
     source = save_model(build(tiny(spec="1+1R3+1", vocab_size=8192, context_length=64, d_model=64)),
                         tmp_path / "m")
     env = {**clean_env(), "MESHLM_CACHE": str(tmp_path / "cache"), "HOME": str(tmp_path)}
-    done = meshlm("quantize", str(source), "--bits", str(bits), "--activations", activations,
+    done = meshlm("quantize", str(source), "--bits", str(bits),
+                  *(["--activations", flag] if flag else []),
                   "--group-size", "32", "--parts", "cores,coda",
                   "--seq-len", "32", "--calibration", "4", "--report-windows", "4", env=env)
     assert done.returncode == 0, done.stderr
@@ -103,12 +107,16 @@ with torch.no_grad():
 """, tmp_path)
 
 
-def test_quantizing_a_quantized_checkpoint_names_its_source(tmp_path):
+def test_quantizing_a_quantized_checkpoint_names_its_source(tmp_path, capsys):
     from meshlm.cli import main
 
     source = save_model(build(tiny(spec="1+1R2+1", vocab_size=8192, context_length=64)),
                         tmp_path / "m")
     assert (main(["quantize", str(source), "--bits", "8", "--seq-len", "16", "--calibration", "2",
                   "--no-report"]) == 0)
-    assert main(["quantize", str(source / "int8"), "--bits", "4", "--no-report"]) != 0
+    # --bits 8 takes int8 activations by default, and the folder says so
+    assert verify(source / "w8a8")["quantization"]["activations"] == "int8"
+    assert "int8 weights and activations" in capsys.readouterr().out
+    assert main(["quantize", str(source / "w8a8"), "--bits", "4", "--no-report"]) != 0
+    assert f"pass the full-precision checkpoint it came from ({source}" in capsys.readouterr().err
     assert main(["quantize", str(source), "--bits", "8", "--parts", "cores,bogus"]) != 0

@@ -1,10 +1,11 @@
-"""`meshlm quantize RUN --bits 8|4 [--activations int8]`: an int8 (per channel) or int4 (grouped)
-checkpoint of RUN, weight-only or (int8) with int8-rounded activation rows.
+"""`meshlm quantize RUN --bits 8|4 [--activations int8|bf16]`: an int8 (per channel) or int4
+(grouped) checkpoint of RUN; int8 weights meet int8-rounded activation rows unless `--activations
+bf16` asks for weight-only.
 
 Calibrates on windows of the training split (every loop visit of a shared layer counted), quantizes
 the chosen parts (default: the looped cores; prelude, coda, head and routers stay fp32), prints and
 stores the per-loop error report (state distance after each loop step, held-out loss at each loop
-count), and writes a verified meshlm checkpoint (default RUN/int8, RUN/int4 or RUN/w8a8) that
+count), and writes a verified meshlm checkpoint (default RUN/w8a8, RUN/int8 or RUN/int4) that
 `meshlm generate`, `eval` and `serve` open as any other. See meshlm.quant and docs/quantize.md.
 """
 from __future__ import annotations
@@ -24,15 +25,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="8: int8 per channel; 4: int4 grouped")
     p.add_argument("--group-size", type=int, choices=GROUP_SIZES, default=64,
                    help="int4 group (default 64)")
-    p.add_argument("--activations", choices=ACTIVATIONS, default="bf16",
-                   help="bf16: weight-only (default); int8 (with --bits 8): each activation row "
-                        "rounded to int8 too, the faster CPU kernel (docs/quantize.md)")
+    p.add_argument("--activations", choices=ACTIVATIONS, default=None,
+                   help="int8 (the default with --bits 8): each activation row rounded to int8 "
+                        "too, the fastest CPU kernels; bf16: weight-only (the only choice, and "
+                        "default, with --bits 4) (docs/quantize.md)")
     p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
                    help=f"what to quantize, comma-separated from {','.join(PARTS)} (default "
                         f"{','.join(DEFAULT_PARTS)})")
     p.add_argument("--out", default=None,
-                   help="output folder (default RUN/int8, RUN/int4, or RUN/w8a8 with int8 "
-                        "activations)")
+                   help="output folder (default RUN/w8a8, RUN/int8 weight-only, or RUN/int4)")
     p.add_argument("--data", default=None,
                    help="prepared data to calibrate and report on (default: the run's)")
     p.add_argument("--calibration", type=int, default=32,
@@ -50,8 +51,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from meshlm.loading import open_model
-    from meshlm.quant import quantize_model
+    from meshlm.quant import default_activations, quantize_model
 
+    args.activations = args.activations or default_activations(args.bits)
     parts, out = check_inputs(args)
     opened = open_model(args.checkpoint)
     if opened.meta.get("quantization"):
@@ -71,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_report:
             spec["report"] = error_report(opened, quantized, args, seq_len)
     write(opened, quantized, spec, out)
-    kind = "int8 weights and activations" if args.activations == "int8" else f"int{args.bits}"
+    kind = ("int8 weights and activations" if args.activations == "int8" else
+            "int8 weight-only" if args.bits == 8 else "int4")
     print(f"wrote {out}: {kind} {', '.join(spec['parts'])} ({len(spec['layers'])} layers), "
           f"{megabytes(quantized):.1f} MB of weights (full precision {megabytes(opened.model):.1f} "
           "MB)")
@@ -90,8 +93,9 @@ def check_inputs(args: argparse.Namespace):
            f"--parts {args.parts!r}: unknown {unknown or 'empty'}; choose from "
            f"{','.join(PARTS)}, e.g. --parts cores")
     p.need(args.bits == 8 or args.activations == "bf16",
-           f"--activations int8 needs --bits 8 (int4 weights take bf16 activations), e.g. "
-           f"meshlm quantize {args.checkpoint} --bits 8 --activations int8")
+           f"--activations int8 needs --bits 8 (int4 weights take bf16 activations); pass "
+           f"--bits 8 (int8 activations are its default), e.g. meshlm quantize "
+           f"{args.checkpoint} --bits 8")
     p.need(args.calibration >= 1, f"--calibration {args.calibration} must be >= 1 window")
     p.need(args.report_windows >= 1, f"--report-windows {args.report_windows} must be >= 1 window")
     p.need(Path(args.checkpoint).is_dir(),
