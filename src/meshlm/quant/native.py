@@ -10,15 +10,11 @@ fp32 operation, so the layer can take either path at any row and its outputs sta
 numbers bit for bit: batch-independence, cached = uncached and speculation's exactness do not
 move.
 
-`int8_row_kernel()` compiles int8_rows.c once per machine with the C compiler ($CC, else cc or
-gcc; -O3 -march=native -fopenmp, with fewer flags where the compiler refuses those) into
-<cache>/kernels/ (<cache> as meshlm.runtime.machine), keyed by the source, the compiler and the
-CPU; checks it against scaled_int8_products with exact integer sums; and returns a drop-in for
-scaled_int8_products at one row, or None: no compiler, a failed build or check, or
-MESHLM_NATIVE=0. Then the layers keep PyTorch's ops. The library is code this process runs,
-built from meshlm's own source: one that another user could have written (not owned by this
-user, or its file or folder writable by group or others) is not loaded. Delete the folder to
-rebuild it.
+`int8_row_kernel()` builds int8_rows.c for this CPU (meshlm.runtime.native: once per machine,
+cached, loaded only if this user alone could have written it); checks it against
+scaled_int8_products with exact integer sums; and returns a drop-in for scaled_int8_products at one
+row, or None: no compiler, a failed build or check, or MESHLM_NATIVE=0. Then the layers keep
+PyTorch's ops.
 
 Whether it pays depends on the CPU (oneDNN may have a better kernel for it, AMX for one) and on
 the OpenMP runtime torch was built with, so `give_row_kernel` uses it only where a probe found it
@@ -30,39 +26,23 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import stat
-import subprocess
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from meshlm.data.cache_dir import cache_dir
 from meshlm.quant.linear import (
     QuantizedLinear,
     exact_int8_products,
     quantize_rows,
     scaled_int8_products,
 )
-from meshlm.runtime import machine
+from meshlm.runtime import machine, native
 
 SOURCE = Path(__file__).with_name("int8_rows.c")
 CPU = torch.device("cpu")
-# tried in order: the first set this compiler accepts is built
-FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O3",))
-BUILD_SECONDS = 60
 # the probe's weights (more than a CPU's caches: decoding streams from memory) and its threshold
 PROBE_MB, PROBE_SHAPE, MIN_SPEEDUP = 64, (3072, 768), 1.05
-
-
-def compiler() -> str | None:
-    """The C compiler to build with: $CC, else cc, else gcc (None: none on PATH)."""
-    found = (shutil.which(name) for name in (os.environ.get("CC"), "cc", "gcc") if name)
-    return next((path for path in found if path), None)
 
 
 @functools.cache
@@ -70,10 +50,7 @@ def int8_row_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | 
     """(x (1, K) fp32, weight (K, N) int8, the transposed view of a contiguous (N, K)) -> (1, N)
     fp32, equal bit for bit to meshlm.quant.linear.scaled_int8_products(x, weight); or None where
     it cannot be had (module docstring)."""
-    if os.environ.get("MESHLM_NATIVE", "1") == "0" or not SOURCE.is_file():
-        return None
-    cc = compiler()
-    library = _built(cc) if cc else None
+    library = native.library(SOURCE)
     if library is None:
         return None
     function = library.int8_row_product
@@ -130,60 +107,6 @@ def _probe(kernel, reps: int = 5) -> dict:
     seconds = {"torch": passes(scaled_int8_products), "kernel": passes(kernel)}
     return {"kernel_over_torch": seconds["torch"] / seconds["kernel"],
             "torch_ms": seconds["torch"] * 1e3, "kernel_ms": seconds["kernel"] * 1e3}
-
-
-def _built(cc: str) -> ctypes.CDLL | None:
-    """The library built from SOURCE by `cc` for this CPU: from the cache, or compiled now."""
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True,
-                                 timeout=BUILD_SECONDS).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    key = hashlib.sha256("\n".join([SOURCE.read_text(), cc, version, machine.cpu_id()]).encode())
-    target = cache_dir() / "kernels" / f"int8_rows-{key.hexdigest()[:16]}.so"
-    if not target.is_file() and not _compile(cc, target):
-        return None
-    if not (_private(target) and _private(target.parent)):
-        return None
-    try:
-        return ctypes.CDLL(str(target))
-    except OSError:
-        return None
-
-
-def _private(path: Path) -> bool:
-    """Whether only this user could have written `path`: owned by them, not writable by group or
-    others. A library is code this process runs, and $MESHLM_CACHE may be a folder others share;
-    one that someone else could have replaced is not loaded (as ssh treats its keys)."""
-    try:
-        st = path.stat()
-    except OSError:
-        return False
-    return st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-
-
-def _compile(cc: str, target: Path) -> bool:
-    """Compile SOURCE into `target` with the first flag set `cc` accepts; written to a temp file
-    beside it and renamed, so a reader never loads half a library."""
-    try:
-        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # this user's alone
-    except OSError:
-        return False
-    for flags in FLAG_SETS:
-        tmp = None
-        try:
-            fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-            os.close(fd)
-            if subprocess.run([cc, *flags, "-shared", "-fPIC", str(SOURCE), "-o", tmp],
-                              capture_output=True, timeout=BUILD_SECONDS).returncode == 0:
-                os.replace(tmp, target)
-                return True
-        except (OSError, subprocess.SubprocessError):
-            pass
-        finally:
-            if tmp and os.path.exists(tmp):
-                os.unlink(tmp)
-    return False
 
 
 def _same_numbers(product) -> bool:
