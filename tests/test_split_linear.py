@@ -9,7 +9,7 @@ from conftest import build, tiny
 
 from meshlm.generate import Sampling, generate
 from meshlm.model.memory import Router
-from meshlm.runtime import machine, precision, split_linear
+from meshlm.runtime import fp32_rows, machine, precision, split_linear
 from meshlm.runtime.split_linear import (
     MIN_BLOCK,
     SharedSplitLinear,
@@ -80,6 +80,8 @@ def test_decoding_splits_only_where_this_machines_probe_found_it_faster(monkeypa
     """The probe runs once per machine (cached with its figures); fp32 decoding follows it."""
     monkeypatch.setenv("MESHLM_CACHE", str(tmp_path))
     monkeypatch.setattr(machine, "cpu_info", lambda: {"model": "Fake CPU", "flags": frozenset()})
+    # a machine without the compiled kernel (whose layout tests/test_fp32_rows.py checks)
+    monkeypatch.setattr(fp32_rows, "paying_kernel", lambda: None)
     probes = []
     monkeypatch.setattr(split_linear, "_probe",
                         lambda threads: probes.append(threads) or {"split_over_linear": speedup})

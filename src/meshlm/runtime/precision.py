@@ -39,7 +39,7 @@ import torch
 
 from meshlm.quant.calibrate import describe, structure_of
 from meshlm.quant.native import give_row_kernel
-from meshlm.runtime import machine
+from meshlm.runtime import fp32_rows, machine
 from meshlm.runtime.options import DTYPE_CHOICES as CHOICES
 from meshlm.runtime.split_linear import MIN_SPEEDUP as SPLIT_MIN_SPEEDUP
 from meshlm.runtime.split_linear import split_linears, split_speedup, split_tied_head
@@ -116,6 +116,8 @@ DECODING_FP32 = ("auto: decoding in fp32, where greedy output does not depend on
 
 
 SPLIT_NOTE = "linear weights split per thread for one-token products"
+FP32_KERNEL_NOTE = ("linear weights in 128-column blocks, products of up to 64 rows by meshlm's "
+                    "kernel compiled for this CPU")
 ROW_KERNEL_NOTE = "one-token int8 products by meshlm's kernel compiled for this CPU"
 
 
@@ -126,12 +128,9 @@ def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, 
     nn.Linear layers are replaced."""
     device = next(model.parameters()).device
     chosen = Precision(None, DECODING_FP32) if requested == "auto" else choose(requested, device)
-    speedup = split_speedup() if chosen.dtype is None and device.type == "cpu" else 0.0
-    if speedup >= SPLIT_MIN_SPEEDUP:  # measured once per machine (split_linear.split_speedup)
-        split_linears(model)
-        split_tied_head(model)
-        chosen = Precision(None, f"{chosen.reason}; {SPLIT_NOTE} ({speedup:.1f}x F.linear's "
-                                 "one-row speed here, measured once)")
+    note = laid_out_for_decoding(model) if chosen.dtype is None and device.type == "cpu" else None
+    if note:
+        chosen = Precision(None, f"{chosen.reason}; {note}")
     quantized = structure_of(model)
     if quantized:  # those layers run their own kernels whatever the precision (meshlm.quant)
         reason = f"{chosen.reason}; {describe(quantized)}"
@@ -139,6 +138,21 @@ def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, 
             reason += f"; {ROW_KERNEL_NOTE}"
         chosen = Precision(chosen.dtype, reason)
     return device, store_weights(model, chosen)
+
+
+def laid_out_for_decoding(model: torch.nn.Module) -> str | None:
+    """Lay `model`'s fp32 linear layers (on CPU) out for decoding where a probe, measured once per
+    machine, found it faster: in the compiled kernel's blocks (meshlm.runtime.fp32_rows), else in
+    one block per thread (split_linear). Returns the precision line's note, or None (unchanged)."""
+    kernel = fp32_rows.paying_kernel()
+    speedup = fp32_rows.kernel_speedup(kernel)["kernel_over_linear"] if kernel else \
+        split_speedup()
+    if not kernel and speedup < SPLIT_MIN_SPEEDUP:
+        return None
+    split_linears(model, kernel=kernel)
+    split_tied_head(model)
+    return (f"{FP32_KERNEL_NOTE if kernel else SPLIT_NOTE} ({speedup:.1f}x F.linear's one-row "
+            "speed here, measured once)")
 
 
 def for_model(requested: str, model: torch.nn.Module) -> tuple[torch.device, Precision]:

@@ -30,6 +30,10 @@ from meshlm.runtime import machine
 
 # output columns per block below which a further split stops paying
 MIN_BLOCK = 256
+# meshlm.runtime.fp32_rows' compiled kernel: its blocks' width (fp32_rows.c's TILE) and the most
+# rows it takes (decode steps, speculation's verify, served batches); longer calls (prefill
+# chunks) go through torch.bmm over the same blocks
+KERNEL_WIDTH, KERNEL_ROWS = 128, 64
 # the probe's weights (more than a CPU's caches: decoding streams from memory) and its threshold
 PROBE_MB, PROBE_SHAPE, MIN_SPEEDUP = 128, (4096, 1024), 1.1
 
@@ -48,13 +52,14 @@ def blocked_product(rows: torch.Tensor, blocks: torch.Tensor,
 
 class SplitLinear(nn.Module):
     """y = x Wᵀ + b with W (out, in) stored as `blocks` (P, in, w): block p holds output columns
-    p·w ... (p+1)·w − 1, the last zero-padded up to P·w ≥ out."""
+    p·w ... (p+1)·w − 1, the last zero-padded up to P·w ≥ out. With a `kernel` (fp32_rows: blocks
+    KERNEL_WIDTH wide) calls of up to KERNEL_ROWS rows go through it, longer ones through bmm."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, parts: int):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, width: int):
         super().__init__()
         weight = weight.detach()  # (out, in)
         self.out_features, self.in_features = weight.shape
-        width = -(-self.out_features // parts)
+        parts = -(-self.out_features // width)
         padded = F.pad(weight, (0, 0, 0, parts * width - self.out_features))  # (P·w, in)
         # (P, w, in) -> (P, in, w), each block contiguous
         self.register_buffer("blocks", padded.reshape(parts, width, -1).transpose(1, 2)
@@ -65,21 +70,35 @@ class SplitLinear(nn.Module):
             bias.detach(), (0, parts * width - self.out_features)).view(parts, 1, width),
                              persistent=False)
         self.padded = parts * width != self.out_features
+        self.kernel = None  # a plain attribute: fp32_rows' product, or None for bmm alone
 
     @classmethod
     def of(cls, linear: nn.Linear, parts: int) -> SplitLinear:
-        return cls(linear.weight, linear.bias, parts)
+        """`linear` in `parts` blocks (fewer where ceil(out / parts) columns need fewer)."""
+        return cls(linear.weight, linear.bias, -(-linear.out_features // parts))
+
+    @classmethod
+    def for_kernel(cls, linear: nn.Linear, kernel) -> SplitLinear:
+        """`linear` in KERNEL_WIDTH-wide blocks (one narrower block below that width), multiplied
+        by `kernel` (meshlm.runtime.fp32_rows) at up to KERNEL_ROWS rows."""
+        layer = cls(linear.weight, linear.bias, min(KERNEL_WIDTH, linear.out_features))
+        layer.kernel = kernel
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (M, in)
-        y = blocked_product(rows, self.blocks, self.bias_blocks)
-        if self.padded:
-            y = y[:, :self.out_features]  # padding columns dropped
+        if self.kernel is not None and rows.shape[0] <= KERNEL_ROWS:
+            y = self.kernel(rows, self.blocks, self.bias, self.out_features)
+        else:
+            y = blocked_product(rows, self.blocks, self.bias_blocks)
+            if self.padded:
+                y = y[:, :self.out_features]  # padding columns dropped
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        kernel = ", compiled kernel" if self.kernel is not None else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"parts={self.blocks.shape[0]}, bias={self.bias is not None}")
+                f"parts={self.blocks.shape[0]}, bias={self.bias is not None}{kernel}")
 
 
 class SharedSplitLinear(nn.Module):
@@ -114,17 +133,18 @@ def parts_for(out_features: int, threads: int) -> int:
     return max(1, min(threads, out_features // MIN_BLOCK))
 
 
-def split_linears(model: nn.Module, threads: int | None = None) -> int:
+def split_linears(model: nn.Module, threads: int | None = None, kernel=None) -> int:
     """Swap every plain fp32 nn.Linear on CPU of `model` (not subclasses such as MeSH's routers or
-    meshlm.quant's layers) for a SplitLinear with one block per thread (default: torch's intra-op
-    thread count). Returns how many were swapped."""
+    meshlm.quant's layers) for a SplitLinear: with one block per thread (default: torch's intra-op
+    thread count), or in the compiled `kernel`'s blocks (meshlm.runtime.fp32_rows). Returns how
+    many were swapped."""
     threads = threads or torch.get_num_threads()
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if (type(child) is nn.Linear and child.weight.dtype == torch.float32
                     and child.weight.device.type == "cpu"):
-                setattr(parent, name,
+                setattr(parent, name, SplitLinear.for_kernel(child, kernel) if kernel else
                         SplitLinear.of(child, parts_for(child.out_features, threads)))
                 swapped += 1
     return swapped
@@ -157,7 +177,8 @@ def _probe(threads: int, reps: int = 5) -> dict:
     count = max(1, PROBE_MB * 2**20 // (4 * out_features * in_features))
     # the values do not matter to the speed (fp32, no denormals): filled, not drawn, to be quick
     weights = [torch.full(PROBE_SHAPE, 0.01) for _ in range(count)]
-    split = [SplitLinear(w, None, parts_for(out_features, threads)) for w in weights]
+    width = -(-out_features // parts_for(out_features, threads))
+    split = [SplitLinear(w, None, width) for w in weights]
     x = torch.full((1, in_features), 0.5)
     with torch.no_grad():
         seconds = {"linear": machine.best_seconds(lambda: [F.linear(x, w) for w in weights], reps),
