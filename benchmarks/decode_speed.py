@@ -10,8 +10,9 @@ Comparisons (targets from the Hugging Face / generation issue):
   2. MeSH vs. base at the same spec, both cached: tokens/s ≥ 0.95×.
   4. (--versus-transformers) a vanilla stack of --layers (default 12) layers at --d-model against
      transformers' GPTNeoXForCausalLM.generate on the same weights: transformers fp32 and bf16,
-     meshlm fp32 (what `--dtype auto` decodes in, split_linears' layout), fp32 through plain
-     F.linear, bf16 (weights stored in bf16), int8, int4 and w8a8 (int8 weights and
+     meshlm fp32 (what `--dtype auto` decodes in: split_linears' layout, multiplied by the kernel
+     meshlm.runtime.fp32_rows compiles where it pays; "fp32 split bmm" without that kernel), fp32
+     through plain F.linear, bf16 (weights stored in bf16), int8, int4 and w8a8 (int8 weights and
      activations; meshlm.quant, every layer and the head; "w8a8 _int_mm" without the one-row
      kernel meshlm.quant.native compiles), each with the weights `meshlm
      generate` decodes with, and with the weight bytes each reads per token against this core's
@@ -147,6 +148,7 @@ def versus_transformers(args) -> None:
                                            "auto")[0],
               "meshlm int4": decoding_copy(quantize_model(ours, 4, PARTS)[0], "auto")[0]}
     models["meshlm w8a8 _int_mm"] = without_row_kernel(models["meshlm w8a8"])
+    models["meshlm fp32 split bmm"] = split_without_kernel(ours)
     prompt = torch.randint(2, args.vocab, (1, args.prompt),
                            generator=torch.Generator().manual_seed(0))
     s = Sampling(max_new_tokens=args.new_tokens, temperature=0, stop_at_eos=False)
@@ -175,6 +177,8 @@ def versus_transformers(args) -> None:
         print(f"  {name:<20} {r:7.2f} tokens/s  weights {moved / 1e9:5.2f} GB/s = "
               f"{moved / reading:4.0%} of read, {moved / copying:4.0%} of copy bandwidth")
     for a, b in (("meshlm fp32", "transformers fp32"), ("meshlm fp32", "meshlm fp32 F.linear"),
+                 ("meshlm fp32", "meshlm fp32 split bmm"),
+                 ("meshlm fp32 split bmm", "transformers fp32"),
                  ("meshlm fp32", "transformers bf16"), ("meshlm bf16", "transformers bf16"),
                  ("meshlm bf16", "transformers fp32"), ("meshlm int8", "transformers fp32"),
                  ("meshlm int8", "meshlm fp32"), ("meshlm w8a8", "transformers fp32"),
@@ -186,6 +190,19 @@ def versus_transformers(args) -> None:
 
 
 CPU = torch.device("cpu")
+
+
+def split_without_kernel(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` laid out as fp32 decoding is without the kernel meshlm.runtime.fp32_rows
+    compiles (one block per thread, torch.bmm at every row count): what that kernel buys."""
+    import copy
+
+    from meshlm.runtime.split_linear import split_linears, split_tied_head
+
+    model = copy.deepcopy(model)
+    split_linears(model)
+    split_tied_head(model)
+    return model
 
 
 def without_row_kernel(model: torch.nn.Module) -> torch.nn.Module:
