@@ -1,7 +1,9 @@
 """fp32 linear layers for decoding: F.linear over the (out, in) weight against SplitLinear
-(meshlm.runtime.split_linear: transposed, one block of output columns per thread, one bmm), on the
-weights of a decoder stack too large for the caches (default: 12 layers of d = 768 and a 50,304-word
-head, 0.5 GB), at each row count a decode call can have. Prints the speed ratio per row count.
+(meshlm.runtime.split_linear: transposed, one block of output columns per thread, one bmm) and
+against SplitLinear in 128-column blocks multiplied by the kernel meshlm.runtime.fp32_rows compiles
+(where this machine builds it), on the weights of a decoder stack too large for the caches
+(default: 12 layers of d = 768 and a 50,304-word head, 0.5 GB), at each row count a decode call can
+have. Prints the speed ratios per row count.
 
     .venv/bin/python benchmarks/split_linear.py                      # torch's threads
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/split_linear.py --threads 1
@@ -11,7 +13,7 @@ head, 0.5 GB), at each row count a decode call can have. Prints the speed ratio 
 embedding table, three ways: through F.linear, with the layers split, and with the tied head split
 too (SharedSplitLinear, views of the table); it checks the tokens agree and prints speed ratios.
 
-Each round runs both variants once (interleaved); medians of --rounds. Rows: 1 is a decode step, a
+Each round runs every variant once (interleaved); medians of --rounds. Rows: 1 is a decode step, a
 handful is speculation's verify or a served batch, hundreds is a prefill.
 """
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.nn.functional as F
 from benchkit import (
     add_stack_arguments,
     add_timing_arguments,
@@ -28,7 +29,14 @@ from benchkit import (
     timing_setup,
 )
 
-from meshlm.runtime.split_linear import SplitLinear, parts_for, split_linears, split_tied_head
+from meshlm.runtime import fp32_rows
+from meshlm.runtime.split_linear import (
+    KERNEL_ROWS,
+    SplitLinear,
+    parts_for,
+    split_linears,
+    split_tied_head,
+)
 
 
 def tied_decode(args, clock) -> None:
@@ -76,26 +84,28 @@ def main() -> None:
     torch.manual_seed(0)
     linears = [torch.nn.Linear(i, o, bias=False) for o, i in stack_shapes(args.d_model, args.layers,
                                                                            args.vocab)]
-    split = [SplitLinear.of(m, parts_for(m.out_features, threads)) for m in linears]
+    layouts = {"F.linear": linears,
+               "split": [SplitLinear.of(m, parts_for(m.out_features, threads)) for m in linears]}
+    kernel = fp32_rows.fp32_rows_kernel()  # None: no compiler here (or MESHLM_NATIVE=0)
+    if kernel:  # multiplies at up to KERNEL_ROWS rows, bmm over the same blocks beyond
+        layouts["kernel"] = [SplitLinear.for_kernel(m, kernel) for m in linears]
     megabytes = sum(m.weight.numel() for m in linears) * 4 / 1e6
     print(f"{len(linears)} fp32 weights, {megabytes:.0f} MB, {threads} threads, {args.rounds} "
-          "rounds (medians)")
+          f"rounds (medians); split: a block per thread, torch.bmm; kernel: 128-column blocks, "
+          f"meshlm.runtime.fp32_rows up to {KERNEL_ROWS} rows{'' if kernel else ' (not built)'}")
     for rows in map(int, args.rows.split(",")):
         inputs = {m.in_features: torch.randn(rows, m.in_features) for m in linears}
 
-        def plain(inputs=inputs):
-            for m in linears:
-                F.linear(inputs[m.in_features], m.weight)
-
-        def blocks(inputs=inputs):
-            for m in split:
-                m(inputs[m.in_features])
+        def passes(layers, inputs=inputs):
+            return lambda: [m(inputs[m.in_features]) for m in layers]
 
         with torch.no_grad():
-            t = interleaved_medians({"F.linear": plain, "split": blocks}, args.rounds, clock)
-        print(f"  {rows:4d} rows: F.linear {t['F.linear'] * 1e3:7.1f} ms, split "
-              f"{t['split'] * 1e3:7.1f} ms ({megabytes / 1e3 / t['split']:5.1f} GB/s): "
-              f"split / F.linear speed {t['F.linear'] / t['split']:.2f}x")
+            t = interleaved_medians({name: passes(layers) for name, layers in layouts.items()},
+                                    args.rounds, clock)
+        print(f"  {rows:4d} rows: " + ", ".join(
+            f"{name} {t[name] * 1e3:7.1f} ms ({megabytes / 1e3 / t[name]:5.1f} GB/s, "
+            f"{t['F.linear'] / t[name]:.2f}x F.linear)" for name in layouts) +
+            (f"; kernel / split {t['split'] / t['kernel']:.2f}x" if kernel else ""))
 
 
 if __name__ == "__main__":

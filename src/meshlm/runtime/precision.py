@@ -18,9 +18,11 @@ argmax flips (measured in docs/serve.md). In fp32 it does not, so speculation is
 batched request decodes as it would alone. It costs little: decoding one token per row is bound by
 reading the weights, not by multiplying (docs/serve.md and docs/quantize.md have the measured
 ratios). fp32 decoding on CPU lays the linear weights out for it (meshlm.runtime.split_linear:
-transposed and cut into one block of output columns per thread: decoding at d = 768 runs 1.6-1.8x
-faster than through F.linear on a 2-core Zen 5) where a probe, cached per machine, finds that layout
-faster (split_speedup). It changes nothing but the speed: the same fp32 arithmetic, to rounding.
+transposed and cut into blocks of output columns) where a probe, cached per machine, finds that
+faster: 128-column blocks multiplied by a kernel compiled for the CPU (meshlm.runtime.fp32_rows;
+decoding at d = 768 ran 1.6-2.1x faster than through F.linear on a 2-core Zen 5), else one block
+per thread through torch.bmm (split_speedup; 1.6-1.8x). It changes nothing but the speed: the same
+fp32 arithmetic, to rounding.
 
 Weights follow the compute precision: where a command computes in bf16 (`for_model` under auto on
 bf16 hardware, or `--dtype bf16` anywhere), `store_weights` keeps every nn.Linear's weight and bias

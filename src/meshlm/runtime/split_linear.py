@@ -10,10 +10,15 @@ F.linear's speed at one row with two threads, 1.2-2.0x at 2-64 rows, 1.03x at 25
 (P = 1: the transposed layout alone) 1.24x at one row, 1.41x at two, 0.96-1.01x from four on.
 Decoding that model runs 1.59-1.80x faster (benchmarks/decode_speed.py --versus-transformers).
 
+With a C compiler the blocks can be 128 columns wide and multiplied by a kernel compiled for the
+CPU instead (meshlm.runtime.fp32_rows: ~25 GB/s on every shape, where bmm's speed depends on the
+block's width), up to KERNEL_ROWS rows; bmm takes longer calls over the same blocks.
+
 `split_linears(model)` swaps every plain nn.Linear of a model for a `SplitLinear` holding the same
-numbers, and `split_tied_head(model)` gives a tied MeshLM a `SharedSplitLinear` head over views of
-its embedding table; the results agree with F.linear to fp32 rounding (tests/test_split_linear.py).
-Only for inference on CPU (the weight is a frozen buffer); CUDA's kernels need no such layout.
+numbers (`kernel=` for the kernel's blocks), and `split_tied_head(model)` gives a tied MeshLM a
+`SharedSplitLinear` head over views of its embedding table; the results agree with F.linear to
+fp32 rounding (tests/test_split_linear.py). Only for inference on CPU (the weight is a frozen
+buffer); CUDA's kernels need no such layout.
 
 Whether it pays depends on the CPU and the BLAS build, so `split_speedup()` measures it once per
 machine (CPU model and flags, torch version, threads; cached by meshlm.runtime.machine like the
