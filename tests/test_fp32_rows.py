@@ -131,3 +131,16 @@ def test_without_the_kernel_decoding_keeps_torchs_ops(monkeypatch, tmp_path):
         assert not any(getattr(m, "kernel", None) for m in model.modules())
     finally:
         fp32_rows.fp32_rows_kernel.cache_clear()
+
+
+def test_an_input_that_needs_grad_takes_bmm(kernel):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 200)
+    layer = SplitLinear.for_kernel(linear, kernel)
+    calls = []
+    layer.kernel = lambda *args: calls.append(1) or kernel(*args)
+    x = torch.randn(2, 64)
+    needs_grad = x.clone().requires_grad_()  # the kernel records no graph
+    torch.testing.assert_close(layer(needs_grad), linear(x), rtol=1e-5, atol=1e-5)
+    assert layer(needs_grad).requires_grad
+    assert calls == []
