@@ -34,7 +34,8 @@ SOURCE = Path(__file__).with_name("fp32_rows.c")
 CPU = torch.device("cpu")
 # the probe's weights: LAYERS decoder layers of width D (query-key-value, output, the MLP's two),
 # 144 MB, more than a CPU's caches (decoding streams from memory); and its threshold. Per shape
-# the gain differs (1.6x bmm on 1024-column layers, 1.0x on 4096-column ones, here): a layer's mix
+# the gain differs (on a 2-core Zen 5 bmm reads 768-column layers slowly, wide ones nearly as fast
+# as the kernel): so a whole layer's mix
 PROBE_D, PROBE_LAYERS, MIN_SPEEDUP = 1024, 3, 1.05
 PROBE_SHAPES = ((3 * PROBE_D, PROBE_D), (PROBE_D, PROBE_D), (4 * PROBE_D, PROBE_D),
                 (PROBE_D, 4 * PROBE_D)) * PROBE_LAYERS

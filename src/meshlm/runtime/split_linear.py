@@ -95,7 +95,7 @@ class SplitLinear(nn.Module):
         # the kernel reads fp32 CPU memory and records no autograd graph; anything else (a model
         # moved to CUDA or run under autocast after decoding, an input needing grad) takes bmm
         if (self.kernel is not None and rows.shape[0] <= KERNEL_ROWS and rows.is_cpu
-                and rows.dtype == torch.float32 and self.blocks.is_cpu
+                and rows.dtype == self.blocks.dtype == torch.float32 and self.blocks.is_cpu
                 and not rows.requires_grad):
             y = self.kernel(rows, self.blocks, self.bias, self.out_features)
         else:
