@@ -12,6 +12,7 @@ from servekit import ROOT, clean_env
 
 from meshlm.checkpoint import save_model, verify
 from meshlm.quant import native
+from meshlm.runtime import precision
 
 
 def meshlm(*args: str, env: dict) -> subprocess.CompletedProcess:
@@ -50,7 +51,7 @@ def test_quantize_then_generate_and_eval_in_fresh_processes(tmp_path, bits, flag
         assert done.returncode == 0, done.stderr
         texts.append(done.stdout)
     assert texts[0] == texts[1]  # speculation exact with respect to the quantized model
-    assert ("kernel compiled for this CPU" in done.stderr) == row_kernel_paid(tmp_path / "cache")
+    assert (precision.ROW_KERNEL_NOTE in done.stderr) == row_kernel_paid(tmp_path / "cache")
     done = meshlm("eval", str(folder), "--tasks", "none", "--loops", "2,3", "--out",
                   str(tmp_path / "e.json"), env=env)
     assert done.returncode == 0, done.stderr
