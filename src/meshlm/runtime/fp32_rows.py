@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from meshlm.runtime import machine, native
-from meshlm.runtime.split_linear import KERNEL_WIDTH, SplitLinear, parts_for
+from meshlm.runtime.split_linear import KERNEL_WIDTH, SplitLinear, width_for
 
 SOURCE = Path(__file__).with_name("fp32_rows.c")
 CPU = torch.device("cpu")
@@ -91,7 +91,7 @@ def kernel_speedup(kernel: Product) -> dict:
 def _probe(kernel: Product, threads: int, reps: int = 5) -> dict:
     # the values do not matter to the speed (fp32, no denormals): filled, not drawn, to be quick
     weights = [torch.full(shape, 0.01, device=CPU) for shape in PROBE_SHAPES]
-    split = [SplitLinear(w, None, -(-len(w) // parts_for(len(w), threads))) for w in weights]
+    split = [SplitLinear(w, None, width_for(len(w), threads)) for w in weights]
     tiled = [SplitLinear(w, None, KERNEL_WIDTH).blocks for w in weights]
     x = {w.shape[1]: torch.full((1, w.shape[1]), 0.5, device=CPU) for w in weights}
     with torch.no_grad():

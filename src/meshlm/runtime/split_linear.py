@@ -93,7 +93,7 @@ class SplitLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # (M, in)
         # the kernel reads fp32 CPU memory and records no autograd graph; anything else (a model
-        # moved to CUDA or run under autocast after decoding, an input needing grad) takes bmm
+        # moved to CUDA or cast to bf16 after decoding's layout, an input needing grad) takes bmm
         if (self.kernel is not None and rows.shape[0] <= KERNEL_ROWS and rows.is_cpu
                 and rows.dtype == self.blocks.dtype == torch.float32 and self.blocks.is_cpu
                 and not rows.requires_grad):
@@ -142,6 +142,11 @@ def parts_for(out_features: int, threads: int) -> int:
     return max(1, min(threads, out_features // MIN_BLOCK))
 
 
+def width_for(out_features: int, threads: int) -> int:
+    """The block width parts_for gives a layer of `out_features` columns."""
+    return -(-out_features // parts_for(out_features, threads))
+
+
 def split_linears(model: nn.Module, threads: int | None = None, kernel=None) -> int:
     """Swap every plain fp32 nn.Linear on CPU of `model` (not subclasses such as MeSH's routers or
     meshlm.quant's layers) for a SplitLinear: with one block per thread (default: torch's intra-op
@@ -186,8 +191,7 @@ def _probe(threads: int, reps: int = 5) -> dict:
     count = max(1, PROBE_MB * 2**20 // (4 * out_features * in_features))
     # the values do not matter to the speed (fp32, no denormals): filled, not drawn, to be quick
     weights = [torch.full(PROBE_SHAPE, 0.01) for _ in range(count)]
-    width = -(-out_features // parts_for(out_features, threads))
-    split = [SplitLinear(w, None, width) for w in weights]
+    split = [SplitLinear(w, None, width_for(out_features, threads)) for w in weights]
     x = torch.full((1, in_features), 0.5)
     with torch.no_grad():
         seconds = {"linear": machine.best_seconds(lambda: [F.linear(x, w) for w in weights], reps),
