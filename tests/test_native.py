@@ -165,3 +165,19 @@ def test_a_library_others_could_have_replaced_is_not_loaded(fresh_build, opened_
     target.chmod(target.stat().st_mode & ~stat.S_IWOTH)
     native.int8_row_kernel.cache_clear()
     assert native.int8_row_kernel() is not None
+
+
+def test_rows_too_wide_for_int32_sums_take_the_torch_ops(fresh_build, monkeypatch):
+    """int8_rows.c sums (q + 128)·w in int32: exact up to MAX_K inputs; wider rows are not sent."""
+    kernel = native.int8_row_kernel()
+    assert native.MAX_K * 255 * 128 <= 2**31 - 1 < (native.MAX_K + 1) * 255 * 128
+    monkeypatch.setattr(native, "MAX_K", 100)
+    calls = []
+    monkeypatch.setattr(native, "scaled_int8_products",
+                        lambda x, w: calls.append(x.shape) or scaled_int8_products(x, w))
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randint(-127, 128, (16, 200), dtype=torch.int8, generator=g)
+    x = torch.randn(1, 200, generator=g)
+    q, scale = quantize_rows(x)
+    assert torch.equal(kernel(x, weight.t()), (q.long() @ weight.long().t()).float() * scale)
+    assert calls == [(1, 200)]

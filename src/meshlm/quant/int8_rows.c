@@ -3,12 +3,18 @@
 
    For one fp32 activation row x (k) and int8 weights w (n, k), row-major:
        s    = max(max_j |x[j]| * (float)(1/127), 1e-30f)        the row's scale
-       q[j] = nearbyint(x[j] / s)                                int8, in [-127, 127]
+       q[j] = nearbyint(x[j] / s)                                in [-127, 127]
        y[i] = (float)(sum_j w[i*k + j] * q[j]) * s               the exact int32 sum, scaled
    Every step is the fp32 operation meshlm.quant.linear does with torch ops for
    other row counts (quantize_rows, then torch._int_mm, then the product by s), in IEEE
-   arithmetic (no -ffast-math), so the results are the same bit for bit. |sum| <= k * 127 * 127
-   fits int32 for k up to 133,000.
+   arithmetic (no -ffast-math), so the results are the same bit for bit.
+
+   The sum is taken as sum_j (q[j] + 128) * w[i*k + j] - 128 * sum_j w[i*k + j]: unsigned
+   activations times signed weights is the pattern of the CPU's int8 dot-product instruction
+   (AVX512-VNNI's vpdpbusd, 64 products an instruction), which the compiler then emits, and the
+   weights' own sum comes from the same instruction over a row of ones. Integers throughout, so
+   exact while |sum| <= k * 255 * 128 fits int32: k up to MAX_K (meshlm.quant.native sends wider
+   rows through the torch ops). On a 2-core Zen 5 this ran 1.2-1.4x the plain signed loop.
 
    The rows of w are split over `threads` OpenMP threads (the runtime torch's own kernels use);
    within a row the compiler vectorises the loop for this CPU (-march=native). A decoded token is
@@ -18,6 +24,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 int int8_row_product(const float *restrict x, const int8_t *restrict w, float *restrict y,
                      int64_t n, int64_t k, int threads) {
@@ -26,19 +33,22 @@ int int8_row_product(const float *restrict x, const int8_t *restrict w, float *r
         amax = fmaxf(amax, fabsf(x[j]));
     float s = amax * (float)(1.0 / 127.0);
     s = s < 1e-30f ? 1e-30f : s;
-    int8_t *q = malloc(k > 0 ? k : 1);
+    uint8_t *q = malloc(2 * (k > 0 ? k : 1));  /* q + 128, then k ones */
     if (!q)
         return 1;
+    uint8_t *ones = q + k;
     for (int64_t j = 0; j < k; j++)
-        q[j] = (int8_t)nearbyintf(x[j] / s);
+        q[j] = (uint8_t)((int32_t)nearbyintf(x[j] / s) + 128);
+    memset(ones, 1, k);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const int8_t *row = w + i * k;
-        int32_t sum = 0;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < k; j++)
-            sum += (int32_t)row[j] * (int32_t)q[j];
-        y[i] = (float)sum * s;
+        int32_t shifted = 0, weights = 0;
+        for (int64_t j = 0; j < k; j++) {
+            shifted += (int32_t)q[j] * (int32_t)row[j];
+            weights += (int32_t)ones[j] * (int32_t)row[j];
+        }
+        y[i] = (float)(shifted - 128 * weights) * s;
     }
     free(q);
     return 0;

@@ -43,6 +43,8 @@ SOURCE = Path(__file__).with_name("int8_rows.c")
 CPU = torch.device("cpu")
 # the probe's weights (more than a CPU's caches: decoding streams from memory) and its threshold
 PROBE_MB, PROBE_SHAPE, MIN_SPEEDUP = 64, (3072, 768), 1.05
+# the widest row whose sums int8_rows.c keeps exact in int32: k * 255 * 128 <= 2**31 - 1
+MAX_K = (2**31 - 1) // (255 * 128)
 
 
 @functools.cache
@@ -58,6 +60,8 @@ def int8_row_kernel() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | 
     function.restype = ctypes.c_int
 
     def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > MAX_K:  # its int32 sums could overflow: the torch ops' exact ones
+            return scaled_int8_products(x, weight)
         rows = weight.t()  # (N, K): the stored qweight (QuantizedLinear's operands: contiguous)
         rows, x = rows.contiguous(), x.contiguous()  # no copies when they are, as C reads them
         # fp32 on the CPU, whatever torch's default dtype and device: C writes floats there
