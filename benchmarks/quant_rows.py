@@ -1,5 +1,7 @@
 """The linear layers of a decode step in every decoding format, at each row count a decode call can
-have: fp32 in its decoding layout (SplitLinear, what `--dtype auto` decodes with on CPU), int8
+have: fp32 in its decoding layout (SplitLinear, what `--dtype auto` decodes with on CPU: in
+128-column blocks multiplied by meshlm.runtime.fp32_rows' compiled kernel where it pays here, else
+a block per thread), int8
 weight-only, int8 weights with int8 activations (w8a8: as decoding runs them, one row through the
 kernel meshlm.quant.native compiles for this CPU; "w8a8 _int_mm": every row through
 torch._int_mm) and int4 (meshlm.quant), on the weights of a
@@ -28,6 +30,7 @@ from benchkit import (
 
 from meshlm.quant import QuantizedLinear
 from meshlm.quant.native import give_row_kernel
+from meshlm.runtime import fp32_rows
 from meshlm.runtime.split_linear import SplitLinear, parts_for
 
 
@@ -37,7 +40,9 @@ def formats(linears: list[torch.nn.Linear], threads: int) -> dict[str, list[torc
                                for m in linears)
     plain_w8a8 = copy.deepcopy(w8a8)
     give_row_kernel(w8a8)
-    return {"fp32": [SplitLinear.of(m, parts_for(m.out_features, threads)) for m in linears],
+    kernel = fp32_rows.paying_kernel()
+    return {"fp32": [SplitLinear.for_kernel(m, kernel) if kernel else
+                     SplitLinear.of(m, parts_for(m.out_features, threads)) for m in linears],
             "int8": [QuantizedLinear.from_linear(m, 8) for m in linears],
             "w8a8": list(w8a8), "w8a8 _int_mm": list(plain_w8a8),
             "int4": [QuantizedLinear.from_linear(m, 4, group_size=64) for m in linears]}
