@@ -50,6 +50,10 @@ def group_timeout(timeout_s: float) -> timedelta:
     return timedelta(seconds=timeout_s + GRACE_S)
 
 
+# how _diagnose words a rank that runs but has not reached this rank's step
+BEHIND = "is stuck behind this rank"
+
+
 def process_state(pid: int) -> str | None:
     """"gone", "stopped" or None (running, or not readable) for a PID on this host."""
     try:
@@ -116,8 +120,13 @@ class RankWatch:
         if state == "stopped":
             return f"{where} is stopped (SIGSTOP or a debugger)"
         if int(step) < self.step:
-            return f"{where} is stuck behind this rank (step {self.step})"
+            return f"{where} {BEHIND} (step {self.step})"
         return None
+
+    @staticmethod
+    def _settled(culprits: list[str]) -> bool:
+        """Whether `culprits` name a rank gone, stopped or never started (not only ones behind)."""
+        return any(BEHIND not in words for words in culprits)
 
     def message(self, culprits: list[str], why: str) -> str:
         return (f"{'; '.join(culprits)}: rank {self.env.rank} stopped waiting for it ({why}); "
@@ -129,8 +138,11 @@ class RankWatch:
         A peer's connection closes while its process is still exiting: look again for up to
         `settle_s` seconds."""
         deadline = time.monotonic() + settle_s
-        while not (culprits := self.culprits() if self.store is not None
-                   else []) and time.monotonic() < deadline:
+        # "behind" may be a rank still exiting (killed, not yet reaped): look on for a firmer word
+        # until the deadline (under load the kill can land a few hundred ms after the connection
+        # closes)
+        while not self._settled(culprits := self.culprits() if self.store is not None else []) \
+                and time.monotonic() < deadline:
             time.sleep(0.1)
         if culprits:
             closed = any(word in str(err)
