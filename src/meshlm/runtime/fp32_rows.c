@@ -57,7 +57,10 @@ static void two_rows(const float *restrict x, const float *restrict block, float
     memcpy(y + n, b, sizeof b);
 }
 
-/* one row over a narrow block (w < TILE columns), the first `cols` of them kept */
+/* one row over a narrow block (w < TILE columns), the first `cols` of them kept: one_row's loop
+   with the width known only at run time, kept apart from it on purpose. one_row's compile-time
+   TILE is what lets the compiler hold the accumulators in registers; a shared run-time width
+   would lose that for the full blocks that carry nearly all the weights */
 static void narrow_row(const float *restrict x, const float *restrict block, float *restrict y,
                        int64_t k, int64_t w, int64_t cols) {
     float a[TILE];
