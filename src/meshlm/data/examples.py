@@ -19,25 +19,36 @@ import numpy as np
 
 from meshlm.data.shards import MANIFEST, ShardWriter
 
-Example = tuple[list[int], list[int]]  # token ids, and 1/0 per token: whether its loss counts
+Example = tuple[list[int], list[int]]  # token ids, and per token: 1/0 whether its loss counts (a
+# mask), or its target id, negative where it has none (labels)
+
+
+def no_label(dtype: np.dtype) -> int:
+    """The label stream's value for "no target here": the dtype's largest value (never a token id:
+    ids must fit the model's vocabulary, and vocabularies stay below it)."""
+    return int(np.iinfo(dtype).max)
 
 
 def write_split(out: Path, split: str, examples: Iterable[Example], block: int, pad_id: int,
-                dtype: np.dtype) -> tuple[dict, list[dict]]:
+                dtype: np.dtype, labels: bool = False) -> tuple[dict, list[dict]]:
     """Write one split's examples, each padded to `block`; returns (the split's manifest entry, its
-    mask shards)."""
+    mask shards, or with `labels` its label shards: `<split>-labels-NNNNN.bin` in the tokens' dtype,
+    the target of position i at position i, no_label(dtype) where there is none)."""
     tokens = ShardWriter(out, split, dtype, 1 << 40)
-    mask = ShardWriter(out, f"{split}-mask", np.dtype(np.uint8), 1 << 40)
+    if labels:
+        side, empty = ShardWriter(out, f"{split}-labels", dtype, 1 << 40), no_label(dtype)
+    else:
+        side, empty = ShardWriter(out, f"{split}-mask", np.dtype(np.uint8), 1 << 40), 0
     n = 0
-    for ids, loss in examples:
+    for ids, extra in examples:
         pad = block - len(ids)
         tokens.write(ids + [pad_id] * pad)
-        mask.write(loss + [0] * pad)
+        side.write([empty if labels and t < 0 else t for t in extra] + [empty] * pad)
         n += 1
     tokens.write([pad_id])  # the last window's final target (never in the loss)
-    mask.write([0])
-    tokens.documents = mask.documents = n
-    return tokens.close(), mask.close()["shards"]
+    side.write([empty])
+    tokens.documents = side.documents = n
+    return tokens.close(), side.close()["shards"]
 
 
 def example_block(manifest: dict) -> int | None:

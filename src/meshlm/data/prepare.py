@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from meshlm.data.cache_dir import cache_dir as resolve_cache
 from meshlm.data.corpus import VAL_FRACTION, corpus_fingerprint
+from meshlm.data.examples import no_label
 from meshlm.data.readers import EmbeddedCorpus, FileCorpus, ReadStats
 from meshlm.data.shards import (
     FORMAT,
@@ -34,6 +35,7 @@ from meshlm.data.shards import (
     SHARD_GLOB,
     ShardWriter,
     max_id,
+    open_labels,
     open_loss_mask,
     open_shards,
     read_manifest,
@@ -271,11 +273,14 @@ class PreparedData:
         # task data: 1 = answer token; else None offsets[k] = stream position of shard k's first
         # token; offsets[-1] = total
         self.masks = open_loss_mask(data_dir, self.manifest, split)
+        # labelled task data: the target of each position, aligned with the tokens; else None
+        self.labels = open_labels(data_dir, self.manifest, split)
         self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
         self.num_tokens = int(self.offsets[-1])
-        if self.masks is not None and [len(m) for m in self.masks] != [len(s) for s in self.shards]:
-            raise DataError(f"{data_dir}: the answer mask of the {split} split does not line up "
-                            "with its tokens; run `meshlm prepare` again")
+        for side, what in ((self.masks, "answer mask"), (self.labels, "label stream")):
+            if side is not None and [len(m) for m in side] != [len(s) for s in self.shards]:
+                raise DataError(f"{data_dir}: the {what} of the {split} split does not line up "
+                                "with its tokens; run `meshlm prepare` again")
 
     @property
     def vocab_size(self) -> int:
@@ -285,6 +290,15 @@ class PreparedData:
         """DataError unless every token id fits the model's embedding (an id beyond it would stop
         training with an IndexError whenever its window came up, possibly hours in)."""
         largest = max_id(self.manifest, self.split, self.shards)
+        if self.labels is not None:
+            empty = no_label(np.dtype(self.manifest["dtype"]))
+            label = max((int(m[m != empty].max()) for m in self.labels if (m != empty).any()),
+                        default=0)
+            if label >= model_vocab_size:
+                raise DataError(f"{self.dir} ({self.split} split) holds label id {label:,}, but "
+                                f"the model's vocabulary has {model_vocab_size:,} ids; prepare the "
+                                "data again with `meshlm prepare task:NAME` or set "
+                                f"model.vocab_size to at least {label + 1:,}")
         if largest >= model_vocab_size:
             raise DataError(f"{self.dir} ({self.split} split) holds token id {largest:,}, but the "
                             f"model's vocabulary has {model_vocab_size:,} ids; prepare the data "
@@ -322,10 +336,17 @@ class PreparedData:
                        ) -> tuple[np.ndarray, np.ndarray]:
         """Windows `indices` as int64 (len(indices), seq_len) inputs and next-token targets, the
         targets `ignore_index` where task data's answer mask says the loss does not look (prompts,
-        padding); plain text keeps every target. Each window is read once."""
+        padding); plain text keeps every target. Labelled task data replace the next tokens by the
+        label stream (the target of position i is its label, `ignore_index` where it has none), so
+        a label is never an input. Each window is read once."""
         windows = np.stack([self.sequence(i, seq_len) for i in indices])  # (n, seq_len + 1)
         targets = windows[:, 1:]
-        if self.masks is not None:
+        if self.labels is not None:
+            labels = np.stack([self.tokens(i * seq_len, (i + 1) * seq_len, self.labels)
+                               for i in indices])
+            targets = np.where(labels == no_label(np.dtype(self.manifest["dtype"])),
+                               ignore_index, labels)
+        elif self.masks is not None:
             masks = np.stack([self.tokens(i * seq_len + 1, (i + 1) * seq_len + 1, self.masks)
                               for i in indices])
             targets = np.where(masks > 0, targets, ignore_index)

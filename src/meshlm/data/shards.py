@@ -121,6 +121,16 @@ def open_loss_mask(data_dir: str | os.PathLike, manifest: dict,
     return None if masks is None else open_files(data_dir, masks[split], np.dtype(np.uint8))
 
 
+def open_labels(data_dir: str | os.PathLike, manifest: dict,
+                split: str) -> list[np.memmap] | None:
+    """Labelled task data (meshlm.data.tasks): the split's label shards, in the tokens' dtype and
+    aligned with them (the target of position i at i; the dtype's largest value where there is
+    none); else None."""
+    labels = manifest.get("labels")
+    return None if labels is None else open_files(data_dir, labels[split],
+                                                  np.dtype(manifest["dtype"]))
+
+
 def open_files(data_dir: str | os.PathLike, shards: list[dict], dtype: np.dtype) -> list[np.memmap]:
     maps = []
     for shard in shards:

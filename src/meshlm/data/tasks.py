@@ -35,8 +35,9 @@ import numpy as np
 from meshlm.data.cache_dir import cache_dir as resolve_cache
 from meshlm.data.examples import build_cached, example_block, write_split
 from meshlm.data.shards import FORMAT, MANIFEST, read_manifest, staged, write_manifest
+from meshlm.data.tokenizer import TextTokenizer
 from meshlm.errors import ConfigError, DataError
-from meshlm.reasoning import Problem, Task, parse_levels, parse_tasks, range_text
+from meshlm.reasoning import Problem, Sequence, Task, parse_levels, parse_tasks, range_text
 from meshlm.reasoning.vocab import TOKENIZER_FILE, write_tokenizer
 
 PREFIX = "task:"
@@ -44,6 +45,7 @@ GENERATOR_VERSION = 1  # bump when a generator's output changes: cached task dat
 TEST_FILE = "test.jsonl"
 BUCKETS = 20  # hash buckets of a prompt: 0 = test, 1 = validation, the rest = train
 TEST_BUCKET, VAL_BUCKET = 0, 1
+IGNORE = -100  # cross-entropy's ignore_index: a position without a target
 MAX_DRAWS = 200  # draws per wanted problem before a small problem space is accepted as exhausted
 
 
@@ -77,6 +79,11 @@ class TaskData:
                                   "ranges were asked for; start the test range above "
                                   f"{train.stop - 1} or drop --disjoint")
             out.append((task, train, test))
+        kinds = {is_labelled(task) for task, _, _ in out}
+        if len(kinds) > 1:
+            raise ConfigError(f"tasks {self.tasks} mix labelled tasks ("
+                              f"{', '.join(t.name for t, _, _ in out if is_labelled(t))}) with "
+                              "answer-only ones; prepare them into separate folders")
         sizes = {"train_examples": self.train_examples, "val_examples": self.val_examples,
                  "test_per_level": self.test_per_level}
         small = [f"{k}={v}" for k, v in sizes.items() if v < 1]
@@ -90,15 +97,26 @@ class TaskData:
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def is_labelled(task: Task) -> bool:
+    """Whether a task gives a target at every position (meshlm.reasoning.cells) rather than one
+    answer."""
+    return getattr(task, "labelled", False)
+
+
+def text_of(problem: Problem | Sequence) -> str:
+    """What the model reads: a problem's prompt, a labelled sequence's text."""
+    return problem.prompt if isinstance(problem, Problem) else problem.text
+
+
 def bucket(prompt: str) -> int:
     return int(hashlib.sha256(prompt.encode()).hexdigest()[:8], 16) % BUCKETS
 
 
 @dataclass
 class Drawn:
-    train: list[Problem] = field(default_factory=list)
-    val: list[Problem] = field(default_factory=list)
-    test: list[tuple[str, Problem]] = field(default_factory=list)  # (task name, problem)
+    train: list[Problem | Sequence] = field(default_factory=list)
+    val: list[Problem | Sequence] = field(default_factory=list)
+    test: list[tuple[str, Problem | Sequence]] = field(default_factory=list)  # (task name, problem)
 
 
 def draw_problems(spec: TaskData) -> Drawn:
@@ -132,12 +150,13 @@ def _draw_split(task: Task, stream: str, levels: range, n: int,
         if len(out) == n:
             break
         problem = task.sample(rng, rng.choice(levels))
-        b = bucket(problem.prompt)
+        text = text_of(problem)
+        b = bucket(text)
         if want_bucket is None:
             if b not in (TEST_BUCKET, VAL_BUCKET):
                 out.append(problem)
-        elif b == want_bucket and problem.prompt not in seen:
-            seen.add(problem.prompt)
+        elif b == want_bucket and text not in seen:
+            seen.add(text)
             out.append(problem)
     return out
 
@@ -163,18 +182,23 @@ def _write(spec: TaskData, resolved, out: Path) -> dict:
     if not drawn.train or not drawn.val:
         raise DataError(f"task data {spec.tasks}: the training range made no validation problems; "
                         "widen --train-difficulty or raise --val-examples")
-    encode = lambda p: (tok.encode(p.prompt), tok.encode(p.answer) + [tok.eos_id])  # noqa: E731
-    block = max(len(q) + len(a) for p in drawn.train + drawn.val for q, a in [encode(p)])
-    splits, masks = {}, {}
+    labelled = is_labelled(resolved[0][0])
+    if labelled:  # the inputs, and the target of each position (never an input)
+        encode = lambda p: encode_labelled(tok, p)[:2]  # noqa: E731
+    else:  # `prompt answer EOS`, the loss on the answer and its EOS (next-token targets)
+        encode = lambda p: (lambda q, a: (q + a, [0] * len(q) + [1] * len(a)))(  # noqa: E731
+            tok.encode(p.prompt), tok.encode(p.answer) + [tok.eos_id])
+    block = max(len(encode(p)[0]) for p in drawn.train + drawn.val)
+    splits, sides = {}, {}
     for split, problems in (("train", drawn.train), ("val", drawn.val)):
-        examples = ((q + a, [0] * len(q) + [1] * len(a)) for p in problems for q, a in [encode(p)])
-        splits[split], masks[split] = write_split(out, split, examples, block, tok.pad_id,
-                                                  np.dtype(np.uint16))
+        splits[split], sides[split] = write_split(out, split, map(encode, problems), block,
+                                                  tok.pad_id, np.dtype(np.uint16), labels=labelled)
     with open(out / TEST_FILE, "w", encoding="utf-8") as f:
         for name, p in drawn.test:
-            f.write(json.dumps({"task": name, "prompt": p.prompt, "answer": p.answer,
-                                "difficulty": p.difficulty})
-                    + "\n")
+            record = ({"task": name, "text": p.text, "labels": list(p.labels),
+                       "depths": list(p.depths)} if labelled
+                      else {"task": name, "prompt": p.prompt, "answer": p.answer})
+            f.write(json.dumps({**record, "difficulty": p.difficulty}) + "\n")
     manifest = {
         "format": FORMAT,
         "tokenizer": {"name": TOKENIZER_FILE, "hash": tok.hash, "vocab_size": tok.vocab_size,
@@ -182,16 +206,50 @@ def _write(spec: TaskData, resolved, out: Path) -> dict:
                       "pad_id": tok.pad_id, "file": TOKENIZER_FILE},
         "dtype": "uint16", "source": PREFIX + spec.tasks, "val_fraction": 0.0,
         "documents": len(drawn.train) + len(drawn.val), "replaced_bytes": 0,
-        "splits": splits, "loss_mask": masks,
+        "splits": splits, ("labels" if labelled else "loss_mask"): sides,
         "task": {**asdict(spec), "block": block, "version": GENERATOR_VERSION,
+                 "labelled": labelled,
                  "levels": {task.name: {"train": range_text(train), "test": range_text(test)}
                             for task, train, test in resolved},
                  "test_problems": len(drawn.test),
-                 "longest_test": max((len(tok.encode(p.prompt)) + len(tok.encode(p.answer)) + 1
-                                      for _, p in drawn.test), default=0)},
+                 "longest_test": max((len(encode(p)[0]) for _, p in drawn.test), default=0)},
     }
     write_manifest(out, manifest)
     return manifest
+
+
+Encoded = tuple[list[int], list[int], list[int]]  # input ids, target per position, difficulty per
+# position (IGNORE and -1 where a position has no target)
+
+
+def encode_labelled(tok: TextTokenizer, seq: Sequence) -> Encoded:
+    """A labelled sequence (meshlm.reasoning.cells) as inputs, a target at every labelled position
+    (the label itself, not the next token) and each target's difficulty."""
+    ids = tok.encode(seq.text)
+    if len(ids) != len(seq.text):
+        raise DataError(f"the tokenizer does not give one id per character of {seq.text!r}")
+    targets = [IGNORE if label is None else tok.encode(label)[0] for label in seq.labels]
+    return ids, targets, [-1 if d is None else d for d in seq.depths]
+
+
+def encode_answer(tok: TextTokenizer, problem: Problem) -> Encoded:
+    """An answer-only problem as `prompt answer EOS`, the targets at the positions that predict the
+    answer's tokens and its EOS, each with the problem's difficulty."""
+    prompt, answer = tok.encode(problem.prompt), tok.encode(problem.answer) + [tok.eos_id]
+    before = [IGNORE] * (len(prompt) - 1)
+    return (prompt + answer, before + answer + [IGNORE],
+            [-1] * len(before) + [problem.difficulty] * len(answer) + [-1])
+
+
+def stack(rows: list[Encoded], pad_id: int) -> tuple:
+    """Encoded rows right-padded into three int64 arrays (B, T): inputs, targets, difficulties (as
+    torch tensors when torch is imported by the caller: `torch.as_tensor` each)."""
+    width = max(len(ids) for ids, _, _ in rows)
+    out = [np.full((len(rows), width), fill, np.int64) for fill in (pad_id, IGNORE, -1)]
+    for i, row in enumerate(rows):
+        for array, values in zip(out, row):
+            array[i, :len(values)] = values
+    return tuple(out)
 
 
 def task_info(data_dir: str | os.PathLike) -> dict | None:

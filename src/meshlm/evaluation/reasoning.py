@@ -26,10 +26,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from meshlm.data.tasks import encode_labelled, stack
 from meshlm.data.tokenizer import TextTokenizer
 from meshlm.errors import ConfigError
 from meshlm.evaluation.perplexity import is_looped
 from meshlm.generate import Sampling, generate
+from meshlm.model.exit import ExitRule
+from meshlm.reasoning import Sequence
 
 
 @dataclass
@@ -111,7 +114,9 @@ def decode(model, tok: TextTokenizer, problems: list[dict], loops: int | None = 
 
 
 def check_fits(model, tok: TextTokenizer, problems: list[dict]) -> None:
-    longest = max(len(tok.encode(p["prompt"])) + len(tok.encode(p["answer"])) + 1 for p in problems)
+    longest = max(len(tok.encode(p["text"])) if "text" in p else
+                  len(tok.encode(p["prompt"])) + len(tok.encode(p["answer"])) + 1
+                  for p in problems)
     if longest > model.config.context_length:
         raise ConfigError(f"the longest test problem needs {longest} tokens but the model's "
                           f"context_length is {model.config.context_length}; evaluate on --data "
@@ -152,6 +157,101 @@ def loop_means(problems: list[dict], indices: list[int], chosen: list[Answer]) -
     return {"avg_loops": loops / max(tokens, 1),
             "answer_loops": float(np.mean(answer_steps)) if answer_steps
             else None}
+
+
+@dataclass
+class Positions:
+    """Labelled sequences (test.jsonl records with "text", "labels", "depths") as tensors: inputs
+    (B, T), the target of each position and its difficulty (-1 / IGNORE where there is none)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    depth: torch.Tensor
+
+    @classmethod
+    def of(cls, tok: TextTokenizer, records: list[dict]) -> Positions:
+        rows = [encode_labelled(tok, Sequence(r["text"], tuple(r["labels"]), tuple(r["depths"]),
+                                              r["difficulty"])) for r in records]
+        return cls(*map(torch.as_tensor, stack(rows, tok.pad_id)))
+
+    @property
+    def scored(self) -> torch.Tensor:
+        return self.depth >= 0
+
+
+def run_positions(model, data: Positions, loops: int | None, exit: ExitRule | None,
+                  batch_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Every position's argmax == its target (B, T), and under exit the loop steps each position
+    ran (B, T), from full-sequence forwards in batches (one forward a batch: labels are never
+    fed back)."""
+    right, steps = [], []
+    for start in range(0, len(data.x), batch_size):
+        x = data.x[start:start + batch_size]
+        out = model(x, loops=loops, exit=exit)
+        right.append(out.logits.argmax(-1) == data.y[start:start + batch_size])
+        if out.exit_loops is not None:
+            steps.append(out.exit_loops)
+    return torch.cat(right), (torch.cat(steps) if steps else None)
+
+
+def position_levels(data: Positions, right: torch.Tensor,
+                    steps: torch.Tensor | None = None) -> dict[str, dict]:
+    """{difficulty: accuracy over the positions of that difficulty (and, with `steps`, their mean
+    loop steps)}."""
+    out = {}
+    for level in sorted(data.depth[data.scored].unique().tolist()):
+        chosen = data.depth == level
+        row = binomial(right[chosen].tolist())
+        if steps is not None:
+            row["avg_loops"] = row["answer_loops"] = float(steps[chosen].float().mean())
+        out[str(level)] = row
+    return out
+
+
+def evaluate_positions(model, tok: TextTokenizer, records: list[dict], loop_counts: list[int],
+                       exits: list[ExitRule], exit_loops: int | None, train_levels: str | None,
+                       batch_size: int = 64, log: Callable[[str], None] = print) -> dict:
+    """One labelled task's table: accuracy per position by its difficulty at each loop count; the
+    stability of the positions within the trained depth when run past it; and under each exit rule
+    the accuracy, the loop steps per position (all positions, and by difficulty) and the Spearman
+    correlation of a labelled position's loop steps with its difficulty."""
+    check_fits(model, tok, records)
+    data = Positions.of(tok, records)
+    trained, looped = model.config.layout.n_steps, is_looped(model)
+    if not looped:
+        loop_counts, exits = [trained], []
+    out: dict = {"trained_loops": trained, "unit": "position", "loops": [], "exit": []}
+    shallow = data.scored & (data.depth <= min(trained, _top(train_levels) or trained))
+    stability = {}
+    for k in loop_counts:
+        right, _ = run_positions(model, data, k if looped else None, None, batch_size)
+        row = {"loops": k, **binomial(right[data.scored].tolist()),
+               "levels": position_levels(data, right)}
+        out["loops"].append(row)
+        if shallow.any():
+            stability[str(k)] = binomial(right[shallow].tolist())
+        log(f"    loops={k}: acc {100 * row['acc']:.1f}%  " + " ".join(
+            f"{d}:{100 * v['acc']:.0f}" for d, v in row["levels"].items()))
+    if looped:
+        out["stability"] = stability
+    max_loops = exit_loops or trained
+    for rule in exits:
+        right, steps = run_positions(model, data, max_loops, rule, batch_size)
+        scored = steps[data.scored].float()
+        row = {"exit": str(rule), "max_loops": max_loops, **binomial(right[data.scored].tolist()),
+               "avg_loops": float(steps.float().mean()), "answer_loops": float(scored.mean()),
+               "spearman": spearman(data.depth[data.scored].tolist(), scored.tolist()),
+               "levels": position_levels(data, right, steps)}
+        out["exit"].append(row)
+        rho = "undefined (constant loops)" if row["spearman"] is None else f"{row['spearman']:.2f}"
+        log(f"    exit {rule} (<= {max_loops} loops): acc {100 * row['acc']:.1f}%, loops per "
+            f"position {row['answer_loops']:.2f}, Spearman vs difficulty {rho}")
+    return out
+
+
+def _top(levels: str | None) -> int | None:
+    """"1-4" -> 4."""
+    return int(str(levels).rpartition("-")[2]) if levels else None
 
 
 def evaluate_task(model, tok: TextTokenizer, problems: list[dict], loop_counts: list[int],
@@ -209,9 +309,14 @@ def evaluate_reasoning(model, tok: TextTokenizer, problems: list[dict],
     for name, chosen in tasks.items():
         log(f"  {name}: {len(chosen)} problems")
         levels = task_levels.get(name, {})
+        if "text" in chosen[0]:  # labelled: every position scored
+            table = evaluate_positions(model, tok, chosen, counts,
+                                       [ExitRule.parse(e) for e in exits], exit_loops,
+                                       levels.get("train"), batch_size, log)
+        else:
+            table = evaluate_task(model, tok, chosen, counts, list(exits), exit_loops,
+                                  batch_size, log)
         result["tasks"][name] = {"train_levels": levels.get("train"),
-                                 "test_levels": levels.get("test"),
-                                 **evaluate_task(model, tok, chosen, counts, list(exits),
-                                                 exit_loops, batch_size, log)}
+                                 "test_levels": levels.get("test"), **table}
     result["seconds"] = time.perf_counter() - start
     return result

@@ -157,6 +157,12 @@ class ReasoningTask(Record):
     trained_loops: int
     loops: list[ReasoningDepth]
     exit: list[ReasoningExit] = field(default_factory=list)
+    # "problem" (exact match of one answer) or "position" (labelled data: every labelled position
+    # scored, by its own difficulty)
+    unit: str = optional("problem")
+    # labelled data: accuracy on the positions of difficulty <= the trained loop count, by loop
+    # count ("4": ..., "8": ..., "16": ...): whether answers hold when run past the trained depth
+    stability: dict[str, LevelScore] | None = optional()
 
 
 @dataclass(kw_only=True)

@@ -73,7 +73,8 @@ def evaluate(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = 
                         model=loaded.model.config.to_dict(),
                         accounting=account(loaded.model).to_dict())
     log(f"validation perplexity {ppl.ppl:.3f} (loss {ppl.loss:.4f}, {ppl.tokens:,} tokens"
-        f"{' (answers only)' if data.masks is not None else ''})")
+        f"{' (answers only)' if data.masks is not None else ''}"
+        f"{' (labels only)' if data.labels is not None else ''})")
     save(result)
     depth_stages(loaded.model, data, seq_len, options, common, result, log)
     save(result)

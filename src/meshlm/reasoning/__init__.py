@@ -15,11 +15,13 @@ import inspect
 import re
 
 from meshlm.errors import ConfigError
+from meshlm.reasoning.cells import AddMod, Chain, Compose, DagMod, Sequence
 from meshlm.reasoning.tasks import Addition, Chase, Dag, ModSum, Problem, Task
 
-TASKS: dict[str, Task] = {task.name: task for task in (Chase(), ModSum(), Addition(), Dag())}
+TASKS: dict[str, Task] = {task.name: task for task in (Chain(), Compose(), AddMod(), DagMod(),
+                                                       Chase(), ModSum(), Addition(), Dag())}
 
-__all__ = ["TASKS", "Problem", "Task", "parse_levels", "parse_tasks", "range_text"]
+__all__ = ["TASKS", "Problem", "Sequence", "Task", "parse_levels", "parse_tasks", "range_text"]
 
 
 def parse_tasks(text: str, options: str = "") -> list[Task]:
