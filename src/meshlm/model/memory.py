@@ -49,11 +49,15 @@ class Router(nn.Linear):
     """One router pair fused into a single Linear(d, 2B): columns [0, B) write, [B, 2B) read.
 
     Fusing is exactly two Linear(d, B) routers (same parameters: 2·B·(d+1)) computed in one matmul.
+    `product`, where decoding set one, computes the fp32 logits in F.linear's place.
     """
 
     def __init__(self, d_model: int, slots: int):
         super().__init__(d_model, 2 * slots)
         self.slots = slots
+        # decoding's product over this weight (meshlm.runtime.split_linear.split_linears with the
+        # compiled kernel: each row's bits whatever else the batch holds), or None: F.linear
+        self.product = None
 
     def forward(self, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T, d) -> write and read weights, each (B, T, slots), softmax in at least fp32."""
@@ -64,7 +68,7 @@ class Router(nn.Linear):
                 logits = F.linear(at_least_fp32(query), at_least_fp32(self.weight),
                                   at_least_fp32(self.bias))
         else:
-            logits = super().forward(query)
+            logits = super().forward(query) if self.product is None else self.product(query)
         # (B, T, 2, slots): both in one kernel
         weights = logits.unflatten(-1, (2, self.slots)).softmax(-1)
         return weights[..., 0, :], weights[..., 1, :]

@@ -44,18 +44,21 @@ from meshlm.model.llama import LlamaLayer
 
 class ExpertRouter(nn.Linear):
     """Linear(d, E) without bias; returns logits (N, E), top-k weights (N, k) and expert ids (N,
-    k)."""
+    k). `product`, where decoding set one, computes the fp32 logits in F.linear's place."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg.d_model, cfg.n_experts, bias=False)
         self.top_k, self.normalise = cfg.top_k, cfg.norm_topk_prob
+        # decoding's product over this weight (meshlm.runtime.split_linear.split_linears with the
+        # compiled kernel: each row's bits whatever else the batch holds), or None: F.linear
+        self.product = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if x.dtype in (torch.float16, torch.bfloat16) or torch.is_autocast_enabled(x.device.type):
             with torch.autocast(x.device.type, enabled=False):  # fp32 logits, even under autocast
                 logits = F.linear(at_least_fp32(x), at_least_fp32(self.weight))
-        else:
-            logits = super().forward(x)  # (N, E)
+        else:  # (N, E)
+            logits = super().forward(x) if self.product is None else self.product(x)
         weights, experts = logits.softmax(-1).topk(self.top_k, dim=-1)  # (N, k) each
         if self.normalise:
             weights = weights / weights.sum(-1, keepdim=True)

@@ -7,7 +7,10 @@ d = 768 stack with a 50,304-word head it ran 1.5-1.75x torch.bmm's speed over sp
 per-thread blocks at one row and two threads, 1.6x at one thread, and faster than bmm at every
 row count up to 64 (docs/quantize.md). Each output is one in-order sum, the same operations for a
 row whatever else is in the call, so a row's outputs do not depend on the batch, bit for bit; they
-are F.linear's fp32 product to rounding.
+are F.linear's fp32 product to rounding. Decoding (split_linear.split_linears) gives it every
+nn.Linear of a model, MeSH's routers and MoE gates included; a tied head, OLMoE's experts and
+per-loop LoRA keep torch's ops, whose rows stay apart or not depending on the BLAS and the CPU
+(`rows_apart` tells: on an Intel Xeon with AMX, F.linear computes one row differently from two).
 
 `fp32_rows_kernel()` builds it (meshlm.runtime.native: once per machine, cached, loaded only if
 this user alone could have written it), checks it (against a float64 product, and each row alone
@@ -122,7 +125,17 @@ def _agrees(product: Product) -> bool:
         bound = 1e-5 * (x.abs().double() @ weight.abs().double().t()).float() + 1e-6
         if not ((y - exact).abs() <= bound).all():
             return False
-        if any(not torch.equal(product(x[r:r + 1], blocks, bias, out_features)[0], y[r])
-               for r in range(len(x))):
+        if not rows_apart(functools.partial(product, blocks=blocks, bias=bias,
+                                            out_features=out_features), x):
             return False
     return True
+
+
+def rows_apart(function: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> bool:
+    """Whether `function` gives each row r of its inputs (their first dimension) alone the bits it
+    gives row r in one call over them all: what the kernel makes true by construction, and what
+    torch's ops (F.linear, bmm) hold or not depending on the BLAS and the CPU (on an Intel Xeon
+    with AMX oneDNN computes one row differently from two or more)."""
+    together = function(*inputs)
+    return all(torch.equal(function(*(x[r:r + 1] for x in inputs))[0], together[r])
+               for r in range(len(inputs[0])))

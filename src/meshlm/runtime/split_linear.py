@@ -150,18 +150,25 @@ def width_for(out_features: int, threads: int) -> int:
 def split_linears(model: nn.Module, threads: int | None = None, kernel=None) -> int:
     """Swap every plain fp32 nn.Linear on CPU of `model` (not subclasses such as MeSH's routers or
     meshlm.quant's layers) for a SplitLinear: with one block per thread (default: torch's intra-op
-    thread count), or in the compiled `kernel`'s blocks (meshlm.runtime.fp32_rows). Returns how
-    many were swapped."""
+    thread count), or in the compiled `kernel`'s blocks (meshlm.runtime.fp32_rows). With a
+    `kernel`, the subclasses that take a `product` (MeSH's and MoE's routers: a forward of their
+    own around fp32 logits) get one in the kernel's blocks, so that every linear of the model's own
+    layers computes each row as it would alone. Returns how many layers were laid out."""
     threads = threads or torch.get_num_threads()
-    swapped = 0
+    laid_out = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if (type(child) is nn.Linear and child.weight.dtype == torch.float32
+            if not (isinstance(child, nn.Linear) and child.weight.dtype == torch.float32
                     and child.weight.device.type == "cpu"):
+                continue
+            if type(child) is nn.Linear:
                 setattr(parent, name, SplitLinear.for_kernel(child, kernel) if kernel else
                         SplitLinear.of(child, parts_for(child.out_features, threads)))
-                swapped += 1
-    return swapped
+                laid_out += 1
+            elif kernel and getattr(child, "product", False) is None:
+                child.product = SplitLinear.for_kernel(child, kernel)
+                laid_out += 1
+    return laid_out
 
 
 def split_tied_head(model: nn.Module, threads: int | None = None) -> bool:
