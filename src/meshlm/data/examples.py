@@ -29,6 +29,29 @@ def no_label(dtype: np.dtype) -> int:
     return int(np.iinfo(dtype).max)
 
 
+def max_label(labels: list[np.ndarray] | None, dtype: np.dtype) -> int:
+    """The largest label id in label shards (-1 without labels or with none set)."""
+    empty = no_label(dtype)
+    return max((int(m[m != empty].max()) for m in labels or [] if (m != empty).any()), default=-1)
+
+
+def example_targets(data, indices: list[int], seq_len: int, targets: np.ndarray,
+                    ignore_index: int) -> np.ndarray:
+    """The targets of windows `indices` of `data` (a meshlm.data.prepare.PreparedData) from their
+    next tokens `targets`: those under the answer mask (the others `ignore_index`), or with labels
+    the label stream itself (window i's positions i·seq_len …, `ignore_index` where no label);
+    plain text keeps every next token."""
+    if data.labels is not None:
+        labels = np.stack([data.tokens(i * seq_len, (i + 1) * seq_len, data.labels)
+                           for i in indices])
+        return np.where(labels == no_label(np.dtype(data.manifest["dtype"])), ignore_index, labels)
+    if data.masks is not None:
+        masks = np.stack([data.tokens(i * seq_len + 1, (i + 1) * seq_len + 1, data.masks)
+                          for i in indices])
+        return np.where(masks > 0, targets, ignore_index)
+    return targets
+
+
 def write_split(out: Path, split: str, examples: Iterable[Example], block: int, pad_id: int,
                 dtype: np.dtype, labels: bool = False) -> tuple[dict, list[dict]]:
     """Write one split's examples, each padded to `block`; returns (the split's manifest entry, its

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from meshlm.data.cache_dir import cache_dir as resolve_cache
 from meshlm.data.corpus import VAL_FRACTION, corpus_fingerprint
-from meshlm.data.examples import no_label
+from meshlm.data.examples import example_targets, max_label
 from meshlm.data.readers import EmbeddedCorpus, FileCorpus, ReadStats
 from meshlm.data.shards import (
     FORMAT,
@@ -290,15 +290,12 @@ class PreparedData:
         """DataError unless every token id fits the model's embedding (an id beyond it would stop
         training with an IndexError whenever its window came up, possibly hours in)."""
         largest = max_id(self.manifest, self.split, self.shards)
-        if self.labels is not None:
-            empty = no_label(np.dtype(self.manifest["dtype"]))
-            label = max((int(m[m != empty].max()) for m in self.labels if (m != empty).any()),
-                        default=0)
-            if label >= model_vocab_size:
-                raise DataError(f"{self.dir} ({self.split} split) holds label id {label:,}, but "
-                                f"the model's vocabulary has {model_vocab_size:,} ids; prepare the "
-                                "data again with `meshlm prepare task:NAME` or set "
-                                f"model.vocab_size to at least {label + 1:,}")
+        label = max_label(self.labels, np.dtype(self.manifest["dtype"]))
+        if label >= model_vocab_size:
+            raise DataError(f"{self.dir} ({self.split} split) holds label id {label:,}, but the "
+                            f"model's vocabulary has {model_vocab_size:,} ids; prepare the data "
+                            "again with `meshlm prepare task:NAME` or set model.vocab_size to at "
+                            f"least {label + 1:,}")
         if largest >= model_vocab_size:
             raise DataError(f"{self.dir} ({self.split} split) holds token id {largest:,}, but the "
                             f"model's vocabulary has {model_vocab_size:,} ids; prepare the data "
@@ -340,16 +337,7 @@ class PreparedData:
         label stream (the target of position i is its label, `ignore_index` where it has none), so
         a label is never an input. Each window is read once."""
         windows = np.stack([self.sequence(i, seq_len) for i in indices])  # (n, seq_len + 1)
-        targets = windows[:, 1:]
-        if self.labels is not None:
-            labels = np.stack([self.tokens(i * seq_len, (i + 1) * seq_len, self.labels)
-                               for i in indices])
-            targets = np.where(labels == no_label(np.dtype(self.manifest["dtype"])),
-                               ignore_index, labels)
-        elif self.masks is not None:
-            masks = np.stack([self.tokens(i * seq_len + 1, (i + 1) * seq_len + 1, self.masks)
-                              for i in indices])
-            targets = np.where(masks > 0, targets, ignore_index)
+        targets = example_targets(self, indices, seq_len, windows[:, 1:], ignore_index)
         return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(targets)
 
     def sequence(self, i: int, seq_len: int) -> np.ndarray:
