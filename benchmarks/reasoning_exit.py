@@ -1,5 +1,4 @@
-"""Decode speed of adaptive exit against fixed depth on the reasoning suite, at the accuracy each
-reaches.
+"""Speed of adaptive exit against fixed depth on the reasoning suite, at the accuracy each reaches.
 
     python benchmarks/reasoning_exit.py RUN --exit state:0.1,state:0.3 --threads 1 --clock cpu \
         --rounds 7
@@ -11,6 +10,11 @@ an order that flips every round, so machine drift hits them alike; the ratios ar
 round-by-round ratios of tokens/s (prompt and answer tokens processed) to fixed depth. Each
 setting's accuracy and loops per answer token print beside its ratio: the issue's target reads "at
 <= 1 point below fixed depth, >= 1.3x the tokens/s".
+
+On labelled task data (meshlm.reasoning.cells) a setting is one full-sequence forward per batch of
+test sequences (every position scored, none decoded), so the ratio is forward throughput with exit
+against fixed depth; accuracy is per labelled position and "answer" loops are per labelled
+position.
 """
 from __future__ import annotations
 
@@ -25,8 +29,14 @@ from benchkit import timing_setup
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from meshlm.data.tasks import read_test  # noqa: E402
-from meshlm.evaluation.reasoning import decode, loop_means  # noqa: E402
+from meshlm.evaluation.reasoning import (  # noqa: E402
+    Positions,
+    decode,
+    loop_means,
+    run_positions,
+)
 from meshlm.loading import open_model  # noqa: E402
+from meshlm.model.exit import ExitRule  # noqa: E402
 from meshlm.reasoning import (
     TASKS,  # noqa: E402
     parse_levels,  # noqa: E402
@@ -69,8 +79,29 @@ def main() -> None:
     model, tok = loaded.model, loaded.tokenizer
     problems = chosen_problems(loaded, args.limit, args.beyond)
     k = args.loops or model.config.layout.n_steps
-    settings = {"fixed": None, **{rule: rule for rule in args.exit.split(",") if rule}}
-    tokens = sum(len(tok.encode(q["prompt"])) + len(tok.encode(q["answer"])) + 1 for q in problems)
+    settings = {"fixed": None,
+                **{rule: ExitRule.parse(rule) for rule in args.exit.split(",") if rule}}
+    labelled = "text" in problems[0]
+    if labelled:
+        positions = Positions.of(tok, problems)
+        tokens = positions.x.numel()
+    else:
+        tokens = sum(len(tok.encode(q["prompt"])) + len(tok.encode(q["answer"])) + 1
+                     for q in problems)
+
+    def measure(rule) -> tuple[float, float, float]:
+        """accuracy, loops per token, loops per answer token (labelled: per labelled position)."""
+        if labelled:
+            right, steps = run_positions(model, positions, k, rule, args.batch_size)
+            scored = positions.scored
+            return (right[scored].float().mean().item(),
+                    *((float(steps.float().mean()), float(steps[scored].float().mean()))
+                      if steps is not None else (k, k)))
+        answers = decode(model, tok, problems, loops=k, exit=rule, batch_size=args.batch_size)
+        means = loop_means(problems, list(range(len(problems))), answers)
+        return (sum(a.correct for a in answers) / len(answers),
+                *((means["avg_loops"], means["answer_loops"]) if rule else (k, k)))
+
     times: dict[str, list[float]] = {name: [] for name in settings}
     accuracy, loops = {}, {}
     with torch.no_grad():
@@ -78,14 +109,10 @@ def main() -> None:
             names = list(settings) if r % 2 else list(reversed(settings))
             for name in names:
                 start = clock()
-                answers = decode(model, tok, problems, loops=k, exit=settings[name],
-                                 batch_size=args.batch_size)
+                acc, every, answer = measure(settings[name])
                 elapsed = clock() - start
                 if r == 0:
-                    accuracy[name] = sum(a.correct for a in answers) / len(answers)
-                    means = loop_means(problems, list(range(len(problems))), answers)
-                    loops[name] = ((means["avg_loops"], means["answer_loops"]) if settings[name]
-                                   else (k, k))
+                    accuracy[name], loops[name] = acc, (every, answer)
                 else:
                     times[name].append(elapsed)
     print(f"{args.run}: {len(problems)} problems ({'beyond' if args.beyond else 'inside'} the "

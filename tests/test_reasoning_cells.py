@@ -31,9 +31,12 @@ PERMS = list(itertools.permutations(range(3)))
 
 # -- an independent solver, written from the task descriptions: relax in rounds until every cell
 # is known; a cell's difficulty is the round in which it became known (roots: round 0) -----------
-def solve(name: str, text: str, modulus: int = 10) -> tuple[list, list]:
-    width = 1 if name == "chain" else 2
-    cells = [text[i:i + width] for i in range(0, len(text), width)]
+def solve(name: str, text: str, modulus: int = 10, named: bool = False) -> tuple[list, list]:
+    width = (1 if name == "chain" else 2) + named
+    cells = [text[i + named:i + width] for i in range(0, len(text), width)]  # contents
+    if named:  # each cell starts with its own name, in capitals
+        assert [text[i] for i in range(0, len(text), width)] == list(
+            string.ascii_uppercase[:len(cells)])
     value: dict[int, int] = {}
     known_at: dict[int, int] = {}
     named = {i: [string.ascii_lowercase.index(c) for c in cell if c.isalpha()]
@@ -66,16 +69,16 @@ def solve(name: str, text: str, modulus: int = 10) -> tuple[list, list]:
     return labels, depths
 
 
-@pytest.mark.parametrize("name", LABELLED)
-def test_labels_and_difficulties_are_what_an_independent_solver_says(name):
-    task, rng = TASKS[name], random.Random(11)
+@pytest.mark.parametrize("name, named", [(n, 0) for n in LABELLED] + [(n, 1) for n in LABELLED])
+def test_labels_and_difficulties_are_what_an_independent_solver_says(name, named):
+    task, rng = parse_tasks(name, f"{name}.named={named}")[0], random.Random(11)
     length = {len(task.sample(rng, level).text) for level in task.levels}
     assert length == {task.cells * task.width}  # the same length at every difficulty
     for level in task.test_levels:
         for _ in range(40):
             s = task.sample(rng, level)
             assert set(s.text) <= set(task.alphabet)
-            labels, depths = solve(name, s.text, getattr(task, "modulus", 10))
+            labels, depths = solve(name, s.text, getattr(task, "modulus", 10), bool(named))
             assert list(s.labels) == labels == list(task.solve(s.text))
             assert list(s.depths) == depths
             assert s.difficulty == level == task.difficulty(s.text) == max(d or 0 for d in depths)
@@ -95,8 +98,8 @@ def test_compose_is_not_commutative_so_order_matters():
     from meshlm.reasoning.cells import Compose
 
     task = Compose(cells=6, roots=4, train_depth=1)
-    # roots a = 1, b = 3; e = a then 3, f = b then 1
-    labels = task.solve(".1.3.0.0a3b1")
+    # roots A = 1, B = 3; E = A then 3, F = B then 1
+    labels = task.solve("A.1B.3C.0D.0Ea3Fb1")
     assert labels[-3] != labels[-1]
 
 
@@ -127,11 +130,11 @@ def test_a_label_never_appears_in_the_input_stream(chain_data):
     tok = load_tokenizer(chain_data / "tokenizer.json")
     task = TASKS["chain"]
     block = data.manifest["task"]["block"]
-    assert block == task.cells and data.num_sequences(block) == 400
+    assert block == 2 * task.cells and data.num_sequences(block) == 400
     x, y = windows_xy(data, list(range(400)), block)
     for row_x, row_y in zip(x.tolist(), y.tolist()):
         text = tok.decode(row_x)
-        assert len(text) == task.cells and set(text) <= set(task.alphabet)  # cells only
+        assert len(text) == 2 * task.cells and set(text) <= set(task.alphabet)  # cells only
         labels = task.solve(text)
         assert [None if t == -100 else tok.decode([t]) for t in row_y] == list(labels)
     # a next-token stream would make most targets the following cell's letter: none is here
@@ -215,7 +218,7 @@ def test_task_options_resize_a_labelled_generator():
     chain = parse_tasks("chain", "chain.cells=10,chain.train_depth=3,chain.roots=3")[0]
     assert (chain.cells, chain.levels, chain.train_levels, chain.test_levels) == (
         10, range(1, 8), range(1, 4), range(1, 7))
-    assert len(chain.sample(random.Random(0), 7).text) == 10
+    assert len(chain.sample(random.Random(0), 7).text) == 20  # each cell: its name, its content
 
 
 @pytest.mark.slow
@@ -234,7 +237,7 @@ def test_prepare_train_eval_by_depth_and_report_end_to_end(tmp_path):
                   "train.eval_every=0", "train.save_every=3", "train.eval_windows=8",
                   "train.loops=uniform:1-3", "train.progress=false", "train.tensorboard=false")
     assert trained.returncode == 0, trained.stderr
-    assert "x 16 tokens" in trained.stderr  # one sequence of 16 cells a window
+    assert "x 32 tokens" in trained.stderr  # one sequence of 16 cells a window
     evaluated = cli("eval", str(runs / "chain"), "--loops", "1,2,8", "--exit", "state:0.5")
     assert evaluated.returncode == 0, evaluated.stderr
     result = json.loads((runs / "chain" / "eval.json").read_text())

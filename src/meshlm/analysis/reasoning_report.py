@@ -5,6 +5,8 @@
     acc_loops     accuracy against loop count, on the trained difficulties (solid) and beyond them
                   (dashed); the dotted line marks the trained loop count
     exit_levels   under each exit rule, the loop steps spent per answer token against the difficulty
+    stability     labelled tasks: accuracy on the positions within the trained depth against loop
+                  count, past the trained loop count (does a run keep its answers?)
 
 `runs` everywhere is a list of (variant, [Reasoning of each seed]: meshlm.evaluation.results); a
 study's runs <variant>-s<seed> are grouped by the report.
@@ -167,8 +169,34 @@ def exit_levels(runs: list[Group]):
     return fig
 
 
+def stability(runs: list[Group]):
+    tasks = [t for t in _tasks(runs)
+             if any(r.tasks[t].stability for _, rs in runs for r in rs if t in r.tasks)]
+    if not tasks:
+        return None
+    fig, panels = _panels(tasks)
+    for task, ax in panels:
+        for i, (variant, results) in enumerate(runs):
+            rows = [r.tasks[task] for r in results if task in r.tasks and r.tasks[task].stability]
+            if not rows:
+                continue
+            counts = sorted({int(k) for t in rows for k in t.stability})
+            ys = [np.nanmean([t.stability[str(k)].acc if str(k) in t.stability else np.nan
+                              for t in rows]) for k in counts]
+            ax.plot(counts, ys, "-o", color=color_of(i), markersize=3, label=variant)
+            ax.axvline(rows[0].trained_loops, color="gray", linestyle=":", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_title(f"{task}: positions within the trained depth", fontsize=8)
+        ax.set_xlabel("loops (dotted: trained)")
+        ax.set_ylabel("accuracy")
+        ax.grid(alpha=0.3)
+    panels[0][1].legend(fontsize=6)
+    return fig
+
+
 FIGURES = {"reasoning_heatmap": heatmap, "reasoning_loops": acc_loops,
-           "reasoning_exit": exit_levels}
+           "reasoning_exit": exit_levels, "reasoning_stability": stability}
 
 
 def figures(runs: list[Group]) -> dict:
@@ -221,6 +249,12 @@ def run_summary(result: Reasoning, task: str) -> dict:
     exits = [{"exit": row.exit, "change": row.acc - fixed(row.max_loops),
               "share": row.avg_loops / row.max_loops, "rho": _number(row.spearman)}
              for row in t.exit]
+    # test-time depth: twice the hardest trained difficulty, at the best loop count beyond K
+    double = str(2 * int(hardest)) if hardest else ""
+    at_double = lambda n: np.nan_to_num(  # noqa: E731
+        _mean_acc([result], task, n, lambda d, t: d == double), nan=-1)
+    double_best = max(deeper, key=at_double) if deeper and double else None
+    held = t.stability or {}
     return {"k": k, "one": _mean_acc([result], task, 1, _inside),
             "trained": _mean_acc([result], task, k, _inside),
             "hardest_one": _mean_acc([result], task, 1, at_hardest),
@@ -228,6 +262,13 @@ def run_summary(result: Reasoning, task: str) -> dict:
             "beyond_k": _mean_acc([result], task, k, _beyond),
             "beyond_best": _mean_acc([result], task, best, _beyond) if best else np.nan,
             "best": best,
+            "double_k": _mean_acc([result], task, k, lambda d, t: d == double) if double
+            else np.nan,
+            "double_best": (_mean_acc([result], task, double_best, lambda d, t: d == double)
+                            if double_best else np.nan),
+            "double_loops": double_best,
+            "stable_k": held[str(k)].acc if str(k) in held else np.nan,
+            "stable_4k": held[str(4 * k)].acc if str(4 * k) in held else np.nan,
             "exits": exits}
 
 
@@ -235,9 +276,11 @@ MARKDOWN_INTRO = ("exact match (%), mean ± std over seeds; 'hardest' = the top 
                   "difficulty, 'beyond' = test difficulties above the training range, best K' > K "
                   "chosen per run; exit: accuracy against fixed depth at its cap (points), loop "
                   "steps per token (the compute) as a share of the cap, Spearman ρ of the answer's "
-                  "loops with difficulty:")
+                  "loops with difficulty; '2× hardest' = twice the top trained difficulty; 'within "
+                  "depth' = labelled positions no deeper than K, run at K and at 4K loops:")
 MARKDOWN_HEADER = ("| variant | seeds | K | trained, 1 loop | trained, K | hardest, 1 loop "
-                   "| hardest, K | beyond, K | beyond, best K' | exit |")
+                   "| hardest, K | beyond, K | beyond, best K' | 2× hardest, K | 2× hardest, best "
+                   "K' | within depth, K → 4K | exit |")
 
 
 def markdown(groups: list[Group]) -> list[str]:
@@ -246,7 +289,7 @@ def markdown(groups: list[Group]) -> list[str]:
     lines = []
     for task in _tasks(groups):
         lines += ["", f"Reasoning task `{task}`: {MARKDOWN_INTRO}", "", MARKDOWN_HEADER,
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for variant, results in groups:
             rows = [run_summary(r, task) for r in results if task in r.tasks]
             if rows:
@@ -260,9 +303,13 @@ def _markdown_row(variant: str, rows: list[dict]) -> str:
                       for rule in rules) or "–"
     bests = "/".join(map(str, sorted({r["best"] for r in rows if r["best"]}))) or "–"
     cells = [_percent([r[key] for r in rows])
-             for key in ("one", "trained", "hardest_one", "hardest_k", "beyond_k", "beyond_best")]
+             for key in ("one", "trained", "hardest_one", "hardest_k", "beyond_k", "beyond_best",
+                         "double_k", "double_best", "stable_k", "stable_4k")]
+    doubles = "/".join(map(str, sorted({r["double_loops"] for r in rows
+                                        if r["double_loops"]}))) or "–"
     return (f"| {variant} | {len(rows)} | {rows[0]['k']} | " + " | ".join(cells[:5])
-            + f" | {cells[5]} (K'={bests}) | {exits} |")
+            + f" | {cells[5]} (K'={bests}) | {cells[6]} | {cells[7]} (K'={doubles}) | "
+              f"{cells[8]} → {cells[9]} | {exits} |")
 
 
 def _exit_cell(rule: str, runs: list[dict]) -> str:

@@ -79,7 +79,9 @@ def evaluate(loaded: Opened, options: EvalOptions, log: Callable[[str], None] = 
     depth_stages(loaded.model, data, seq_len, options, common, result, log)
     save(result)
     if suite == "reasoning":
-        log("reasoning suite (exact match, greedy cached decoding):")
+        log("reasoning suite (" + ("accuracy per labelled position, one forward a loop count"
+                                   if data.labels is not None
+                                   else "exact match, greedy cached decoding") + "):")
         reasoning = evaluate_reasoning(
             loaded.model, loaded.tokenizer, read_test(data.dir), data.manifest["task"]["levels"],
             None if options.loops is None else [k for k in options.loops if k >= 1], options.exits,
