@@ -250,3 +250,11 @@ def test_prepare_train_eval_by_depth_and_report_end_to_end(tmp_path):
     assert report.returncode == 0, report.stderr
     page = (tmp_path / "report.html").read_text()
     assert "Reasoning suite" in page and page.count("<img") >= 5
+
+
+def test_labelled_data_given_to_fine_tuning_is_named(chain_data):
+    from meshlm.data.sft import read_records
+
+    with pytest.raises(DataError, match=r"is a prepared folder \(labelled task data\), which "
+                                        r"fine-tuning cannot use; .* meshlm train train.data="):
+        read_records(chain_data)

@@ -113,11 +113,26 @@ def _keys(value: object) -> str:
     return f"keys {sorted(value)}" if isinstance(value, dict) else type(value).__name__
 
 
+def _head(folder: Path) -> str:
+    """The start of a prepared folder's manifest (enough to see what it holds)."""
+    try:
+        return (folder / "manifest.json").read_text(encoding="utf-8")[:100_000]
+    except OSError:
+        return ""
+
+
 def read_records(path: Path) -> list[tuple[str, object]]:
     """(where, record) per non-blank line: where = "file:line"."""
+    if path.is_dir() and (path / "manifest.json").is_file():
+        kind = "labelled task data" if '"labels"' in _head(path) else "token shards"
+        raise DataError(f"fine-tuning data {path} is a prepared folder ({kind}), "
+                        "which fine-tuning cannot use; pass a JSONL file of prompt/completion or "
+                        f"messages records, or train on the folder with `meshlm train "
+                        f"train.data={path}`")
     if not path.is_file():
-        raise DataError(f"fine-tuning data {path} does not exist; pass a JSONL file of "
-                        "prompt/completion or messages records")
+        raise DataError(f"fine-tuning data {path} "
+                        f"{'is a folder' if path.is_dir() else 'does not exist'}; pass a JSONL "
+                        "file of prompt/completion or messages records")
     out = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
