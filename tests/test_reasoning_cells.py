@@ -256,5 +256,5 @@ def test_labelled_data_given_to_fine_tuning_is_named(chain_data):
     from meshlm.data.sft import read_records
 
     with pytest.raises(DataError, match=r"is a prepared folder \(labelled task data\), which "
-                                        r"fine-tuning cannot use; .* meshlm train train.data="):
+                                        r"fine-tuning cannot use; .* `meshlm train train.data="):
         read_records(chain_data)
