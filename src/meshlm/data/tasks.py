@@ -41,7 +41,7 @@ from meshlm.reasoning import Problem, Sequence, Task, parse_levels, parse_tasks,
 from meshlm.reasoning.vocab import TOKENIZER_FILE, write_tokenizer
 
 PREFIX = "task:"
-GENERATOR_VERSION = 1  # bump when a generator's output changes: cached task data is keyed by it
+GENERATOR_VERSION = 2  # bump when a generator's output changes: cached task data is keyed by it
 TEST_FILE = "test.jsonl"
 BUCKETS = 20  # hash buckets of a prompt: 0 = test, 1 = validation, the rest = train
 TEST_BUCKET, VAL_BUCKET = 0, 1
