@@ -6,12 +6,13 @@
 
 The check to run before sizing a study (docs/reasoning.md): it trains a MeshLM on fresh problems
 drawn every step (no prepared data, so no epochs) with the trainer's optimizer and schedule
-(meshlm.train.optim), fp32, one thread, and prints accuracy per position by difficulty × loop
-count on held-out sequences of the test range. A labelled task (meshlm.reasoning.cells) takes its
-loss and accuracy at every labelled position, each position with its own difficulty; an
-answer-only task at the answer's tokens (teacher-forced), each with its problem's difficulty. The
-last line is JSON. A task is learnable here when depth 1-2 positions are above 90% at the trained
-loop count.
+(meshlm.train.optim), fp32, one thread, and prints accuracy by difficulty × loop count on held-out
+problems of the test range (`--per-level` of each). A labelled task (meshlm.reasoning.cells) takes
+its loss and accuracy at every labelled position, each position with its own difficulty; an
+answer-only task takes its loss at the answer's tokens and is scored per problem, teacher-forced
+(every answer token right, EOS included). `--curriculum N` opens the training range one difficulty
+every N steps, from its lowest. The last line is JSON. A task is learnable here when depth 1-2 is
+above 90% at the trained loop count.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import time
 import torch
 
 from meshlm.config import ModelConfig
-from meshlm.data.tasks import encode_answer, encode_labelled, stack
+from meshlm.data.tasks import IGNORE, encode_answer, encode_labelled, stack
 from meshlm.data.tokenizer import TextTokenizer
 from meshlm.model import MeshLM
 from meshlm.reasoning import Task, parse_levels, parse_tasks
@@ -35,11 +36,16 @@ from meshlm.train.optim import build_optimizer, build_scheduler
 
 def batch(task: Task, tok: TextTokenizer, rng: random.Random, levels: list[int], n: int):
     """(x, y, depth) tensors for n fresh problems, difficulties uniform over `levels`."""
-    rows = []
-    for _ in range(n):
-        problem = task.sample(rng, rng.choice(levels))
-        rows.append(encode_labelled(tok, problem) if getattr(task, "labelled", False)
-                    else encode_answer(tok, problem))
+    return tensors([encode(task, tok, task.sample(rng, rng.choice(levels))) for _ in range(n)],
+                   tok)
+
+
+def encode(task: Task, tok: TextTokenizer, problem):
+    """A problem's (inputs, targets, difficulties): labelled, or the answer's tokens."""
+    return (encode_labelled if getattr(task, "labelled", False) else encode_answer)(tok, problem)
+
+
+def tensors(rows: list, tok: TextTokenizer) -> tuple[torch.Tensor, ...]:
     return tuple(map(torch.as_tensor, stack(rows, tok.pad_id)))
 
 
@@ -52,7 +58,9 @@ def train(args, task: Task, tok: TextTokenizer, model: MeshLM) -> float:
     loops = parse_loops(args.train_loops)
     rng, start, smooth = random.Random(args.seed), time.time(), None
     for step in range(args.steps):
-        x, y, _ = batch(task, tok, rng, levels, args.batch)
+        # a curriculum opens one difficulty every `curriculum` steps, from the lowest
+        opened = levels[:1 + step // args.curriculum] if args.curriculum else levels
+        x, y, _ = batch(task, tok, rng, opened, args.batch)
         loss = model(x, targets=y, loops=loops.draw(args.seed, step)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -66,8 +74,13 @@ def train(args, task: Task, tok: TextTokenizer, model: MeshLM) -> float:
 
 
 @torch.no_grad()
-def accuracy_by_depth(model: MeshLM, x, y, depth, loops: int) -> dict[int, float]:
-    right = model(x, loops=loops).logits.argmax(-1) == y
+def accuracy_by_depth(model: MeshLM, x, y, depth, loops: int,
+                      per_problem: bool) -> dict[int, float]:
+    """% right by difficulty: per labelled position, or (`per_problem`, answer-only tasks) per
+    problem, which is right when every answer token is (its EOS included)."""
+    right = (model(x, loops=loops).logits.argmax(-1) == y) | (y == IGNORE)
+    if per_problem:
+        right, depth = right.all(1), depth.max(1).values
     return {int(d): round(100 * right[depth == d].float().mean().item(), 1)
             for d in depth.unique().tolist() if d >= 0}
 
@@ -78,6 +91,8 @@ def main() -> None:
     p.add_argument("--task-option", default="", help="generator knobs, e.g. chain.cells=12")
     p.add_argument("--train-difficulty", default="", help="LO-HI (default: the task's range)")
     p.add_argument("--test-difficulty", default="", help="LO-HI (default: the task's range)")
+    p.add_argument("--curriculum", type=int, default=0,
+                   help="steps per opened training difficulty (0: all at once)")
     p.add_argument("--spec", default="1+1R4+1")
     p.add_argument("--scheme", default="base")
     p.add_argument("--train-loops", default="fixed", help="train.loops, e.g. uniform:2-6")
@@ -103,10 +118,11 @@ def main() -> None:
     model.eval()
     tests = list(parse_levels(args.test_difficulty or task.test_levels, task, "test difficulty"))
     rng = random.Random(f"test:{args.seed}")
-    x, y, depth = map(torch.as_tensor, stack([row for level in tests for row in [
-        (encode_labelled if getattr(task, "labelled", False) else encode_answer)(
-            tok, task.sample(rng, level)) for _ in range(args.per_level)]], tok.pad_id))
-    table = {k: accuracy_by_depth(model, x, y, depth, k) for k in map(int, args.loops.split(","))}
+    x, y, depth = tensors([encode(task, tok, task.sample(rng, level))
+                           for level in tests for _ in range(args.per_level)], tok)
+    labelled = getattr(task, "labelled", False)
+    table = {k: accuracy_by_depth(model, x, y, depth, k, not labelled)
+             for k in map(int, args.loops.split(","))}
     levels = sorted({d for row in table.values() for d in row})
     print(f"accuracy % by difficulty ({args.task}, {args.scheme}, trained {args.train_loops}, "
           f"{args.steps} steps, {seconds:.0f} s)")
