@@ -114,6 +114,16 @@ def _panels(tasks: list[str]):
     return fig, list(zip(tasks, fig.subplots(1, len(tasks), squeeze=False)[0]))
 
 
+def _loops_axes(ax, title: str, ylabel: str) -> None:
+    """An accuracy-against-loops panel: log2 loop axis, accuracy 0 … 1."""
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title, fontsize=8)
+    ax.set_xlabel("loops (dotted: trained)")
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+
+
 def acc_loops(runs: list[Group]):
     tasks = _tasks(runs)
     if not tasks:
@@ -131,12 +141,7 @@ def acc_loops(runs: list[Group]):
             if not np.all(np.isnan(beyond)):
                 ax.plot(counts, beyond, "--", color=color_of(i), linewidth=1)
             ax.axvline(first.trained_loops, color="gray", linestyle=":", linewidth=1)
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_title(f"{task}: solid = trained difficulties, dashed = beyond", fontsize=8)
-        ax.set_xlabel("loops (dotted: trained)")
-        ax.set_ylabel("exact match")
-        ax.grid(alpha=0.3)
+        _loops_axes(ax, f"{task}: solid = trained difficulties, dashed = beyond", "exact match")
     panels[0][1].legend(fontsize=6)
     return fig
 
@@ -185,12 +190,7 @@ def stability(runs: list[Group]):
                               for t in rows]) for k in counts]
             ax.plot(counts, ys, "-o", color=color_of(i), markersize=3, label=variant)
             ax.axvline(rows[0].trained_loops, color="gray", linestyle=":", linewidth=1)
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(-0.02, 1.02)
-        ax.set_title(f"{task}: positions within the trained depth", fontsize=8)
-        ax.set_xlabel("loops (dotted: trained)")
-        ax.set_ylabel("accuracy")
-        ax.grid(alpha=0.3)
+        _loops_axes(ax, f"{task}: positions within the trained depth", "accuracy")
     panels[0][1].legend(fontsize=6)
     return fig
 

@@ -220,39 +220,40 @@ class Compose(_Operand):
         return str(S3_TABLE[int(parents[0])][g]) if parents else str(g)
 
 
-class AddMod(_Operand):
-    """A chain that adds: a cell holds a digit (root) or an earlier cell and a digit; its value is
-    the parent's value plus its digit, mod `modulus`."""
+class _Modular(_Operand):
+    """Values are digits mod `modulus` (2 … 10; the default is the class's `default_modulus`)."""
 
-    name = "addmod"
-    summary = "a chain of additions mod m: value(parent) + digit"
+    default_modulus = 10
 
     def __init__(self, cells: int = 16, train_depth: int = 4, roots: int = 4, named: int = 1,
-                 modulus: int = 10):
+                 modulus: int | None = None):
+        modulus = self.default_modulus if modulus is None else modulus
         if not 2 <= modulus <= 10:
             raise ValueError("need 2 <= modulus <= 10 (one digit a value)")
         self.modulus, self.values = modulus, DIGITS[:modulus]
         super().__init__(cells, train_depth, roots, named)
+
+
+class AddMod(_Modular):
+    """A chain that adds: a cell holds a digit (root) or an earlier cell and a digit; its value is
+    the parent's value plus its digit, mod `modulus` (default 10)."""
+
+    name = "addmod"
+    summary = "a chain of additions mod m: value(parent) + digit"
 
     def value(self, cell, parents):
         return str((int(parents[0]) + int(cell[1])) % self.modulus if parents else int(cell[1]))
 
 
-class DagMod(_Operand):
+class DagMod(_Modular):
     """DAG evaluation mod m with a label per statement (i-GSM-like, Saunshi et al. 2025): a cell
-    holds a digit (root) or two earlier cells; its value is their sum mod `modulus`. Two lookups a
-    step, so every value depends on all its ancestors."""
+    holds a digit (root) or two earlier cells; its value is their sum mod `modulus` (default 2).
+    Two lookups a step, so every value depends on all its ancestors."""
 
     name = "dagmod"
     summary = "DAG evaluation mod m: a cell is the sum of two earlier cells"
     arity = 2
-
-    def __init__(self, cells: int = 16, train_depth: int = 4, roots: int = 4, named: int = 1,
-                 modulus: int = 2):
-        if not 2 <= modulus <= 10:
-            raise ValueError("need 2 <= modulus <= 10 (one digit a value)")
-        self.modulus, self.values = modulus, DIGITS[:modulus]
-        super().__init__(cells, train_depth, roots, named)
+    default_modulus = 2
 
     def value(self, cell, parents):
         return str(sum(map(int, parents)) % self.modulus) if parents else cell[1]
