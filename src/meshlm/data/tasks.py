@@ -183,16 +183,20 @@ def _write(spec: TaskData, resolved, out: Path) -> dict:
         raise DataError(f"task data {spec.tasks}: the training range made no validation problems; "
                         "widen --train-difficulty or raise --val-examples")
     labelled = is_labelled(resolved[0][0])
-    if labelled:  # the inputs, and the target of each position (never an input)
-        encode = lambda p: encode_labelled(tok, p)[:2]  # noqa: E731
-    else:  # `prompt answer EOS`, the loss on the answer and its EOS (next-token targets)
-        encode = lambda p: (lambda q, a: (q + a, [0] * len(q) + [1] * len(a)))(  # noqa: E731
-            tok.encode(p.prompt), tok.encode(p.answer) + [tok.eos_id])
-    block = max(len(encode(p)[0]) for p in drawn.train + drawn.val)
+
+    def encode(p: Problem | Sequence) -> tuple[list[int], list[int]]:
+        if labelled:  # the inputs, and the target of each position (never an input)
+            return encode_labelled(tok, p)[:2]
+        # `prompt answer EOS`, the loss on the answer and its EOS (next-token targets)
+        prompt, answer = tok.encode(p.prompt), tok.encode(p.answer) + [tok.eos_id]
+        return prompt + answer, [0] * len(prompt) + [1] * len(answer)
+
+    encoded = {"train": [encode(p) for p in drawn.train], "val": [encode(p) for p in drawn.val]}
+    block = max(len(ids) for rows in encoded.values() for ids, _ in rows)
     splits, sides = {}, {}
-    for split, problems in (("train", drawn.train), ("val", drawn.val)):
-        splits[split], sides[split] = write_split(out, split, map(encode, problems), block,
-                                                  tok.pad_id, np.dtype(np.uint16), labels=labelled)
+    for split, rows in encoded.items():
+        splits[split], sides[split] = write_split(out, split, rows, block, tok.pad_id,
+                                                  np.dtype(np.uint16), labels=labelled)
     with open(out / TEST_FILE, "w", encoding="utf-8") as f:
         for name, p in drawn.test:
             record = ({"task": name, "text": p.text, "labels": list(p.labels),
