@@ -32,15 +32,18 @@ PERMS = list(itertools.permutations(range(3)))
 # -- an independent solver, written from the task descriptions: relax in rounds until every cell
 # is known; a cell's difficulty is the round in which it became known (roots: round 0) -----------
 def solve(name: str, text: str, modulus: int = 10, named: bool = False) -> tuple[list, list]:
-    width = (1 if name == "chain" else 2) + named
+    width = (1 if name in ("chain", "parity") else 2) + named
     cells = [text[i + named:i + width] for i in range(0, len(text), width)]  # contents
     if named:  # each cell starts with its own name, in capitals
         assert [text[i] for i in range(0, len(text), width)] == list(
             string.ascii_uppercase[:len(cells)])
     value: dict[int, int] = {}
     known_at: dict[int, int] = {}
-    named = {i: [string.ascii_lowercase.index(c) for c in cell if c.isalpha()]
-             for i, cell in enumerate(cells)}
+    letters = {i: [string.ascii_lowercase.index(c) for c in cell if c.isalpha()]
+               for i, cell in enumerate(cells)}
+    # parity: the letters past the cells' own negate the cell they name
+    flips = {i: [r >= len(cells) for r in refs] for i, refs in letters.items()}
+    named = {i: [r % len(cells) for r in refs] for i, refs in letters.items()}
     for i, refs in named.items():
         if not refs:
             value[i], known_at[i] = int(cells[i][-1]), 0
@@ -54,6 +57,8 @@ def solve(name: str, text: str, modulus: int = 10, named: bool = False) -> tuple
             refs, cell = named[i], cells[i]
             if name == "chain":
                 value[i] = value[refs[0]]
+            elif name == "parity":
+                value[i] = value[refs[0]] ^ flips[i][0]
             elif name == "compose":  # apply the parent's permutation, then the cell's element
                 p, g = PERMS[value[refs[0]]], PERMS[int(cell[1])]
                 value[i] = PERMS.index(tuple(g[p[x]] for x in range(3)))
@@ -258,3 +263,31 @@ def test_labelled_data_given_to_fine_tuning_is_named(chain_data):
     with pytest.raises(DataError, match=r"is a prepared folder \(labelled task data\), which "
                                         r"fine-tuning cannot use; .* `meshlm train train.data="):
         read_records(chain_data)
+
+
+def test_a_curriculum_opens_one_difficulty_at_a_time_and_is_a_function_of_the_step(chain_data):
+    """The training split is written easiest first; train.curriculum=N draws step s's batch from the
+    prefix that holds the difficulties opened by s (one every N steps), so a batch never holds a
+    problem harder than its step allows, and the same step always gets the same batch (resume)."""
+    from meshlm.data.tasks import opened_windows
+    from meshlm.train.batches import get_batch
+
+    data = PreparedData(chain_data, "train")
+    tok = load_tokenizer(chain_data / "tokenizer.json")
+    block = data.manifest["task"]["block"]
+    x, _ = windows_xy(data, list(range(data.num_sequences(block))), block)
+    depth = [TASKS["chain"].difficulty(tok.decode(row)) for row in x.tolist()]
+    assert depth == sorted(depth) and set(depth) == {1, 2, 3, 4}
+    ends = data.manifest["task"]["train_level_ends"]
+    assert ends == {str(k): sum(d <= k for d in depth) for k in (1, 2, 3, 4)}
+    for step, top in ((0, 1), (9, 1), (10, 2), (25, 3), (30, 4), (500, 4)):
+        n = opened_windows(data.manifest, step, 10, block, block)
+        assert n == ends[str(top)]
+        batch = get_batch(data, step, 16, block, seed=0, n_sequences=n)
+        (bx, _), = batch
+        assert max(TASKS["chain"].difficulty(tok.decode(r)) for r in bx.tolist()) <= top
+        again, = get_batch(data, step, 16, block, seed=0, n_sequences=n)
+        assert torch.equal(bx, again[0])
+    with pytest.raises(ConfigError, match=r"train.curriculum needs task data .* set "
+                                          r"train.curriculum=0"):
+        opened_windows({"format": "text shards"}, 0, 10, block, block)  # not task data

@@ -41,7 +41,7 @@ from meshlm.reasoning import Problem, Sequence, Task, parse_levels, parse_tasks,
 from meshlm.reasoning.vocab import TOKENIZER_FILE, write_tokenizer
 
 PREFIX = "task:"
-GENERATOR_VERSION = 2  # bump when a generator's output changes: cached task data is keyed by it
+GENERATOR_VERSION = 3  # bump when a generator's output changes: cached task data is keyed by it
 TEST_FILE = "test.jsonl"
 BUCKETS = 20  # hash buckets of a prompt: 0 = test, 1 = validation, the rest = train
 TEST_BUCKET, VAL_BUCKET = 0, 1
@@ -191,6 +191,11 @@ def _write(spec: TaskData, resolved, out: Path) -> dict:
         prompt, answer = tok.encode(p.prompt), tok.encode(p.answer) + [tok.eos_id]
         return prompt + answer, [0] * len(prompt) + [1] * len(answer)
 
+    # the training split in order of difficulty (stable), so that a curriculum (train.curriculum,
+    # `opened_windows`) is a prefix of it; the trainer's epoch permutations shuffle it otherwise
+    drawn.train.sort(key=lambda p: p.difficulty)
+    ends = {str(level): sum(p.difficulty <= level for p in drawn.train)
+            for level in sorted({p.difficulty for p in drawn.train})}
     encoded = {"train": [encode(p) for p in drawn.train], "val": [encode(p) for p in drawn.val]}
     block = max(len(ids) for rows in encoded.values() for ids, _ in rows)
     splits, sides = {}, {}
@@ -212,7 +217,7 @@ def _write(spec: TaskData, resolved, out: Path) -> dict:
         "documents": len(drawn.train) + len(drawn.val), "replaced_bytes": 0,
         "splits": splits, ("labels" if labelled else "loss_mask"): sides,
         "task": {**asdict(spec), "block": block, "version": GENERATOR_VERSION,
-                 "labelled": labelled,
+                 "labelled": labelled, "train_level_ends": ends,
                  "levels": {task.name: {"train": range_text(train), "test": range_text(test)}
                             for task, train, test in resolved},
                  "test_problems": len(drawn.test),
@@ -220,6 +225,20 @@ def _write(spec: TaskData, resolved, out: Path) -> dict:
     }
     write_manifest(out, manifest)
     return manifest
+
+
+def opened_windows(manifest: dict, step: int, every: int, block: int, seq_len: int) -> int:
+    """The training windows a curriculum has opened at `step`: one difficulty every `every` steps
+    from the lowest, i.e. the prefix of the (difficulty-sorted) training split that holds the opened
+    difficulties, in windows of `seq_len` tokens (the split's sequences are `block` tokens)."""
+    ends = (manifest.get("task") or {}).get("train_level_ends")
+    if not ends:
+        raise ConfigError("train.curriculum needs task data prepared by this meshlm (`meshlm "
+                          "prepare --tasks ...`, which orders training problems by difficulty); "
+                          "set train.curriculum=0 for other data")
+    levels = sorted(ends, key=int)
+    opened = levels[min(len(levels), 1 + step // every) - 1]
+    return max(1, ends[opened] * block // seq_len)
 
 
 Encoded = tuple[list[int], list[int], list[int]]  # input ids, target per position, difficulty per

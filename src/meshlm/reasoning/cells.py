@@ -8,6 +8,7 @@ same loop step as the cells it names: each loop can extend every chain by one st
 
     task     a node's content       its value                         a root's content  chance
     chain    `c`                    the value of cell C               `7`               10%
+    parity   `c` or `o` (12 cells)  value(C), or 1 − value(C) for `o` `1`               50%
     compose  `c4`                   value(C) ∘ 4 in S3 (6 elements)   `.4`              17%
     addmod   `c4`                   value(C) + 4 mod m                `.4`              1/m
     dagmod   `cf`                   value(C) + value(F) mod m         `.4`              1/m
@@ -183,6 +184,39 @@ class Chain(CellTask):
 
     def value(self, cell, parents):
         return parents[0] if parents else cell
+
+
+class Parity(CellTask):
+    """A chain of copies and negations (parity along a path): a cell holds a bit or the name of an
+    earlier cell, written as its small letter (the same bit) or as the letter `cells` places further
+    on (the bit flipped, so with 12 cells `c` copies cell C and `o` negates it). A label is the
+    parity of the flips along its cell's chain, so it depends on every step of the chain, not only
+    its end; the cells stay one character wide, as chain's (a cell that names its parent and an
+    operand in two characters learns far slower, docs/reasoning.md)."""
+
+    name = "parity"
+    summary = "a chain of copies and negations: label the bit at its end, flipped once per negation"
+    values = "01"
+
+    def __init__(self, cells: int = 12, train_depth: int = 4, roots: int = 4, named: int = 1):
+        if not 2 <= cells <= len(LETTERS) // 2:
+            raise ValueError(f"need 2 <= cells <= {len(LETTERS) // 2} (two letters per cell)")
+        super().__init__(cells, train_depth, roots, named)
+        self.alphabet += LETTERS[cells:2 * cells]  # the negating names
+
+    def parents_of(self, cell):
+        return [LETTERS.index(c) % self.cells for c in cell if c in LETTERS]
+
+    def root(self, rng):
+        return rng.choice(self.values)
+
+    def node(self, rng, parents):
+        return LETTERS[parents[0] + self.cells * rng.randrange(2)]
+
+    def value(self, cell, parents):
+        if not parents:
+            return cell
+        return str(int(parents[0]) ^ (LETTERS.index(cell) >= self.cells))
 
 
 class _Operand(CellTask):

@@ -13,20 +13,21 @@ from meshlm.errors import ConfigError
 
 
 def get_batch(data: PreparedData, step: int, global_batch: int, seq_len: int, seed: int,
-              rank: int = 0, world: int = 1, micro_batches: int = 1) -> list:
+              rank: int = 0, world: int = 1, micro_batches: int = 1,
+              n_sequences: int | None = None) -> list:
     """This rank's part of step `step`'s global batch, as `micro_batches` (x, y) LongTensor pairs.
 
     Rank r takes the r-th contiguous slice of global_batch / world windows (so the ranks' slices, in
     rank order, are the single-process batch) and cuts it into micro-batches of global_batch /
     (world * micro_batches) windows; x = window[:-1] and y = window[1:], each (micro_batch,
-    seq_len).
+    seq_len). `n_sequences` draws from the first n windows only (a curriculum's opened prefix).
     """
     if (world < 1 or micro_batches < 1 or not 0 <= rank < world
         or global_batch % (world * micro_batches)):
         raise ConfigError(f"global batch {global_batch} must split evenly over {world} ranks x "
                           f"{micro_batches} micro-batches (rank {rank}); change global_batch or "
                           "micro_batches")
-    indices = batch_indices(step, global_batch, seed, data.num_sequences(seq_len))
+    indices = batch_indices(step, global_batch, seed, n_sequences or data.num_sequences(seq_len))
     per_rank = global_batch // world
     mine = indices[rank * per_rank:(rank + 1) * per_rank]
     x, y = windows_xy(data, mine, seq_len)  # (per_rank, seq_len) each

@@ -90,6 +90,8 @@ class TrainConfig:
     # poisson-lognormal:mean=M,cap=C
     backprop_loops: int = 0  # truncated backprop: only the last k loop passes keep autograd state;
     # 0 = all
+    curriculum: int = 0  # task data: open one training difficulty every N steps, from the lowest
+    # (meshlm.data.tasks.opened_windows); 0 = every difficulty from the start
     # -- optimizer and schedule (docs/training.md) -------------------------------------------------
     lr: float = 4e-3  # peak learning rate (the default small model; the paper configs set theirs)
     min_lr_ratio: float = 0.1  # cosine decays to this fraction of the peak
@@ -297,6 +299,9 @@ class TrainConfig:
         if not (isinstance(k, int) and k >= 0):
             return [f"backprop_loops={k!r} must be an integer >= 0 (0 = backprop through every "
                     f"loop)"]
+        if not (isinstance(self.curriculum, int) and self.curriculum >= 0):
+            return [f"curriculum={self.curriculum!r} must be an integer >= 0 (steps per opened "
+                    "difficulty; 0 = none)"]
         return []
 
     # -- serialisation ----------------------------------------------------------------------------
