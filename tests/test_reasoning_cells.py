@@ -32,7 +32,7 @@ PERMS = list(itertools.permutations(range(3)))
 # -- an independent solver, written from the task descriptions: relax in rounds until every cell
 # is known; a cell's difficulty is the round in which it became known (roots: round 0) -----------
 def solve(name: str, text: str, modulus: int = 10, named: bool = False) -> tuple[list, list]:
-    width = (1 if name in ("chain", "parity") else 2) + named
+    width = (1 if name in ("chain", "parity", "compose") else 2) + named
     cells = [text[i + named:i + width] for i in range(0, len(text), width)]  # contents
     if named:  # each cell starts with its own name, in capitals
         assert [text[i] for i in range(0, len(text), width)] == list(
@@ -41,7 +41,7 @@ def solve(name: str, text: str, modulus: int = 10, named: bool = False) -> tuple
     known_at: dict[int, int] = {}
     letters = {i: [string.ascii_lowercase.index(c) for c in cell if c.isalpha()]
                for i, cell in enumerate(cells)}
-    # parity: the letters past the cells' own negate the cell they name
+    # parity and compose: the letters past the cells' own name a cell with the second operation
     flips = {i: [r >= len(cells) for r in refs] for i, refs in letters.items()}
     named = {i: [r % len(cells) for r in refs] for i, refs in letters.items()}
     for i, refs in named.items():
@@ -59,8 +59,8 @@ def solve(name: str, text: str, modulus: int = 10, named: bool = False) -> tuple
                 value[i] = value[refs[0]]
             elif name == "parity":
                 value[i] = value[refs[0]] ^ flips[i][0]
-            elif name == "compose":  # apply the parent's permutation, then the cell's element
-                p, g = PERMS[value[refs[0]]], PERMS[int(cell[1])]
+            elif name == "compose":  # the parent's permutation, then the swap or the rotation
+                p, g = PERMS[value[refs[0]]], [(1, 0, 2), (1, 2, 0)][flips[i][0]]
                 value[i] = PERMS.index(tuple(g[p[x]] for x in range(3)))
             elif name == "addmod":
                 value[i] = (value[refs[0]] + int(cell[1])) % modulus
@@ -102,10 +102,11 @@ def test_generators_are_deterministic_under_a_seed(name):
 def test_compose_is_not_commutative_so_order_matters():
     from meshlm.reasoning.cells import Compose
 
-    task = Compose(cells=6, roots=4, train_depth=1)
-    # roots A = 1, B = 3; E = A then 3, F = B then 1
-    labels = task.solve("A.1B.3C.0D.0Ea3Fb1")
-    assert labels[-3] != labels[-1]
+    task = Compose(cells=8, roots=4, train_depth=2)
+    # F = A then the swap (a), then the rotation (m: cell E, second alphabet); H = A then the
+    # rotation (i), then the swap (g: cell G)
+    labels = task.solve("A1B3C0D0EaFmGiHg")
+    assert labels[11] != labels[15] and None not in (labels[11], labels[15])
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ same loop step as the cells it names: each loop can extend every chain by one st
     task     a node's content       its value                         a root's content  chance
     chain    `c`                    the value of cell C               `7`               10%
     parity   `c` or `o` (12 cells)  value(C), or 1 − value(C) for `o` `1`               50%
-    compose  `c4`                   value(C) ∘ 4 in S3 (6 elements)   `.4`              17%
+    compose  `c` or `o` (12 cells)  value(C) ∘ s, or value(C) ∘ r     `4`               17%
     addmod   `c4`                   value(C) + 4 mod m                `.4`              1/m
     dagmod   `cf`                   value(C) + value(F) mod m         `.4`              1/m
 
@@ -186,23 +186,21 @@ class Chain(CellTask):
         return parents[0] if parents else cell
 
 
-class Parity(CellTask):
-    """A chain of copies and negations (parity along a path): a cell holds a bit or the name of an
-    earlier cell, written as its small letter (the same bit) or as the letter `cells` places further
-    on (the bit flipped, so with 12 cells `c` copies cell C and `o` negates it). A label is the
-    parity of the flips along its cell's chain, so it depends on every step of the chain, not only
-    its end; the cells stay one character wide, as chain's (a cell that names its parent and an
-    operand in two characters learns far slower, docs/reasoning.md)."""
+class _Folded(CellTask):
+    """One-character cells whose node names its parent in one of `len(ops)` alphabets of `cells`
+    letters each: letter `LETTERS[g * cells + p]` names cell p with operation g (with 12 cells, `c`
+    names cell C with the first operation, `o` with the second). Folding the operation into the
+    name keeps a cell one character wide, as chain's: a cell that writes its parent and an operand
+    as two characters learns far slower (docs/reasoning.md)."""
 
-    name = "parity"
-    summary = "a chain of copies and negations: label the bit at its end, flipped once per negation"
-    values = "01"
+    ops: int = 2
 
     def __init__(self, cells: int = 12, train_depth: int = 4, roots: int = 4, named: int = 1):
-        if not 2 <= cells <= len(LETTERS) // 2:
-            raise ValueError(f"need 2 <= cells <= {len(LETTERS) // 2} (two letters per cell)")
+        if not 2 <= cells <= len(LETTERS) // self.ops:
+            raise ValueError(f"need 2 <= cells <= {len(LETTERS) // self.ops} ({self.ops} letters "
+                             "per cell)")
         super().__init__(cells, train_depth, roots, named)
-        self.alphabet += LETTERS[cells:2 * cells]  # the negating names
+        self.alphabet += LETTERS[cells:self.ops * cells]  # the other operations' names
 
     def parents_of(self, cell):
         return [LETTERS.index(c) % self.cells for c in cell if c in LETTERS]
@@ -211,12 +209,28 @@ class Parity(CellTask):
         return rng.choice(self.values)
 
     def node(self, rng, parents):
-        return LETTERS[parents[0] + self.cells * rng.randrange(2)]
+        return LETTERS[parents[0] + self.cells * rng.randrange(self.ops)]
 
     def value(self, cell, parents):
-        if not parents:
-            return cell
-        return str(int(parents[0]) ^ (LETTERS.index(cell) >= self.cells))
+        return self.apply(parents[0], LETTERS.index(cell) // self.cells) if parents else cell
+
+    @abstractmethod
+    def apply(self, value: str, op: int) -> str:
+        """A node's value from its parent's and the operation its letter names."""
+
+
+class Parity(_Folded):
+    """A chain of copies and negations (parity along a path): a cell holds a bit or the name of an
+    earlier cell, as its small letter (the same bit) or as the letter `cells` places on (the bit
+    flipped). A label is the parity of the negations along its cell's chain, so it depends on every
+    step of the chain, not only its end."""
+
+    name = "parity"
+    summary = "a chain of copies and negations: label the bit at its end, flipped once per negation"
+    values = "01"
+
+    def apply(self, value, op):
+        return str(int(value) ^ op)
 
 
 class _Operand(CellTask):
@@ -240,18 +254,23 @@ _S3 = list(itertools.permutations(range(3)))
 S3_TABLE = [[_S3.index(tuple(b[a[x]] for x in range(3))) for b in _S3] for a in _S3]
 
 
-class Compose(_Operand):
+# S3's generators: a swap (the permutation (1, 0, 2)) and a rotation ((1, 2, 0))
+S3_GENERATORS = (_S3.index((1, 0, 2)), _S3.index((1, 2, 0)))
+
+
+class Compose(_Folded):
     """Running composition in the non-abelian group S3 along a chain (Merrill & Sabharwal 2025): a
-    cell holds an element (root) or an earlier cell and an element; its value is the parent's value
-    composed with its element. Order matters, so a model must follow the chain, not count."""
+    cell holds an element (root, 0-5) or an earlier cell named with a generator, its small letter
+    for the swap s and the letter `cells` on for the rotation r; its value is the parent's value
+    composed with that generator. s and r do not commute, so a model must follow the chain in
+    order, not count."""
 
     name = "compose"
-    summary = "composition in S3 along a chain: value(parent) ∘ element, labelled at every cell"
+    summary = "composition in S3 along a chain: value(parent) ∘ s or ∘ r, labelled at every cell"
     values = "012345"
 
-    def value(self, cell, parents):
-        g = int(cell[1])
-        return str(S3_TABLE[int(parents[0])][g]) if parents else str(g)
+    def apply(self, value, op):
+        return str(S3_TABLE[int(value)][S3_GENERATORS[op]])
 
 
 class _Modular(_Operand):
