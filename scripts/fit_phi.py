@@ -2,7 +2,9 @@
 
     meshlm reproduce configs/studies/phi.yaml --jobs 8     # widths x r in {1, 2, 4, 8} x schemes (a
                                                              GPU study)
-    python scripts/fit_phi.py runs/studies/phi             # φ, α and R² per scheme
+    python scripts/fit_phi.py runs/studies/phi             # φ, α, R² and residuals per scheme
+    meshlm reproduce configs/studies/phi-suite.yaml --jobs 2   # the CPU-sized study on chain
+    python scripts/fit_phi.py runs/studies/phi-suite
 """
 from __future__ import annotations
 
@@ -28,6 +30,9 @@ def main() -> None:
         f = fit(points)
         print(f"{scheme}: φ = {f['phi']:.3f}, α = {f['alpha']:.3f}, E = {f['E']:.3f}, R² = "
               f"{f['r2']:.4f} ({f['points']} runs)")
+        for (once, rec, r, loss), res in zip(points, f["residuals"]):  # where the fit misses
+            print(f"    N_once {once:>9,}  N_rec {rec:>9,}  r {r}  loss {loss:.4f}  "
+                  f"residual {res:+.4f}")
 
 
 if __name__ == "__main__":

@@ -23,10 +23,15 @@ def test_the_fit_recovers_a_known_exponent(phi):
     f = fit(synthetic(phi))
     assert f["phi"] == pytest.approx(phi, abs=0.01) and f["alpha"] == pytest.approx(0.3, abs=0.01)
     assert f["r2"] > 0.9999
+    assert max(map(abs, f["residuals"])) < 1e-3 and len(f["residuals"]) == 16
 
 
 def test_noise_moves_the_exponent_a_little_and_too_few_runs_are_refused():
-    assert fit(synthetic(0.46, noise=0.002))["phi"] == pytest.approx(0.46, abs=0.05)
+    noisy = synthetic(0.46, noise=0.002)
+    f = fit(noisy)
+    assert f["phi"] == pytest.approx(0.46, abs=0.05)
+    # the residuals are each run's loss minus the fit's: the noise, give or take the fit's error
+    assert np.std(f["residuals"]) == pytest.approx(0.002, rel=0.5)
     with pytest.raises(ValueError, match="at least 5"):
         fit(synthetic(0.46)[:4])
 

@@ -43,8 +43,8 @@ def _sse(x: np.ndarray, loss: np.ndarray) -> tuple[float, float, float]:
 
 
 def fit(points: list[tuple[float, float, float, float]]) -> dict:
-    """(N_once, N_rec, r, loss) points -> {"phi", "alpha", "E", "A", "r2", "points"}; needs >= 5
-    points."""
+    """(N_once, N_rec, r, loss) points -> {"phi", "alpha", "E", "A", "r2", "points", "residuals"
+    (each point's loss minus the fit's, in the points' order)}; needs >= 5 points."""
     if len(points) < 5:
         raise ValueError(f"fitting E, A, α and φ needs at least 5 runs, got {len(points)}")
     once, rec, r, loss = (np.asarray(c, dtype=float) for c in zip(*points))
@@ -63,9 +63,10 @@ def fit(points: list[tuple[float, float, float, float]]) -> dict:
         alphas = np.linspace(max(1e-3, alpha - 2 * dalpha), alpha + 2 * dalpha, 41)
     sse, phi, alpha, e, a = best
     total = float(((loss - loss.mean()) ** 2).sum())
+    predicted = e + a * (once + r ** phi * rec) ** -alpha
     return {"phi": float(phi), "alpha": float(alpha), "E": e, "A": a,
             "r2": 1 - sse / total if total else float("nan"),
-            "points": len(points)}
+            "points": len(points), "residuals": (loss - predicted).tolist()}
 
 
 def study_points(study_dir: str | Path,

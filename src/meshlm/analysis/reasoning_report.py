@@ -272,12 +272,14 @@ def run_summary(result: Reasoning, task: str) -> dict:
             "exits": exits}
 
 
-MARKDOWN_INTRO = ("exact match (%), mean ± std over seeds; 'hardest' = the top trained "
+MARKDOWN_INTRO = ("accuracy (%: per labelled position on labelled tasks, exact match per problem "
+                  "on answer-only ones), mean ± std over seeds; 'hardest' = the top trained "
                   "difficulty, 'beyond' = test difficulties above the training range, best K' > K "
                   "chosen per run; exit: accuracy against fixed depth at its cap (points), loop "
-                  "steps per token (the compute) as a share of the cap, Spearman ρ of the answer's "
-                  "loops with difficulty; '2× hardest' = twice the top trained difficulty; 'within "
-                  "depth' = labelled positions no deeper than K, run at K and at 4K loops:")
+                  "steps per token (the compute) as a share of the cap, Spearman ρ of a scored "
+                  "answer's (or labelled position's) loops with its difficulty; '2× hardest' = "
+                  "twice the top trained difficulty; 'within depth' = labelled positions no "
+                  "deeper than K, run at K and at 4K loops:")
 MARKDOWN_HEADER = ("| variant | seeds | K | trained, 1 loop | trained, K | hardest, 1 loop "
                    "| hardest, K | beyond, K | beyond, best K' | 2× hardest, K | 2× hardest, best "
                    "K' | within depth, K → 4K | exit |")
