@@ -233,9 +233,9 @@ def opened_windows(manifest: dict, step: int, every: int, block: int, seq_len: i
     difficulties, in windows of `seq_len` tokens (the split's sequences are `block` tokens)."""
     ends = (manifest.get("task") or {}).get("train_level_ends")
     if not ends:
-        raise ConfigError("train.curriculum needs task data prepared by this meshlm (`meshlm "
-                          "prepare --tasks ...`, which orders training problems by difficulty); "
-                          "set train.curriculum=0 for other data")
+        raise ConfigError("train.curriculum needs task data prepared by this meshlm "
+                          "(train.data=task:NAME or `meshlm prepare task:NAME`, which order "
+                          "training problems by difficulty); set train.curriculum=0 for other data")
     levels = sorted(ends, key=int)
     opened = levels[min(len(levels), 1 + step // every) - 1]
     return max(1, ends[opened] * block // seq_len)
