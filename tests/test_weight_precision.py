@@ -48,7 +48,10 @@ def test_the_policy_stores_weights_in_the_precision_it_computes_in(bf16_machine,
     assert precision.for_decoding("auto", decoding)[1].dtype is None
     # decoding under auto: fp32, exact across paths, every plain Linear laid out for decoding
     split = [m for m in decoding.modules() if isinstance(m, SplitLinear)]
-    assert len(split) == plain > 0 and linear_dtypes(decoding) == set()
+    # with the compiled kernel, MeSH's routers take a product of their own too (whether the kernel
+    # is ready depends on this machine and process, so count what took one)
+    routed = sum(getattr(m, "product", None) is not None for m in decoding.modules())
+    assert len(split) == plain + routed and plain > 0 and linear_dtypes(decoding) == set()
     assert {m.blocks.dtype for m in split} == {torch.float32}
     assert precision.for_model("auto", evaluating)[1].dtype == torch.bfloat16
     assert linear_dtypes(evaluating) == {torch.bfloat16}
