@@ -24,7 +24,7 @@ import time
 import torch
 
 from meshlm.config import ModelConfig
-from meshlm.data.tasks import IGNORE, encode_answer, encode_labelled, stack
+from meshlm.data.tasks import IGNORE, encode_answer, encode_labelled, opened, stack
 from meshlm.data.tokenizer import TextTokenizer
 from meshlm.model import MeshLM
 from meshlm.reasoning import Task, parse_levels, parse_tasks
@@ -58,9 +58,10 @@ def train(args, task: Task, tok: TextTokenizer, model: MeshLM) -> float:
     loops = parse_loops(args.train_loops)
     rng, start, smooth = random.Random(args.seed), time.time(), None
     for step in range(args.steps):
-        # a curriculum opens one difficulty every `curriculum` steps, from the lowest
-        opened = levels[:1 + step // args.curriculum] if args.curriculum else levels
-        x, y, _ = batch(task, tok, rng, opened, args.batch)
+        # a curriculum opens one difficulty every `curriculum` steps, from the lowest, as
+        # train.curriculum does
+        drawn = opened(levels, step, args.curriculum) if args.curriculum else levels
+        x, y, _ = batch(task, tok, rng, drawn, args.batch)
         loss = model(x, targets=y, loops=loops.draw(args.seed, step)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

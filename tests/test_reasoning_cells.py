@@ -270,7 +270,7 @@ def test_a_curriculum_opens_one_difficulty_at_a_time_and_is_a_function_of_the_st
     """The training split is written easiest first; train.curriculum=N draws step s's batch from the
     prefix that holds the difficulties opened by s (one every N steps), so a batch never holds a
     problem harder than its step allows, and the same step always gets the same batch (resume)."""
-    from meshlm.data.tasks import opened_windows
+    from meshlm.data.tasks import curriculum
     from meshlm.train.batches import get_batch
 
     data = PreparedData(chain_data, "train")
@@ -282,7 +282,7 @@ def test_a_curriculum_opens_one_difficulty_at_a_time_and_is_a_function_of_the_st
     ends = data.manifest["task"]["train_level_ends"]
     assert ends == {str(k): sum(d <= k for d in depth) for k in (1, 2, 3, 4)}
     for step, top in ((0, 1), (9, 1), (10, 2), (25, 3), (30, 4), (500, 4)):
-        n = opened_windows(data.manifest, step, 10, block, block)
+        n = curriculum(data.manifest, 10, block)(step)
         assert n == ends[str(top)]
         batch = get_batch(data, step, 16, block, seed=0, n_sequences=n)
         (bx, _), = batch
@@ -291,4 +291,4 @@ def test_a_curriculum_opens_one_difficulty_at_a_time_and_is_a_function_of_the_st
         assert torch.equal(bx, again[0])
     with pytest.raises(ConfigError, match=r"train.curriculum needs task data .* set "
                                           r"train.curriculum=0"):
-        opened_windows({"format": "text shards"}, 0, 10, block, block)  # not task data
+        curriculum({"format": "text shards"}, 10, block)  # not task data: refused at once

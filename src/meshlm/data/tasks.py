@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import random
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -192,7 +193,7 @@ def _write(spec: TaskData, resolved, out: Path) -> dict:
         return prompt + answer, [0] * len(prompt) + [1] * len(answer)
 
     # the training split in order of difficulty (stable), so that a curriculum (train.curriculum,
-    # `opened_windows`) is a prefix of it; the trainer's epoch permutations shuffle it otherwise
+    # `curriculum`) is a prefix of it; the trainer's epoch permutations shuffle it otherwise
     drawn.train.sort(key=lambda p: p.difficulty)
     ends = {str(level): sum(p.difficulty <= level for p in drawn.train)
             for level in sorted({p.difficulty for p in drawn.train})}
@@ -227,18 +228,24 @@ def _write(spec: TaskData, resolved, out: Path) -> dict:
     return manifest
 
 
-def opened_windows(manifest: dict, step: int, every: int, block: int, seq_len: int) -> int:
-    """The training windows a curriculum has opened at `step`: one difficulty every `every` steps
-    from the lowest, i.e. the prefix of the (difficulty-sorted) training split that holds the opened
-    difficulties, in windows of `seq_len` tokens (the split's sequences are `block` tokens)."""
-    ends = (manifest.get("task") or {}).get("train_level_ends")
+def opened(levels: list, step: int, every: int) -> list:
+    """The difficulties (`levels`, lowest first) a curriculum has opened at `step`: one every
+    `every` steps from the lowest."""
+    return levels[:1 + step // every]
+
+
+def curriculum(manifest: dict, every: int, seq_len: int) -> Callable[[int], int]:
+    """train.curriculum=`every` over prepared task data: step -> the training windows (of `seq_len`
+    tokens) its batch draws from, the prefix of the difficulty-sorted split that holds the
+    difficulties opened by then. Data without those counts are refused here, before training."""
+    task = manifest.get("task") or {}
+    ends = task.get("train_level_ends")
     if not ends:
         raise ConfigError("train.curriculum needs task data prepared by this meshlm "
-                          "(train.data=task:NAME or `meshlm prepare task:NAME`, which order "
+                          "(train.data=task:NAME or meshlm prepare task:NAME, which order "
                           "training problems by difficulty); set train.curriculum=0 for other data")
-    levels = sorted(ends, key=int)
-    opened = levels[min(len(levels), 1 + step // every) - 1]
-    return max(1, ends[opened] * block // seq_len)
+    levels, block = sorted(ends, key=int), task["block"]
+    return lambda step: max(1, ends[opened(levels, step, every)[-1]] * block // seq_len)
 
 
 Encoded = tuple[list[int], list[int], list[int]]  # input ids, target per position, difficulty per

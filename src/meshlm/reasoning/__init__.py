@@ -18,8 +18,9 @@ from meshlm.errors import ConfigError
 from meshlm.reasoning.cells import AddMod, Chain, Compose, DagMod, Parity, Sequence
 from meshlm.reasoning.tasks import Addition, Chase, Dag, ModSum, Problem, Task
 
-TASKS: dict[str, Task] = {task.name: task for task in (Chain(), Parity(), Compose(), AddMod(), DagMod(),
-                                                       Chase(), ModSum(), Addition(), Dag())}
+TASKS: dict[str, Task] = {task.name: task for task in (Chain(), Parity(), Compose(), AddMod(),
+                                                       DagMod(), Chase(), ModSum(), Addition(),
+                                                       Dag())}
 
 __all__ = ["TASKS", "Problem", "Sequence", "Task", "parse_levels", "parse_tasks", "range_text"]
 

@@ -187,7 +187,7 @@ class Chain(CellTask):
 
 
 class _Folded(CellTask):
-    """One-character cells whose node names its parent in one of `len(ops)` alphabets of `cells`
+    """One-character cells whose node names its parent in one of `ops` alphabets of `cells`
     letters each: letter `LETTERS[g * cells + p]` names cell p with operation g (with 12 cells, `c`
     names cell C with the first operation, `o` with the second). Folding the operation into the
     name keeps a cell one character wide, as chain's: a cell that writes its parent and an operand

@@ -91,7 +91,7 @@ class TrainConfig:
     backprop_loops: int = 0  # truncated backprop: only the last k loop passes keep autograd state;
     # 0 = all
     curriculum: int = 0  # task data: open one training difficulty every N steps, from the lowest
-    # (meshlm.data.tasks.opened_windows); 0 = every difficulty from the start
+    # (meshlm.data.tasks.curriculum); 0 = every difficulty from the start
     # -- optimizer and schedule (docs/training.md) -------------------------------------------------
     lr: float = 4e-3  # peak learning rate (the default small model; the paper configs set theirs)
     min_lr_ratio: float = 0.1  # cosine decays to this fraction of the peak

@@ -26,7 +26,7 @@ from meshlm import checkpoint
 from meshlm.adapters import adapt
 from meshlm.backbones import BACKBONES
 from meshlm.data.prepare import validation_batches
-from meshlm.data.tasks import opened_windows
+from meshlm.data.tasks import curriculum
 from meshlm.errors import ConfigError, MeshlmError
 from meshlm.model import MeshLM
 from meshlm.model.accounting import describe, train_flops_per_token
@@ -91,6 +91,9 @@ class Trainer(Checkpointing):
         self.data_dir = prepared_dir(plan, env)
         data = open_data(plan, self.data_dir)  # the checks preflight ran, on the folder opened
         self.train_data, self.val_data, self.seq_len = data.train, data.val, data.seq_len
+        # a curriculum: step -> the windows of the difficulties opened by then (None: all)
+        self.opened = (curriculum(self.train_data.manifest, cfg.curriculum, self.seq_len)
+                       if cfg.curriculum else None)
         self._build_model(resume)
         self.optimizer = build_optimizer(self.model, cfg, env.device)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
@@ -121,12 +124,9 @@ class Trainer(Checkpointing):
         """Forward/backward over this rank's micro-batches, then clip and step. Returns (loss, grad
         norm, ok)."""
         cfg, env = self.cfg, self.env
-        opened = None  # a curriculum: the windows of the difficulties opened by this step
-        if cfg.curriculum:
-            opened = opened_windows(self.train_data.manifest, step, cfg.curriculum,
-                                    self.train_data.manifest["task"]["block"], self.seq_len)
         batches = get_batch(self.train_data, step, cfg.global_batch, self.seq_len, cfg.seed,
-                            env.rank, env.world, micro_batches=self.accum, n_sequences=opened)
+                            env.rank, env.world, micro_batches=self.accum,
+                            n_sequences=self.opened(step) if self.opened else None)
         total = torch.zeros((), device=env.device)
         parts = {name: torch.zeros((), device=env.device) for name in LOSS_PARTS}
         depth = {}  # fixed depth: the model's own K, exactly today's call
