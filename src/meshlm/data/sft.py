@@ -37,7 +37,7 @@ from pathlib import Path
 from meshlm.data.cache_dir import cache_dir as resolve_cache
 from meshlm.data.examples import Example, build_cached, write_split
 from meshlm.data.prepare import ready_output_dir
-from meshlm.data.shards import FORMAT, token_dtype, write_manifest
+from meshlm.data.shards import FORMAT, MANIFEST, read_manifest, token_dtype, write_manifest
 from meshlm.data.tokenizer import TextTokenizer
 from meshlm.errors import DataError
 
@@ -113,19 +113,18 @@ def _keys(value: object) -> str:
     return f"keys {sorted(value)}" if isinstance(value, dict) else type(value).__name__
 
 
-def _head(folder: Path) -> str:
-    """The start of a prepared folder's manifest (enough to see what it holds)."""
+def _prepared_kind(folder: Path) -> str:
+    """What a prepared folder holds, from its manifest (an unreadable one: token shards)."""
     try:
-        return (folder / "manifest.json").read_text(encoding="utf-8")[:100_000]
-    except OSError:
-        return ""
+        return "labelled task data" if "labels" in read_manifest(folder) else "token shards"
+    except DataError:
+        return "token shards"
 
 
 def read_records(path: Path) -> list[tuple[str, object]]:
     """(where, record) per non-blank line: where = "file:line"."""
-    if path.is_dir() and (path / "manifest.json").is_file():
-        kind = "labelled task data" if '"labels"' in _head(path) else "token shards"
-        raise DataError(f"fine-tuning data {path} is a prepared folder ({kind}), "
+    if path.is_dir() and (path / MANIFEST).is_file():
+        raise DataError(f"fine-tuning data {path} is a prepared folder ({_prepared_kind(path)}), "
                         "which fine-tuning cannot use; pass a JSONL file of prompt/completion or "
                         f"messages records, or train on the folder with `meshlm train "
                         f"train.data={path}`")
