@@ -240,8 +240,12 @@ def run_summary(result: Reasoning, task: str) -> dict:
     hardest = (t.train_levels or "").partition("-")[2] or t.train_levels
     at_hardest = lambda d, t: d == hardest  # noqa: E731
     deeper = [row.loops for row in t.loops if row.loops > k]
-    beyond = lambda n: np.nan_to_num(_mean_acc([result], task, n, _beyond), nan=-1)  # noqa: E731
-    best = max(deeper, key=beyond) if deeper else None
+
+    def best_past_k(which) -> int | None:  # the loop count past K where `which` scores best
+        score = lambda n: np.nan_to_num(_mean_acc([result], task, n, which), nan=-1)  # noqa: E731
+        return max(deeper, key=score) if deeper else None
+
+    best = best_past_k(_beyond)
 
     def fixed(loops: int) -> float:  # every test problem at fixed depth: what exit is read against
         return _mean_acc([result], task, loops, lambda d, t: True)
@@ -251,9 +255,8 @@ def run_summary(result: Reasoning, task: str) -> dict:
              for row in t.exit]
     # test-time depth: twice the hardest trained difficulty, at the best loop count beyond K
     double = str(2 * int(hardest)) if hardest else ""
-    at_double = lambda n: np.nan_to_num(  # noqa: E731
-        _mean_acc([result], task, n, lambda d, t: d == double), nan=-1)
-    double_best = max(deeper, key=at_double) if deeper and double else None
+    at_double = lambda d, t: d == double  # noqa: E731
+    double_best = best_past_k(at_double) if double else None
     held = t.stability or {}
     return {"k": k, "one": _mean_acc([result], task, 1, _inside),
             "trained": _mean_acc([result], task, k, _inside),
@@ -262,10 +265,9 @@ def run_summary(result: Reasoning, task: str) -> dict:
             "beyond_k": _mean_acc([result], task, k, _beyond),
             "beyond_best": _mean_acc([result], task, best, _beyond) if best else np.nan,
             "best": best,
-            "double_k": _mean_acc([result], task, k, lambda d, t: d == double) if double
-            else np.nan,
-            "double_best": (_mean_acc([result], task, double_best, lambda d, t: d == double)
-                            if double_best else np.nan),
+            "double_k": _mean_acc([result], task, k, at_double) if double else np.nan,
+            "double_best": (_mean_acc([result], task, double_best, at_double) if double_best
+                            else np.nan),
             "double_loops": double_best,
             "stable_k": held[str(k)].acc if str(k) in held else np.nan,
             "stable_4k": held[str(4 * k)].acc if str(4 * k) in held else np.nan,
