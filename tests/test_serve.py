@@ -138,10 +138,26 @@ def test_concurrent_requests_equal_solo_ones(server, opened):
     ({"model": "tiny", "prompt": "x", "exit": "state"}, "is not CRITERION:THRESHOLD"),
     ({"model": "tiny", "prompt": "x", "speculate": "7"}, "must be in 1 … 2"),
     ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+    # values the code cannot execute, and types that were once coerced
+    ({"model": "tiny", "prompt": "x", "seed": 1180591620717411303424},
+     "seed: Input should be less than or equal to 18446744073709551615"),
+    ({"model": "tiny", "prompt": "x", "loops": 5000}, "loops=5000 is more than this model decodes "
+                                                      "with (at most 12: 4x the trained 3)"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": True}, "max_tokens: Input should be a valid "
+                                                           "integer"),
+    ({"model": "tiny", "prompt": "x", "loops": 2.0}, "loops: Input should be a valid integer"),
+    ({"model": "tiny", "prompt": "x", "stream": 1}, "stream: Input should be a valid boolean"),
+    ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": "yes"}},
+     "stream_options.include_usage: Input should be a valid boolean"),
+    ({"model": "tiny", "prompt": "\ud800"},
+     "prompt: Value error, holds a lone surrogate ('\\ud800' at character 0)"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "a\udfffb"}]},
+     "messages.0.content: Value error, holds a lone surrogate ('\\udfff' at character 1)"),
 ])
 def test_bad_requests_are_400_with_an_openai_error_body(server, body, message):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-    r = server.post(path, json=body)
+    # sent as JSON with escapes, as a client's json.dumps sends a lone surrogate
+    r = server.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
     assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
     assert r.json()["error"]["type"] == "invalid_request_error"
 
@@ -215,8 +231,11 @@ def test_sigterm_stops_admitting_drains_running_requests_and_exits_0(folder):
                 firsts = [await s.__anext__() for s in streams]
                 server.proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.2)
-                with pytest.raises((httpx.HTTPError, openai.APIError)):  # no longer admitted
+                health = server.get("/health")  # a new connection: still answered
+                assert health.status_code == 503 and health.json()["status"] == "draining"
+                with pytest.raises(openai.APIStatusError) as refused:  # no longer admitted
                     await c.completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
+                assert refused.value.status_code == 503
                 rest = []
                 for s in streams:
                     rest.append([chunk async for chunk in s])
@@ -226,6 +245,25 @@ def test_sigterm_stops_admitting_drains_running_requests_and_exits_0(folder):
             assert chunks[-1].choices[0].finish_reason == "length"
         code, err = server.proc.wait(timeout=60), server.proc.stderr.read()
         assert code == 0, err
+    finally:
+        server.stop()
+
+
+def test_a_stream_the_grace_period_cuts_ends_with_an_error_event_and_a_quiet_log(folder):
+    server = Server(folder, "--grace", "0.5")
+    try:
+        r = httpx.stream("POST", server.url + "/v1/completions", trust_env=False, timeout=60,
+                         json={"model": "tiny", "prompt": PROMPT, "max_tokens": 250,
+                               "stream": True, "ignore_eos": True, "loops": 12})
+        with r as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            server.proc.send_signal(signal.SIGTERM)
+            events = [json.loads(line[6:]) for line in lines
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert events[-1]["error"]["code"] == "server_shutdown", events[-1]
+        code, err = server.proc.wait(timeout=60), server.proc.stderr.read()
+        assert code == 0 and "Traceback" not in err and "CancelledError" not in err, err
     finally:
         server.stop()
 

@@ -125,7 +125,7 @@ def test_cancel_and_timeout_free_the_slot_at_the_next_boundary():
         pass
     assert other.tokens == reference(model, other)
     assert batcher.stats.finished == {"stop": 0, "length": 1, "cancelled": 1, "timeout": 1,
-                                      "error": 0}
+                                      "error": 0, "shutdown": 0}
 
 
 def test_eos_ends_a_row_and_one_token_requests_never_join():
@@ -275,3 +275,63 @@ def test_a_failing_chunked_prefill_ends_its_own_requests_and_the_others_go_on(mo
     assert broken.finish == "error" and "out of memory" in broken.error and not broken.tokens
     assert running.finish == "length" and running.tokens == reference(model, running)
     assert batcher.prefilling == [] and batcher.running == 0
+
+
+def poisoned_draws(monkeypatch, seed: int, after: int):
+    """Sampling raises (as torch.multinomial does on inf/nan probabilities) for the request seeded
+    `seed` from its `after`-th draw on; every other draw is meshlm's own."""
+    from meshlm.serve import cohorts
+
+    real, calls = cohorts.next_token, []
+
+    def next_token(logits, s, generator=None):
+        if s.seed == seed:
+            calls.append(1)
+            if len(calls) > after:
+                raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, s, generator)
+    monkeypatch.setattr(cohorts, "next_token", next_token)
+
+
+@pytest.mark.parametrize("after", [0, 3])  # its first token (the prefill) or mid-decoding
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_a_row_that_fails_alone_ends_alone_and_its_neighbours_decode_as_alone(monkeypatch, after,
+                                                                              chunk):
+    """One request's failure (its sampling) fails that request only: the requests admitted with it
+    at the same boundary, in the same cohort, finish with the tokens they decode alone."""
+    poisoned_draws(monkeypatch, seed=666, after=after)
+    model = build(tiny(spec="1+1R3+1"))
+    batcher = Batcher(model, eos_id=0, pad_id=1, prefill_chunk=chunk)
+    bad = Request(PROMPTS[0], Sampling(max_new_tokens=8, temperature=1.0, seed=666,
+                                       stop_at_eos=False))
+    good = requests()
+    sampled = Request(PROMPTS[2], Sampling(max_new_tokens=8, temperature=1.0, seed=7,
+                                           stop_at_eos=False))
+    for r in [good[0], bad, *good[1:], sampled]:  # one boundary: one prefill, one cohort
+        batcher.submit(r)
+    while batcher.step():
+        pass
+    assert bad.finish == "error" and "inf, nan" in bad.error and len(bad.tokens) == after
+    assert [r.finish for r in good] == ["length"] * len(good)
+    assert [r.tokens for r in good] == [reference(model, r) for r in good]
+    alone = Request(PROMPTS[2], sampled.sampling)
+    assert sampled.tokens == generate(model, [alone.prompt], alone.sampling)[0]
+
+
+def test_loops_are_capped_at_4x_the_trained_count_or_max_loops():
+    model = build(tiny(spec="1+1R3+1"))
+    Batcher(model, eos_id=0, pad_id=1).check(Request([5], greedy(2), loops=12))
+    with pytest.raises(ConfigError,
+                       match=r"loops=13 is more than .* \(at most 12: 4x the trained 3\)"):
+        Batcher(model, eos_id=0, pad_id=1).check(Request([5], greedy(2), loops=13))
+    capped = Batcher(model, eos_id=0, pad_id=1, max_loops=5)
+    capped.check(Request([5], greedy(2), loops=5))
+    with pytest.raises(ConfigError, match="at most 5: --max-loops"):
+        capped.check(Request([5], greedy(2), loops=6))
+
+
+def test_a_seed_outside_64_bits_is_refused_before_any_work():
+    with pytest.raises(ConfigError, match="must be a 64-bit integer"):
+        Sampling(seed=1180591620717411303424)
+    Sampling(seed=2 ** 64 - 1)
+    Sampling(seed=-2 ** 63)

@@ -29,7 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="nucleus sampling mass (1 = off; default 0.95)")
     p.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
     p.add_argument("--loops", type=int, default=None,
-                   help="run the core this many times (single-core specs)")
+                   help="run the core this many times (single-core specs; at most --max-loops)")
+    p.add_argument("--max-loops", type=int, default=None, metavar="N",
+                   help="the cap on --loops (default: 4x the trained count)")
     p.add_argument("--exit", default=None,
                    help="per-token adaptive exit, e.g. state:0.05 or kl:1e-4 (a token stops "
                         "looping once converged)")
@@ -51,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm.generate import check_room
+    from meshlm.generate import check_loops, check_room
     from meshlm.loading import open_model
     from meshlm.runtime import precision
 
@@ -61,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     model, tok = opened.model, opened.tokenizer
     prompts = [tok.encode(text) for text in texts]
     check_room(model, prompts, s)  # before anything is written to stdout
+    check_loops(model, args.loops, args.max_loops)
     device, chosen = precision.for_decoding(args.dtype, model)
     with precision.autocast(device, chosen):
         code = _generate(args, model, tok, s, texts, prompts)
@@ -132,6 +135,8 @@ def check_inputs(args: argparse.Namespace):
                 top_p=args.top_p, seed=args.seed, stop_at_eos=not args.ignore_eos)
     p.need(args.loops is None or args.loops >= 1,
            f"--loops {args.loops} must be >= 1 (omit it for the trained count)")
+    p.need(args.max_loops is None or args.max_loops >= 1,
+           f"--max-loops {args.max_loops} must be >= 1 (omit it for 4x the trained count)")
     if args.exit is not None:
         rule = p.check(ExitRule.parse, args.exit)
         args.exit = None if rule is None else str(rule)

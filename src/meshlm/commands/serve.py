@@ -4,8 +4,9 @@
 RUN_OR_FOLDER is anything `meshlm generate` opens (meshlm.loading). The server listens on 127.0.0.1
 by default; `--max-batch` rows decode together, `--max-queue` requests may wait (more get 429), each
 request may run for `--timeout` seconds; while rows decode, a longer prompt prefills
-`--prefill-chunk` tokens per step. SIGTERM stops admitting, lets the running requests finish
-within `--grace` seconds and exits 0; Ctrl-C does the same and exits 130.
+`--prefill-chunk` tokens per step. SIGTERM stops admitting (503, and /health answers 503
+"draining"), lets the running requests finish within `--grace` seconds, ends those still running
+with an error, and exits 0; Ctrl-C does the same and exits 130.
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="while other rows decode, prefill longer prompts N tokens per step, so "
                         f"they do not stall the others (0: whole prompts; default "
                         f"{DEFAULT_PREFILL_CHUNK})")
+    p.add_argument("--max-loops", type=int, default=None, metavar="N",
+                   help="the most core passes a request's `loops` may ask for (default: 4x the "
+                        "trained count)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a request may run (default 600)")
     p.add_argument("--grace", type=float, default=30.0,
@@ -60,6 +64,8 @@ def check_inputs(args: argparse.Namespace) -> None:
     p.need(0 <= args.port <= 65535, f"--port {args.port} must be in 0 … 65535")
     p.need(args.max_batch >= 1, f"--max-batch {args.max_batch} must be >= 1")
     p.need(args.max_queue >= 0, f"--max-queue {args.max_queue} must be >= 0")
+    p.need(args.max_loops is None or args.max_loops >= 1,
+           f"--max-loops {args.max_loops} must be >= 1 (omit it for 4x the trained count)")
     p.need(args.prefill_chunk >= 0, f"--prefill-chunk {args.prefill_chunk} must be >= 0 (0: "
                                     "whole prompts)")
     p.need(args.timeout > 0, f"--timeout {args.timeout} must be > 0 seconds")
@@ -114,15 +120,15 @@ def run(args: argparse.Namespace) -> int:
                           "precision": chosen.name,
                           "chat_template": "folder" if own else "meshlm default"})
     batcher = Batcher(model, tok.eos_id, tok.pad_id, args.max_batch, args.max_queue,
-                      args.prefill_chunk or None)
+                      args.prefill_chunk or None, args.max_loops)
     engine = Engine(batcher, lambda: precision.autocast(device, chosen))
     app = create_app(engine, served)
     app.router.on_startup.append(engine.start)
     app.router.on_shutdown.append(engine.stop)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=int(args.grace + 0.999) or None,
+                            timeout_graceful_shutdown=5,  # after the drain: see draining_server
                             lifespan="on")
-    server = draining_server(config, engine)
+    server = draining_server(config, engine, args.grace)
     # a port in use is a one-line error here, not uvicorn's exit
     sock = listening_socket(args.host, args.port)
     port = sock.getsockname()[1]  # --port 0: the one the system chose
@@ -150,19 +156,44 @@ def listening_socket(host: str, port: int):
     return sock
 
 
-def draining_server(config, engine):
-    """A uvicorn.Server whose SIGTERM drains: the engine refuses new requests (503) at once, uvicorn
-    closes the listening socket and waits up to --grace for the running ones, and the process then
-    exits 0 (uvicorn itself re-raises a signal after shutting down, which would end it with 143).
-    Ctrl-C drains the same way and then stops with 130."""
+def draining_server(config, engine, grace: float):
+    """A uvicorn.Server whose SIGTERM drains observably: the engine refuses new requests (503) and
+    /health answers 503 "draining" at once, while the listening socket stays open; the running
+    requests get up to `grace` seconds to finish; any still running then end with an error (a
+    stream's last event, else a 503 body) rather than a cut connection; then the server closes and
+    the process exits 0 (uvicorn itself re-raises a signal after shutting down, which would end it
+    with 143). Ctrl-C drains the same way and then stops with 130; a second Ctrl-C stops at
+    once."""
+    import asyncio
+    import time
+
     import uvicorn
 
     class Server(uvicorn.Server):
+        loop = None
+        draining = None
+
+        async def startup(self, sockets=None):
+            self.loop = asyncio.get_running_loop()
+            await super().startup(sockets)
+
         def handle_exit(self, sig, frame):
+            if self.draining is not None or self.loop is None:  # again, or before startup
+                return super().handle_exit(sig, frame)
             engine.draining = True
+            self.draining = asyncio.run_coroutine_threadsafe(self.drain(sig), self.loop)
+
+        async def drain(self, sig):
+            deadline = time.monotonic() + grace
+            while engine.busy() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            engine.shut_down()  # what is left ends with an error, not a cut connection
+            while engine.busy() and time.monotonic() < deadline + 5:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.1)  # the last events reach their clients
             if sig == signal.SIGTERM:
                 self.should_exit = True
-                return
-            super().handle_exit(sig, frame)
+            else:
+                super().handle_exit(sig, None)
 
     return Server(config)

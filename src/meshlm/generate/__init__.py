@@ -33,8 +33,33 @@ from meshlm.generate.sampling import (
 from meshlm.model import MeshLM
 from meshlm.model.kv_cache import KVCache
 
-__all__ = ["Sampling", "draw", "generate", "left_pad", "next_token", "probabilities",
-           "stream"]
+__all__ = ["LOOP_CAP_FACTOR", "Sampling", "check_loops", "draw", "generate", "left_pad",
+           "loop_cap", "next_token", "probabilities", "stream"]
+
+# decoding runs at most this many times the trained loop count unless the caller raises the cap
+# (meshlm generate / serve --max-loops): the depth study tests stability up to 4K, and past it a
+# request's cost grows with no evidence that its answers do
+LOOP_CAP_FACTOR = 4
+
+
+def loop_cap(model: MeshLM, max_loops: int | None = None) -> int:
+    """The most core passes a decoding request may ask for: `max_loops`, else LOOP_CAP_FACTOR times
+    the trained count."""
+    return max_loops or LOOP_CAP_FACTOR * len(model.schedule())
+
+
+def check_loops(model: MeshLM, loops: int | None, max_loops: int | None = None) -> None:
+    """ConfigError (one line, naming the fix) unless `loops` is None or 1 … loop_cap on a
+    single-core spec."""
+    if loops is None:
+        return
+    model.schedule(loops)  # single-core spec, loops >= 1
+    cap = loop_cap(model, max_loops)
+    if loops > cap:
+        why = ("--max-loops" if max_loops else
+               f"{LOOP_CAP_FACTOR}x the trained {len(model.schedule())}")
+        raise ConfigError(f"loops={loops} is more than this model decodes with (at most {cap}: "
+                          f"{why}); ask for {cap} or fewer, or raise the cap with --max-loops")
 
 
 def check_room(model: MeshLM, prompts: list[list[int]], s: Sampling) -> None:

@@ -13,6 +13,9 @@ import torch
 
 from meshlm.errors import ConfigError
 
+# the seeds a torch.Generator takes: a 64-bit integer, signed or not
+SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)
+
 
 @dataclass
 class Sampling:
@@ -29,6 +32,8 @@ class Sampling:
             (self.temperature >= 0, f"temperature={self.temperature} must be >= 0 (0 = greedy)"),
             (self.top_k >= 0, f"top_k={self.top_k} must be >= 0 (0 = no limit)"),
             (0 < self.top_p <= 1, f"top_p={self.top_p} must be in (0, 1]"),
+            (self.seed is None or SEED_RANGE[0] <= self.seed <= SEED_RANGE[1],
+             f"seed={self.seed} must be a 64-bit integer ({SEED_RANGE[0]} … {SEED_RANGE[1]})"),
         ] if not ok]
         if problems:
             raise ConfigError("invalid sampling settings: " + "; ".join(problems))

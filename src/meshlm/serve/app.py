@@ -118,14 +118,32 @@ def _errors(app: FastAPI, metrics: Metrics) -> None:
             error = problems[0].get("ctx", {}).get("error", "")
             return reply(400, api.error_body(f"the body is not valid JSON ({error}); send a JSON "
                                              "object"))
-        where = [".".join(str(x) for x in p["loc"] if x != "body") for p in problems]
-        message = "; ".join(f"{w or 'body'}: {p['msg']}" for w, p in zip(where, problems[:4]))
+        found = _problems(problems)
+        message = "; ".join(f"{where or 'body'}: {msg}" for where, msg in found[:4])
         return reply(400, api.error_body(f"invalid request: {message}",
-                                         param=where[0] if where else None))
+                                         param=found[0][0] if found else None))
 
     @app.exception_handler(HTTPException)
     async def http_error(_, err: HTTPException):
         return reply(err.status_code, api.error_body(str(err.detail), "invalid_request_error"))
+
+
+def _problems(problems: list[dict]) -> list[tuple[str, str]]:
+    """pydantic's errors as (field path, message), one per field: a value that fits none of a
+    union's types reports each type tried (`prompt.list[int]`, `prompt.str`…); the path drops
+    those tags, and a value error (a lone surrogate) wins over "should be a valid list"."""
+    found: dict[str, list[dict]] = {}
+    for p in problems:
+        loc = p["loc"][1:] if p["loc"][:1] == ("body",) else p["loc"]
+        unknown = loc[-1:] if p["type"] == "extra_forbidden" else ()  # the field not permitted
+        path = [str(x) for x in loc[:len(loc) - len(unknown)]
+                if isinstance(x, int) or x in api.FIELDS] + list(unknown)
+        found.setdefault(".".join(path), []).append(p)
+    out = []
+    for where, group in found.items():
+        meant = [p for p in group if not p["type"].endswith("_type")] or group
+        out.append((where, " or ".join(dict.fromkeys(p["msg"] for p in meant))))
+    return out
 
 
 def _job(served: Served, body: api.Body, ids: list[int], chat: bool) -> Job:
@@ -172,7 +190,7 @@ async def _respond(engine: Engine, served: Served, metrics: Metrics, body: api.B
     reply = api.Reply(chat, served.name)
     timing = metrics.timing()
     if body.stream:
-        usage = bool((body.stream_options or {}).get("include_usage"))
+        usage = body.stream_options is not None and body.stream_options.include_usage
         events = _events(engine, job, tokens, text, reply, timing, usage)
         return StreamingResponse(events, media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -188,7 +206,7 @@ async def _respond(engine: Engine, served: Served, metrics: Metrics, body: api.B
         watch.cancel()
         await tokens.aclose()
     text.finish()
-    if not text.stopped and job.finish in ("timeout", "error", "cancelled"):
+    if not text.stopped and job.finish in ("timeout", "error", "cancelled", "shutdown"):
         raise _failure(job)
     return reply.whole(text.text, _finish_reason(job, text), len(ids), len(job.tokens))
 
@@ -202,6 +220,10 @@ def _failure(job: Job) -> ApiError:
         return ApiError(504, f"the request ran past the server's timeout of {job.timeout:g} s",
                         "timeout_error",
                         code="timeout")
+    if job.finish == "shutdown":
+        return ApiError(503, "the server shut down before the request finished (its --grace "
+                             "period ran out); send it again", "server_error",
+                        code="server_shutdown")
     if job.finish == "cancelled":
         return ApiError(499, "the client disconnected", "cancelled")
     return ApiError(500, f"decoding failed: {job.error}", "server_error")
@@ -236,7 +258,7 @@ async def _events(engine: Engine, job: Job, tokens, text: TextStream, reply: api
         tail = text.finish()
         if tail:
             yield event(reply.chunk(tail))
-        if not text.stopped and job.finish in ("timeout", "error"):
+        if not text.stopped and job.finish in ("timeout", "error", "shutdown"):
             yield event(_failure(job).body)
         else:
             yield event(reply.chunk(None, _finish_reason(job, text)))

@@ -33,14 +33,14 @@ from dataclasses import dataclass, field
 import torch
 
 from meshlm.errors import ConfigError, MeshlmError
-from meshlm.generate import Sampling, check_room
+from meshlm.generate import Sampling, check_loops, check_room
 from meshlm.generate.batch import Batch
 from meshlm.generate.speculative import Speculation
 from meshlm.model import MeshLM
 from meshlm.model.exit import ExitRule
 from meshlm.serve.cohorts import Cohort, PlainCohort, Prefill, SpeculativeCohort
 
-FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error")
+FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error", "shutdown")
 _ids = itertools.count()
 
 
@@ -98,7 +98,8 @@ class Batcher:
     prefill this many columns per token boundary (None: whole prompts at once)."""
 
     def __init__(self, model: MeshLM, eos_id: int, pad_id: int, max_batch: int = 16,
-                 max_queue: int = 64, prefill_chunk: int | None = None):
+                 max_queue: int = 64, prefill_chunk: int | None = None,
+                 max_loops: int | None = None):
         if max_batch < 1 or max_queue < 0:
             raise ConfigError(f"max_batch={max_batch} must be >= 1 and max_queue={max_queue} >= 0")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -106,6 +107,7 @@ class Batcher:
                               "prompts)")
         self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.max_loops = max_loops  # a request's loops cap (None: meshlm.generate.loop_cap's rule)
         self.waiting: deque[Request] = deque()
         self.cohorts: dict[tuple, Cohort] = {}
         self.prefilling: list[Prefill] = []  # prompts part-prefilled, one group per cohort key
@@ -118,6 +120,7 @@ class Batcher:
         check_room(self.model, [r.prompt], r.sampling)
         if any(not 0 <= t < self.model.config.vocab_size for t in r.prompt):
             raise ConfigError(f"prompt token ids must be in 0 … {self.model.config.vocab_size - 1}")
+        check_loops(self.model, r.loops, self.max_loops)
         schedule = self.model.schedule(r.loops)
         if r.exit is not None:
             r.exit = str(ExitRule.parse(r.exit))
@@ -143,6 +146,14 @@ class Batcher:
             r.stop_requested = reason
         with self._wake:
             self._wake.notify()
+
+    def requests(self) -> list[Request]:
+        """Every request not finished: waiting, prefilling or decoding (a snapshot, any thread)."""
+        with self._wake:
+            waiting = list(self.waiting)
+        live = [r for c in list(self.cohorts.values()) for r in list(c.requests)]
+        live += [r for p in list(self.prefilling) for r in list(p.requests)]
+        return [r for r in waiting + live if r.finish is None]
 
     @property
     def running(self) -> int:
@@ -209,10 +220,20 @@ class Batcher:
                 else:
                     joining.setdefault(r.key(), []).append(r)
         for key, group in joining.items():
-            try:
-                self._start(key, group)
-            except Exception as err:  # noqa: BLE001 - a failure of some requests must not stop the others
+            self._isolated(group, lambda g, key=key: self._start(key, g))
+
+    def _isolated(self, group: list[Request], start: Callable[[list[Request]], None]) -> None:
+        """start(group); if that fails, start(each one alone), so that only the requests that fail
+        by themselves end with finish "error" (a failed start leaves the running batch as it
+        was)."""
+        try:
+            start(group)
+        except Exception as err:  # noqa: BLE001 - a failure of some requests must not stop the others
+            if len(group) == 1:
                 self._fail(group, err)
+                return
+            for r in group:
+                self._isolated([r], start)
 
     def _start(self, key: tuple, group: list[Request]) -> None:
         device = self.model.embed_in.weight.device
@@ -263,7 +284,11 @@ class Batcher:
             except Exception as err:  # noqa: BLE001 - one broken prefill must not stop the others
                 if prefill in self.prefilling:
                     self.prefilling.remove(prefill)
-                self._fail(prefill.requests, err)
+                if len(prefill) == 1:
+                    self._fail(prefill.requests, err)
+                else:  # prefill each one again alone: only what fails by itself fails
+                    self.prefilling.extend(Prefill.of([r], self.pad_id, self.model.embed_in.weight
+                                                      .device) for r in prefill.requests)
 
     def _drop_stopped(self, prefill: Prefill) -> None:
         """Finish the requests of `prefill` that were cancelled or timed out; free their rows."""
@@ -292,6 +317,8 @@ class Batcher:
     def _decode(self, cohort: Cohort) -> None:
         steps_before, tokens_before = cohort.loop_steps, cohort.tokens
         emitted = cohort.step()
+        for row, err in cohort.failed.items():  # rows whose own sampling failed: they alone end
+            self._fail([cohort.requests[row]], err)
         self.stats.steps += 1
         self.stats.step_rows += len(cohort)
         self.stats.loop_steps += cohort.loop_steps - steps_before

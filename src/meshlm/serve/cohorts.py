@@ -37,14 +37,22 @@ from meshlm.model import MeshLM
 from meshlm.model.kv_cache import KVCache
 
 
-def pick(logits: torch.Tensor, requests: list) -> torch.Tensor:
+def pick(logits: torch.Tensor, requests: list, failed: dict | None = None) -> torch.Tensor:
     """(B, V) last-position logits -> (B,) next tokens, each row with its request's sampling and
     generator (greedy rows: the argmax, as meshlm.generate; sampled rows one by one, so a seed's
-    draws are its own)."""
+    draws are its own). A row whose draw fails (e.g. its logits hold inf/nan) raises, or, given
+    `failed`, is recorded there (row -> exception) with its argmax as a placeholder token, so that
+    the other rows go on."""
     tokens = logits.argmax(-1)
     for row, request in enumerate(requests):
         if request.sampling.temperature > 0:
-            tokens[row] = next_token(logits[row:row + 1], request.sampling, request.generator)[0]
+            try:
+                tokens[row] = next_token(logits[row:row + 1], request.sampling,
+                                         request.generator)[0]
+            except RuntimeError as err:
+                if failed is None:
+                    raise
+                failed[row] = err
     return tokens
 
 
@@ -107,6 +115,8 @@ class Cohort(ABC):
         # core passes run per decoded token, summed over tokens (exit lowers it)
         self.loop_steps = 0
         self.tokens = 0  # tokens decoded by `step`
+        self.failed: dict[int, Exception] = {}  # the last step's rows that failed alone (row ->
+        # why): the batcher ends those requests with finish "error"; the other rows go on
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -160,7 +170,8 @@ class PlainCohort(Cohort):
         mask = torch.cat([s.mask, s.mask.new_ones(len(s), 1)], 1)
         out = self.model(s.pending[:, None], padding_mask=padding_if_any(mask), cache=s.kv,
                          loops=self.loops, exit=self.exit)
-        s.mask, s.pending = mask, pick(out.logits[:, -1], self.requests)
+        self.failed = {}
+        s.mask, s.pending = mask, pick(out.logits[:, -1], self.requests, self.failed)
         self.tokens += len(s.pending)
         self.loop_steps += len(s.pending) * len(self.schedule) if out.exit_loops is None else \
             int(out.exit_loops.sum())

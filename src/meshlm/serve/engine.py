@@ -5,7 +5,8 @@ thread, so it is entered there). `Engine.open(request)` submits a request and yi
 as the thread delivers them: the batcher's callbacks hop onto the event loop with
 call_soon_threadsafe. Leaving the iterator early (a client that disconnected, a stop string) cancels
 the request, and its batch row is freed at the next token boundary. `draining` is set on SIGTERM:
-the app then refuses new requests while the running ones finish.
+the app then refuses new requests while the running ones finish, and `shut_down` ends those
+left when the grace period runs out.
 """
 from __future__ import annotations
 
@@ -40,6 +41,16 @@ class Engine:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+
+    def busy(self) -> bool:
+        """Requests are running or waiting."""
+        return bool(self.batcher.running or self.batcher.queued)
+
+    def shut_down(self) -> None:
+        """End every running and waiting request at the next token boundary with finish
+        "shutdown" (the drain's grace ran out)."""
+        for r in self.batcher.requests():
+            self.batcher.cancel(r, "shutdown")
 
     def open(self, request: Request) -> AsyncIterator[list[int]]:
         """Submit the request (ConfigError / QueueFull are raised here, before anything is sent) and

@@ -1,7 +1,7 @@
 """Prometheus metrics of `meshlm serve` (GET /metrics, text format), in a registry of the app's own.
 
-    meshlm_requests_finished_total{reason}   stop | length | cancelled | timeout | error (from the
-                                             batcher)
+    meshlm_requests_finished_total{reason}   stop | length | cancelled | timeout | error |
+                                             shutdown (from the batcher)
     meshlm_requests_refused_total{status}    400, 429, 503 … answered without decoding
     meshlm_generated_tokens_total            tokens delivered
     meshlm_requests_running / _queued        rows decoding now / requests waiting for a row
