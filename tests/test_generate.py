@@ -55,6 +55,16 @@ def test_sampling_is_reproducible_and_filters():
     assert set(greedy.tolist()) == {1}
 
 
+@pytest.mark.parametrize("settings", [{"temperature": 5e-324}, {"temperature": 1e-30},
+                                      {"top_p": 5e-324}, {"top_p": 1e-45, "top_k": 1}])
+def test_the_tiniest_valid_temperature_and_top_p_draw_the_argmax(settings):
+    """Values a JSON body may carry: 1 / 5e-324 overflows to inf, and 5e-324 is 0 in fp32."""
+    logits = torch.randn(3, 50) * 10
+    s = Sampling(seed=0, **{"temperature": 1.0, **settings})
+    tokens = next_token(logits, s, torch.Generator().manual_seed(0))
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
 def test_bad_sampling_settings_are_one_clear_error():
     with pytest.raises(ConfigError, match="temperature=-1.*top_p=0"):
         Sampling(temperature=-1, top_p=0)

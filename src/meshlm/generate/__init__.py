@@ -53,13 +53,13 @@ def check_loops(model: MeshLM, loops: int | None, max_loops: int | None = None) 
     single-core spec."""
     if loops is None:
         return
-    model.schedule(loops)  # single-core spec, loops >= 1
     cap = loop_cap(model, max_loops)
-    if loops > cap:
+    if loops > cap:  # before the schedule is built: a loops of 10^20 must not build it
         why = ("--max-loops" if max_loops else
                f"{LOOP_CAP_FACTOR}x the trained {len(model.schedule())}")
         raise ConfigError(f"loops={loops} is more than this model decodes with (at most {cap}: "
                           f"{why}); ask for {cap} or fewer, or raise the cap with --max-loops")
+    model.schedule(loops)  # single-core spec, loops >= 1
 
 
 def check_room(model: MeshLM, prompts: list[list[int]], s: Sampling) -> None:

@@ -13,6 +13,7 @@ import torch
 
 from meshlm.errors import ConfigError
 
+MIN_TEMPERATURE = 1e-6  # sampling divides by at least this (logits of |x| < 1e4 stay finite)
 # the seeds a torch.Generator takes: a 64-bit integer, signed or not
 SEED_RANGE = (-2 ** 63, 2 ** 64 - 1)
 
@@ -44,7 +45,9 @@ def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
     top-p (nucleus) filtering, in fp32. Greedy (temperature 0) is the one-hot of the argmax."""
     if s.temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits.float() / s.temperature
+    # a temperature of 5e-324 is valid, but logits / it overflow to inf and softmax gives nan; below
+    # MIN_TEMPERATURE the distribution is the argmax's (ties shared) in fp32 anyway
+    logits = logits.float() / max(s.temperature, MIN_TEMPERATURE)
     if s.top_k:
         kth = logits.topk(min(s.top_k, logits.shape[-1]), dim=-1).values[..., -1:]  # (..., 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -53,6 +56,7 @@ def probabilities(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         # mass before this token already >= p
         drop_sorted = cumulative - sorted_logits.softmax(-1) >= s.top_p
+        drop_sorted[..., 0] = False  # the likeliest always stays (a top_p of 5e-324 is 0 in fp32)
         logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
     return logits.softmax(-1)
 
