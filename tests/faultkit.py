@@ -320,6 +320,19 @@ def _earlier_result_kept(path: str) -> Callable[[Path], None]:
     return check
 
 
+NOTES = "a user's notes\n"
+
+
+def _notes(tmp: Path, world) -> None:
+    """{tmp}/notes: a folder of someone else's files, which no command may write over."""
+    write(tmp / "notes" / "notes.txt", NOTES)
+
+
+def _notes_kept(tmp: Path) -> None:
+    assert [p.name for p in (tmp / "notes").iterdir()] == ["notes.txt"]
+    assert (tmp / "notes" / "notes.txt").read_text() == NOTES
+
+
 def _no_folder_left(path: str) -> Callable[[Path], None]:
     def check(tmp: Path) -> None:
         assert not (tmp / path).exists() and not list(tmp.glob(f".{path}.*")), list(tmp.iterdir())
@@ -405,6 +418,12 @@ CASES: list[Case] = [
          setup=lambda tmp, w: write(tmp / "file", "x")),
     Case("prepare", "--out already prepared", ["prepare", "{corpus}", "-o", "{data}"], 2,
          "pass --overwrite"),
+    Case("prepare", "--out holding someone else's files, with --overwrite",
+         ["prepare", "{corpus}", "-o", "{tmp}/notes", "--overwrite"], 2,
+         "did not write", setup=_notes, after=_notes_kept),
+    Case("prepare", "--out the input folder itself", ["prepare", "{corpus}", "-o", "{corpus}",
+                                                      "--overwrite"], 2,
+         "is the source"),
     Case("prepare", "--val-fraction 1.5",
          ["prepare", "{corpus}", "-o", "{tmp}/out", "--val-fraction", "1.5"], 2,
          "must be in [0, 1)"),
@@ -683,6 +702,15 @@ CASES: list[Case] = [
     Case("finetune", "a LoRA rank below 0",
          ["finetune", "{run}", "{tmp}/chat.jsonl", "train.lora_rank=-1"], 2,
          "lora_rank=-1 must be >= 1", setup=lambda tmp, world: _chat_data(tmp), patch=empty_cache),
+    Case("finetune", "a LoRA rank as wide as the layers it adapts",
+         ["finetune", "{run}", "{tmp}/chat.jsonl", "train.lora_rank=100000"], 2,
+         "pass train.lora_rank=63 or less", setup=lambda tmp, world: _chat_data(tmp),
+         patch=empty_cache),
+    Case("finetune", "a run folder of someone else's files",
+         ["finetune", "{run}", "{tmp}/chat.jsonl", "train.out_dir={tmp}", "train.name=notes"], 2,
+         "no meshlm training wrote",
+         setup=lambda tmp, world: (_chat_data(tmp), _notes(tmp, world)), patch=empty_cache,
+         after=_notes_kept),
     Case("describe", "per-loop LoRA without a shared core",
          ["describe", "--spec", "2+4+2", "--scheme", "base",
           "--loop-lora-rank", "4"], 2,
@@ -831,6 +859,11 @@ CASES: list[Case] = [
          "no space left on device",
          patch=lambda mp, tmp: mp.setattr("meshlm.errors.shutil.disk_usage",
                                           lambda path: shutil._ntuple_diskusage(1, 1, 0))),
+    Case("probe", "an earlier probe in place, without --overwrite", ["probe", "{tmp}/run"], 2,
+         "pass --overwrite",
+         setup=lambda tmp, w: (copy_run(tmp, w), write(tmp / "run" / "probe" / "probe.json",
+                                                       EARLIER)),
+         after=_earlier_result_kept("run/probe/probe.json")),
     Case("eval", "an output folder on a full disk (found before perplexity)",
          ["eval", "{run}", "--out",
           "{tmp}/e.json"], 2,
@@ -842,7 +875,10 @@ CASES: list[Case] = [
          "does not exist"),
     Case("convert", "an output folder that is not empty",
          ["convert", "{run}", "{corpus}", "--to", "hf"], 2,
-         "already exists and is not empty"),
+         "did not write"),
+    Case("convert", "the source as its own output, with --overwrite",
+         ["convert", "{run}", "{run}", "--to", "hf", "--overwrite"], 2,
+         "is the source"),
     Case("convert", "a MeSH model to GPT-NeoX", ["convert", "{run}", "{tmp}/out", "--to", "neox"],
          2,
          "only a vanilla model converts"),
@@ -865,6 +901,19 @@ CASES: list[Case] = [
          ["quantize", "{tmp}/run/int8", "--bits", "8"], 2,
          "is quantized already",
          setup=lambda tmp, w: quantized_copy(tmp, w)),
+    Case("quantize", "--out the run itself, with --overwrite",
+         ["quantize", "{tmp}/run", "--bits", "8", "--out", "{tmp}/run", "--overwrite"], 2,
+         "is the source", setup=lambda tmp, w: copy_run(tmp, w),
+         after=_earlier_checkpoint_intact),
+    Case("quantize", "--out holding someone else's files, with --overwrite",
+         ["quantize", "{run}", "--bits", "8", "--out", "{tmp}/notes", "--overwrite"], 2,
+         "did not write", setup=_notes, after=_notes_kept),
+    Case("quantize", "an earlier quantized checkpoint in place, without --overwrite",
+         ["quantize", "{tmp}/run", "--bits", "8", "--activations", "bf16"], 2,
+         "pass --overwrite", setup=lambda tmp, w: quantized_copy(tmp, w)),
+    Case("quantize", "--out under /proc", ["quantize", "{run}", "--bits", "8", "--out", "/proc/q"],
+         2,
+         "not a place files can be created"),
     Case("retrofit", "--scheme-options that are not JSON",
          ["retrofit", "{run}", "{tmp}/out", "--spec", "1+1R2+1",
           "--scheme-options", "slots=4"], 2,
@@ -874,6 +923,9 @@ CASES: list[Case] = [
          "does not exist"),
     Case("retrofit", "a looped source", ["retrofit", "{run}", "{tmp}/out", "--spec", "1+1R2+1"], 2,
          "vanilla"),
+    Case("retrofit", "an output folder of someone else's files",
+         ["retrofit", "{run}", "{tmp}/notes", "--spec", "1+1R2+1", "--overwrite"], 2,
+         "did not write", setup=_notes, after=_notes_kept),
     # -- report / reproduce / fetch
     Case("report", "a run with nothing to report", ["report", "{tmp}"], 1, "has no eval.json"),
     Case("report", "an output folder that cannot be written",
@@ -885,6 +937,12 @@ CASES: list[Case] = [
          ["report", "{run}", "--out", "{tmp}/r.html"], 1,
          "no space left on device", setup=_earlier_result("r.html"), patch=full_disk,
          after=_earlier_result_kept("r.html")),
+    Case("report", "--figures into a folder of someone else's files",
+         ["report", "{run}", "--figures", "{tmp}/notes", "--overwrite"], 2,
+         "did not write", setup=_notes, after=_notes_kept),
+    Case("tasks", "an export into a folder of someone else's files",
+         ["tasks", "export", "{tmp}/notes", "--overwrite"], 2,
+         "did not write", setup=_notes, after=_notes_kept),
     Case("reproduce", "neither a study nor --quick", ["reproduce"], 2,
          "pass a study file or --quick"),
     Case("reproduce", "a study file that does not exist", ["reproduce", "{tmp}/nope.yaml"], 2,

@@ -180,7 +180,7 @@ def test_bad_inputs_are_clear_errors(pythia, tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["convert", "{tmp}/nowhere", "{tmp}/out"], "does not exist"),
     (["retrofit", "{neox}", "{tmp}/out", "--spec", "3+2R2+3"], "does not fit the 4-layer source"),
-    (["convert", "{neox}", "{neox}"], "already exists and is not empty"),
+    (["convert", "{neox}", "{neox}"], "is the source"),
 ])
 def test_cli_errors_exit_2_with_one_line(pythia, tmp_path, args, message, capsys):
     assert main([a.format(tmp=tmp_path, neox=pythia[0]) for a in args]) == 2

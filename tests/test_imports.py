@@ -166,7 +166,7 @@ LAYERS = (
     ("model", ("meshlm.model",)),
     ("below the loader",  # data, runtime, checkpoints, Hub, LoRA/int8 structure, format adapters
      ("meshlm.data", "meshlm.reasoning", "meshlm.runtime", "meshlm.checkpoint", "meshlm.manifest",
-      "meshlm.hub", "meshlm.adapters", "meshlm.quant", "meshlm.interop")),
+      "meshlm.outputs", "meshlm.hub", "meshlm.adapters", "meshlm.quant", "meshlm.interop")),
     ("loader", ("meshlm.loading",)),
     ("users of a model", ("meshlm.train", "meshlm.evaluation", "meshlm.generate", "meshlm.analysis",
                           "meshlm.serve", "meshlm.hf", "meshlm.quant.report",

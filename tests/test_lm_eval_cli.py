@@ -53,6 +53,16 @@ def test_exported_yamls_hold_lm_evals_own_and_point_at_absolute_copies(tmp_path)
     assert suite["task"] == names
 
 
+def test_tasks_export_replaces_only_its_own_earlier_export(tmp_path, capsys):
+    cache = wheel_cache(tmp_path / "cache")
+    args = ["tasks", "export", str(tmp_path / "tasks"), "--tasks", "piqa", "--cache-dir",
+            str(cache)]
+    assert main(args) == 0
+    assert main(args) == 2 and "pass --overwrite" in capsys.readouterr().err
+    assert main([*args, "--overwrite"]) == 0
+    assert (tmp_path / "tasks" / "meshlm_piqa.yaml").is_file()
+
+
 def _loglikelihoods(records: list[dict], task_of) -> dict[tuple[str, int], list[float]]:
     """(task, doc_id) -> each request's loglikelihood, from lm-eval sample records."""
     out = {}

@@ -15,6 +15,7 @@ import torch
 from evalkit import tiny_checkpoint
 from trainkit import make_prepared
 
+from meshlm import outputs
 from meshlm.analysis import plots
 from meshlm.analysis.probes import probe
 from meshlm.analysis.report import collect, notes, table_one
@@ -73,6 +74,16 @@ def write_metrics(run_dir, offset: float = 0.0, steps: int = 20,
                                            + '{"kind": "tr')
 
 
+@pytest.mark.slow
+def test_report_figures_replace_only_an_earlier_reports_with_overwrite(runs, tmp_path, capsys):
+    args = ["report", *map(str, runs), "--out", str(tmp_path / "r.html"), "--figures",
+            str(tmp_path / "figures")]
+    assert main(args) == 0
+    assert main(args) == 2 and "pass --overwrite" in capsys.readouterr().err
+    assert main([*args, "--overwrite"]) == 0
+    assert outputs.made_by(tmp_path / "figures") == "report"
+
+
 def test_report_renders_every_section_for_two_runs(runs, tmp_path, capsys):
     out = tmp_path / "report.html"
     assert main(["report", *map(str, runs), "--out", str(out), "--title", "two tiny runs",
@@ -97,7 +108,7 @@ def test_report_renders_every_section_for_two_runs(runs, tmp_path, capsys):
     assert len(images) == 3 + 6  # loss curves, loss vs loops, exit frontier + the six probe figures
     assert not re.search(r"(src|href)=['\"](http|file|/)", page)  # self-contained
     assert "--limit 10" in page  # the fake suites were "limited": the note says so
-    saved = sorted(p.name for p in (tmp_path / "figures").iterdir())
+    saved = sorted(p.name for p in (tmp_path / "figures").iterdir() if p.name != outputs.MARKER)
     names = ("curves", "loops", "exit", "updates", "cka", "cka_steps", "spectrum", "rank", "router")
     assert saved == sorted(f"{n}.{fmt}" for n in names for fmt in ("png", "svg", "pdf"))
     assert (tmp_path / "figures" / "loops.svg").read_text().lstrip().startswith("<?xml")

@@ -33,9 +33,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
+from meshlm.config import ModelConfig
 from meshlm.errors import ConfigError
+from meshlm.model import MeshLM
 from meshlm.model.loop_lora import ROLES, example_target, targets_of
 from meshlm.trainable import SECTIONS, trainable_roles, words
 
@@ -84,6 +87,28 @@ def target_names(model: nn.Module, targets: str) -> list[str]:
               "core": [(f"cores.{i}", core) for i, core in enumerate(model.cores)]}
     return [f"{prefix}.{j}.{name}" for section in sections for prefix, stack in stacks[section]
             for j, layer in enumerate(stack) for name in targets_of(layer, kinds)]
+
+
+def rank_problem(model_cfg: ModelConfig, train: dict[str, Any]) -> str | None:
+    """Why `train`'s LoRA rank does not fit the model `model_cfg` describes, else None: a rank
+    r >= min(in, out) of the narrowest Linear it adapts is full rank there, so it trains more values
+    than the layer has (r·(in + out) against in·out) and saves nothing. The model is built on the
+    meta device: no memory, no weights read. A selection matching nothing is apply_lora's error."""
+    spec = LoraSpec.of(train)
+    if spec is None:
+        return None
+    with torch.device("meta"):
+        model = MeshLM(model_cfg)
+    widths = {name: min(module.in_features, module.out_features)
+              for name in target_names(model, spec.targets)
+              if hasattr(module := model.get_submodule(name), "in_features")}
+    if not widths or spec.rank < min(widths.values()):
+        return None
+    narrowest = min(widths, key=widths.__getitem__)
+    return (f"lora_rank={spec.rank} is not below the width of {narrowest} ({widths[narrowest]}), "
+            f"the narrowest layer lora_targets={spec.targets!r} adapts: that is full rank, with "
+            f"more values to train than the layer has; pass train.lora_rank="
+            f"{widths[narrowest] - 1} or less (train.lora_rank=0 trains the full weights)")
 
 
 def apply_lora(model: nn.Module, spec: LoraSpec) -> nn.Module:

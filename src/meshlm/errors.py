@@ -66,6 +66,15 @@ def free_bytes(path: str | Path) -> float:
         return float("inf")
 
 
+def total_bytes(path: str | Path) -> float:
+    """Size of the filesystem holding `path` (infinite when it cannot be asked; 0 for /proc, /sys,
+    which hold no files one can create)."""
+    try:
+        return shutil.disk_usage(nearest_existing(path)).total
+    except OSError:
+        return float("inf")
+
+
 def free_space(path: str | Path) -> str:
     """Free space of the filesystem holding `path` (or its nearest existing parent), e.g. "1.2 GB
     free"."""
@@ -141,13 +150,18 @@ class Problems:
 
     def writable(self, path: str | os.PathLike, setting: str) -> bool:
         """Records a problem unless `path` (or, if it does not exist yet, its nearest existing
-        parent) can be written: a read-only filesystem, a missing permission or a full disk (under
-        MIN_FREE left) is found before any work, not after it."""
+        parent) can be written: a virtual filesystem (/proc), a read-only filesystem, a missing
+        permission or a full disk (under MIN_FREE left) is found before any work, not after it."""
         existing = nearest_existing(path)
         # the folder, or one it would be made in, is a file: not a permission problem
         if existing.is_file():
             return self.need(False, f"{setting} {path}: {existing} is a file, not a folder; choose "
                                     "a folder path")
+        # a filesystem of no size (/proc, /sys): not full, but no place for files at all
+        if not self.need(total_bytes(existing) != 0,
+                         f"{setting} {path}: {existing} is not a place files can be created (a "
+                         "virtual filesystem such as /proc or /sys); choose a folder on a disk"):
+            return False
         if not self.need(os.access(existing, os.W_OK | os.X_OK),
                          f"{setting} {path}: cannot write to {existing} (read-only or no "
                          "permission); choose a folder you can write to"):

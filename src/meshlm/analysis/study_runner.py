@@ -78,7 +78,8 @@ def _run_stages(study: Study, run: Run, tag: str, children: Children, env: dict[
     _check_call(command, run, "train", children, env)
     record_wall_time(run, time.perf_counter() - start)
     log(f"{tag} {run.name}: evaluating and probing")
-    for stage, args in (("eval", study.eval_args), ("probe", study.probe_args)):
+    # the run's own probe folder: a rerun after an interrupted eval replaces the earlier probe
+    for stage, args in (("eval", study.eval_args), ("probe", [*study.probe_args, "--overwrite"])):
         _check_call(meshlm_command(stage, str(run.dir), *args), run, stage, children, env)
 
 

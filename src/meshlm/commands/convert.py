@@ -18,7 +18,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source",
                    help="GPT-NeoX, Llama or OLMoE folder, meshlm checkpoint/run dir, or meshlm "
                         "Hugging Face folder")
-    p.add_argument("out", help="output folder (must not exist or be empty)")
+    p.add_argument("out", help="output folder: new, empty, or an earlier convert output with "
+                               "--overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier `meshlm convert` output in OUT (never other files)")
     p.add_argument("--to", choices=FORMATS, default=None,
                    help="target format (default: meshlm from a family or hf folder; from meshlm, "
                         "the family of the model's backbone)")
@@ -34,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     if not hub.exists(args.source):
         raise ConfigError(f"source {args.source} does not exist; pass a model folder, a meshlm "
                           "run/checkpoint or a Hugging Face Hub name org/name[@revision]")
-    out = convert(args.source, args.out, args.to, args.tokenizer, args.force_tokenizer)
+    out = convert(args.source, args.out, args.to, args.tokenizer, args.force_tokenizer,
+                  args.overwrite)
     print(f"wrote {out} ({locate(out).format} format)")
     return 0

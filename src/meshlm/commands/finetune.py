@@ -15,6 +15,12 @@ cache (with the folder's tokenizer and chat template), and fine-tuning defaults 
 that any KEY=VALUE override replaces. A LoRA run also writes `<run>/merged`: a meshlm checkpoint
 with the adapters merged into the base weights (`meshlm convert <run>/merged OUT --to hf` exports it
 for transformers).
+
+The run folder (<out_dir>/<name>, default runs/<source's run>-ft) must be new, empty or a meshlm
+run's own (then train's rules apply: --resume continues it; a fresh start refuses its checkpoints),
+and never the source's: a folder of other files is refused before anything is prepared
+(meshlm.outputs.claim_run). So is a train.lora_rank as wide as the layers it adapts
+(meshlm.adapters.rank_problem, checked by meshlm.train.plan).
 """
 from __future__ import annotations
 
@@ -42,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm import atomic, checkpoint
+    from meshlm import atomic, checkpoint, outputs
     from meshlm.commands.train import log_to_stderr
     from meshlm.data.sft import DEFAULT_TEMPLATE, cached_sft_data
     from meshlm.data.tokenizer import TEMPLATE_FILE
@@ -56,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, [*FINETUNE_DEFAULTS, *name, f"train.init_from={args.source}",
                                     *args.overrides])
     plan = resolve(cfg)  # the folder's model and tokenizer, which the data are prepared with
+    outputs.claim_run(plan.run_dir, [args.source, folder.path])  # before the data are prepared
     own = chat_template(args, folder)  # None: meshlm's default
     data = cached_sft_data(args.data, plan.tokenizer, own, plan.model.context_length)
     template = own or DEFAULT_TEMPLATE

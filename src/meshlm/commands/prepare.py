@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-tokens", type=int, default=None,
                         help="tokens per shard file (default 100M)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="replace data already prepared in --out")
+                        help="replace data already prepared in --out (a folder holding other files "
+                             "is refused, --overwrite or not)")
     parser.add_argument("--allow-binary", action="store_true",
                         help="read files that look binary (NUL bytes, >30%% invalid UTF-8) as "
                              "text anyway")
@@ -89,7 +90,7 @@ def check_inputs(args: argparse.Namespace) -> None:
     once)."""
     from pathlib import Path
 
-    from meshlm.data.shards import MANIFEST
+    from meshlm import outputs
     from meshlm.data.tokenizer import load_tokenizer
     from meshlm.errors import Problems
 
@@ -97,10 +98,8 @@ def check_inputs(args: argparse.Namespace) -> None:
     missing = [path for path in args.inputs if not Path(path).expanduser().exists()]
     p.need(not missing, f"input{'s' if len(missing) > 1 else ''} {', '.join(missing)} "
                         f"do{'' if len(missing) > 1 else 'es'} not exist; check the path")
-    out = Path(args.out).expanduser()
-    p.need(not (out.exists() and not out.is_dir()), f"--out {out} is a file; pass a folder path")
-    p.need(args.overwrite or not (out / MANIFEST).exists(),
-           f"--out {out} already holds prepared data; pass --overwrite or another folder")
+    # a file, a folder of other files, earlier data without --overwrite, an input: refused
+    p.check(outputs.claim, args.out, "prepare", args.overwrite, args.inputs)
     p.need(args.val_fraction is None or 0 <= args.val_fraction < 1,
            f"--val-fraction {args.val_fraction} must be in [0, 1), e.g. 0.02")
     p.need(args.shard_tokens is None or args.shard_tokens >= 1,
@@ -112,6 +111,7 @@ def check_inputs(args: argparse.Namespace) -> None:
 
 
 def prepare_tasks(args: argparse.Namespace) -> int:
+    from meshlm import outputs
     from meshlm.data.tasks import PREFIX, TaskData
     from meshlm.data.tasks import prepare_tasks as generate
     from meshlm.errors import ConfigError
@@ -125,6 +125,7 @@ def prepare_tasks(args: argparse.Namespace) -> int:
                     val_examples=args.val_examples, test_per_level=args.test_per_level,
                     seed=args.seed,
                     disjoint=args.disjoint)
+    outputs.claim(args.out, "prepare", args.overwrite)
     manifest = generate(spec, args.out, overwrite=args.overwrite)
     task = manifest["task"]
     for name, levels in task["levels"].items():

@@ -30,7 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     add_dtype_argument(p)
-    p.add_argument("--out", help="output folder (default: <run>/probe)")
+    p.add_argument("--out", help="output folder (default: <run>/probe): new, empty, or an earlier "
+                                 "probe output with --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier `meshlm probe` output in --out (never other files)")
     p.add_argument("--save-states", action="store_true",
                    help="also write every sample's stage matrices to states.safetensors (N, "
                         "stages, T, d)")
@@ -51,7 +54,7 @@ def held_out_samples(data, n: int, tokens: int):
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from meshlm import hub
+    from meshlm import hub, outputs
 
     # first: importing meshlm.evaluation switches the Hub off (for lm-eval's data)
     hub.prefetch(args.checkpoint)
@@ -92,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
         atomic.write_with(out / "states.safetensors", lambda tmp: save_file(
             {"states": torch.stack(states)}, str(tmp),
             metadata={"stages": ",".join(result.stages)}))
+    outputs.mark(out, "probe")
     print(summary(result))
     print(f"results: {out / 'probe.json'}; figures: {', '.join(p.name for p in paths)}")
     return 0
@@ -100,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 def check_inputs(args: argparse.Namespace) -> None:
     """Numbers, device, checkpoint and --data, all before loading anything (every problem in one
     error)."""
-    from meshlm import hub
+    from meshlm import hub, outputs
     from meshlm.errors import Problems
     from meshlm.loading import locate
     from meshlm.runtime.devices import resolve_device
@@ -114,8 +118,11 @@ def check_inputs(args: argparse.Namespace) -> None:
                                            "a step-NNNNNN folder or a Hugging Face Hub name "
                                            "org/name[@revision]"):
         folder = p.check(locate, args.checkpoint)
-        if folder is not None:
-            p.writable(args.out or folder.run_dir / "probe", "output folder")  # before any compute
+        out = (args.out or folder.run_dir / "probe") if folder is not None else None
+        # before any compute: never a folder of other files, nor the model's own
+        if out is not None and p.check(outputs.claim, out, "probe", args.overwrite,
+                                       [args.checkpoint, folder.path], "output folder"):
+            p.writable(out, "output folder")
         if folder is not None and args.tokenizer:
             p.check(folder.chosen_tokenizer, args.tokenizer, args.force_tokenizer)
     if args.data is not None:

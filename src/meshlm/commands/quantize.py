@@ -6,7 +6,9 @@ Calibrates on windows of the training split (every loop visit of a shared layer 
 the chosen parts (default: the looped cores; prelude, coda, head and routers stay fp32), prints and
 stores the per-loop error report (state distance after each loop step, held-out loss at each loop
 count), and writes a verified meshlm checkpoint (default RUN/w8a8, RUN/int8 or RUN/int4) that
-`meshlm generate`, `eval` and `serve` open as any other. See meshlm.quant and docs/quantize.md.
+`meshlm generate`, `eval` and `serve` open as any other. --out must be new or empty, or an earlier
+quantize output replaced with --overwrite; never the run itself (meshlm.outputs). See meshlm.quant
+and docs/quantize.md.
 """
 from __future__ import annotations
 
@@ -33,7 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"what to quantize, comma-separated from {','.join(PARTS)} (default "
                         f"{','.join(DEFAULT_PARTS)})")
     p.add_argument("--out", default=None,
-                   help="output folder (default RUN/w8a8, RUN/int8 weight-only, or RUN/int4)")
+                   help="output folder (default RUN/w8a8, RUN/int8 weight-only, or RUN/int4): new, "
+                        "empty, or an earlier quantize output with --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier `meshlm quantize` output in --out (never other files)")
     p.add_argument("--data", default=None,
                    help="prepared data to calibrate and report on (default: the run's)")
     p.add_argument("--calibration", type=int, default=32,
@@ -50,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from meshlm import outputs
     from meshlm.loading import open_model
     from meshlm.quant import default_activations, quantize_model
 
@@ -73,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_report:
             spec["report"] = error_report(opened, quantized, args, seq_len)
     write(opened, quantized, spec, out)
+    outputs.mark(out, "quantize")
     kind = ("int8 weights and activations" if args.activations == "int8" else
             "int8 weight-only" if args.bits == 8 else "int4")
     print(f"wrote {out}: {kind} {', '.join(spec['parts'])} ({len(spec['layers'])} layers), "
@@ -84,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
 def check_inputs(args: argparse.Namespace):
     from pathlib import Path
 
+    from meshlm import outputs
     from meshlm.errors import Problems
 
     p = Problems()
@@ -102,7 +110,9 @@ def check_inputs(args: argparse.Namespace):
            f"{args.checkpoint} is not a folder; pass a meshlm run or checkpoint")
     name = "w8a8" if args.activations == "int8" else f"int{args.bits}"
     out = Path(args.out) if args.out else Path(args.checkpoint) / name
-    p.writable(out, "--out")
+    # write_checkpoint replaces the whole folder: never a run's, a user's, or the source itself
+    if p.check(outputs.claim, out, "quantize", args.overwrite, [args.checkpoint]):
+        p.writable(out, "--out")
     p.raise_if_any()
     return parts, out
 

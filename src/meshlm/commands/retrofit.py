@@ -15,7 +15,10 @@ import json
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source",
                    help="GPT-NeoX (Pythia), Llama or OLMoE folder, or a vanilla meshlm checkpoint")
-    p.add_argument("out", help="output checkpoint folder (must not exist or be empty)")
+    p.add_argument("out", help="output checkpoint folder: new, empty, or an earlier retrofit "
+                               "output with --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier `meshlm retrofit` output in OUT (never other files)")
     p.add_argument("--spec", required=True,
                    help='target layout, e.g. "4+8R2+4" for a 24-layer source')
     p.add_argument("--scheme", default="mesh", help="state scheme of the new model (default mesh)")
@@ -42,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
                                     "Face Hub name org/name[@revision]")
     options = p.check(_json, args.scheme_options)
     p.raise_if_any()
-    out = retrofit_folder(args.source, args.out, args.spec, scheme=args.scheme,
+    out = retrofit_folder(args.source, args.out, args.spec, args.overwrite, scheme=args.scheme,
                           core_init=args.core_init,
                           block_index=args.block, router_start=args.router_start,
                           scheme_options=options,

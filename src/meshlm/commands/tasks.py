@@ -18,16 +18,22 @@ import argparse
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("action", choices=("export",),
                    help="export: write the task YAMLs and data to OUT")
-    p.add_argument("out", metavar="OUT", help="folder for the YAMLs (data go to OUT/data)")
+    p.add_argument("out", metavar="OUT", help="folder for the YAMLs (data go to OUT/data): new, "
+                                              "empty, or an earlier export with --overwrite")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier `meshlm tasks export` in OUT (never other files)")
     p.add_argument("--tasks", default="all", help="comma-separated suite tasks or 'all' (default)")
     p.add_argument("--cache-dir", default=None,
                    help="cache folder (default: $MESHLM_CACHE or ~/.cache/meshlm)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshlm import outputs
     from meshlm.evaluation.tasks import resolve_tasks
     from meshlm.evaluation.tasks.export import export_tasks, usage
 
+    outputs.claim(args.out, "tasks export", args.overwrite, label="output")
     names = export_tasks(args.out, resolve_tasks(args.tasks), args.cache_dir)
+    outputs.mark(args.out, "tasks export")
     print(usage(args.out, names))
     return 0

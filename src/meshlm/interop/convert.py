@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from meshlm import atomic, checkpoint
+from meshlm import atomic, checkpoint, outputs
 from meshlm.backbones import BACKBONES, Backbone
 from meshlm.config import ModelConfig
 from meshlm.data.tokenizer import TEMPLATE_FILE
@@ -46,7 +46,8 @@ from meshlm.loading import open_model
 def write_family(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: str | Path,
                  family: Backbone, tokenizer=None, chat_template: str | None = None) -> Path:
     """Write a vanilla meshlm model as a GPT-NeoX, Llama or OLMoE folder (config.json +
-    model.safetensors, the tokenizer, and `chat_template` as chat_template.jinja)."""
+    model.safetensors, the tokenizer, and `chat_template` as chat_template.jinja), replacing
+    `folder` (the caller claims it first: meshlm.outputs)."""
     problems = export_problems(cfg, family)
     if problems or any(k.startswith("scheme.") for k in state):
         raise ConfigError("; ".join(problems) or f"only a vanilla model converts to {family.title}")
@@ -62,7 +63,7 @@ def write_family(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: str |
     weights = split_experts(from_meshlm(state, cfg.layout, family))
     # e.g. Pythia's embed_out.weight
     weights = {family.file_names.get(k, k): v for k, v in weights.items()}
-    folder = fresh_dir(folder, create=False)
+    folder = Path(folder)
     with atomic.new_folder(folder, "exporting to") as tmp:  # no half folder to block a rerun
         hf_config(cfg, family, tied, architectures=[family.architecture], bos_token_id=0,
                   eos_token_id=0,
@@ -82,18 +83,6 @@ def write_family(cfg: ModelConfig, state: dict[str, torch.Tensor], folder: str |
     return folder
 
 
-def fresh_dir(folder: str | Path, create: bool = True) -> Path:
-    """An output folder that does not exist yet or is empty (checked before any work); made if
-    `create`."""
-    folder = Path(folder)
-    if folder.exists() and (not folder.is_dir() or any(folder.iterdir())):
-        raise ConfigError(f"output {folder} already exists and is not empty; choose a new folder "
-                          "or remove it")
-    if create:
-        folder.mkdir(parents=True, exist_ok=True)
-    return folder
-
-
 def quantized_target_error(src, quantized: dict, to: str) -> ConfigError:
     """int8/int4 layers (meshlm.quant) travel between a meshlm checkpoint and the meshlm-HF export
     (whose remote code carries them) only: no family format has them."""
@@ -106,11 +95,20 @@ def quantized_target_error(src, quantized: dict, to: str) -> ConfigError:
 
 # -- one entry point for the CLI -------------------------------------------------------------------
 def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: str | None = None,
-            force_tokenizer: bool = False) -> Path:
+            force_tokenizer: bool = False, overwrite: bool = False) -> Path:
     """Convert between formats; `to` defaults to meshlm for family/hf sources and, for meshlm
     sources, to the family of the model's backbone. The source is opened by
     meshlm.loading.open_model (its tokenizer rule; a `tokenizer` that encodes unlike the source's
-    own is refused unless `force_tokenizer`)."""
+    own is refused unless `force_tokenizer`). `out` must be new or empty, or an earlier convert
+    output with `overwrite` (meshlm.outputs.claim, before any work); it is marked as one after."""
+    outputs.claim(out, "convert", overwrite, [src], label="output")
+    written = _convert(src, out, to, tokenizer, force_tokenizer)
+    outputs.mark(written, "convert")
+    return written
+
+
+def _convert(src: str | Path, out: str | Path, to: str | None, tokenizer: str | None,
+             force_tokenizer: bool) -> Path:
     source = open_model(src, tokenizer=tokenizer, force_tokenizer=force_tokenizer)
     if tokenizer:
         source.tokenizer  # noqa: B018 (checked before anything is written)
@@ -125,7 +123,6 @@ def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: 
                           f"{', '.join(f for f in FORMATS if f != kind)}")
     template = source.folder.chat_template  # a fine-tuned run's, or None
     if to == "meshlm":
-        fresh_dir(out, create=False)
         saved = checkpoint.save_model(source.model, out,
                                       {"source": {"format": kind, "path": str(src)},
                                        **({"quantization": quantized} if quantized else {})},
@@ -138,6 +135,6 @@ def convert(src: str | Path, out: str | Path, to: str | None = None, tokenizer: 
     if to == "hf":
         from meshlm.hf import save_hf  # transformers' model classes: only for this target
 
-        return save_hf(source.model, fresh_dir(out, create=False), tok,
+        return save_hf(source.model, Path(out), tok,
                        source.meta if kind == "meshlm" else None, template)
     return write_family(cfg, source.model.state_dict(), out, BACKBONES[to], tok, template)

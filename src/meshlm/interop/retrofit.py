@@ -42,10 +42,9 @@ from typing import Any
 
 import torch
 
-from meshlm import checkpoint
+from meshlm import checkpoint, outputs
 from meshlm.config import Layout, ModelConfig, parse_spec
 from meshlm.errors import ConfigError
-from meshlm.interop.convert import fresh_dir
 from meshlm.interop.families import unique_layer_names
 from meshlm.loading import open_model
 from meshlm.model import MeshLM
@@ -166,15 +165,19 @@ def _base_routers(model: MeshLM) -> None:
         router.bias[slots + pair + 1] = BASE_ROUTER_BIAS  # read column
 
 
-def retrofit_folder(src: str | Path, out: str | Path, spec: str, **options: Any) -> Path:
+def retrofit_folder(src: str | Path, out: str | Path, spec: str, overwrite: bool = False,
+                    **options: Any) -> Path:
     """Retrofit any vanilla model folder meshlm.loading opens (a GPT-NeoX / Llama / OLMoE folder, a
     vanilla meshlm checkpoint or run) and write a step-0 meshlm checkpoint carrying the source's
-    tokenizer."""
-    fresh_dir(out, create=False)
+    tokenizer. `out` must be new or empty, or an earlier retrofit output with `overwrite`
+    (meshlm.outputs.claim, before any work)."""
+    outputs.claim(out, "retrofit", overwrite, [src], label="output")
     source = open_model(src)
     model, layers = retrofit(source.model.config, source.model.state_dict(), spec, **options)
     meta = {"source": {"format": source.format, "path": str(src)},
             "retrofit": {"spec": spec,
                          **{k: v for k, v in options.items() if k != "scheme_options"},
                          "layers": asdict(layers)}}
-    return checkpoint.save_model(model, out, meta, source.tokenizer_file)
+    saved = checkpoint.save_model(model, out, meta, source.tokenizer_file)
+    outputs.mark(saved, "retrofit")
+    return saved

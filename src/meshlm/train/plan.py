@@ -14,8 +14,9 @@
 
 What resolve finds wrong with the config is one ConfigError worded as TrainConfig's own ("invalid
 training config: ..."): an init_from that is no model folder, a model that does not build, a seq_len
-beyond its context. What needs the machine (the device, free memory, the prepared data's contents,
-the run folder) is preflight's, and the embedded corpus is prepared by the trainer (rank 0 first).
+beyond its context, a LoRA rank as wide as the layers it adapts. What needs the machine (the device,
+free memory, the prepared data's contents, the run folder) is preflight's, and the embedded corpus
+is prepared by the trainer (rank 0 first).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from meshlm.adapters import rank_problem
 from meshlm.config import ModelConfig
 from meshlm.data.tasks import data_folder, data_tokenizer
 from meshlm.data.tokenizer import TextTokenizer, load_tokenizer, tokenizer_file
@@ -89,7 +91,8 @@ def resolve_model(cfg: TrainConfig) -> tuple[ModelConfig, ModelFolder | None]:
         raise ConfigError(f"{PREFIX}train.init_from: {err}") from None
     except ConfigError as err:  # the preset or the folder's config, with the overrides on it
         raise ConfigError(PREFIX + str(err)) from None
-    if problems := cfg.fit_problems(model):
+    # resource bounds up front: a LoRA rank as wide as its layers
+    if problems := [*cfg.fit_problems(model), *filter(None, [rank_problem(model, cfg.to_dict())])]:
         raise ConfigError(PREFIX + "; ".join(problems))
     return model, init
 
