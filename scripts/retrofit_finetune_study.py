@@ -82,7 +82,8 @@ def start_loss(folder: Path, data_dir: Path) -> float:
     set)."""
     import torch
 
-    from meshlm.data.prepare import PreparedData, validation_batches
+    from meshlm.data.order import validation_batches
+    from meshlm.data.prepare import PreparedData
     from meshlm.loading import open_model
     from meshlm.train.batches import windows_xy
 

@@ -232,6 +232,18 @@ def _edit_shard(tmp: Path, world, token: int, keep_checksum: bool) -> None:
         edit_json(tmp / "data" / "manifest.json", forget)
 
 
+def _stale_max_id(tmp: Path, world) -> None:
+    """A shard edited and re-hashed by hand: its checksum matches, its max_id is the old one."""
+    import hashlib
+
+    _edit_shard(tmp, world, 9000, keep_checksum=True)
+    digest = hashlib.sha256((tmp / "data" / "train-00000.bin").read_bytes()).hexdigest()
+
+    def rehash(manifest):
+        manifest["splits"]["train"]["shards"][0]["sha256"] = digest
+    edit_json(tmp / "data" / "manifest.json", rehash)
+
+
 HELD: dict = {}  # run folder -> the RunOwner a case holds on it (released by the case's `after`)
 
 
@@ -517,6 +529,10 @@ CASES: list[Case] = [
           "train.seq_len=32"], 1,
          "holds token id 9,000, but the model's vocabulary has 8,192 ids",
          setup=lambda tmp, world: _edit_shard(tmp, world, 9000, keep_checksum=False)),
+    Case("train", "a shard re-hashed with a stale max_id",
+         ["train", "train.data={tmp}/data", "model.preset=tiny", "model.vocab_size=8192",
+          "train.seq_len=32", "train.steps=400", "train.out_dir={tmp}"], 1,
+         "the manifest is stale", setup=_stale_max_id),
     Case("train", "a seq_len that cuts task examples",
          ["train", "train.data={tmp}/chase", "model.vocab_size=64",
           "train.seq_len=20"], 2,

@@ -15,7 +15,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from meshlm.cli import main
 from meshlm.data import prepare as data_mod
 from meshlm.data import readers as sources
-from meshlm.data.prepare import PreparedData, batch_indices, prepare, prepare_default
+from meshlm.data.order import batch_indices
+from meshlm.data.prepare import PreparedData, prepare, prepare_default
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import ConfigError, DataError, MeshlmError
 from meshlm.train.batches import get_batch

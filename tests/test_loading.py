@@ -170,6 +170,7 @@ class Gadget:
 @pytest.mark.parametrize("content, message", [
     ("gadget", "holds pickled Python objects beyond plain tensors, which meshlm never unpickles"),
     ("truncated", "is truncated or corrupt"),
+    ("random bytes", r"is not a PyTorch file meshlm can read \(Unsupported operand"),
 ])
 def test_pickle_weights_that_do_not_load_get_one_line_that_never_advises_unsafe_loading(
     wide, tmp_path, content,
@@ -184,6 +185,8 @@ def test_pickle_weights_that_do_not_load_get_one_line_that_never_advises_unsafe_
     if content == "gadget":
         torch.save({"model.embed_tokens.weight": torch.zeros(2), "x": Gadget()},
                    folder / "pytorch_model.bin")
+    elif content == "random bytes":
+        (folder / "pytorch_model.bin").write_bytes(bytes(range(185, 256)) * 64)
     else:
         torch.save({"model.embed_tokens.weight": torch.zeros(1000)}, folder / "pytorch_model.bin")
         data = (folder / "pytorch_model.bin").read_bytes()

@@ -7,7 +7,7 @@ import math
 import pytest
 from trainkit import tiny_train
 
-from meshlm.data.prepare import validation_batches, window_indices
+from meshlm.data.order import validation_batches, window_indices
 from meshlm.train import parallel
 from meshlm.train.plan import resolve
 from meshlm.train.trainer import Trainer, train

@@ -360,13 +360,20 @@ def load_checkpoint(path: str | Path, with_state: bool = True, check: bool = Tru
 def unreadable_pickle(file: Path, err: Exception, fix: str) -> CheckpointError:
     """The one-line error for a torch.load(weights_only=True) that failed. torch's own text advises
     weights_only=False, which would run whatever code the file holds: it is never shown."""
-    if isinstance(err, pickle.UnpicklingError) or "weights_only" in str(err):
+    text = str(err)
+    if "allowed global" in text or "Unsupported global" in text:  # a class or function it names
         return CheckpointError(f"{file} holds pickled Python objects beyond plain tensors, which "
                                "meshlm never unpickles (that could run code from the file); "
                                f"{fix}, or save it as safetensors (transformers: "
                                "save_pretrained(safe_serialization=True))")
+    if isinstance(err, pickle.UnpicklingError) or "weights_only" in text:
+        # not a pickle at all (random bytes: "Unsupported operand 185", "invalid load key")
+        found = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
+        reason = found.group(1)[:100] if found else f"{type(err).__name__}: {text[:80]}"
+        return CheckpointError(f"{file} is not a PyTorch file meshlm can read ({reason}): "
+                               f"truncated, corrupt or another format; {fix}")
     return CheckpointError(f"{file} is truncated or corrupt ({type(err).__name__}: "
-                           f"{str(err)[:100]}); {fix}")
+                           f"{text[:100]}); {fix}")
 
 
 def find_resumable(run_dir: str | Path, warn: Callable[[str], None] = print) -> Checkpoint | None:

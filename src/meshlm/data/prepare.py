@@ -14,8 +14,6 @@ the same data, and each rank takes a fixed, disjoint slice of it.
 """
 from __future__ import annotations
 
-import functools
-import math
 import os
 import shutil
 import sys
@@ -277,6 +275,7 @@ class PreparedData:
         self.labels = open_labels(data_dir, self.manifest, split)
         self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
         self.num_tokens = int(self.offsets[-1])
+        self.id_limit: int | None = None  # the model's vocabulary, once check_ids has seen it
         for side, what in ((self.masks, "answer mask"), (self.labels, "label stream")):
             if side is not None and [len(m) for m in side] != [len(s) for s in self.shards]:
                 raise DataError(f"{data_dir}: the {what} of the {split} split does not line up "
@@ -288,7 +287,10 @@ class PreparedData:
 
     def check_ids(self, model_vocab_size: int) -> None:
         """DataError unless every token id fits the model's embedding (an id beyond it would stop
-        training with an IndexError whenever its window came up, possibly hours in)."""
+        training with an IndexError whenever its window came up, possibly hours in). The check
+        trusts the manifest's max_id; every window read afterwards is checked against the vocabulary
+        too, so a stale manifest stops at the first window that breaks it, in one line."""
+        self.id_limit = model_vocab_size
         largest = max_id(self.manifest, self.split, self.shards)
         label = max_label(self.labels, np.dtype(self.manifest["dtype"]))
         if label >= model_vocab_size:
@@ -337,6 +339,11 @@ class PreparedData:
         label stream (the target of position i is its label, `ignore_index` where it has none), so
         a label is never an input. Each window is read once."""
         windows = np.stack([self.sequence(i, seq_len) for i in indices])  # (n, seq_len + 1)
+        if self.id_limit is not None and (largest := int(windows.max())) >= self.id_limit:
+            raise DataError(f"{self.dir} ({self.split} split) holds token id {largest:,}, past the "
+                            f"model's {self.id_limit:,} ids, though its manifest says at most "
+                            f"{max_id(self.manifest, self.split, self.shards):,}: the manifest is "
+                            "stale; prepare the data again (meshlm prepare ... --overwrite)")
         targets = example_targets(self, indices, seq_len, windows[:, 1:], ignore_index)
         return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(targets)
 
@@ -346,55 +353,3 @@ class PreparedData:
         if not 0 <= i < n:
             raise IndexError(f"sequence {i} out of range [0, {n})")
         return self.tokens(i * seq_len, i * seq_len + seq_len + 1)
-
-
-# ---------------------------------------------------------------- batches
-@functools.lru_cache(maxsize=4)
-def epoch_permutation(seed: int, epoch: int, n: int) -> np.ndarray:
-    """The order of all n windows in one epoch, fixed by (seed, epoch)."""
-    perm = np.random.Generator(np.random.PCG64([seed, epoch])).permutation(n)
-    perm.flags.writeable = False  # cached and shared between calls
-    return perm
-
-
-def batch_indices(step: int, global_batch: int, seed: int, n_sequences: int) -> list[int]:
-    """Window indices of the global batch of optimizer step `step`.
-
-    The data order is the concatenation of epoch permutations; step s takes positions
-    [s * global_batch, (s + 1) * global_batch) of it (a batch may straddle two epochs).
-    """
-    if n_sequences < 1 or global_batch < 1 or step < 0:
-        raise ConfigError(f"need n_sequences >= 1, global_batch >= 1, step >= 0 "
-                          f"(got {n_sequences}, {global_batch}, {step})")
-    positions = np.arange(step * global_batch, (step + 1) * global_batch, dtype=np.int64)
-    epochs = positions // n_sequences
-    out = np.empty_like(positions)
-    for epoch in np.unique(epochs):
-        mask = epochs == epoch
-        out[mask] = epoch_permutation(seed, int(epoch), n_sequences)[positions[mask] % n_sequences]
-    return out.tolist()
-
-
-def window_indices(n_windows: int, max_sequences: int | None) -> list[int]:
-    """All windows, or `max_sequences` of them spread evenly (deterministic)."""
-    n = n_windows if not max_sequences else min(max_sequences, n_windows)
-    return [j * n_windows // n for j in range(n)]
-
-
-def validation_batches(n_windows: int, max_sequences: int, micro_batch: int, rank: int = 0,
-                       world: int = 1
-                       ) -> list[tuple[list[int], bool]]:
-    """This rank's forwards over the fixed validation set: (window indices, counted) pairs.
-
-    The set is `window_indices(n_windows, max_sequences)` whatever the micro-batch and world size;
-    rank r takes the r-th contiguous slice of it (sizes differ by at most one). Every rank runs the
-    same number of forwards (FSDP gathers weights in each one), so a rank with fewer windows pads
-    with an uncounted one.
-    """
-    indices = window_indices(n_windows, max_sequences)
-    n = len(indices)
-    mine = indices[rank * n // world:(rank + 1) * n // world]
-    forwards = math.ceil(math.ceil(n / world) / micro_batch)  # the same on every rank
-    chunks = [mine[i * micro_batch:(i + 1) * micro_batch] for i in range(forwards)]
-    return [(chunk, True) if chunk else ([indices[0]], False) for chunk in chunks]
-

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from meshlm.data.prepare import PreparedData, window_indices
+from meshlm.data.order import window_indices
+from meshlm.data.prepare import PreparedData
 from meshlm.model.accounting import depth_flops_per_token
 
 __all__ = ["default_loop_counts", "loss_vs_loops", "mean_loss", "window_indices"]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from meshlm.data.prepare import PreparedData, batch_indices
+from meshlm.data.order import batch_indices
+from meshlm.data.prepare import PreparedData
 from meshlm.errors import ConfigError
 
 

@@ -25,7 +25,7 @@ import torch
 from meshlm import checkpoint
 from meshlm.adapters import adapt
 from meshlm.backbones import BACKBONES
-from meshlm.data.prepare import validation_batches
+from meshlm.data.order import validation_batches
 from meshlm.data.tasks import curriculum
 from meshlm.errors import ConfigError, MeshlmError
 from meshlm.model import MeshLM
