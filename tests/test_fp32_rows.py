@@ -1,7 +1,9 @@
 """fp32 decoding's compiled kernel (meshlm.runtime.fp32_rows): F.linear's product to rounding on
 full, padded and narrow blocks, each row the same bits whatever else the call holds; SplitLinear
 takes it up to KERNEL_ROWS rows and bmm beyond; decoding through it makes the same tokens cached,
-uncached, batched and under speculation; used only where its probe found it faster."""
+uncached, batched and under speculation; used only where its probe found it faster; where it
+cannot be had (a source missing from the install, a failing compiler...) the precision line says
+why."""
 import copy
 
 import pytest
@@ -10,6 +12,8 @@ import torch.nn.functional as F
 from conftest import build, tiny
 from test_quant import assert_decodes_exactly
 
+from meshlm.checkpoint import save_model
+from meshlm.cli import main
 from meshlm.generate import Sampling, generate
 from meshlm.model.memory import Router
 from meshlm.model.moe import ExpertRouter
@@ -196,9 +200,70 @@ def test_without_the_kernel_decoding_keeps_torchs_ops(monkeypatch, tmp_path):
         model = build(tiny(spec="1+1R2+1", vocab_size=256))
         _, chosen = precision.for_decoding("auto", model)
         assert precision.FP32_KERNEL_NOTE not in chosen.reason
+        assert f"{precision.FP32_KERNEL_MISSING} (turned off by MESHLM_NATIVE=0" in chosen.reason
         assert not any(getattr(m, "kernel", None) for m in model.modules())
     finally:
         fp32_rows.fp32_rows_kernel.cache_clear()
+
+
+@pytest.fixture
+def no_kernel(monkeypatch, tmp_path):
+    """A cache of its own (the user's is neither read nor written), no kernel remembered."""
+    monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "cache"))
+    fp32_rows.fp32_rows_kernel.cache_clear()
+    yield tmp_path / "cache" / "kernels"
+    fp32_rows.fp32_rows_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("how, named", [
+    ("a source missing from the install",
+     "its source fp32_rows.c is missing from the install ({folder}); reinstall meshlm"),
+    ("a failing compiler", "false failed to build fp32_rows.c (exit status 1); set $CC"),
+    ("a source the compiler rejects", "failed to build fp32_rows.c ("),
+    ("no compiler", "no C compiler on PATH ($CC, cc or gcc); install one"),
+    ("a failed check", "failed its check against a float64 product; set $CC")])
+@pytest.mark.parametrize("split", [2.0, 1.0])
+def test_a_kernel_that_cannot_be_had_is_named_on_the_precision_line(no_kernel, monkeypatch,
+                                                                    tmp_path, how, named, split):
+    """Never a silent fallback: the note says why and what fixes it, then what decoding uses."""
+    install = tmp_path / "install" / "meshlm" / "runtime"
+    install.mkdir(parents=True)
+    if how == "a source missing from the install":
+        monkeypatch.setattr(fp32_rows, "SOURCE", install / "fp32_rows.c")
+    elif how == "a failing compiler":
+        monkeypatch.setenv("CC", "false")
+    elif how == "a source the compiler rejects":
+        (install / "fp32_rows.c").write_text("this is not C\n")
+        monkeypatch.setattr(fp32_rows, "SOURCE", install / "fp32_rows.c")
+    elif how == "no compiler":
+        monkeypatch.delenv("CC", raising=False)
+        monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    else:
+        monkeypatch.setattr(fp32_rows, "_agrees", lambda product: False)
+    monkeypatch.setattr(precision, "split_speedup", lambda: split)
+    model = build(tiny(spec="1+1R2+1", vocab_size=256))
+    _, chosen = precision.for_decoding("auto", model)
+    assert fp32_rows.fp32_rows_kernel() is None and fp32_rows.unavailable() in chosen.reason
+    fallback = precision.SPLIT_NOTE if split > 1 else "linear layers keep F.linear"
+    assert f"{precision.FP32_KERNEL_MISSING} (" in chosen.reason
+    assert named.format(folder=install) in chosen.reason and f"), so {fallback}" in chosen.reason
+    assert "\n" not in chosen.describe()  # one line
+    assert not any(getattr(m, "kernel", None) for m in model.modules())
+    if how == "a source the compiler rejects":  # the compiler's own words, its first error line
+        assert "error" in fp32_rows.unavailable()
+    if how != "a failed check":  # a failed build leaves nothing behind, not even its temp file
+        assert not no_kernel.exists() or not any(no_kernel.iterdir())
+
+
+def test_generate_names_a_kernel_missing_from_the_install(no_kernel, monkeypatch, tmp_path,
+                                                          capsys):
+    monkeypatch.setattr(fp32_rows, "SOURCE", tmp_path / "install" / "fp32_rows.c")
+    monkeypatch.setattr(precision, "split_speedup", lambda: 2.0)
+    save_model(build(tiny(vocab_size=8192)), tmp_path / "ckpt")
+    assert main(["generate", str(tmp_path / "ckpt"), "To be", "-t", "0", "-n", "2"]) == 0
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "generated in" in line]
+    assert (f"{precision.FP32_KERNEL_MISSING} (its source fp32_rows.c is missing from the install "
+            f"({tmp_path / 'install'}); reinstall meshlm") in line
 
 
 def test_an_input_that_needs_grad_takes_bmm(kernel):

@@ -2,7 +2,8 @@
 rounded as quantize_rows rounds it, the exact integer sums, the same scaling, so the same numbers
 as the torch ops bit for bit and decoding through it changes no output; built once per machine
 and CPU, atomically, loaded only when private; used where its probe found it faster; where it
-cannot be built (no compiler, a failing build, MESHLM_NATIVE=0) the layers keep PyTorch's ops."""
+cannot be built (its source missing from the install, no compiler, a failing build,
+MESHLM_NATIVE=0) the layers keep PyTorch's ops and the precision line says why."""
 import copy
 import os
 import stat
@@ -91,9 +92,16 @@ def fake_compiler(folder, exit_code: int) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("how", ["no compiler", "a failing build", "MESHLM_NATIVE=0"])
-def test_without_the_kernel_the_layers_keep_torchs(fresh_build, monkeypatch, tmp_path, how):
-    if how == "no compiler":
+@pytest.mark.parametrize("how, named", [
+    ("no compiler", "no C compiler on PATH"),
+    ("a failing build", "cc failed to build int8_rows.c (exit status 1); set $CC"),
+    ("MESHLM_NATIVE=0", "turned off by MESHLM_NATIVE=0"),
+    ("a source missing from the install", "its source int8_rows.c is missing from the install")])
+def test_without_the_kernel_the_layers_keep_torchs(fresh_build, monkeypatch, tmp_path, how,
+                                                   named):
+    if how == "a source missing from the install":
+        monkeypatch.setattr(native, "SOURCE", tmp_path / "install" / "int8_rows.c")
+    elif how == "no compiler":
         monkeypatch.delenv("CC", raising=False)
         monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     elif how == "a failing build":
@@ -106,6 +114,10 @@ def test_without_the_kernel_the_layers_keep_torchs(fresh_build, monkeypatch, tmp
     quantized = quantize_model(model, 8, ("cores",), activations="int8")[0]
     _, chosen = precision.for_decoding("auto", quantized)
     assert precision.ROW_KERNEL_NOTE not in chosen.reason
+    if exact_int8_products():  # the kernel would have been used: its absence is named, never silent
+        assert f"{precision.ROW_KERNEL_MISSING} ({native.unavailable(quantized)}), so " \
+            "one-token int8 products by torch._int_mm" in chosen.reason
+        assert named in native.unavailable(quantized)
     assert all(m.row_kernel is None for m in quantized.modules()
                if isinstance(m, QuantizedLinear))
     assert_decodes_exactly(quantized)
@@ -126,6 +138,7 @@ def test_weight_only_layers_get_no_kernel(fresh_build):
     model = build(tiny(spec="1+1R2+1", vocab_size=256))
     quantized = quantize_model(model, 8, ("cores",), activations="bf16")[0]
     assert native.give_row_kernel(quantized) == 0
+    assert native.unavailable(quantized) is None  # nothing to name: no layer would take it
     assert os.environ["MESHLM_CACHE"] == str(fresh_build.parent)
 
 

@@ -13,8 +13,9 @@ move.
 `int8_row_kernel()` builds int8_rows.c for this CPU (meshlm.runtime.native: once per machine,
 cached, loaded only if this user alone could have written it); checks it against
 scaled_int8_products with exact integer sums; and returns a drop-in for scaled_int8_products at one
-row, or None: no compiler, a failed build or check, or MESHLM_NATIVE=0. Then the layers keep
-PyTorch's ops.
+row, or None: its source missing from the install, no compiler, a failed build or check, or
+MESHLM_NATIVE=0. Then the layers keep PyTorch's ops, and `unavailable(model)` names the reason for
+the precision line.
 
 Whether it pays depends on the CPU (oneDNN may have a better kernel for it, AMX for one) and on
 the OpenMP runtime torch was built with, so `give_row_kernel` uses it only where a probe found it
@@ -78,14 +79,30 @@ def give_row_kernel(model: torch.nn.Module) -> int:
     """Give every int8-activation layer of `model` on the CPU the compiled kernel where this
     machine has it, torch._int_mm's sums are exact (the other rows take it) and the kernel is the
     faster (row_kernel_speedup). Returns how many layers got it."""
-    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)
-              and m.activations == "int8" and m.qweight.is_cpu]
+    layers = _cpu_int8_layers(model)
     kernel = int8_row_kernel() if layers and exact_int8_products() else None
     if kernel and row_kernel_speedup(kernel) < MIN_SPEEDUP:
         kernel = None
     for layer in layers if kernel else ():
         layer.row_kernel = kernel
     return len(layers) if kernel else 0
+
+
+def unavailable(model: torch.nn.Module) -> str | None:
+    """Why `model`'s int8-activation layers on the CPU go without the compiled kernel because this
+    process could not have it (its source missing from the install, no compiler, a failed build or
+    check, MESHLM_NATIVE=0), in one line naming the fix; None where it has the kernel or would not
+    use it anyway (no such layer, or torch._int_mm's sums not exact)."""
+    if not _cpu_int8_layers(model) or not exact_int8_products() or int8_row_kernel() is not None:
+        return None
+    return native.why_not(SOURCE) or (
+        f"the kernel built from {SOURCE.name} failed its check against exact integer sums; set "
+        "$CC to another C compiler (gcc or clang)")
+
+
+def _cpu_int8_layers(model: torch.nn.Module) -> list[QuantizedLinear]:
+    return [m for m in model.modules() if isinstance(m, QuantizedLinear)
+            and m.activations == "int8" and m.qweight.is_cpu]
 
 
 def row_kernel_speedup(kernel) -> float:

@@ -15,7 +15,8 @@ per-loop LoRA keep torch's ops, whose rows stay apart or not depending on the BL
 `fp32_rows_kernel()` builds it (meshlm.runtime.native: once per machine, cached, loaded only if
 this user alone could have written it), checks it (against a float64 product, and each row alone
 against the same row in a batch, bit for bit) and returns the product, or None: no compiler, a
-failed build or check, or MESHLM_NATIVE=0. `paying_kernel()` returns it only where a probe found it
+failed build or check, or MESHLM_NATIVE=0 (`unavailable()` says which, for the precision line).
+`paying_kernel()` returns it only where a probe found it
 at least MIN_SPEEDUP times split_linear's bmm and F.linear's one-row speed (measured once per
 machine, CPU, torch version and threads, cached in machine.json): whether a plain loop beats the
 BLAS depends on the CPU.
@@ -69,6 +70,17 @@ def fp32_rows_kernel() -> Product | None:
         return y
 
     return product if _agrees(product) else None
+
+
+def unavailable() -> str | None:
+    """Why this process has no fp32_rows_kernel(), in one line naming the problem and its fix (the
+    source missing from the install, no compiler, a failed build or check, MESHLM_NATIVE=0); None
+    where it has it. The precision line prints it: the fallback is never silent."""
+    if fp32_rows_kernel() is not None:
+        return None
+    return native.why_not(SOURCE) or (
+        f"the kernel built from {SOURCE.name} failed its check against a float64 product; set $CC "
+        "to another C compiler (gcc or clang)")
 
 
 def paying_kernel() -> Product | None:

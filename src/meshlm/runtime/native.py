@@ -4,11 +4,13 @@ up to a few dozen rows, decoding's) and meshlm.quant.native (one-row int8 produc
 `library(source)` compiles one of meshlm's own C files once per machine with the C compiler ($CC,
 else cc or gcc; -O3 -march=native -fopenmp, with fewer flags where the compiler refuses those)
 into <cache>/kernels/<name>-<digest>.so (<cache> as meshlm.runtime.machine), keyed by the source,
-the compiler and the CPU, and loads it; None where that cannot be done (no compiler, a failed
-build) or MESHLM_NATIVE=0: the callers then keep PyTorch's ops. The library is code this process
-runs, built from meshlm's own source: one that another user could have written (not owned by this
-user, or its file or folder writable by group or others) is not loaded. Delete the folder to
-rebuild. OpenMP comes from the runtime torch itself loads, so the kernels share its threads.
+the compiler and the CPU, and loads it; None where that cannot be done (the source missing from
+the install, no compiler, a failed build) or MESHLM_NATIVE=0: the callers then keep PyTorch's ops,
+and `why_not(source)` names the reason and its fix for the precision line (never a silent
+fallback). The library is code this process runs, built from meshlm's own source: one that another
+user could have written (not owned by this user, or its file or folder writable by group or
+others) is not loaded. Delete the folder to rebuild. OpenMP comes from the runtime torch itself
+loads, so the kernels share its threads.
 
 Each kernel's module checks the numbers before use and times it against PyTorch's path (a probe
 cached in machine.json): whether a plain loop beats oneDNN depends on the CPU.
@@ -30,6 +32,8 @@ from meshlm.runtime import machine
 # tried in order: the first set this compiler accepts is built
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O3",))
 BUILD_SECONDS = 60
+# per source: why the latest library() call returned None (why_not)
+_WHY_NOT: dict[Path, str] = {}
 
 
 def enabled() -> bool:
@@ -45,25 +49,49 @@ def compiler() -> str | None:
 
 def library(source: Path) -> ctypes.CDLL | None:
     """`source` built for this CPU and loaded: from the cache, or compiled now (module
-    docstring)."""
-    cc = compiler() if enabled() and source.is_file() else None
+    docstring); None where that cannot be done, and then why_not(source) says why."""
+    loaded, why = _load(source)
+    if loaded is None:
+        _WHY_NOT[source] = why
+    else:
+        _WHY_NOT.pop(source, None)
+    return loaded
+
+
+def why_not(source: Path) -> str | None:
+    """Why the latest library(source) call of this process returned None, in one line that names
+    the problem and its fix (for the precision line: decoding falls back to PyTorch's ops); None
+    after a call that loaded it, or before any."""
+    return _WHY_NOT.get(source)
+
+
+def _load(source: Path) -> tuple[ctypes.CDLL | None, str]:
+    """(the library, "") or (None, why not: one line naming the problem and its fix)."""
+    if not enabled():
+        return None, "turned off by MESHLM_NATIVE=0; unset it to build the kernel"
+    if not source.is_file():
+        return None, (f"its source {source.name} is missing from the install ({source.parent}); "
+                      "reinstall meshlm from a wheel or sdist that ships it")
+    cc = compiler()
     if cc is None:
-        return None
+        return None, "no C compiler on PATH ($CC, cc or gcc); install one or set $CC to one"
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                                  timeout=BUILD_SECONDS).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
+    except (OSError, subprocess.SubprocessError) as err:
+        return None, f"the C compiler {cc} did not run ({err}); set $CC to a working one"
     key = hashlib.sha256("\n".join([source.read_text(), cc, version, machine.cpu_id()]).encode())
     target = cache_dir() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
-    if not target.is_file() and not _compile(cc, source, target):
-        return None
+    failed = None if target.is_file() else _compile(cc, source, target)
+    if failed:
+        return None, failed
     if not (_private(target) and _private(target.parent)):
-        return None
+        return None, (f"{target} or its folder could have been written by another user (not "
+                      "yours, or writable by group or others); delete the folder to rebuild")
     try:
-        return ctypes.CDLL(str(target))
-    except OSError:
-        return None
+        return ctypes.CDLL(str(target)), ""
+    except OSError as err:
+        return None, f"{target} did not load ({err}); delete it to rebuild"
 
 
 def _private(path: Path) -> bool:
@@ -77,25 +105,40 @@ def _private(path: Path) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
-def _compile(cc: str, source: Path, target: Path) -> bool:
+def _compile(cc: str, source: Path, target: Path) -> str | None:
     """Compile `source` into `target` with the first flag set `cc` accepts; written to a temp file
-    beside it and renamed, so a reader never loads half a library."""
+    beside it and renamed, so a reader never loads half a library. None once built, else why not
+    (one line naming the problem and its fix)."""
     try:
         target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)  # this user's alone
-    except OSError:
-        return False
+    except OSError as err:
+        return (f"cannot create {target.parent} ({err.strerror or err}); set MESHLM_CACHE to a "
+                "folder you can write")
+    detail = "no flag set tried"
     for flags in FLAG_SETS:
         tmp = None
         try:
             fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
             os.close(fd)
-            if subprocess.run([cc, *flags, "-shared", "-fPIC", str(source), "-o", tmp],
-                              capture_output=True, timeout=BUILD_SECONDS).returncode == 0:
+            done = subprocess.run([cc, *flags, "-shared", "-fPIC", str(source), "-o", tmp],
+                                  capture_output=True, text=True, errors="replace",
+                                  timeout=BUILD_SECONDS)
+            if done.returncode == 0:
                 os.replace(tmp, target)
-                return True
-        except (OSError, subprocess.SubprocessError):
-            pass
+                return None
+            detail = _first_error(done.stderr) or f"exit status {done.returncode}"
+        except (OSError, subprocess.SubprocessError) as err:
+            detail = str(err)
         finally:
             if tmp and os.path.exists(tmp):
                 os.unlink(tmp)
-    return False
+    return (f"{cc} failed to build {source.name} ({detail}); set $CC to a C compiler that builds "
+            "it (gcc or clang)")
+
+
+def _first_error(text: str, limit: int = 160) -> str:
+    """A compiler output's first line that names an error, else its last non-blank line, cut to
+    `limit` characters ("" for none)."""
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines[-1:] or [""])[0][:limit]

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
+from meshlm.quant import native as quant_native
 from meshlm.quant.calibrate import describe, structure_of
-from meshlm.quant.native import give_row_kernel
 from meshlm.runtime import fp32_rows, machine
 from meshlm.runtime.options import DTYPE_CHOICES as CHOICES
 from meshlm.runtime.split_linear import MIN_SPEEDUP as SPLIT_MIN_SPEEDUP
@@ -121,6 +121,9 @@ SPLIT_NOTE = "linear weights split per thread for one-token products"
 FP32_KERNEL_NOTE = ("linear weights in 128-column blocks, products of up to 64 rows by meshlm's "
                     "kernel compiled for this CPU")
 ROW_KERNEL_NOTE = "one-token int8 products by meshlm's kernel compiled for this CPU"
+# where a kernel could not be had (meshlm.runtime.native.why_not): named, never a silent fallback
+FP32_KERNEL_MISSING = "meshlm's fp32 kernel unavailable"
+ROW_KERNEL_MISSING = "meshlm's int8 kernel unavailable"
 
 
 def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, Precision]:
@@ -136,8 +139,10 @@ def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, 
     quantized = structure_of(model)
     if quantized:  # those layers run their own kernels whatever the precision (meshlm.quant)
         reason = f"{chosen.reason}; {describe(quantized)}"
-        if device.type == "cpu" and give_row_kernel(model):
+        if device.type == "cpu" and quant_native.give_row_kernel(model):
             reason += f"; {ROW_KERNEL_NOTE}"
+        elif device.type == "cpu" and (why := quant_native.unavailable(model)):
+            reason += f"; {ROW_KERNEL_MISSING} ({why}), so one-token int8 products by torch._int_mm"
         chosen = Precision(chosen.dtype, reason)
     return device, store_weights(model, chosen)
 
@@ -145,16 +150,19 @@ def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, 
 def laid_out_for_decoding(model: torch.nn.Module) -> str | None:
     """Lay `model`'s fp32 linear layers (on CPU) out for decoding where a probe, measured once per
     machine, found it faster: in the compiled kernel's blocks (meshlm.runtime.fp32_rows), else in
-    one block per thread (split_linear). Returns the precision line's note, or None (unchanged)."""
+    one block per thread (split_linear). Returns the precision line's note, or None (unchanged);
+    where the kernel could not be had (fp32_rows.unavailable) the note names why, and the fix."""
     kernel = fp32_rows.paying_kernel()
+    why = None if kernel else fp32_rows.unavailable()
+    missing = f"{FP32_KERNEL_MISSING} ({why}), so " if why else ""
     speedup = fp32_rows.kernel_speedup(kernel)["kernel_over_linear"] if kernel else \
         split_speedup()
     if not kernel and speedup < SPLIT_MIN_SPEEDUP:
-        return None
+        return f"{missing}linear layers keep F.linear" if missing else None
     split_linears(model, kernel=kernel)
     split_tied_head(model)
-    return (f"{FP32_KERNEL_NOTE if kernel else SPLIT_NOTE} ({speedup:.1f}x F.linear's one-row "
-            "speed here, measured once)")
+    return (f"{missing}{FP32_KERNEL_NOTE if kernel else SPLIT_NOTE} ({speedup:.1f}x F.linear's "
+            "one-row speed here, measured once)")
 
 
 def for_model(requested: str, model: torch.nn.Module) -> tuple[torch.device, Precision]:
