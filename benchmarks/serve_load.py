@@ -8,7 +8,11 @@ The server runs in a subprocess on a free 127.0.0.1 port with one torch thread (
 the client in this process. For every mode (plain; `exit`; `speculate`) and concurrency (1, 4, 16),
 `--requests` streamed, greedy requests of `--tokens` tokens each (EOS ignored, so every request
 makes exactly that many), prompts cut from the held-out corpus, at most `--concurrency` in flight.
-Each level also sends `--bad` bad requests (an unknown field, a negative temperature: both must be
+With `--deep L`, a mode "plain + deep client" adds one adversarial client that keeps sending
+`loops: L` requests (the depth a client may ask for, up to --max-loops) while the good ones run;
+its requests are not counted, and the good ones' inter-token latency p99 against plain's is the
+fairness ratio (`--loop-slice` is passed to the server: 0 turns slicing off). Each level also sends
+`--bad` bad requests (an unknown field, a negative temperature: both must be
 400) and `--disconnects` streams that hang up after two chunks; a good request that fails is counted
 and printed. A level stops starting requests after `--seconds`. Every mode runs at every level once
 per round, rounds alternating the order, and the figures are the medians over rounds: on a shared
@@ -78,8 +82,19 @@ async def bad_and_disconnect(client, prompt: str, args) -> int:
     return wrong
 
 
+async def adversary(client, prompt: str, loops: int, tokens: int, stop: asyncio.Event) -> int:
+    """Deep requests one after another until `stop`; how many finished."""
+    done = 0
+    while not stop.is_set():
+        await one(client, prompt, tokens, {"loops": loops})
+        done += 1
+    return done
+
+
 async def level(server: Server, prompts: list[str], concurrency: int, extra: dict, args) -> dict:
     """Run one (mode, concurrency) level; its throughput and latency figures."""
+    extra = dict(extra)
+    deep = extra.pop("deep", None)
     gate = asyncio.Semaphore(concurrency)
     deadline = time.perf_counter() + args.seconds
     failures: list[str] = []
@@ -96,10 +111,16 @@ async def level(server: Server, prompts: list[str], concurrency: int, extra: dic
 
     before = [server.metric(m) for m in ("meshlm_loop_steps_total", "meshlm_decoded_tokens_total")]
     async with server.client() as client:
+        stop = asyncio.Event()
+        rival = (asyncio.create_task(adversary(client, prompts[-1], deep, args.tokens, stop))
+                 if deep else None)
         start = time.perf_counter()
         results = await asyncio.gather(*(guarded(p) for p in prompts[:args.requests]),
                                        bad_and_disconnect(client, prompts[0], args))
         wall = time.perf_counter() - start
+        if rival is not None:
+            stop.set()
+            await rival
     after = [server.metric(m) for m in ("meshlm_loop_steps_total", "meshlm_decoded_tokens_total")]
     loops = (after[0] - before[0]) / max(after[1] - before[1], 1)
     done, wrong = [r for r in results[:-1] if r is not None], results[-1]
@@ -120,12 +141,15 @@ def modes(args) -> dict[str, dict]:
         out[f"exit {args.exit}"] = {"exit": args.exit}
     if args.speculate:
         out[f"speculate {args.speculate}"] = {"speculate": args.speculate}
+    if args.deep:
+        out[f"+ loops={args.deep} client"] = {"deep": args.deep}
     return out
 
 
 def report(name: str, c: int, runs: list[dict], base: float | None) -> float:
     med = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k != "errors"}
-    ratio = "" if base is None else f" ({med['tokens/s'] / base:.2f}x plain)"
+    ratio = "" if base is None else f" ({med['tokens/s'] / base[0]:.2f}x plain"
+    ratio += "" if base is None else f", ITL p99 {med['itl p99'] / base[1]:.2f}x plain)"
     ms = {k: med[k] * 1e3 for k in ("ttft p50", "ttft p99", "itl p50", "itl p99")}
     print(f"{name:>20} c={c:<3} {med['tokens/s']:7.1f} tokens/s{ratio} | TTFT p50 "
           f"{ms['ttft p50']:6.1f} ms p99 {ms['ttft p99']:6.1f} ms | ITL p50 {ms['itl p50']:6.1f} "
@@ -136,7 +160,7 @@ def report(name: str, c: int, runs: list[dict], base: float | None) -> float:
     for r in runs:
         for e in r["errors"]:
             print(f"    failed: {e}", flush=True)
-    return med["tokens/s"]
+    return med["tokens/s"], med["itl p99"]
 
 
 def main() -> None:
@@ -159,6 +183,10 @@ def main() -> None:
     p.add_argument("--bad", type=int, default=2, help="bad requests per level (default 2)")
     p.add_argument("--disconnects", type=int, default=2,
                    help="streams per level that hang up early (default 2)")
+    p.add_argument("--deep", type=int, default=None, metavar="L",
+                   help="add a mode with one client sending loops=L requests meanwhile")
+    p.add_argument("--loop-slice", type=int, default=None,
+                   help="the server's --loop-slice (default: its own; 0: never slice)")
     p.add_argument("--server-threads", type=int, default=1)
     p.add_argument("--max-batch", type=int, default=16)
     args = p.parse_args()
@@ -167,7 +195,10 @@ def main() -> None:
     prompts = [tok.decode(w) for w in corpus_windows(tok, args.requests, args.prompt_tokens)]
     server = Server(Path(args.checkpoint), "--max-batch", str(args.max_batch), "--max-queue",
                     "1024",
-                    "--threads", str(args.server_threads), name="bench")
+                    "--threads", str(args.server_threads),
+                    *([] if args.deep is None else ["--max-loops", str(args.deep)]),
+                    *([] if args.loop_slice is None else ["--loop-slice", str(args.loop_slice)]),
+                    name="bench")
     try:
         results: dict[tuple[str, int], list[dict]] = {}
         plan = [(m, c) for c in levels for m in modes(args)]

@@ -763,6 +763,8 @@ CASES: list[Case] = [
          "--max-batch 0 must be >= 1"),
     Case("serve", "--max-loops 0", ["serve", "{run}", "--max-loops", "0"], 2,
          "--max-loops 0 must be >= 1"),
+    Case("serve", "a negative loop slice", ["serve", "{run}", "--loop-slice", "-1"], 2,
+         "--loop-slice -1 must be >= 0"),
     Case("serve", "a port out of range", ["serve", "{run}", "--port", "70000"], 2,
          "--port 70000 must be in"),
     Case("serve", "a negative prefill chunk", ["serve", "{run}", "--prefill-chunk", "-1"], 2,

@@ -181,10 +181,10 @@ def test_a_failing_batch_ends_its_own_requests_and_the_others_go_on(monkeypatch)
     broken, fine = Request(PROMPTS[0], greedy(6), exit="state:0.1"), Request(PROMPTS[1], greedy(6))
     real_step = cohorts.PlainCohort.step
 
-    def step(self):
+    def step(self, loop_slice=None):
         if self.exit is not None:
             raise RuntimeError("out of memory")
-        return real_step(self)
+        return real_step(self, loop_slice)
     monkeypatch.setattr(cohorts.PlainCohort, "step", step)
     batcher.submit(broken)
     batcher.submit(fine)
@@ -335,3 +335,63 @@ def test_a_seed_outside_64_bits_is_refused_before_any_work():
         Sampling(seed=1180591620717411303424)
     Sampling(seed=2 ** 64 - 1)
     Sampling(seed=-2 ** 63)
+
+
+@pytest.mark.parametrize("exit", [None, "state:0.2"])
+def test_a_deep_request_spreads_its_token_over_boundaries_and_decodes_as_alone(exit):
+    """loops=12 on a model trained at 3 (loop_slice 3): while ordinary rows decode, the deep
+    request's prefill and steps run 3 loop steps a boundary, so they get a token at every boundary
+    and it one every 4 loop slices; a deep newcomer arriving meanwhile prefills alongside and joins;
+    every row decodes what it decodes alone."""
+    model = build(tiny(spec="1+1R3+1"))
+    batcher = Batcher(model, eos_id=0, pad_id=1)
+    plain = [Request(PROMPTS[i], greedy(16)) for i in (0, 1)]
+    deep = Request(PROMPTS[2], greedy(4), loops=12, exit=exit)
+    late = Request(PROMPTS[3], greedy(3), loops=12, exit=exit)
+    for r in [*plain, deep]:
+        batcher.submit(r)
+    batcher.step()  # admission: each gets its first token
+    counts = []
+    for boundary in range(8):
+        if boundary == 1:
+            batcher.submit(late)  # the deep cohort is one slice into its step
+        batcher.step()
+        counts.append((len(plain[0].tokens), len(deep.tokens)))
+    assert [c[0] for c in counts] == list(range(3, 11))  # a token at every boundary
+    # its prefill is sliced too: the first boundary ran a quarter of it, so its first token comes
+    # 3 boundaries later, then one every 3 (the step's first slice shares the prefill's boundary)
+    if exit is None:  # (under exit its tokens may stop looping early: fewer boundaries)
+        assert [c[1] for c in counts] == [0, 0, 1, 1, 1, 2, 2, 2]
+    while batcher.step():
+        pass
+    for r in [*plain, deep, late]:
+        assert r.tokens == reference(model, r) and r.finish == "length"
+
+
+def test_alone_a_deep_request_is_not_sliced_and_loop_slice_0_never_slices():
+    model = build(tiny(spec="1+1R3+1"))
+    for batcher, plain in [(Batcher(model, eos_id=0, pad_id=1), []),
+                           (Batcher(model, eos_id=0, pad_id=1, loop_slice=0),
+                            [Request(PROMPTS[0], greedy(8))])]:
+        deep = Request(PROMPTS[2], greedy(4), loops=12)
+        for r in [*plain, deep]:
+            batcher.submit(r)
+        for _ in range(4):
+            batcher.step()
+        assert len(deep.tokens) == 4
+
+
+def test_a_deep_request_cancelled_mid_slice_leaves_when_the_slice_ends():
+    model = build(tiny(spec="1+1R3+1"))
+    batcher = Batcher(model, eos_id=0, pad_id=1)
+    plain, deep = Request(PROMPTS[0], greedy(12)), Request(PROMPTS[2], greedy(6), loops=12)
+    for r in (plain, deep):
+        batcher.submit(r)
+    batcher.step()  # the deep prefill is a quarter done
+    batcher.cancel(deep)
+    for _ in range(4):
+        batcher.step()
+    assert deep.finish == "cancelled" and not deep.tokens and batcher.running == 1
+    while batcher.step():
+        pass
+    assert plain.tokens == reference(model, plain)

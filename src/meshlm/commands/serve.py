@@ -39,6 +39,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-loops", type=int, default=None, metavar="N",
                    help="the most core passes a request's `loops` may ask for (default: 4x the "
                         "trained count)")
+    p.add_argument("--loop-slice", type=int, default=None, metavar="N",
+                   help="while other requests decode, a request's token runs at most N loop "
+                        "steps per boundary, so deep `loops` asks cannot stall the others "
+                        "(default: the trained count; 0: never slice)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a request may run (default 600)")
     p.add_argument("--grace", type=float, default=30.0,
@@ -64,6 +68,8 @@ def check_inputs(args: argparse.Namespace) -> None:
     p.need(0 <= args.port <= 65535, f"--port {args.port} must be in 0 … 65535")
     p.need(args.max_batch >= 1, f"--max-batch {args.max_batch} must be >= 1")
     p.need(args.max_queue >= 0, f"--max-queue {args.max_queue} must be >= 0")
+    p.need(args.loop_slice is None or args.loop_slice >= 0,
+           f"--loop-slice {args.loop_slice} must be >= 0 (0: never slice)")
     p.need(args.max_loops is None or args.max_loops >= 1,
            f"--max-loops {args.max_loops} must be >= 1 (omit it for 4x the trained count)")
     p.need(args.prefill_chunk >= 0, f"--prefill-chunk {args.prefill_chunk} must be >= 0 (0: "
@@ -120,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
                           "precision": chosen.name,
                           "chat_template": "folder" if own else "meshlm default"})
     batcher = Batcher(model, tok.eos_id, tok.pad_id, args.max_batch, args.max_queue,
-                      args.prefill_chunk or None, args.max_loops)
+                      args.prefill_chunk or None, args.max_loops, args.loop_slice)
     engine = Engine(batcher, lambda: precision.autocast(device, chosen))
     app = create_app(engine, served)
     app.router.on_startup.append(engine.start)

@@ -137,9 +137,8 @@ class MeshLM(nn.Module):
         exit: ExitRule | str | None = None,
     ) -> LMOutput:
         schedule = self.schedule(loops)
-        past = 0 if cache is None else cache.get_seq_length()  # tokens cached before this call
-        run = self.enter(input_ids, padding_mask, position_ids, cache, return_states)
-        run.track = self._tracker(exit, run, padding_mask, past, backprop_loops)
+        run = self.start(input_ids, padding_mask, cache, exit, position_ids, return_states,
+                         backprop_loops)
         self.advance(run, schedule, backprop_loops=backprop_loops)
         out = LMOutput(logits=self.readout(run, schedule), stages=run.stages,
                        exit_loops=run.track.loops, exit_probes=run.track.probes)
@@ -160,6 +159,17 @@ class MeshLM(nn.Module):
         stages = Stages(embeddings=e, prelude=p, states=[h]) if return_states else None
         return LoopRun(h=h, ctx=ctx, rope=rope, mask=mask, cache=cache, routed=routed,
                        stages=stages, past=past)
+
+    def start(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None,
+              cache: LayerCache | None = None, exit: ExitRule | str | None = None,
+              position_ids: torch.Tensor | None = None, return_states: bool = False,
+              backprop_loops: int | None = None) -> LoopRun:
+        """`enter` with the exit tracker in place: a forward standing at loop step 0 that `advance`
+        runs (whole, or a few loop steps per call: serve slices a deep request's step this way)
+        and `readout` ends, computing what `forward` computes."""
+        run = self.enter(input_ids, padding_mask, position_ids, cache, return_states)
+        run.track = self._tracker(exit, run, padding_mask, run.past, backprop_loops)
+        return run
 
     def advance(self, run: LoopRun, schedule: tuple[int, ...], stop: int | None = None,
                 backprop_loops: int | None = None) -> LoopRun:

@@ -95,11 +95,14 @@ class BatcherStats:
 
 class Batcher:
     """`prefill_chunk`: while other rows decode, a plain cohort's newcomers whose prompts are longer
-    prefill this many columns per token boundary (None: whole prompts at once)."""
+    prefill this many columns per token boundary (None: whole prompts at once). `loop_slice`: while
+    other cohorts decode, a plain cohort runs at most this many loop steps per boundary, so that a
+    request asking for many loops spreads its token over several boundaries instead of stalling
+    everyone's (None: the trained loop count; 0: never slice)."""
 
     def __init__(self, model: MeshLM, eos_id: int, pad_id: int, max_batch: int = 16,
                  max_queue: int = 64, prefill_chunk: int | None = None,
-                 max_loops: int | None = None):
+                 max_loops: int | None = None, loop_slice: int | None = None):
         if max_batch < 1 or max_queue < 0:
             raise ConfigError(f"max_batch={max_batch} must be >= 1 and max_queue={max_queue} >= 0")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -108,6 +111,7 @@ class Batcher:
         self.model, self.eos_id, self.pad_id = model, eos_id, pad_id
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.max_loops = max_loops  # a request's loops cap (None: meshlm.generate.loop_cap's rule)
+        self.loop_slice = len(model.schedule()) if loop_slice is None else loop_slice
         self.waiting: deque[Request] = deque()
         self.cohorts: dict[tuple, Cohort] = {}
         self.prefilling: list[Prefill] = []  # prompts part-prefilled, one group per cohort key
@@ -172,7 +176,8 @@ class Batcher:
         self._admit()
         self._advance_prefills()
         for key, cohort in list(self.cohorts.items()):
-            self._leave(cohort)  # requests done at admission (one token, or EOS first)
+            if not cohort.busy:
+                self._leave(cohort)  # requests done at admission (one token, or EOS first)
             if len(cohort):
                 self._decode_or_fail(cohort)
             if not len(cohort):
@@ -212,13 +217,17 @@ class Batcher:
         """Take waiting requests while rows are free; each cohort prefills its newcomers in one
         batch."""
         joining: dict[tuple, list[Request]] = {}
+        later: list[Request] = []
         with self._wake:
             while self.waiting and self.running + sum(map(len, joining.values())) < self.max_batch:
                 r = self.waiting.popleft()
                 if self._stopped(r):
                     self._finish(r, r.stop_requested)
+                elif self._busy(r.key()):
+                    later.append(r)
                 else:
                     joining.setdefault(r.key(), []).append(r)
+            self.waiting.extendleft(reversed(later))  # they join once the sliced step ends
         for key, group in joining.items():
             self._isolated(group, lambda g, key=key: self._start(key, g))
 
@@ -240,9 +249,11 @@ class Batcher:
         for r in group:
             seed = r.sampling.seed
             r.generator = None if seed is None else torch.Generator(device).manual_seed(seed)
-        chunk = self.prefill_chunk
-        if chunk is not None and group[0].speculate is None and \
-                max(len(r.prompt) for r in group) > chunk:
+        chunk, first = self.prefill_chunk, group[0]
+        long = chunk is not None and max(len(r.prompt) for r in group) > chunk
+        deep = (self.loop_slice and len(self.model.schedule(first.loops)) > self.loop_slice
+                and bool(self.cohorts or self.prefilling))  # its prefill would stall the others
+        if first.speculate is None and (long or deep):
             self.prefilling.append(Prefill.of(group, self.pad_id, device))
             return
         cohort = self._cohort(key, group[0])
@@ -262,22 +273,28 @@ class Batcher:
 
     def _admitted(self, group: list[Request], tokens: list[int]) -> None:
         self.stats.admitted += len(group)
-        for r, token in zip(group, tokens):
-            self._deliver(r, [token])
+        for r, token in zip(group, tokens):  # stopped during a sliced prefill: no token, and
+            if self._stopped(r):  # its row leaves at the next boundary
+                self._finish(r, r.stop_requested)
+            else:
+                self._deliver(r, [token])
 
     def _advance_prefills(self) -> None:
         """Prefill one more chunk of every part-prefilled group (all of it when no row is decoding:
         then nothing waits on it); a complete group joins its cohort and gets its first tokens.
         Requests stopped meanwhile leave first."""
         chunk = self.prefill_chunk if self.cohorts else None
+        loop_slice = (self.loop_slice or None) if self.cohorts or len(self.prefilling) > 1 else None
         for prefill in list(self.prefilling):
             self._drop_stopped(prefill)
             if not len(prefill):
                 self.prefilling.remove(prefill)
                 continue
             first = prefill.requests[0]  # all of a group share the key, and so loops and exit
+            if self._busy(first.key()):  # it would end by joining a cohort whose step is sliced
+                continue
             try:
-                batch = prefill.advance(self.model, first.loops, first.exit, chunk)
+                batch = prefill.advance(self.model, first.loops, first.exit, chunk, loop_slice)
                 if batch is not None:
                     self.prefilling.remove(prefill)
                     self._join(first.key(), prefill.requests, batch)
@@ -291,7 +308,10 @@ class Batcher:
                                                       .device) for r in prefill.requests)
 
     def _drop_stopped(self, prefill: Prefill) -> None:
-        """Finish the requests of `prefill` that were cancelled or timed out; free their rows."""
+        """Finish the requests of `prefill` that were cancelled or timed out; free their rows
+        (once its sliced forward, if any, has ended)."""
+        if prefill.flight is not None:
+            return
         for r in prefill.requests:
             if self._stopped(r):
                 self._finish(r, r.stop_requested)
@@ -316,7 +336,10 @@ class Batcher:
 
     def _decode(self, cohort: Cohort) -> None:
         steps_before, tokens_before = cohort.loop_steps, cohort.tokens
-        emitted = cohort.step()
+        others = len(self.cohorts) > 1 or self.prefilling  # whom a deep step would stall
+        emitted = cohort.step(self.loop_slice if self.loop_slice and others else None)
+        if emitted is None:  # a slice of a deep step: its tokens come at a later boundary
+            return
         for row, err in cohort.failed.items():  # rows whose own sampling failed: they alone end
             self._fail([cohort.requests[row]], err)
         self.stats.steps += 1
@@ -350,8 +373,14 @@ class Batcher:
             r.stop_requested = "timeout"
         return r.stop_requested is not None
 
+    def _busy(self, key: tuple) -> bool:
+        """The cohort of `key` is in the middle of a sliced step (rows neither join nor leave)."""
+        return key in self.cohorts and self.cohorts[key].busy
+
     def _retire_stopped(self) -> None:
         for cohort in self.cohorts.values():
+            if cohort.busy:  # they leave when the sliced step ends
+                continue
             for r in cohort.requests:
                 if r.finish is None and self._stopped(r):
                     self._finish(r, r.stop_requested)

@@ -61,13 +61,15 @@ class Prefill:
     """Newcomers' prompts prefilled in one cache, `chunk` columns at a time: each chunk is one
     cached forward over the next columns of the left-padded prompts, as speculation's verify feeds
     several tokens after a cache, so the result is the whole prompt's prefill to floating-point
-    rounding. The last chunk samples each one's first token."""
+    rounding. The last chunk samples each one's first token. A chunk's forward may itself run
+    `loop_slice` loop steps per call (a deep request's prefill, spread over boundaries)."""
 
     requests: list
     ids: torch.Tensor  # (N, T) left-padded prompts
     mask: torch.Tensor  # (N, T) 1 = real token
     kv: KVCache = field(default_factory=KVCache)
     done: int = 0  # columns prefilled so far
+    flight: tuple | None = None  # (the chunk's forward under way, its end column) while sliced
 
     @classmethod
     def of(cls, requests: list, pad_id: int, device: torch.device) -> Prefill:
@@ -83,16 +85,22 @@ class Prefill:
 
     @torch.no_grad()
     def advance(self, model: MeshLM, loops: int | None, exit: str | None,
-                chunk: int | None = None) -> Batch | None:
-        """Prefill the next `chunk` columns (None: all that remain); after the last, the rows as a
-        Batch with each one's first token pending, else None."""
-        end = self.ids.shape[1] if chunk is None else min(self.done + chunk, self.ids.shape[1])
-        out = model(self.ids[:, self.done:end], padding_mask=padding_if_any(self.mask[:, :end]),
-                    cache=self.kv, loops=loops, exit=exit)
-        self.done = end
+                chunk: int | None = None, loop_slice: int | None = None) -> Batch | None:
+        """Prefill the next `chunk` columns (None: all that remain), `loop_slice` loop steps of
+        their forward per call (None: all); after the last, the rows as a Batch with each one's
+        first token pending, else None."""
+        if self.flight is None:
+            end = self.ids.shape[1] if chunk is None else min(self.done + chunk, self.ids.shape[1])
+            self.flight = (model.start(self.ids[:, self.done:end],
+                                       padding_if_any(self.mask[:, :end]), self.kv, exit), end)
+        (run, end), schedule = self.flight, model.schedule(loops)
+        model.advance(run, schedule, None if loop_slice is None else run.step + loop_slice)
+        if run.step < len(schedule):
+            return None
+        self.flight, self.done, logits = None, end, model.readout(run, schedule)
         if self.remaining:
             return None
-        return Batch(self.kv, self.mask, pick(out.logits[:, -1], self.requests))
+        return Batch(self.kv, self.mask, pick(logits[:, -1], self.requests))
 
     def keep(self, rows: list[int]) -> None:
         """Keep only these rows (in order): requests stopped while their prompts prefilled."""
@@ -144,9 +152,16 @@ class Cohort(ABC):
         """Prefill the requests' prompts together and join their rows to the batch; returns each
         one's first token."""
 
+    @property
+    def busy(self) -> bool:
+        """A sliced step is under way: rows may not join or leave until it ends."""
+        return False
+
     @abstractmethod
-    def step(self) -> list[list[int]]:
-        """Decode once for every row; returns each row's new tokens (at least one)."""
+    def step(self, loop_slice: int | None = None) -> list[list[int]] | None:
+        """Decode once for every row; returns each row's new tokens (at least one). A cohort that
+        can slice its step runs at most `loop_slice` loop steps per call and returns None until
+        the step is done (None: the whole step at once)."""
 
 
 class PlainCohort(Cohort):
@@ -155,6 +170,11 @@ class PlainCohort(Cohort):
     def __init__(self, model: MeshLM, loops: int | None, exit: str | None, pad_id: int):
         super().__init__(model, loops, pad_id)
         self.exit = exit
+        self.flight: tuple | None = None  # (the forward under way, its mask) while sliced
+
+    @property
+    def busy(self) -> bool:
+        return self.flight is not None
 
     def admit(self, requests: list) -> list[int]:
         """Prefill the prompts; join the batch with each one's first token pending (returned)."""
@@ -164,17 +184,26 @@ class PlainCohort(Cohort):
         return batch.pending.tolist()
 
     @torch.no_grad()
-    def step(self) -> list[list[int]]:
-        """Feed every row's pending token; each row's next token."""
-        s = self.state
-        mask = torch.cat([s.mask, s.mask.new_ones(len(s), 1)], 1)
-        out = self.model(s.pending[:, None], padding_mask=padding_if_any(mask), cache=s.kv,
-                         loops=self.loops, exit=self.exit)
+    def step(self, loop_slice: int | None = None) -> list[list[int]] | None:
+        """Feed every row's pending token; each row's next token. With `loop_slice`, the forward
+        (MeshLM.start → advance → readout, what the model's forward computes) runs that many loop
+        steps per call and the tokens come with the call that ends it."""
+        s, model = self.state, self.model
+        if self.flight is None:
+            mask = torch.cat([s.mask, s.mask.new_ones(len(s), 1)], 1)
+            self.flight = (model.start(s.pending[:, None], padding_if_any(mask), s.kv, self.exit),
+                           mask)
+        run, mask = self.flight
+        stop = None if loop_slice is None else min(run.step + loop_slice, len(self.schedule))
+        model.advance(run, self.schedule, stop)
+        if run.step < len(self.schedule):
+            return None
+        self.flight, logits = None, model.readout(run, self.schedule)
         self.failed = {}
-        s.mask, s.pending = mask, pick(out.logits[:, -1], self.requests, self.failed)
+        s.mask, s.pending = mask, pick(logits[:, -1], self.requests, self.failed)
         self.tokens += len(s.pending)
-        self.loop_steps += len(s.pending) * len(self.schedule) if out.exit_loops is None else \
-            int(out.exit_loops.sum())
+        self.loop_steps += len(s.pending) * len(self.schedule) if run.track.loops is None else \
+            int(run.track.loops.sum())
         return [[t] for t in s.pending.tolist()]
 
 
@@ -199,8 +228,9 @@ class SpeculativeCohort(Cohort):
         return batch.pending.tolist()
 
     @torch.no_grad()
-    def step(self) -> list[list[int]]:
-        """One plain step or one draft-verify round; each row's 1 … γ+1 new tokens."""
+    def step(self, loop_slice: int | None = None) -> list[list[int]]:
+        """One plain step or one draft-verify round; each row's 1 … γ+1 new tokens (a round is
+        never sliced)."""
         keep = torch.tensor([r.sampling.max_new_tokens - len(r.tokens)
                              for r in self.requests]).clamp(min=1)
         step = self.decoder.step(self.state, keep, torch.ones(len(keep), dtype=torch.bool))
