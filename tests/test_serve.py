@@ -127,6 +127,43 @@ def test_concurrent_requests_equal_solo_ones(server, opened):
     assert server.metric("meshlm_batch_rows_mean") > 1  # they were batched
 
 
+ADVERSARIAL = [  # bodies that once failed, stalled or were coerced (docs/serve.md)
+    {"seed": 1180591620717411303424, "temperature": 1.0}, {"loops": 5000}, {"max_tokens": True},
+    {"prompt": "\ud800"}, {"temperature": 5e-324}, {"top_p": 5e-324, "temperature": 1.0},
+    {"loops": 12, "max_tokens": 24}, {"loops": 12, "exit": "kl:0.001"}, {"stream": 1},
+    {"bogus": 1}, {"loops": 79278744457110323200}, {"speculate": "9"},
+]
+
+
+@pytest.mark.slow
+def test_good_requests_beside_adversarial_ones_finish_and_decode_as_alone(server, opened):
+    """N good requests (plain, loops, exit, speculation) run concurrently with N adversarial ones
+    and clients that hang up: no good request fails and each one's text is what it is alone."""
+    good = [({}, "To be, or not to be"), ({"loops": 2}, "The king"),
+            ({"exit": "state:0.3"}, "Once"), ({"speculate": "1:2"}, "A long time ago"),
+            ({}, "And"), ({"loops": 5}, "Upon the hill")] * 2
+
+    async def bad(c, extra: dict):
+        body = {"model": "tiny", "prompt": "Once upon", "max_tokens": 8, **extra}
+        async with httpx.AsyncClient(trust_env=False, timeout=60) as h:
+            r = await h.post(server.url + "/v1/completions", content=json.dumps(body),
+                             headers={"content-type": "application/json"})
+        assert r.status_code < 500, (extra, r.text)
+
+    async def go():
+        async with server.client() as c:
+            calls = [c.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0,
+                                          extra_body=kw) for kw, p in good]
+            noise = [bad(c, extra) for extra in ADVERSARIAL]
+            noise += [hang_up(c, "tiny", PROMPT, 40, after=2) for _ in range(3)]
+            out = await asyncio.gather(*calls, *noise)
+            return [r.choices[0].text for r in out[:len(good)]]
+    texts = asyncio.run(go())
+    expected = [solo(opened, p, 16, **{k: v for k, v in kw.items() if k != "speculate"})
+                for kw, p in good]
+    assert texts == expected
+
+
 @pytest.mark.parametrize("body, message", [
     ({"model": "tiny", "prompt": "x", "bogus": 1}, "bogus: Extra inputs are not permitted"),
     ({"model": "tiny", "prompt": "x", "temperature": -1},

@@ -368,6 +368,16 @@ def test_a_deep_request_spreads_its_token_over_boundaries_and_decodes_as_alone(e
         assert r.tokens == reference(model, r) and r.finish == "length"
 
 
+@pytest.mark.parametrize("loops", [5, 7])  # not a multiple of the slice: the last one is shorter
+def test_deep_requests_whose_loops_the_slice_does_not_divide_decode_as_alone(loops):
+    model = build(tiny(spec="1+1R3+1"))
+    batcher = Batcher(model, eos_id=0, pad_id=1)
+    rs = [Request(PROMPTS[0], greedy(10)), Request(PROMPTS[2], greedy(5), loops=loops),
+          Request(PROMPTS[4], greedy(5), loops=loops, exit="state:0.2")]
+    staggered(batcher, rs, every=1)
+    assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
+
+
 def test_alone_a_deep_request_is_not_sliced_and_loop_slice_0_never_slices():
     model = build(tiny(spec="1+1R3+1"))
     for batcher, plain in [(Batcher(model, eos_id=0, pad_id=1), []),

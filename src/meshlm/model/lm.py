@@ -174,15 +174,15 @@ class MeshLM(nn.Module):
     def advance(self, run: LoopRun, schedule: tuple[int, ...], stop: int | None = None,
                 backprop_loops: int | None = None) -> LoopRun:
         """The one loop of every scheme, in place: h^{t+1} = scheme.update(t, h^t, core(h^t)) for t
-        = run.step … stop−1 (default: to the end of `schedule`). Under exit only the still-active
-        tokens' core passes run, and the loop ends when none is left."""
+        = run.step … stop−1 (default, or past it: to the end of `schedule`). Under exit only the
+        still-active tokens' core passes run, and the loop ends when none is left."""
         _, step_slots, coda_slot, _ = slot_offsets(self.config.layout, schedule)
         # earlier steps: no autograd
         first_grad_step = len(schedule) - backprop_loops if backprop_loops else 0
         track = run.track  # NO_EXIT without exit: every token computed, nothing probed
         if run.step == 0:
             self._probe(track, run.h, coda_slot, 0)  # a probing criterion compares step 1 with h⁰
-        for step in range(run.step, len(schedule) if stop is None else stop):
+        for step in range(run.step, len(schedule) if stop is None else min(stop, len(schedule))):
             if step == first_grad_step > 0 and torch.is_grad_enabled():
                 # MeSH: fold the no-grad steps' values, memory follows k
                 self.scheme.truncate(run.ctx)
