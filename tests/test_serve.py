@@ -184,6 +184,8 @@ def test_good_requests_beside_adversarial_ones_finish_and_decode_as_alone(server
                                                            "integer"),
     ({"model": "tiny", "prompt": "x", "loops": 2.0}, "loops: Input should be a valid integer"),
     ({"model": "tiny", "prompt": "x", "stream": 1}, "stream: Input should be a valid boolean"),
+    ({"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]},
+     "stop: List should have at most 4 items after validation, not 5"),
     ({"model": "tiny", "prompt": "x", "stream_options": {"include_usage": "yes"}},
      "stream_options.include_usage: Input should be a valid boolean"),
     ({"model": "tiny", "prompt": "\ud800"},

@@ -57,7 +57,7 @@ class Body(Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
-    stop: Text | list[Text] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=4)] | None = None  # OpenAI's limit
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Literal[1] = 1  # one choice per request
