@@ -39,6 +39,25 @@ def openai_error(body: dict) -> bool:
             and isinstance(error["message"], str) and error["message"])
 
 
+def fuzz(server, op, mode, seen: dict) -> None:
+    """`EXAMPLES` drawn bodies of one operation and generation mode against the server."""
+    # the served name, most of the time: else nearly every body stops at "model not served"
+    @given(case=op.as_strategy(generation_mode=mode), served=st.integers(0, 3))
+    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    def call(case, served):
+        if served and isinstance(case.body, dict) and "model" in case.body:
+            case.body["model"] = "tiny"
+        response = case.call(base_url=server.url, timeout=60)
+        key = (op.path, response.status_code)
+        seen[key] = seen.get(key, 0) + 1
+        request = f"{case.method} {op.path} {json.dumps(case.body, default=str)}"
+        assert response.status_code < 500, f"{request} -> {response.text}"
+        if response.status_code >= 400:
+            assert openai_error(response.json()), f"{request} -> {response.text}"
+    call()
+
+
 @pytest.mark.slow
 def test_fuzzed_requests_never_get_a_5xx_and_every_4xx_is_an_openai_error(server):
     before = known(server)
@@ -51,21 +70,7 @@ def test_fuzzed_requests_never_get_a_5xx_and_every_4xx_is_an_openai_error(server
         modes = [GenerationMode.POSITIVE]  # a GET without parameters has no wrong form
         modes += [GenerationMode.NEGATIVE] if op.get_request_payload_content_types() else []
         for mode in modes:
-            # the served name, most of the time: else nearly every body stops at "model not served"
-            @given(case=op.as_strategy(generation_mode=mode), served=st.integers(0, 3))
-            @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck))
-            def call(case, served, op=op):
-                if served and isinstance(case.body, dict) and "model" in case.body:
-                    case.body["model"] = "tiny"
-                response = case.call(base_url=server.url, timeout=60)
-                key = (op.path, response.status_code)
-                seen[key] = seen.get(key, 0) + 1
-                request = f"{case.method} {op.path} {json.dumps(case.body, default=str)}"
-                assert response.status_code < 500, f"{request} -> {response.text}"
-                if response.status_code >= 400:
-                    assert openai_error(response.json()), f"{request} -> {response.text}"
-            call()
+            fuzz(server, op, mode, seen)
     for path in ("/v1/completions", "/v1/chat/completions"):  # both sides were reached
         assert seen.get((path, 200), 0) > 0 and seen.get((path, 400), 0) > 0, seen
     assert known(server) == before
