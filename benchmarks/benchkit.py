@@ -66,14 +66,14 @@ def stack_shapes(d: int, layers: int, vocab: int) -> list[tuple[int, int]]:
 
 def decoding_copy(model: torch.nn.Module, dtype: str) -> tuple[torch.nn.Module, object]:
     """(a copy of `model` with the weights `meshlm generate --dtype DTYPE` decodes with, the
-    precision it decodes in): precision.for_decoding's (fp32 split for one-token products where
-    that pays, bf16 stored in bf16)."""
+    precision it decodes in): meshlm.decoding.for_decoding's (fp32 split for one-token products
+    where that pays, bf16 stored in bf16)."""
     import copy
 
-    from meshlm.runtime import precision
+    from meshlm.decoding import for_decoding
 
     model = copy.deepcopy(model)
-    return model, precision.for_decoding(dtype, model)[1]
+    return model, for_decoding(dtype, model)[1]
 
 
 def corpus_prompts(tok, count: int, length: int) -> list[list[int]]:

@@ -44,13 +44,15 @@ def autocast(chosen):
 def paths(model, prompts, n: int, speculate: str, pad_id: int) -> dict[str, list[list[int]]]:
     """Each path's tokens for every prompt."""
     from meshlm.generate import Sampling, generate
+    from meshlm.generate.speculative import Speculation
     from meshlm.serve.batcher import Batcher, Request
 
     s = Sampling(max_new_tokens=n, temperature=0, stop_at_eos=False)
     out = {"alone": [generate(model, [p], s, pad_id=pad_id)[0] for p in prompts],
            "batched": generate(model, prompts, s, pad_id=pad_id),
            "uncached": [generate(model, [p], s, pad_id=pad_id, cache=False)[0] for p in prompts],
-           "speculate": [generate(model, [p], s, pad_id=pad_id, speculate=speculate)[0]
+           "speculate": [generate(model, [p], s, pad_id=pad_id,
+                                  speculate=Speculation.parse(speculate))[0]
                          for p in prompts]}
     batcher, requests = Batcher(model, eos_id=-1, pad_id=pad_id,
                                 max_batch=16), [Request(p, s) for p in prompts]

@@ -11,10 +11,10 @@ Comparisons (targets from the Hugging Face / generation issue):
   4. (--versus-transformers) a vanilla stack of --layers (default 12) layers at --d-model against
      transformers' GPTNeoXForCausalLM.generate on the same weights: transformers fp32 and bf16,
      meshlm fp32 (what `--dtype auto` decodes in: split_linears' layout, multiplied by the kernel
-     meshlm.runtime.fp32_rows compiles where it pays; "fp32 split bmm" without that kernel), fp32
+     meshlm.kernels.fp32_rows compiles where it pays; "fp32 split bmm" without that kernel), fp32
      through plain F.linear, bf16 (weights stored in bf16), int8, int4 and w8a8 (int8 weights and
      activations; meshlm.quant, every layer and the head; "w8a8 _int_mm" without the one-row
-     kernel meshlm.quant.native compiles), each with the weights `meshlm
+     kernel meshlm.quant.row_kernel compiles), each with the weights `meshlm
      generate` decodes with, and with the weight bytes each reads per token against this core's
      measured copy bandwidth:
          .venv/bin/python benchmarks/decode_speed.py --versus-transformers --d-model 768 \
@@ -89,7 +89,7 @@ def decode_seconds(model, prompts, args, cache: bool, concatenate: bool = False)
 def copy_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
     """Bytes/s of the best of `reps` copies between two `megabytes` tensors, both touched first
     (read + write counted; no page faults timed): this core's memory bandwidth."""
-    from meshlm.runtime import machine
+    from meshlm import machine
 
     a, b = torch.ones(megabytes * 2**20 // 4), torch.zeros(megabytes * 2**20 // 4)
     return 2 * a.numel() * 4 / machine.best_seconds(lambda: b.copy_(a), reps)
@@ -99,7 +99,7 @@ def read_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
     """Bytes/s of the best of `reps` sums over a `megabytes` tensor (reads only, with every torch
     thread): the ceiling of batch-1 decoding, which reads every weight once per token and writes
     next to nothing."""
-    from meshlm.runtime import machine
+    from meshlm import machine
 
     a = torch.ones(megabytes * 2**20 // 4)
     return a.numel() * 4 / machine.best_seconds(a.sum, reps)
@@ -193,7 +193,7 @@ CPU = torch.device("cpu")
 
 
 def split_without_kernel(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of `model` laid out as fp32 decoding is without the kernel meshlm.runtime.fp32_rows
+    """A copy of `model` laid out as fp32 decoding is without the kernel meshlm.kernels.fp32_rows
     compiles (one block per thread, torch.bmm at every row count): what that kernel buys."""
     import copy
 
@@ -207,7 +207,7 @@ def split_without_kernel(model: torch.nn.Module) -> torch.nn.Module:
 
 def without_row_kernel(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of a decoding-ready w8a8 model whose one-row products go through torch._int_mm, not
-    the kernel meshlm.quant.native compiled: what that kernel buys."""
+    the kernel meshlm.quant.row_kernel compiled: what that kernel buys."""
     import copy
 
     from meshlm.quant import QuantizedLinear

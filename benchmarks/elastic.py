@@ -49,6 +49,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 HERE = Path(__file__).resolve().parent
 
 
+def exit_rule(text: str):
+    """An exit rule as the model takes it: parsed from the command line's text."""
+    from meshlm.model.exit import ExitRule
+
+    return ExitRule.parse(text)
+
+
 def load(path: str):
     from meshlm.loading import open_model
 
@@ -58,7 +65,7 @@ def load(path: str):
 # -- decode ----------------------------------------------------------------------------------------
 @torch.no_grad()
 def greedy(model, prompt: torch.Tensor, new_tokens: int, loops: int | None,
-           exit: str | None) -> list[int]:
+           exit) -> list[int]:
     """Batch-1 cached greedy decoding; returns the loop steps each generated token ran."""
     from meshlm.model.kv_cache import KVCache
 
@@ -77,7 +84,7 @@ def decode(args) -> None:
     k = args.loops or model.config.layout.n_steps
     prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt),
                            generator=torch.Generator().manual_seed(0))
-    runs = {"fixed": None, **{rule: rule for rule in args.exit.split(",")}}
+    runs = {"fixed": None, **{text: exit_rule(text) for text in args.exit.split(",")}}
     steps = {name: greedy(model, prompt, args.new_tokens, k, rule) for name, rule in runs.items()}
     medians = interleaved_medians({name: (lambda r=rule: greedy(model, prompt, args.new_tokens, k,
                                                                 r))
@@ -103,7 +110,9 @@ def gather(args) -> None:
           "clock)")
     print(f"{'rule':<14} {'avg loops':>9} {'gather/mask time':>17}")
     for rule in args.exit.split(","):
-        def run(below: float, r=rule):
+        parsed = exit_rule(rule)
+
+        def run(below: float, r=parsed):
             exit_module.GATHER_BELOW = below
             with torch.no_grad():
                 return model(x, exit=r)

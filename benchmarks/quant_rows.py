@@ -1,9 +1,9 @@
 """The linear layers of a decode step in every decoding format, at each row count a decode call can
 have: fp32 in its decoding layout (SplitLinear, what `--dtype auto` decodes with on CPU: in
-128-column blocks multiplied by meshlm.runtime.fp32_rows' compiled kernel where it pays here, else
+128-column blocks multiplied by meshlm.kernels.fp32_rows' compiled kernel where it pays here, else
 a block per thread), int8
 weight-only, int8 weights with int8 activations (w8a8: as decoding runs them, one row through the
-kernel meshlm.quant.native compiles for this CPU; "w8a8 _int_mm": every row through
+kernel meshlm.quant.row_kernel compiles for this CPU; "w8a8 _int_mm": every row through
 torch._int_mm) and int4 (meshlm.quant), on the weights of a
 decoder stack too large for the caches (default: 12 layers of d = 768 and a 50,304-word head).
 Prints each format's time per call and its speed against fp32's.
@@ -29,9 +29,8 @@ from benchkit import (
 )
 
 from meshlm.quant import QuantizedLinear
-from meshlm.quant.native import give_row_kernel
-from meshlm.runtime import fp32_rows
-from meshlm.runtime.split_linear import SplitLinear, parts_for
+from meshlm.quant.row_kernel import give_row_kernel
+from meshlm.runtime.split_linear import SplitLinear, parts_for, paying_kernel
 
 
 def formats(linears: list[torch.nn.Linear], threads: int) -> dict[str, list[torch.nn.Module]]:
@@ -40,7 +39,7 @@ def formats(linears: list[torch.nn.Linear], threads: int) -> dict[str, list[torc
                                for m in linears)
     plain_w8a8 = copy.deepcopy(w8a8)
     give_row_kernel(w8a8)
-    kernel = fp32_rows.paying_kernel()
+    kernel = paying_kernel()
     return {"fp32": [SplitLinear.for_kernel(m, kernel) if kernel else
                      SplitLinear.of(m, parts_for(m.out_features, threads)) for m in linears],
             "int8": [QuantizedLinear.from_linear(m, 8) for m in linears],

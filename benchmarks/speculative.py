@@ -116,6 +116,7 @@ def main() -> None:
     args = p.parse_args()
     clock = timing_setup(args)
 
+    from meshlm.generate.speculative import Speculation
     from meshlm.loading import open_model
 
     opened = open_model(args.checkpoint)
@@ -123,8 +124,9 @@ def main() -> None:
     k = len(model.schedule(args.loops))
     k_ds = [int(x) for x in args.draft_loops.split(",")] if args.draft_loops else list(range(1, k))
     prompts = corpus_prompts(tok, args.batch, args.prompt)
-    variants = {"plain": None, **{f"K_d={k_d}": f"{k_d}" for k_d in k_ds},
-                **{x: x for x in args.settings.split(",") if x}, "auto": "auto"}
+    variants = {"plain": None, **{f"K_d={k_d}": Speculation(k_d) for k_d in k_ds},
+                **{x: Speculation.parse(x) for x in args.settings.split(",") if x},
+                "auto": Speculation()}
     # warm-up
     decode(model, prompts, argparse.Namespace(**{**vars(args), "new_tokens": 4}), None, clock)
     times = {name: [] for name in variants}

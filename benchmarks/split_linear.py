@@ -1,6 +1,6 @@
 """fp32 linear layers for decoding: F.linear over the (out, in) weight against SplitLinear
 (meshlm.runtime.split_linear: transposed, one block of output columns per thread, one bmm) and
-against SplitLinear in 128-column blocks multiplied by the kernel meshlm.runtime.fp32_rows compiles
+against SplitLinear in 128-column blocks multiplied by the kernel meshlm.kernels.fp32_rows compiles
 (where this machine builds it), on the weights of a decoder stack too large for the caches
 (default: 12 layers of d = 768 and a 50,304-word head, 0.5 GB), at each row count a decode call can
 have. Prints the speed ratios per row count.
@@ -29,7 +29,7 @@ from benchkit import (
     timing_setup,
 )
 
-from meshlm.runtime import fp32_rows
+from meshlm.kernels import fp32_rows
 from meshlm.runtime.split_linear import (
     KERNEL_ROWS,
     SplitLinear,
@@ -92,7 +92,7 @@ def main() -> None:
     megabytes = sum(m.weight.numel() for m in linears) * 4 / 1e6
     print(f"{len(linears)} fp32 weights, {megabytes:.0f} MB, {threads} threads, {args.rounds} "
           f"rounds (medians); split: a block per thread, torch.bmm; kernel: 128-column blocks, "
-          f"meshlm.runtime.fp32_rows up to {KERNEL_ROWS} rows{'' if kernel else ' (not built)'}")
+          f"meshlm.kernels.fp32_rows up to {KERNEL_ROWS} rows{'' if kernel else ' (not built)'}")
     for rows in map(int, args.rows.split(",")):
         inputs = {m.in_features: torch.randn(rows, m.in_features) for m in linears}
 

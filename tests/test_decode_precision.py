@@ -8,7 +8,9 @@ from test_runtime import fake_cpu
 
 from meshlm.checkpoint import save_model
 from meshlm.cli import main
+from meshlm.decoding import for_decoding
 from meshlm.generate import Sampling, generate
+from meshlm.generate.speculative import Speculation
 from meshlm.runtime import precision
 from meshlm.serve.batcher import Batcher, Request
 
@@ -25,9 +27,9 @@ def bf16_machine(monkeypatch, tmp_path):
 
 def test_auto_decodes_in_fp32_where_the_run_policy_picks_bf16(bf16_machine):
     model = build(tiny())
-    device, chosen = precision.for_decoding("auto", model)
+    device, chosen = for_decoding("auto", model)
     assert chosen.dtype is None and chosen.reason.startswith(precision.DECODING_FP32)
-    assert precision.for_decoding("bf16", model)[1].dtype == torch.bfloat16  # asked for: honoured
+    assert for_decoding("bf16", model)[1].dtype == torch.bfloat16  # asked for: honoured
     assert precision.for_model("auto", model)[1].dtype == torch.bfloat16  # eval and probe keep bf16
 
 
@@ -46,11 +48,12 @@ def test_generate_and_the_batcher_under_the_decoding_policy_are_exact(bf16_machi
 
     prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
     s = Sampling(max_new_tokens=12, temperature=0, stop_at_eos=False)
-    device, chosen = precision.for_decoding("auto", model)
+    device, chosen = for_decoding("auto", model)
     with precision.autocast(device, chosen), torch.no_grad():
         alone = [generate(model, [p], s)[0] for p in prompts]
         batcher = Batcher(model, eos_id=0, pad_id=1)
-        requests = [Request(p, s, speculate=spec) for p in prompts for spec in (None, "auto")]
+        requests = [Request(p, s, speculate=spec) for p in prompts
+                    for spec in (None, Speculation())]
         for r in requests:
             batcher.submit(r)
         while batcher.step():

@@ -184,10 +184,12 @@ def test_lm_eval_runs_every_task_offline_and_matches_our_loglikelihoods(tmp_path
 
 def test_exit_frontier_reports_loss_loops_and_compute(prepared):
     from meshlm.evaluation.perplexity import exit_frontier
+    from meshlm.model.exit import ExitRule
 
     model = build(tiny(vocab_size=8192, max_loops=4))
     data = PreparedData(prepared, "val")
-    rows = exit_frontier(model, data, 16, ["state:0", "state:inf", "kl:0"], loops=4,
+    rules = [ExitRule.parse(r) for r in ("state:0", "state:inf", "kl:0")]
+    rows = exit_frontier(model, data, 16, rules, loops=4,
                          max_sequences=3)
     full = mean_loss(model, data, 16, max_sequences=3, loops=4)
     one = mean_loss(model, data, 16, max_sequences=3, loops=1)

@@ -51,8 +51,8 @@ def mid_threshold(model, x, criterion, step=1):
 def test_threshold_zero_is_full_depth_and_infinity_is_one_loop(scheme, criterion):
     model, x = model_for(scheme), x_batch()
     with torch.no_grad():
-        never = model(x, loops=LOOPS, exit=f"{criterion}:0")
-        always = model(x, loops=LOOPS, exit=f"{criterion}:inf")
+        never = model(x, loops=LOOPS, exit=ExitRule.parse(f"{criterion}:0"))
+        always = model(x, loops=LOOPS, exit=ExitRule.parse(f"{criterion}:inf"))
         assert torch.equal(never.logits, model(x, loops=LOOPS).logits)
         assert torch.equal(always.logits, model(x, loops=1).logits)
     assert (never.exit_loops == LOOPS).all() and (always.exit_loops == 1).all()
@@ -135,7 +135,7 @@ def test_an_exited_token_runs_no_further_core_passes():
     with torch.no_grad():
         model(x_batch(b=1, t=5), cache=kv, loops=LOOPS)
         calls.clear()
-        model(torch.tensor([[3]]), cache=kv, loops=LOOPS, exit="state:inf")
+        model(torch.tensor([[3]]), cache=kv, loops=LOOPS, exit=ExitRule.parse("state:inf"))
     assert len(calls) == 1  # one core pass of LOOPS: the token exited after it
     # skipped steps' slots still got its K/V
     assert all(k is not None and k.shape[-2] == 6 for k in kv.keys)
@@ -150,6 +150,14 @@ def test_an_exited_token_runs_no_further_core_passes():
 def test_bad_exit_rules_are_one_line_errors(text, needle):
     with pytest.raises(ConfigError, match=needle):
         ExitRule.parse(text)
+
+
+def test_the_model_takes_the_rule_typed_never_as_text():
+    """Text is parsed once where it comes in (CLI, HTTP body, YAML, the HF config), not per
+    forward."""
+    model = model_for("mesh")
+    with pytest.raises(TypeError, match=r"pass an ExitRule .*ExitRule.parse\('state:0.1'\)"):
+        model(x_batch(), loops=LOOPS, exit="state:0.1")
 
 
 # -- a new criterion: one class and its registration, defined here without touching meshlm ----
@@ -185,11 +193,11 @@ def test_a_new_criterion_runs_end_to_end(new_criterion):
     model, x = model_for(), x_batch()
     split = f"{new_criterion}:{mid_threshold(model, x, new_criterion)}"
     with torch.no_grad():
-        never = model(x, loops=LOOPS, exit=f"{new_criterion}:0")
-        always = model(x, loops=LOOPS, exit=f"{new_criterion}:inf")
+        never = model(x, loops=LOOPS, exit=ExitRule.parse(f"{new_criterion}:0"))
+        always = model(x, loops=LOOPS, exit=ExitRule.parse(f"{new_criterion}:inf"))
         assert torch.equal(never.logits, model(x, loops=LOOPS).logits)
         assert torch.equal(always.logits, model(x, loops=1).logits)
-        some = model(x, loops=LOOPS, exit=split).exit_loops.float().mean()
+        some = model(x, loops=LOOPS, exit=ExitRule.parse(split)).exit_loops.float().mean()
     assert (never.exit_loops == LOOPS).all() and (always.exit_loops == 1).all() and 1 < some < LOOPS
     assert (never.exit_probes == (LOOPS + 1 if CRITERIA[new_criterion].probes else 0)).all()
     with pytest.raises(ConfigError, match=f"use one of: state, kl, {new_criterion} "):

@@ -1,4 +1,4 @@
-"""fp32 decoding's compiled kernel (meshlm.runtime.fp32_rows): F.linear's product to rounding on
+"""fp32 decoding's compiled kernel (meshlm.kernels.fp32_rows): F.linear's product to rounding on
 full, padded and narrow blocks, each row the same bits whatever else the call holds; SplitLinear
 takes it up to KERNEL_ROWS rows and bmm beyond; decoding through it makes the same tokens cached,
 uncached, batched and under speculation; used only where its probe found it faster; where it
@@ -12,12 +12,14 @@ import torch.nn.functional as F
 from conftest import build, tiny
 from test_quant import assert_decodes_exactly
 
+from meshlm import decoding
 from meshlm.checkpoint import save_model
 from meshlm.cli import main
 from meshlm.generate import Sampling, generate
+from meshlm.kernels import fp32_rows
 from meshlm.model.memory import Router
 from meshlm.model.moe import ExpertRouter
-from meshlm.runtime import fp32_rows, precision
+from meshlm.runtime import split_linear
 from meshlm.runtime.split_linear import KERNEL_ROWS, KERNEL_WIDTH, SplitLinear
 
 
@@ -34,7 +36,7 @@ def kernel(monkeypatch, tmp_path):
 
 def paid(monkeypatch, speedup: float) -> None:
     """The probe's figures, as if measured: the kernel `speedup` times split's and F.linear's."""
-    monkeypatch.setattr(fp32_rows, "kernel_speedup", lambda kernel: {
+    monkeypatch.setattr(split_linear, "kernel_speedup", lambda kernel: {
         "kernel_over_split": speedup, "kernel_over_linear": speedup})
 
 
@@ -74,14 +76,14 @@ def decoding_pair(monkeypatch, model):
     """(model laid out with the kernel, the same laid out per thread for bmm alone)."""
     paid(monkeypatch, 2.0)
     with_kernel = copy.deepcopy(model)
-    _, chosen = precision.for_decoding("auto", with_kernel)
-    assert precision.FP32_KERNEL_NOTE in chosen.reason
+    _, chosen = decoding.for_decoding("auto", with_kernel)
+    assert decoding.FP32_KERNEL_NOTE in chosen.reason
     paid(monkeypatch, 0.5)
-    monkeypatch.setattr(precision, "split_speedup", lambda: 2.0)
+    monkeypatch.setattr(split_linear, "split_speedup", lambda: 2.0)
     plain = copy.deepcopy(model)
-    _, chosen = precision.for_decoding("auto", plain)
-    assert precision.FP32_KERNEL_NOTE not in chosen.reason
-    assert precision.SPLIT_NOTE in chosen.reason
+    _, chosen = decoding.for_decoding("auto", plain)
+    assert decoding.FP32_KERNEL_NOTE not in chosen.reason
+    assert decoding.SPLIT_NOTE in chosen.reason
     return with_kernel, plain
 
 
@@ -180,15 +182,15 @@ def test_a_row_decodes_the_same_logits_alone_and_in_a_batch(kernel, monkeypatch)
 def test_the_kernel_is_used_only_where_its_probe_found_it_faster(kernel, monkeypatch, speedup,
                                                                  used):
     paid(monkeypatch, speedup)
-    assert (fp32_rows.paying_kernel() is kernel) == used
+    assert (split_linear.paying_kernel() is kernel) == used
 
 
 def test_the_probe_times_all_three_and_is_cached(kernel, tmp_path):
-    first = fp32_rows.kernel_speedup(kernel)
+    first = split_linear.kernel_speedup(kernel)
     assert first["kernel_ms"] > 0 and first["split_ms"] > 0 and first["linear_ms"] > 0
     assert first["kernel_over_split"] == pytest.approx(first["split_ms"] / first["kernel_ms"])
     assert "fp32-rows-kernel" in (tmp_path / "machine.json").read_text()
-    assert fp32_rows.kernel_speedup(kernel) == first  # measured once, then read
+    assert split_linear.kernel_speedup(kernel) == first  # measured once, then read
 
 
 def test_without_the_kernel_decoding_keeps_torchs_ops(monkeypatch, tmp_path):
@@ -196,11 +198,11 @@ def test_without_the_kernel_decoding_keeps_torchs_ops(monkeypatch, tmp_path):
     monkeypatch.setenv("MESHLM_NATIVE", "0")
     fp32_rows.fp32_rows_kernel.cache_clear()
     try:
-        assert fp32_rows.fp32_rows_kernel() is None and fp32_rows.paying_kernel() is None
+        assert fp32_rows.fp32_rows_kernel() is None and split_linear.paying_kernel() is None
         model = build(tiny(spec="1+1R2+1", vocab_size=256))
-        _, chosen = precision.for_decoding("auto", model)
-        assert precision.FP32_KERNEL_NOTE not in chosen.reason
-        assert f"{precision.FP32_KERNEL_MISSING} (turned off by MESHLM_NATIVE=0" in chosen.reason
+        _, chosen = decoding.for_decoding("auto", model)
+        assert decoding.FP32_KERNEL_NOTE not in chosen.reason
+        assert f"{decoding.FP32_KERNEL_MISSING} (turned off by MESHLM_NATIVE=0" in chosen.reason
         assert not any(getattr(m, "kernel", None) for m in model.modules())
     finally:
         fp32_rows.fp32_rows_kernel.cache_clear()
@@ -229,23 +231,23 @@ def test_a_kernel_that_cannot_be_had_is_named_on_the_precision_line(no_kernel, m
     install = tmp_path / "install" / "meshlm" / "runtime"
     install.mkdir(parents=True)
     if how == "a source missing from the install":
-        monkeypatch.setattr(fp32_rows, "SOURCE", install / "fp32_rows.c")
+        monkeypatch.setattr(fp32_rows.KERNEL, "source", install / "fp32_rows.c")
     elif how == "a failing compiler":
         monkeypatch.setenv("CC", "false")
     elif how == "a source the compiler rejects":
         (install / "fp32_rows.c").write_text("this is not C\n")
-        monkeypatch.setattr(fp32_rows, "SOURCE", install / "fp32_rows.c")
+        monkeypatch.setattr(fp32_rows.KERNEL, "source", install / "fp32_rows.c")
     elif how == "no compiler":
         monkeypatch.delenv("CC", raising=False)
         monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     else:
-        monkeypatch.setattr(fp32_rows, "_agrees", lambda product: False)
-    monkeypatch.setattr(precision, "split_speedup", lambda: split)
+        monkeypatch.setattr(fp32_rows.KERNEL, "check", lambda product: False)
+    monkeypatch.setattr(split_linear, "split_speedup", lambda: split)
     model = build(tiny(spec="1+1R2+1", vocab_size=256))
-    _, chosen = precision.for_decoding("auto", model)
+    _, chosen = decoding.for_decoding("auto", model)
     assert fp32_rows.fp32_rows_kernel() is None and fp32_rows.unavailable() in chosen.reason
-    fallback = precision.SPLIT_NOTE if split > 1 else "linear layers keep F.linear"
-    assert f"{precision.FP32_KERNEL_MISSING} (" in chosen.reason
+    fallback = decoding.SPLIT_NOTE if split > 1 else "linear layers keep F.linear"
+    assert f"{decoding.FP32_KERNEL_MISSING} (" in chosen.reason
     assert named.format(folder=install) in chosen.reason and f"), so {fallback}" in chosen.reason
     assert "\n" not in chosen.describe()  # one line
     assert not any(getattr(m, "kernel", None) for m in model.modules())
@@ -257,12 +259,12 @@ def test_a_kernel_that_cannot_be_had_is_named_on_the_precision_line(no_kernel, m
 
 def test_generate_names_a_kernel_missing_from_the_install(no_kernel, monkeypatch, tmp_path,
                                                           capsys):
-    monkeypatch.setattr(fp32_rows, "SOURCE", tmp_path / "install" / "fp32_rows.c")
-    monkeypatch.setattr(precision, "split_speedup", lambda: 2.0)
+    monkeypatch.setattr(fp32_rows.KERNEL, "source", tmp_path / "install" / "fp32_rows.c")
+    monkeypatch.setattr(split_linear, "split_speedup", lambda: 2.0)
     save_model(build(tiny(vocab_size=8192)), tmp_path / "ckpt")
     assert main(["generate", str(tmp_path / "ckpt"), "To be", "-t", "0", "-n", "2"]) == 0
     (line,) = [line for line in capsys.readouterr().err.splitlines() if "generated in" in line]
-    assert (f"{precision.FP32_KERNEL_MISSING} (its source fp32_rows.c is missing from the install "
+    assert (f"{decoding.FP32_KERNEL_MISSING} (its source fp32_rows.c is missing from the install "
             f"({tmp_path / 'install'}); reinstall meshlm") in line
 
 

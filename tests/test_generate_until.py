@@ -13,6 +13,8 @@ from evalkit import tiny_checkpoint
 from meshlm.cli import main
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.generate import Sampling, generate
+from meshlm.generate.speculative import Speculation
+from meshlm.model.exit import ExitRule
 
 STOP = ["e", "\n\n"]  # "e" comes up in a few tokens of any text: the cut is exercised on every item
 
@@ -59,10 +61,12 @@ def test_generate_until_is_greedy_decoding_cut_at_the_first_stop_and_speculation
         # the text before the first stop string
         assert text == min((full.split(s)[0] for s in STOP), key=len)
     assert any(len(t) < 12 for t in texts)
-    fast = MeshLMEval(model, tok, speculate="1:3").generate_until(requests(contexts, settings))
+    fast = MeshLMEval(model, tok, speculate=Speculation(1, 3)).generate_until(
+        requests(contexts, settings))
     assert fast == texts
     deeper = MeshLMEval(model, tok, loops=1,
-                        exit="state:inf").generate_until(requests(contexts, settings))
+                        exit=ExitRule.parse("state:inf")).generate_until(
+        requests(contexts, settings))
     assert len(deeper) == 3 and all(isinstance(t, str) for t in deeper)
 
 

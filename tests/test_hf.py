@@ -360,6 +360,7 @@ def test_exported_model_takes_depth_and_exit_settings():
     """config.loops / config.exit (or per-call loops=, exit=) reach the model, also through
     generate()."""
     from meshlm.generate import Sampling, generate
+    from meshlm.model.exit import ExitRule
 
     model = build(tiny(spec="1+2R2+1", max_loops=4))
     hf = from_meshlm(model)
@@ -372,7 +373,7 @@ def test_exported_model_takes_depth_and_exit_settings():
     prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
     ours = generate(model, prompts, Sampling(max_new_tokens=6, temperature=0, stop_at_eos=False),
                     pad_id=1,
-                    loops=4, exit="state:0.3")
+                    loops=4, exit=ExitRule.parse("state:0.3"))  # the export parses its text
     assert out[:, ids.shape[1]:].tolist() == ours
 
 

@@ -164,13 +164,15 @@ LAYERS = (
     ("registry of backbones", ("meshlm.backbones",)),
     ("model config", ("meshlm.config",)),
     ("model", ("meshlm.model",)),
+    ("this machine", ("meshlm.machine", "meshlm.data.cache_dir")),  # its measured facts, its cache
+    ("compiled kernels", ("meshlm.kernels",)),  # below runtime and quant, which both use them
     ("below the loader",  # data, runtime, checkpoints, Hub, LoRA/int8 structure, format adapters
      ("meshlm.data", "meshlm.reasoning", "meshlm.runtime", "meshlm.checkpoint", "meshlm.manifest",
       "meshlm.outputs", "meshlm.hub", "meshlm.adapters", "meshlm.quant", "meshlm.interop")),
     ("loader", ("meshlm.loading",)),
     ("users of a model", ("meshlm.train", "meshlm.evaluation", "meshlm.generate", "meshlm.analysis",
                           "meshlm.serve", "meshlm.hf", "meshlm.quant.report",
-                          "meshlm.interop.convert", "meshlm.interop.retrofit")),
+                          "meshlm.interop.convert", "meshlm.interop.retrofit", "meshlm.decoding")),
     ("commands", ("meshlm.commands",)),
     ("command line", ("meshlm.cli",)),
 )
@@ -213,6 +215,21 @@ def test_the_layer_check_sees_type_checking_imports():
 def test_no_circle_even_through_type_checking_imports():
     cycle = find_cycle(graph(type_checking=True))
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_runtime_and_quant_import_each_other_in_neither_direction():
+    """They meet below, in meshlm.kernels, and above, in meshlm.decoding (TYPE_CHECKING-only
+    imports count too). quant's layers, which a Hugging Face export bundles (meshlm.hf.remote),
+    import no kernel code: meshlm.quant.row_kernel gives them the compiled one."""
+    packages = ("meshlm.runtime", "meshlm.quant")
+    crossing = [f"{a} -> {b}" for a, targets in sorted(graph(type_checking=True).items())
+                for b in sorted(targets) for mine, other in (packages, packages[::-1])
+                if a.startswith(mine + ".") or a == mine
+                if b.startswith(other + ".") or b == other]
+    assert crossing == []
+    assert "meshlm.kernels.kernel" in graph()["meshlm.quant.row_kernel"]
+    assert not {m for m in graph()["meshlm.quant.linear"] | graph()["meshlm.quant.calibrate"]
+                if m.startswith("meshlm.kernels")}
 
 
 def test_every_import_points_down_the_layers():

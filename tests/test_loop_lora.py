@@ -125,12 +125,13 @@ def test_cached_decoding_equals_uncached_with_exit():
 
 def test_greedy_speculation_is_plain_greedy():
     from meshlm.generate import Sampling, generate
+    from meshlm.generate.speculative import Speculation
 
     model = randomise_deltas(build(tiny(spec="1+2R4+1", context_length=96, loop_lora_rank=RANK)),
                              scale=0.1)
     s = Sampling(max_new_tokens=24, temperature=0, stop_at_eos=False)
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
-    assert generate(model, prompts, s, speculate="2:3") == generate(model, prompts, s)
+    assert generate(model, prompts, s, speculate=Speculation(2, 3)) == generate(model, prompts, s)
 
 
 def test_checkpointed_backward_sees_each_pass_delta():

@@ -1,4 +1,4 @@
-"""The one-row int8-activation product compiled on this machine (meshlm.quant.native): the row
+"""The one-row int8-activation product compiled on this machine (meshlm.quant.row_kernel): the row
 rounded as quantize_rows rounds it, the exact integer sums, the same scaling, so the same numbers
 as the torch ops bit for bit and decoding through it changes no output; built once per machine
 and CPU, atomically, loaded only when private; used where its probe found it faster; where it
@@ -13,26 +13,26 @@ import torch
 from conftest import build, tiny
 from test_quant import assert_decodes_exactly
 
+from meshlm import decoding
 from meshlm.generate import Sampling, generate
 from meshlm.model.kv_cache import KVCache
-from meshlm.quant import QuantizedLinear, native, quantize_model
+from meshlm.quant import QuantizedLinear, quantize_model, row_kernel
 from meshlm.quant.linear import exact_int8_products, quantize_rows, scaled_int8_products
-from meshlm.runtime import precision
 
 
 @pytest.fixture
 def fresh_build(monkeypatch, tmp_path):
     """A cache of its own and no kernel remembered from earlier in this process."""
     monkeypatch.setenv("MESHLM_CACHE", str(tmp_path))
-    native.int8_row_kernel.cache_clear()
+    row_kernel.int8_row_kernel.cache_clear()
     yield tmp_path / "kernels"
-    native.int8_row_kernel.cache_clear()
+    row_kernel.int8_row_kernel.cache_clear()
 
 
 @pytest.mark.parametrize("n, k, size", [(1, 1, 1.0), (37, 200, 1e-3), (2304, 768, 1.0),
                                         (50, 3072, 80.0), (8, 64, 0.0)])
 def test_the_compiled_product_is_the_torch_ops_numbers_bit_for_bit(fresh_build, n, k, size):
-    kernel = native.int8_row_kernel()
+    kernel = row_kernel.int8_row_kernel()
     assert kernel is not None, "this machine has a C compiler (cc or gcc): the kernel builds"
     g = torch.Generator().manual_seed(n)
     x = torch.randn(1, k, generator=g) * size
@@ -51,10 +51,10 @@ def test_the_compiled_product_is_the_torch_ops_numbers_bit_for_bit(fresh_build, 
 
 def test_decoding_through_the_kernel_gives_the_same_numbers(fresh_build, monkeypatch):
     # whether this CPU's probe finds it faster is the next tests' matter: here it is used
-    monkeypatch.setattr(native, "_probe", lambda kernel: {"kernel_over_torch": 2.0})
+    monkeypatch.setattr(row_kernel, "_probe", lambda kernel: {"kernel_over_torch": 2.0})
     model = build(tiny(spec="1+1R3+1", vocab_size=512, d_model=64))
     quantized = quantize_model(model, 8, ("prelude", "cores", "coda"), activations="int8")[0]
-    _, chosen = precision.for_decoding("auto", quantized)
+    _, chosen = decoding.for_decoding("auto", quantized)
     plain = copy.deepcopy(quantized)  # the same decoding layout, torch._int_mm at every row
     for layer in plain.modules():
         if isinstance(layer, QuantizedLinear):
@@ -63,8 +63,8 @@ def test_decoding_through_the_kernel_gives_the_same_numbers(fresh_build, monkeyp
     if not exact_int8_products():  # a CPU whose torch._int_mm saturates: nothing to pair with
         assert all(m.row_kernel is None for m in layers)
         return
-    assert layers and all(m.row_kernel is native.int8_row_kernel() for m in layers)
-    assert precision.ROW_KERNEL_NOTE in chosen.reason
+    assert layers and all(m.row_kernel is row_kernel.int8_row_kernel() for m in layers)
+    assert decoding.ROW_KERNEL_NOTE in chosen.reason
     s = Sampling(max_new_tokens=10, temperature=0, stop_at_eos=False)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     assert [generate(quantized, [p], s)[0] for p in prompts] == \
@@ -100,7 +100,7 @@ def fake_compiler(folder, exit_code: int) -> str:
 def test_without_the_kernel_the_layers_keep_torchs(fresh_build, monkeypatch, tmp_path, how,
                                                    named):
     if how == "a source missing from the install":
-        monkeypatch.setattr(native, "SOURCE", tmp_path / "install" / "int8_rows.c")
+        monkeypatch.setattr(row_kernel.KERNEL, "source", tmp_path / "install" / "int8_rows.c")
     elif how == "no compiler":
         monkeypatch.delenv("CC", raising=False)
         monkeypatch.setenv("PATH", str(tmp_path / "empty"))
@@ -109,15 +109,15 @@ def test_without_the_kernel_the_layers_keep_torchs(fresh_build, monkeypatch, tmp
         monkeypatch.setenv("CC", fake_compiler(tmp_path / "bin", 1))
     else:
         monkeypatch.setenv("MESHLM_NATIVE", "0")
-    assert native.int8_row_kernel() is None
+    assert row_kernel.int8_row_kernel() is None
     model = build(tiny(spec="1+1R3+1", vocab_size=256))
     quantized = quantize_model(model, 8, ("cores",), activations="int8")[0]
-    _, chosen = precision.for_decoding("auto", quantized)
-    assert precision.ROW_KERNEL_NOTE not in chosen.reason
+    _, chosen = decoding.for_decoding("auto", quantized)
+    assert decoding.ROW_KERNEL_NOTE not in chosen.reason
     if exact_int8_products():  # the kernel would have been used: its absence is named, never silent
-        assert f"{precision.ROW_KERNEL_MISSING} ({native.unavailable(quantized)}), so " \
+        assert f"{decoding.ROW_KERNEL_MISSING} ({row_kernel.unavailable(quantized)}), so " \
             "one-token int8 products by torch._int_mm" in chosen.reason
-        assert named in native.unavailable(quantized)
+        assert named in row_kernel.unavailable(quantized)
     assert all(m.row_kernel is None for m in quantized.modules()
                if isinstance(m, QuantizedLinear))
     assert_decodes_exactly(quantized)
@@ -126,19 +126,19 @@ def test_without_the_kernel_the_layers_keep_torchs(fresh_build, monkeypatch, tmp
 
 
 def test_the_library_is_built_once_and_reused(fresh_build):
-    assert native.int8_row_kernel() is not None
+    assert row_kernel.int8_row_kernel() is not None
     (library,) = fresh_build.glob("*.so")
     built = library.stat().st_mtime_ns
-    native.int8_row_kernel.cache_clear()  # a new process
-    assert native.int8_row_kernel() is not None
+    row_kernel.int8_row_kernel.cache_clear()  # a new process
+    assert row_kernel.int8_row_kernel() is not None
     assert list(fresh_build.glob("*.so")) == [library] and library.stat().st_mtime_ns == built
 
 
 def test_weight_only_layers_get_no_kernel(fresh_build):
     model = build(tiny(spec="1+1R2+1", vocab_size=256))
     quantized = quantize_model(model, 8, ("cores",), activations="bf16")[0]
-    assert native.give_row_kernel(quantized) == 0
-    assert native.unavailable(quantized) is None  # nothing to name: no layer would take it
+    assert row_kernel.give_row_kernel(quantized) == 0
+    assert row_kernel.unavailable(quantized) is None  # nothing to name: no layer would take it
     assert os.environ["MESHLM_CACHE"] == str(fresh_build.parent)
 
 
@@ -149,18 +149,18 @@ def test_layers_get_the_kernel_only_where_this_machines_probe_found_it_faster(
     if not exact_int8_products():
         return  # no torch._int_mm to pair with: no kernel whatever the probe
     probes = []
-    monkeypatch.setattr(native, "_probe",
+    monkeypatch.setattr(row_kernel, "_probe",
                         lambda kernel: probes.append(1) or {"kernel_over_torch": speedup})
     for _ in range(2):
         quantized = quantize_model(build(tiny(spec="1+1R2+1", vocab_size=256)), 8, ("cores",),
                                    activations="int8")[0]
-        assert (native.give_row_kernel(quantized) > 0) == used
+        assert (row_kernel.give_row_kernel(quantized) > 0) == used
     assert len(probes) == 1
     assert "int8-row-kernel" in (fresh_build.parent / "machine.json").read_text()
 
 
 def test_the_probe_times_both_kernels(fresh_build):
-    figures = native._probe(native.int8_row_kernel(), reps=1)
+    figures = row_kernel._probe(row_kernel.int8_row_kernel(), reps=1)
     assert figures["torch_ms"] > 0 and figures["kernel_ms"] > 0
     assert figures["kernel_over_torch"] == pytest.approx(figures["torch_ms"] /
                                                           figures["kernel_ms"])
@@ -169,24 +169,24 @@ def test_the_probe_times_both_kernels(fresh_build):
 @pytest.mark.parametrize("opened_up", ["file", "folder"])
 def test_a_library_others_could_have_replaced_is_not_loaded(fresh_build, opened_up):
     """$MESHLM_CACHE may be shared: a group- or world-writable library (or folder) is not run."""
-    assert native.int8_row_kernel() is not None
+    assert row_kernel.int8_row_kernel() is not None
     (library,) = fresh_build.glob("*.so")
     target = library if opened_up == "file" else fresh_build
     target.chmod(target.stat().st_mode | stat.S_IWOTH)
-    native.int8_row_kernel.cache_clear()
-    assert native.int8_row_kernel() is None
+    row_kernel.int8_row_kernel.cache_clear()
+    assert row_kernel.int8_row_kernel() is None
     target.chmod(target.stat().st_mode & ~stat.S_IWOTH)
-    native.int8_row_kernel.cache_clear()
-    assert native.int8_row_kernel() is not None
+    row_kernel.int8_row_kernel.cache_clear()
+    assert row_kernel.int8_row_kernel() is not None
 
 
 def test_rows_too_wide_for_int32_sums_take_the_torch_ops(fresh_build, monkeypatch):
     """int8_rows.c sums (q + 128)·w in int32: exact up to MAX_K inputs; wider rows are not sent."""
-    kernel = native.int8_row_kernel()
-    assert native.MAX_K * 255 * 128 <= 2**31 - 1 < (native.MAX_K + 1) * 255 * 128
-    monkeypatch.setattr(native, "MAX_K", 100)
+    kernel = row_kernel.int8_row_kernel()
+    assert row_kernel.MAX_K * 255 * 128 <= 2**31 - 1 < (row_kernel.MAX_K + 1) * 255 * 128
+    monkeypatch.setattr(row_kernel, "MAX_K", 100)
     calls = []
-    monkeypatch.setattr(native, "scaled_int8_products",
+    monkeypatch.setattr(row_kernel, "scaled_int8_products",
                         lambda x, w: calls.append(x.shape) or scaled_int8_products(x, w))
     g = torch.Generator().manual_seed(0)
     weight = torch.randint(-127, 128, (16, 200), dtype=torch.int8, generator=g)

@@ -17,20 +17,21 @@ from types import SimpleNamespace
 import pytest
 from conftest import build, tiny
 
+from meshlm import decoding
 from meshlm.checkpoint import save_model
 from meshlm.quant import quantize_model
-from meshlm.runtime import precision
 
 ROOT = Path(__file__).resolve().parents[1]
 # which kernels this process has, and where its meshlm comes from
 KERNELS = """import json, meshlm
-from meshlm.quant import native as int8_rows
-from meshlm.runtime import fp32_rows, native
+from meshlm.kernels import build, fp32_rows
+from meshlm.quant import row_kernel as int8_rows
 print(json.dumps({"package": meshlm.__file__,
                   "fp32_rows": fp32_rows.fp32_rows_kernel() is not None,
                   "int8_rows": int8_rows.int8_row_kernel() is not None,
                   "exact_int8": int8_rows.exact_int8_products(),
-                  "why_not": [native.why_not(fp32_rows.SOURCE), native.why_not(int8_rows.SOURCE)]}))
+                  "why_not": [build.why_not(fp32_rows.KERNEL.source),
+                              build.why_not(int8_rows.KERNEL.source)]}))
 """
 CHECKOUT_MESHLM = [sys.executable, "-c", "import sys; from meshlm.cli import main; "
                                          "sys.exit(main(sys.argv[1:]))"]
@@ -140,7 +141,7 @@ def cache_with_probes(folder: Path, measured: Path) -> dict[str, str]:
 def test_the_installed_wheel_ships_every_c_kernel_and_decodes_with_the_checkouts(installed,
                                                                                  tmp_path):
     sources = c_sources()
-    assert {"meshlm/runtime/fp32_rows.c", "meshlm/quant/int8_rows.c"} <= set(sources)
+    assert {"meshlm/kernels/fp32_rows.c", "meshlm/kernels/int8_rows.c"} <= set(sources)
     names = zipfile.ZipFile(installed.wheel).namelist()
     assert set(sources) <= set(names), "the wheel lacks C kernel sources (package-data)"
     assert all((installed.site / name).is_file() for name in sources)
@@ -177,10 +178,10 @@ def test_the_installed_wheel_ships_every_c_kernel_and_decodes_with_the_checkouts
            **cache_with_probes(tmp_path / "bare-cache", tmp_path / "checkout-cache")}
     text, line = decode([sys.executable, str(bare / "bin" / "meshlm")], folder, elsewhere, env)
     assert text == checkout_decoded[0]
-    assert f"{precision.FP32_KERNEL_MISSING} (its source fp32_rows.c is missing from the " \
-           f"install ({bare / 'meshlm' / 'runtime'}); reinstall meshlm" in line
+    assert f"{decoding.FP32_KERNEL_MISSING} (its source fp32_rows.c is missing from the " \
+           f"install ({bare / 'meshlm' / 'kernels'}); reinstall meshlm" in line
     if checkout["exact_int8"]:  # named only where the layers would take it (exact torch._int_mm)
-        assert f"{precision.ROW_KERNEL_MISSING} (its source int8_rows.c is missing" in line
+        assert f"{decoding.ROW_KERNEL_MISSING} (its source int8_rows.c is missing" in line
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from conftest import build, tiny
 from meshlm.checkpoint import save_model, verify
 from meshlm.errors import CheckpointError
 from meshlm.generate import Sampling, generate
+from meshlm.generate.speculative import Speculation
 from meshlm.loading import open_model
 from meshlm.quant import QuantizedLinear, quantize_model
 from meshlm.quant import linear as linear_module
@@ -154,11 +155,11 @@ def test_int8_activations_decode_exactly_through_the_weight_only_fallback(monkey
     (4, "bf16", "4 linear layers int4 in groups of 32"),
     (8, "int8", "4 linear layers int8 with int8 activations")])
 def test_decoding_names_the_quantized_layers(bits, activations, words):
-    from meshlm.runtime import precision
+    from meshlm.decoding import for_decoding
 
     model = build(tiny(spec="1+1R2+1", vocab_size=256))
     quantized, _ = quantize_model(model, bits, ("cores",), group_size=32, activations=activations)
-    line = precision.for_decoding("auto", quantized)[1].describe()
+    line = for_decoding("auto", quantized)[1].describe()
     assert f"; {words}" in line and line.endswith(")")
 
 
@@ -169,7 +170,8 @@ def assert_decodes_exactly(quantized) -> None:
     with torch.no_grad():
         cached = [generate(quantized, [p], s)[0] for p in prompts]
         assert [generate(quantized, [p], s, cache=False)[0] for p in prompts] == cached
-        assert [generate(quantized, [p], s, speculate="2:3")[0] for p in prompts] == cached
+        assert [generate(quantized, [p], s, speculate=Speculation(2, 3))[0]
+                for p in prompts] == cached
         assert generate(quantized, prompts, s, pad_id=1) == cached  # batched (left-padded) == alone
 
 
@@ -248,7 +250,7 @@ def test_the_command_spells_the_parts_and_group_sizes_of_meshlm_quant():
 
 
 @pytest.mark.parametrize("bits,activations", KINDS)
-@pytest.mark.parametrize("speculate", [None, "2:2"])
+@pytest.mark.parametrize("speculate", [None, Speculation(2, 2)])
 def test_the_continuous_batcher_serves_a_quantized_model_as_it_decodes_alone(bits, activations,
                                                                            speculate):
     from test_serve_batcher import reference, requests, staggered

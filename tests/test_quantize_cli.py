@@ -10,9 +10,9 @@ import torch
 from conftest import build, tiny
 from servekit import ROOT, clean_env
 
+from meshlm import decoding
 from meshlm.checkpoint import save_model, verify
-from meshlm.quant import native
-from meshlm.runtime import precision
+from meshlm.kernels import kernel
 
 
 def meshlm(*args: str, env: dict) -> subprocess.CompletedProcess:
@@ -51,7 +51,7 @@ def test_quantize_then_generate_and_eval_in_fresh_processes(tmp_path, bits, flag
         assert done.returncode == 0, done.stderr
         texts.append(done.stdout)
     assert texts[0] == texts[1]  # speculation exact with respect to the quantized model
-    assert (precision.ROW_KERNEL_NOTE in done.stderr) == row_kernel_paid(tmp_path / "cache")
+    assert (decoding.ROW_KERNEL_NOTE in done.stderr) == row_kernel_paid(tmp_path / "cache")
     done = meshlm("eval", str(folder), "--tasks", "none", "--loops", "2,3", "--out",
                   str(tmp_path / "e.json"), env=env)
     assert done.returncode == 0, done.stderr
@@ -66,7 +66,7 @@ def row_kernel_paid(cache) -> bool:
     path = cache / "machine.json"
     probes = json.loads(path.read_text()) if path.exists() else {}
     return any(key.startswith("int8-row-kernel")
-               and entry["value"]["kernel_over_torch"] >= native.MIN_SPEEDUP
+               and entry["value"]["kernel_over_torch"] >= kernel.MIN_SPEEDUP
                for key, entry in probes.items())
 
 

@@ -18,6 +18,7 @@ from meshlm.data.tasks import TEST_FILE, TaskData, bucket, draw_problems, prepar
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import ConfigError
 from meshlm.evaluation.reasoning import Answer, binomial, by_level, decode, spearman
+from meshlm.model.exit import ExitRule
 from meshlm.reasoning import TASKS, parse_levels, parse_tasks
 from meshlm.train.batches import windows_xy
 
@@ -346,7 +347,8 @@ def test_every_scheme_is_scored_by_loops_and_exit(chase_data, scheme):
                        spec="4" if scheme == "vanilla" else "1+1R2+1"))
     result = evaluate_reasoning(model, tok, read_test(chase_data),
                                 {"chase": {"train": "1-4", "test": "1-8"}},
-                                [1, 3], ["state:0.2"], None, limit=2, log=lambda m: None)
+                                [1, 3], [ExitRule.parse("state:0.2")], None, limit=2,
+                                log=lambda m: None)
     chase = result["tasks"]["chase"]
     if scheme == "vanilla":  # one depth, no loop to leave
         assert [r["loops"] for r in chase["loops"]] == [1] and chase["exit"] == []

@@ -25,6 +25,7 @@ from meshlm.evaluation.results import ProbeResult, Suite, read_eval, read_probe,
 from meshlm.evaluation.run import EvalOptions, evaluate
 from meshlm.evaluation.tasks import SUITE
 from meshlm.loading import open_model
+from meshlm.model.exit import ExitRule
 
 
 def fake_suite(shots: int, offset: float) -> dict:
@@ -46,7 +47,8 @@ def runs(tmp_path_factory):
     out = []
     for i, scheme in enumerate(("mesh", "base")):
         loaded = open_model(tiny_checkpoint(root, scheme, prepared, seed=i))
-        options = EvalOptions(tasks=None, limit=2, exits=["state:0", "state:inf", "kl:0.01"])
+        options = EvalOptions(tasks=None, limit=2, exits=[ExitRule.parse(r) for r in
+                                                          ("state:0", "state:inf", "kl:0.01")])
         result = evaluate(loaded, options, log=lambda message: None)
         result.downstream = {"0": fake_suite(0, 0.01 * i), "5": fake_suite(5, 0.02 * i)}
         write(result, loaded.run_dir / "eval.json")

@@ -11,8 +11,9 @@ import pytest
 import torch
 from trainkit import ROOT, cli_command, tiny_train
 
+from meshlm import machine
 from meshlm.errors import ConfigError
-from meshlm.runtime import allocator, machine, peaks, precision
+from meshlm.runtime import allocator, peaks, precision
 from meshlm.runtime import compile as compile_policy
 from meshlm.train.config import TrainConfig, load_config
 from meshlm.train.trainer import train
@@ -134,7 +135,7 @@ def test_the_cpu_peak_is_timed_on_cpu_time_so_a_busy_machine_does_not_lower_it(m
 
 
 def test_a_peak_cached_by_another_method_is_measured_again(monkeypatch):
-    from meshlm.runtime import machine
+    from meshlm import machine
 
     calls = []
     monkeypatch.setattr(peaks, "measure_matmul_peak", lambda *a, **k: calls.append(a) or 5e10)

@@ -17,6 +17,7 @@ from trainkit import cli
 from meshlm.checkpoint import save_model
 from meshlm.generate import Sampling, generate
 from meshlm.loading import open_model
+from meshlm.model.exit import ExitRule
 from meshlm.serve.text import DEFAULT_CHAT_TEMPLATE, render_chat
 
 PROMPT = "Once upon a time"
@@ -47,6 +48,8 @@ def solo(opened, text: str, n: int, **kw) -> str:
     """What meshlm.generate decodes for the request alone (greedy, fp32), as text without EOS."""
     tok = opened.tokenizer
     s = Sampling(max_new_tokens=n, temperature=0)
+    if kw.get("exit") is not None:  # the body's text, parsed as the server parses it
+        kw["exit"] = ExitRule.parse(kw["exit"])
     with torch.no_grad():
         new = generate(opened.model, [tok.encode(text)], s, eos_id=tok.eos_id, pad_id=tok.pad_id,
                        **kw)[0]

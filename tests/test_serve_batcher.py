@@ -8,9 +8,12 @@ from test_exit import LOOPS, mid_threshold, x_batch
 
 from meshlm.errors import ConfigError
 from meshlm.generate import Sampling, generate
+from meshlm.generate.speculative import Speculation
+from meshlm.model.exit import ExitRule
 from meshlm.model.schemes import SCHEMES
 from meshlm.serve.batcher import Batcher, QueueFull, Request
 
+E, S = ExitRule.parse, Speculation.parse  # the typed settings a Request carries
 LOOPED = sorted(name for name in SCHEMES if name != "vanilla")  # every scheme the registry has
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [3], [20, 21, 22, 23]]
 LENGTHS = [9, 14, 5, 12, 7]  # max_new_tokens per request: rows leave at different steps
@@ -58,7 +61,7 @@ def test_joining_and_leaving_rows_decode_as_alone(scheme):
 def test_exit_inside_a_batch_decodes_as_alone_and_skips_loops(scheme, criterion):
     model = build(tiny(scheme=scheme, spec=f"1+1R{LOOPS}+1"))
     # splits tokens after the first step
-    rule = f"{criterion}:{mid_threshold(model, x_batch(), criterion)}"
+    rule = E(f"{criterion}:{mid_threshold(model, x_batch(), criterion)}")
     batcher = Batcher(model, eos_id=0, pad_id=1)
     rs = requests(exit=rule)
     staggered(batcher, rs, every=1)
@@ -72,7 +75,7 @@ def test_exit_inside_a_batch_decodes_as_alone_and_skips_loops(scheme, criterion)
 def test_speculation_inside_a_batch_is_plain_greedy(scheme, speculate):
     model = build(tiny(scheme=scheme, spec="1+1R4+1"))
     batcher = Batcher(model, eos_id=0, pad_id=1)
-    rs = requests(speculate=speculate)
+    rs = requests(speculate=S(speculate))
     staggered(batcher, rs, every=1)
     assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
     if speculate != "auto":
@@ -81,8 +84,9 @@ def test_speculation_inside_a_batch_is_plain_greedy(scheme, speculate):
 
 def test_mixed_settings_loops_and_seeded_sampling_decode_as_alone():
     model = build(tiny(spec="1+1R3+1"))
-    rs = [Request(PROMPTS[0], greedy(8), loops=2), Request(PROMPTS[1], greedy(8), exit="state:0.2"),
-          Request(PROMPTS[2], greedy(8), speculate="1:2"), Request(PROMPTS[3], greedy(8)),
+    rs = [Request(PROMPTS[0], greedy(8), loops=2),
+          Request(PROMPTS[1], greedy(8), exit=E("state:0.2")),
+          Request(PROMPTS[2], greedy(8), speculate=S("1:2")), Request(PROMPTS[3], greedy(8)),
           Request(PROMPTS[4],
                   Sampling(max_new_tokens=8, temperature=0.9, top_k=20, seed=3, stop_at_eos=False)),
           Request(PROMPTS[0], Sampling(max_new_tokens=8, temperature=1.0, top_p=0.9, seed=4,
@@ -148,9 +152,8 @@ def test_bounded_queue_and_bad_requests_are_refused_before_any_work():
     with pytest.raises(QueueFull, match="max_queue=2"):
         batcher.submit(Request([7], greedy(3)))
     for bad, message in [(Request(list(range(2, 17)), greedy(4)), "exceeds context_length=16"),
-                         (Request([5], greedy(3), exit="state"), "is not CRITERION:THRESHOLD"),
-                         (Request([5], greedy(3), speculate="9"), "must be in 1"),
-                         (Request([5], greedy(3), speculate="1", exit="state:0.1"),
+                         (Request([5], greedy(3), speculate=S("9")), "must be in 1"),
+                         (Request([5], greedy(3), speculate=S("1"), exit=E("state:0.1")),
                           "cannot be combined"),
                          (Request([500], greedy(3)), "token ids must be in 0")]:
         with pytest.raises(ConfigError, match=message):
@@ -158,8 +161,8 @@ def test_bounded_queue_and_bad_requests_are_refused_before_any_work():
 
 
 @pytest.mark.parametrize("settings",
-                         [{}, {"exit": "state:0.2"}, {"exit": "kl:0.002"}, {"speculate": "2:2"},
-                          {"speculate": "auto"}, {"loops": 2}])
+                         [{}, {"exit": E("state:0.2")}, {"exit": E("kl:0.002")},
+                          {"speculate": S("2:2")}, {"speculate": S("auto")}, {"loops": 2}])
 def test_newcomers_prefilled_together_decode_as_alone(settings):
     model = build(tiny(spec="1+1R4+1"))
     batcher = Batcher(model, eos_id=0, pad_id=1)
@@ -178,7 +181,8 @@ def test_a_failing_batch_ends_its_own_requests_and_the_others_go_on(monkeypatch)
 
     model = build(tiny(spec="1+1R3+1"))
     batcher = Batcher(model, eos_id=0, pad_id=1)
-    broken, fine = Request(PROMPTS[0], greedy(6), exit="state:0.1"), Request(PROMPTS[1], greedy(6))
+    broken = Request(PROMPTS[0], greedy(6), exit=E("state:0.1"))
+    fine = Request(PROMPTS[1], greedy(6))
     real_step = cohorts.PlainCohort.step
 
     def step(self, loop_slice=None):
@@ -201,7 +205,7 @@ def test_chunked_prefill_decodes_as_alone(scheme):
     model = build(tiny(scheme=scheme, spec="1+2+1+1" if scheme == "vanilla" else "1+1R3+1"))
     batcher = Batcher(model, eos_id=0, pad_id=1, prefill_chunk=3)
     rs = requests() + [Request(list(range(30, 41)), greedy(6), exit=None if scheme == "vanilla"
-                               else "state:0.2")]
+                               else E("state:0.2"))]
     staggered(batcher, rs, every=1)
     assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
 
@@ -337,7 +341,7 @@ def test_a_seed_outside_64_bits_is_refused_before_any_work():
     Sampling(seed=-2 ** 63)
 
 
-@pytest.mark.parametrize("exit", [None, "state:0.2"])
+@pytest.mark.parametrize("exit", [None, E("state:0.2")])
 def test_a_deep_request_spreads_its_token_over_boundaries_and_decodes_as_alone(exit):
     """loops=12 on a model trained at 3 (loop_slice 3): while ordinary rows decode, the deep
     request's prefill and steps run 3 loop steps a boundary, so they get a token at every boundary
@@ -373,7 +377,7 @@ def test_deep_requests_whose_loops_the_slice_does_not_divide_decode_as_alone(loo
     model = build(tiny(spec="1+1R3+1"))
     batcher = Batcher(model, eos_id=0, pad_id=1)
     rs = [Request(PROMPTS[0], greedy(10)), Request(PROMPTS[2], greedy(5), loops=loops),
-          Request(PROMPTS[4], greedy(5), loops=loops, exit="state:0.2")]
+          Request(PROMPTS[4], greedy(5), loops=loops, exit=E("state:0.2"))]
     staggered(batcher, rs, every=1)
     assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
 

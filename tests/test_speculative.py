@@ -115,7 +115,8 @@ def test_crop_forgets_the_tail_of_chosen_slots():
 def greedy_both_ways(model, prompts, n, speculate):
     s = Sampling(max_new_tokens=n, temperature=0, stop_at_eos=False)
     stats = SpeculationStats()
-    return generate(model, prompts, s), generate(model, prompts, s, speculate=speculate,
+    return generate(model, prompts, s), generate(model, prompts, s,
+                                                 speculate=Speculation.parse(speculate),
                                                  stats=stats), stats
 
 
@@ -237,7 +238,8 @@ def test_stops_at_eos_like_plain_decoding():
     s = Sampling(max_new_tokens=40, temperature=0)
     eos = generate(model, PROMPTS,
                    Sampling(max_new_tokens=40, temperature=0, stop_at_eos=False))[1][5]
-    assert generate(model, PROMPTS, s, eos_id=eos, speculate="2:3") == generate(model, PROMPTS, s,
+    assert generate(model, PROMPTS, s, eos_id=eos, speculate=Speculation(2, 3)) == generate(
+        model, PROMPTS, s,
                                                                                 eos_id=eos)
 
 
@@ -298,13 +300,14 @@ def test_speculative_sampling_has_the_full_models_distribution(peaked_model, fil
     stat, critical = chi_square(generate(peaked_model, [PROMPT] * N, s), p)
     assert stat < critical, ("plain", stat, critical)
     stats = SpeculationStats()
-    stat, critical = chi_square(generate(peaked_model, [PROMPT] * N, s, speculate="1:2",
+    stat, critical = chi_square(generate(peaked_model, [PROMPT] * N, s, speculate=Speculation(1, 2),
                                          stats=stats), p)
     assert stat < critical, ("speculative", stat, critical)
     # rejections are frequent: the residual matters
     assert 0.2 < stats.acceptance < 0.95, stats.summary()
     monkeypatch.setattr(rounds, "accept", resample_from_p)
-    stat, critical = chi_square(generate(peaked_model, [PROMPT] * N, s, speculate="1:2"), p)
+    stat, critical = chi_square(generate(peaked_model, [PROMPT] * N, s,
+                                         speculate=Speculation(1, 2)), p)
     assert stat > critical, ("the wrong rule passed", stat, critical)
 
 
@@ -315,10 +318,13 @@ def test_bad_settings_are_one_line_errors():
                           ("1:0", "γ=0"),
                           ("x", "not auto, K_d or K_d:γ")]:
         with pytest.raises(ConfigError, match=message):
-            generate(looped, PROMPTS, Sampling(max_new_tokens=4), speculate=text)
+            generate(looped, PROMPTS, Sampling(max_new_tokens=4),
+                     speculate=Speculation.parse(text))
     flat = build(tiny(scheme="vanilla", spec="1+1+1+1"))
     with pytest.raises(ConfigError, match="repeats none"):
-        generate(flat, PROMPTS, Sampling(max_new_tokens=4), speculate="auto")
+        generate(flat, PROMPTS, Sampling(max_new_tokens=4), speculate=Speculation())
+    with pytest.raises(TypeError, match="pass a Speculation"):  # typed, parsed at the edge
+        generate(looped, PROMPTS, Sampling(max_new_tokens=4), speculate="auto")
     assert (Speculation.parse("2:5") == Speculation(2, 5)
             and Speculation.parse("auto") == Speculation())
 

@@ -7,9 +7,12 @@ import pytest
 import torch
 from conftest import build, tiny
 
+from meshlm import machine
+from meshlm.decoding import for_decoding
 from meshlm.generate import Sampling, generate
+from meshlm.generate.speculative import Speculation
 from meshlm.model.memory import Router
-from meshlm.runtime import fp32_rows, machine, precision, split_linear
+from meshlm.runtime import split_linear
 from meshlm.runtime.split_linear import (
     MIN_BLOCK,
     SharedSplitLinear,
@@ -68,7 +71,7 @@ def test_split_decoding_makes_the_same_tokens_every_way(cfg):
     reference = generate(model, prompts, s)
     assert generate(split, prompts, s) == reference
     assert generate(split, prompts, s, cache=False) == reference
-    assert generate(split, prompts, s, speculate="1:3") == reference
+    assert generate(split, prompts, s, speculate=Speculation(1, 3)) == reference
     ids = torch.tensor(prompts[0])[None]
     with torch.no_grad():
         torch.testing.assert_close(split(ids).logits, model(ids).logits, rtol=1e-5, atol=1e-5)
@@ -81,13 +84,13 @@ def test_decoding_splits_only_where_this_machines_probe_found_it_faster(monkeypa
     monkeypatch.setenv("MESHLM_CACHE", str(tmp_path))
     monkeypatch.setattr(machine, "cpu_info", lambda: {"model": "Fake CPU", "flags": frozenset()})
     # a machine without the compiled kernel (whose layout tests/test_fp32_rows.py checks)
-    monkeypatch.setattr(fp32_rows, "paying_kernel", lambda: None)
+    monkeypatch.setattr(split_linear, "paying_kernel", lambda: None)
     probes = []
     monkeypatch.setattr(split_linear, "_probe",
                         lambda threads: probes.append(threads) or {"split_over_linear": speedup})
     for _ in range(2):
         model = build(tiny())
-        precision.for_decoding("auto", model)
+        for_decoding("auto", model)
         assert any(isinstance(m, SplitLinear) for m in model.modules()) == splits
     assert len(probes) == 1 and "split-linear|Fake CPU" in (tmp_path / "machine.json").read_text()
 
@@ -111,12 +114,12 @@ def test_a_shared_split_reads_the_table_it_was_given_without_a_copy(out_features
 
 
 def test_decoding_splits_a_tied_head_over_the_embedding_table(monkeypatch):
-    monkeypatch.setattr(precision, "split_speedup", lambda: 1.7)
+    monkeypatch.setattr(split_linear, "split_speedup", lambda: 1.7)
     tied = build(tiny(spec="1+1R2+1", tie_embeddings=True, vocab_size=1024))
-    precision.for_decoding("auto", tied)
+    for_decoding("auto", tied)
     assert isinstance(tied.embed_out, SharedSplitLinear)
     assert tied.embed_out.table.data_ptr() == tied.embed_in.weight.data_ptr()  # no second table
     untied = build(tiny(spec="1+1R2+1", vocab_size=1024))
-    precision.for_decoding("auto", untied)
+    for_decoding("auto", untied)
     assert isinstance(untied.embed_out, SplitLinear)
     assert not split_tied_head(untied)

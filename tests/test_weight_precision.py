@@ -8,8 +8,9 @@ import torch
 from conftest import build, tiny
 from test_decode_precision import bf16_machine  # noqa: F401 (fixture)
 
+from meshlm.decoding import for_decoding
 from meshlm.generate import Sampling, generate
-from meshlm.runtime import precision
+from meshlm.runtime import precision, split_linear
 from meshlm.runtime.split_linear import SplitLinear
 
 CPU = torch.device("cpu")
@@ -42,10 +43,10 @@ def test_stored_bf16_weights_compute_exactly_what_autocast_computes(cfg):
 
 def test_the_policy_stores_weights_in_the_precision_it_computes_in(bf16_machine,  # noqa: F811
                                                                    monkeypatch):
-    monkeypatch.setattr(precision, "split_speedup", lambda: 1.7)  # the probe's finding here
+    monkeypatch.setattr(split_linear, "split_speedup", lambda: 1.7)  # the probe's finding here
     decoding, evaluating = build(tiny()), build(tiny())
     plain = sum(type(m) is torch.nn.Linear for m in decoding.modules())
-    assert precision.for_decoding("auto", decoding)[1].dtype is None
+    assert for_decoding("auto", decoding)[1].dtype is None
     # decoding under auto: fp32, exact across paths, every plain Linear laid out for decoding
     split = [m for m in decoding.modules() if isinstance(m, SplitLinear)]
     # with the compiled kernel, MeSH's routers take a product of their own too (whether the kernel
@@ -56,5 +57,5 @@ def test_the_policy_stores_weights_in_the_precision_it_computes_in(bf16_machine,
     assert precision.for_model("auto", evaluating)[1].dtype == torch.bfloat16
     assert linear_dtypes(evaluating) == {torch.bfloat16}
     asked = build(tiny())
-    precision.for_decoding("bf16", asked)
+    for_decoding("bf16", asked)
     assert linear_dtypes(asked) == {torch.bfloat16}

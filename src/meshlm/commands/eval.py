@@ -34,12 +34,12 @@ def int_list(text: str) -> list[int]:
     return values
 
 
-def exit_list(text: str) -> list[str]:
-    """"state:0.05,kl:1e-4" -> the rules, each checked (a bad one is a one-line error)."""
+def exit_list(text: str) -> list:
+    """"state:0.05,kl:1e-4" -> the ExitRules, each checked (a bad one is a one-line error)."""
     from meshlm.model.exit import ExitRule
 
     try:
-        return [str(ExitRule.parse(rule)) for rule in text.split(",") if rule.strip()]
+        return [ExitRule.parse(rule) for rule in text.split(",") if rule.strip()]
     except ConfigError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
@@ -190,10 +190,9 @@ def check_inputs(args: argparse.Namespace) -> str | None:
            f"--exit-loops {args.exit_loops} must be >= 1")
     p.need(args.task_loops is None or args.task_loops >= 1,
            f"--task-loops {args.task_loops} must be >= 1")
-    if args.task_exit:
-        p.check(ExitRule.parse, args.task_exit)
-    if args.speculate:
-        p.check(Speculation.parse, args.speculate)
+    # parsed once, here: the settings travel typed from now on
+    args.task_exit = p.check(ExitRule.parse, args.task_exit) if args.task_exit else None
+    args.speculate = p.check(Speculation.parse, args.speculate) if args.speculate else None
     p.check(resolve_device, args.device)
     reasoning = args.suite == "reasoning"
     if p.need(hub.exists(args.checkpoint), f"{args.checkpoint} does not exist; pass a run folder, "

@@ -53,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from meshlm.decoding import for_decoding
     from meshlm.generate import check_loops, check_room
     from meshlm.loading import open_model
     from meshlm.runtime import precision
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = [tok.encode(text) for text in texts]
     check_room(model, prompts, s)  # before anything is written to stdout
     check_loops(model, args.loops, args.max_loops)
-    device, chosen = precision.for_decoding(args.dtype, model)
+    device, chosen = for_decoding(args.dtype, model)
     with precision.autocast(device, chosen):
         code = _generate(args, model, tok, s, texts, prompts)
     # after the text, on stderr: stdout holds only the text, and an error stays the only line on
@@ -126,6 +127,7 @@ def check_inputs(args: argparse.Namespace):
     from meshlm import hub
     from meshlm.errors import Problems
     from meshlm.generate import Sampling
+    from meshlm.generate.speculative import Speculation
     from meshlm.model.exit import ExitRule
     from meshlm.runtime.devices import resolve_device
 
@@ -137,9 +139,11 @@ def check_inputs(args: argparse.Namespace):
            f"--loops {args.loops} must be >= 1 (omit it for the trained count)")
     p.need(args.max_loops is None or args.max_loops >= 1,
            f"--max-loops {args.max_loops} must be >= 1 (omit it for 4x the trained count)")
+    # parsed once, here: the settings travel typed from now on
     if args.exit is not None:
-        rule = p.check(ExitRule.parse, args.exit)
-        args.exit = None if rule is None else str(rule)
+        args.exit = p.check(ExitRule.parse, args.exit)
+    if args.speculate is not None:
+        args.speculate = p.check(Speculation.parse, args.speculate)
     p.check(resolve_device, args.device)
     p.need(Path(args.checkpoint).is_dir() or hub.is_hub_name(args.checkpoint),
            f"{args.checkpoint} is not a folder; pass a meshlm run or step-NNNNNN folder, a Hugging "

@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import uvicorn
 
+    from meshlm.decoding import for_decoding
     from meshlm.loading import open_model
     from meshlm.runtime import precision
     from meshlm.serve.app import Served, create_app
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     opened = open_model(args.checkpoint, args.device, tokenizer=args.tokenizer)
     model, tok = opened.model, opened.tokenizer
-    device, chosen = precision.for_decoding(args.dtype, model)
+    device, chosen = for_decoding(args.dtype, model)
     template, own = chat_template(opened.folder.chat_template)  # a fine-tuned run's: its own
     cfg = model.config
     name = args.name or opened.run_dir.resolve().name

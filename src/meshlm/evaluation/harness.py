@@ -41,6 +41,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from meshlm.errors import ConfigError
 from meshlm.generate import Sampling, stream
+from meshlm.generate.speculative import Speculation
+from meshlm.model.exit import ExitRule
 
 Pair = tuple[list[int], list[int]]  # (context ids, continuation ids)
 
@@ -68,15 +70,14 @@ class Progress:
 
 class MeshLMEval(LM):
     """lm-eval `LM` over a MeshLM and a meshlm TextTokenizer. `loops` evaluates at another loop
-    count, `exit` (e.g. "state:0.05") lets each token stop looping early; `speculate` ("auto",
-    "K_d", "K_d:γ") decodes generative tasks by lossless self-speculation (the same tokens when
-    greedy)."""
+    count, `exit` (an ExitRule) lets each token stop looping early; `speculate` (a Speculation)
+    decodes generative tasks by lossless self-speculation (the same tokens when greedy)."""
 
     MAX_GEN_TOKS = 256  # HFLM's default where a task sets no max_gen_toks
 
     def __init__(self, model, tokenizer, batch_tokens: int = 8192, loops: int | None = None,
-                 device: str | torch.device | None = None, exit: str | None = None,
-                 speculate: str | None = None,
+                 device: str | torch.device | None = None, exit: ExitRule | None = None,
+                 speculate: Speculation | None = None,
                  log=None, every_s: float = 30.0):
         super().__init__()
         # progress lines (lm-eval's own bars are silenced by meshlm eval)

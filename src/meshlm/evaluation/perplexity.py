@@ -21,6 +21,7 @@ import torch
 from meshlm.data.order import window_indices
 from meshlm.data.prepare import PreparedData
 from meshlm.model.accounting import depth_flops_per_token
+from meshlm.model.exit import ExitRule
 
 __all__ = ["default_loop_counts", "loss_vs_loops", "mean_loss", "window_indices"]
 
@@ -28,7 +29,7 @@ __all__ = ["default_loop_counts", "loss_vs_loops", "mean_loss", "window_indices"
 @torch.no_grad()
 def mean_loss(model, data: PreparedData, seq_len: int, batch_size: int = 8,
               max_sequences: int | None = None,
-              loops: int | None = None, exit: str | None = None) -> dict[str, Any]:
+              loops: int | None = None, exit: ExitRule | None = None) -> dict[str, Any]:
     """Token-weighted mean next-token loss over the chosen windows: {"loss", "ppl", "tokens",
     "sequences"}; with `exit` (e.g. "state:0.05", meshlm.model.exit) also the average loop steps and
     coda probes per token."""
@@ -66,7 +67,7 @@ def default_loop_counts(model) -> list[int]:
     return list(range(1, 2 * model.config.layout.n_steps + 1)) if is_looped(model) else []
 
 
-def exit_frontier(model, data: PreparedData, seq_len: int, rules: list[str],
+def exit_frontier(model, data: PreparedData, seq_len: int, rules: list[ExitRule],
                   loops: int | None = None,
                   **kwargs) -> list[dict]:
     """[{"exit", "max_loops", "loss", "ppl", "avg_loops", "avg_probes", "flops_ratio"}] per exit

@@ -255,7 +255,7 @@ def _top(levels: str | None) -> int | None:
 
 
 def evaluate_task(model, tok: TextTokenizer, problems: list[dict], loop_counts: list[int],
-                  exits: list[str],
+                  exits: list[ExitRule],
                   exit_loops: int | None, batch_size: int = 64,
                   log: Callable[[str], None] = print) -> dict:
     """One task's accuracy table: by difficulty at each loop count, and under each exit rule."""
@@ -274,7 +274,8 @@ def evaluate_task(model, tok: TextTokenizer, problems: list[dict], loop_counts: 
     max_loops = exit_loops or trained
     for rule in exits:
         answers = decode(model, tok, problems, loops=max_loops, exit=rule, batch_size=batch_size)
-        row = {"exit": rule, "max_loops": max_loops, **binomial([a.correct for a in answers]),
+        row = {"exit": str(rule), "max_loops": max_loops,
+               **binomial([a.correct for a in answers]),
                **loop_means(problems, list(range(len(problems))), answers),
                "spearman": spearman([p["difficulty"] for p in problems],
                                     [float(np.mean(a.answer_loops)) for a in answers]),
@@ -290,7 +291,7 @@ def evaluate_task(model, tok: TextTokenizer, problems: list[dict], loop_counts: 
 @torch.no_grad()
 def evaluate_reasoning(model, tok: TextTokenizer, problems: list[dict],
                        task_levels: dict[str, dict],
-                       loop_counts: list[int] | None = None, exits: list[str] = (),
+                       loop_counts: list[int] | None = None, exits: list[ExitRule] = (),
                        exit_loops: int | None = None,
                        limit: int | None = None, batch_size: int = 64,
                        log: Callable[[str], None] = print) -> dict:
@@ -311,7 +312,7 @@ def evaluate_reasoning(model, tok: TextTokenizer, problems: list[dict],
         levels = task_levels.get(name, {})
         if "text" in chosen[0]:  # labelled: every position scored
             table = evaluate_positions(model, tok, chosen, counts,
-                                       [ExitRule.parse(e) for e in exits], exit_loops,
+                                       list(exits), exit_loops,
                                        levels.get("train"), batch_size, log)
         else:
             table = evaluate_task(model, tok, chosen, counts, list(exits), exit_loops,

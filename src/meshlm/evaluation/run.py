@@ -25,15 +25,17 @@ from meshlm.evaluation.perplexity import (
 )
 from meshlm.evaluation.reasoning import evaluate_reasoning
 from meshlm.evaluation.results import DepthRow, EvalResult, ExitRow, Perplexity, Reasoning, Suite
+from meshlm.generate.speculative import Speculation
 from meshlm.loading import Opened
 from meshlm.model.accounting import account
+from meshlm.model.exit import ExitRule
 
 
 @dataclass
 class EvalOptions:
     data: str | None = None  # prepared-data folder; None = the checkpoint's training data
     loops: list[int] | None = None  # None = 1 … 2K for weight-shared models; [] = skip
-    exits: list[str] = field(default_factory=list)  # adaptive-exit rules, e.g. ["state:0.05",
+    exits: list[ExitRule] = field(default_factory=list)  # adaptive-exit rules, e.g. state:0.05,
     # "kl:1e-4"]
     exit_loops: int | None = None  # the most loop steps under exit (default: the trained K)
     tasks: str | list[str] | None = "all"  # None / [] = skip downstream
@@ -50,9 +52,8 @@ class EvalOptions:
     # (--include-path)
     task_loops: int | None = None  # loop steps while scoring and decoding lm-eval tasks (None:
     # trained K)
-    task_exit: str | None = None  # per-token adaptive exit while scoring and decoding them
-    speculate: str | None = None  # self-speculative decoding for generate_until tasks ("auto",
-    # "K_d[:γ]")
+    task_exit: ExitRule | None = None  # per-token adaptive exit while scoring and decoding them
+    speculate: Speculation | None = None  # self-speculative decoding for generate_until tasks
     dtype: str = ""  # the precision scores are computed in (recorded beside them)
 
 

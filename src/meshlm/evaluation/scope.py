@@ -29,7 +29,7 @@ SET_FIELDS = ("tasks", "shots", "loops", "exits")  # the new scope must hold at 
 
 
 def scope_of(data: str | None, suite: str, tasks: str | None, shots: list[int], limit: int | None,
-             loops: list[int] | None, exits: list[str], exit_loops: int | None) -> dict:
+             loops: list[int] | None, exits: list, exit_loops: int | None) -> dict:
     """What an evaluation was asked for, as plain JSON (None = a default: the run's data, the
     default counts)."""
     task_list = (sorted(t.strip() for t in tasks.split(",")) if isinstance(tasks, str)
@@ -37,7 +37,7 @@ def scope_of(data: str | None, suite: str, tasks: str | None, shots: list[int], 
     return {"data": data, "suite": suite, "tasks": task_list,
             "shots": sorted(shots) if task_list else [],
             "limit": limit, "loops": None if loops is None else sorted(loops),
-            "exits": sorted(exits),
+            "exits": sorted(map(str, exits)),
             "exit_loops": exit_loops}
 
 

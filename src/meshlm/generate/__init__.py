@@ -9,10 +9,12 @@ too and positions count real tokens only, so every row decodes exactly as it wou
 is prefilled once, then each step feeds one token per row (meshlm.model.kv_cache: one entry per
 unrolled layer; the MeSH buffer is per token and needs no cache). `cache=False` recomputes the whole
 sequence every step, as a reference and for the speed benchmark. Temperature 0 is greedy decoding.
-`loops` runs the core that many times; `exit` (e.g. "state:0.05", meshlm.model.exit) lets each token
-stop looping once it has converged; `speculate` ("auto", "K_d", "K_d:γ") decodes the same tokens
-(greedy) or the same distribution (sampling) by lossless self-speculation, the shallow loops
-drafting for the full depth (meshlm.generate.speculative).
+`loops` runs the core that many times; `exit` (an ExitRule, e.g. ExitRule.parse("state:0.05"),
+meshlm.model.exit) lets each token stop looping once it has converged; `speculate` (a Speculation,
+e.g. Speculation.parse("auto"), "K_d" or "K_d:γ") decodes the same tokens (greedy) or the same
+distribution (sampling) by lossless self-speculation, the shallow loops drafting for the full depth
+(meshlm.generate.speculative). Settings are typed: text is parsed once, where it comes in (the CLI,
+an HTTP body, a YAML file).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from meshlm.generate.sampling import (
     probabilities,
 )
 from meshlm.model import MeshLM
+from meshlm.model.exit import ExitRule
 from meshlm.model.kv_cache import KVCache
 
 __all__ = ["LOOP_CAP_FACTOR", "Sampling", "check_loops", "draw", "generate", "left_pad",
@@ -80,14 +83,15 @@ def check_room(model: MeshLM, prompts: list[list[int]], s: Sampling) -> None:
 
 @torch.no_grad()
 def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0, pad_id: int = 1,
-           cache: bool = True, loops: int | None = None, exit: str | None = None, speculate=None,
-           stats=None, observe=None) -> Iterator[torch.Tensor]:
+           cache: bool = True, loops: int | None = None, exit: ExitRule | None = None,
+           speculate: speculative.Speculation | None = None, stats=None,
+           observe=None) -> Iterator[torch.Tensor]:
     """Yield the (B,) next tokens step by step. Rows that reached EOS keep yielding `pad_id`.
 
     `observe(out, mask)`, if given, sees every forward's LMOutput with the (B, T) padding mask of
     its new positions (under exit, out.exit_loops says how many loop steps each position ran).
 
-    `speculate` ("auto", "K_d", "K_d:γ" or a meshlm.generate.speculative.Speculation) decodes by
+    `speculate` (a meshlm.generate.speculative.Speculation) decodes by
     lossless self-speculation (meshlm.generate.speculative): the same tokens when greedy, the same
     distribution when sampling; `stats` (a SpeculationStats) then receives the acceptance rate,
     tokens/s and the chosen setting."""
@@ -121,8 +125,9 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
 
 
 def generate(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0, pad_id: int = 1,
-             cache: bool = True, loops: int | None = None, exit: str | None = None, speculate=None,
-             stats=None, observe=None) -> list[list[int]]:
+             cache: bool = True, loops: int | None = None, exit: ExitRule | None = None,
+             speculate: speculative.Speculation | None = None, stats=None,
+             observe=None) -> list[list[int]]:
     """The new tokens of every row, up to and including EOS (when stop_at_eos). `speculate`,
     `stats`, `observe`: see `stream`."""
     out: list[list[int]] = [[] for _ in prompts]

@@ -36,7 +36,9 @@ from meshlm.generate.sampling import Sampling, left_pad
 from meshlm.generate.timing import Timed
 from meshlm.model import MeshLM
 
-__all__ = ["Speculation", "SpeculationStats", "SpeculativeDecoder", "Step", "stream"]
+__all__ = ["AUTO", "Speculation", "SpeculationStats", "SpeculativeDecoder", "Step", "stream"]
+
+AUTO = Speculation()  # "auto": the planner picks (K_d, γ), or plain steps where nothing pays
 
 
 @dataclass(frozen=True)
@@ -150,16 +152,20 @@ class SpeculativeDecoder:
 
 @torch.no_grad()
 def stream(model: MeshLM, prompts: list[list[int]], s: Sampling,
-           speculate: str | Speculation = "auto", eos_id: int = 0, pad_id: int = 1,
+           speculate: Speculation = AUTO, eos_id: int = 0, pad_id: int = 1,
            loops: int | None = None, stats: SpeculationStats | None = None
            ) -> Iterator[torch.Tensor]:
     """Yield the (B,) next tokens step by step, exactly as meshlm.generate.stream would (greedy: the
     same tokens; sampling: the same distribution), computed by speculative rounds. Rows that reached
-    EOS yield `pad_id`. `stats` (optional) receives acceptance, tokens/s and the chosen setting."""
+    EOS yield `pad_id`. `stats` (optional) receives acceptance, tokens/s and the chosen setting.
+    `speculate` is typed (Speculation.parse turns "auto", "K_d" or "K_d:γ" into one)."""
+    if not isinstance(speculate, Speculation):
+        raise TypeError(f"speculate={speculate!r}: pass a Speculation (meshlm.generate.planner."
+                        f"Speculation.parse({str(speculate)!r})); settings travel typed")
     schedule, stats = model.schedule(loops), stats if stats is not None else SpeculationStats()
     start, device = time.perf_counter(), next(model.parameters()).device
     generator = None if s.seed is None else torch.Generator(device).manual_seed(s.seed)
-    decoder = SpeculativeDecoder(model, schedule, Speculation.parse(speculate), s, generator)
+    decoder = SpeculativeDecoder(model, schedule, speculate, s, generator)
     stats.planner = decoder.planner
     ids, mask = left_pad(prompts, pad_id, device)
     context = model.config.context_length

@@ -37,10 +37,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from meshlm.backbones import BACKBONES
 from meshlm.config import ModelConfig
 from meshlm.generate.sampling import Sampling
-from meshlm.generate.speculative import SpeculationStats
+from meshlm.generate.speculative import Speculation, SpeculationStats
 from meshlm.generate.speculative import stream as speculative_stream
 from meshlm.hf.configuration import MeshConfig
 from meshlm.hf.remote import write_remote_code
+from meshlm.model.exit import ExitRule
 from meshlm.model.layers import RotaryEmbedding
 from meshlm.model.lm import MeshLM
 from meshlm.model.recompute import checkpoint_layers
@@ -112,8 +113,8 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
         past_key_values: object | None = None,  # older name of `cache`
         return_dict: bool | None = None,
         loops: int | None = None,  # loop steps (default: config.loops, else the trained K)
-        # adaptive exit rule, e.g. "state:0.05" (default: config.exit, else off)
-        exit: str | None = None,
+        # adaptive exit rule, e.g. "state:0.05" or an ExitRule (default: config.exit, else off)
+        exit: str | ExitRule | None = None,
         output_hidden_states: bool | None = None,  # the stage boundaries (see hidden_states below)
         # refused: attention runs through SDPA, which returns no weights
         output_attentions: bool | None = None,
@@ -138,6 +139,7 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
             targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
         loops = loops if loops is not None else getattr(self.config, "loops", None)
         exit = exit if exit is not None else getattr(self.config, "exit", None)
+        exit = None if exit is None else ExitRule.parse(exit)  # text from the config or a caller
         if (loops or exit) and isinstance(cache, DynamicCache) and cache.get_seq_length() == 0:
             # grows a slot per use: more loops and kl exit probes need more than the config's
             cache = DynamicCache()
@@ -193,7 +195,8 @@ class MeshForCausalLM(PreTrainedModel, GenerationMixin):
                      top_p=(get("top_p") or 1.0) if sampled else 1.0,
                      stop_at_eos=eos is not None)
         stats = kwargs.get("speculation_stats") or SpeculationStats()
-        new = list(speculative_stream(self.model, prompts, s, speculate, -1 if eos is None else eos,
+        new = list(speculative_stream(self.model, prompts, s, Speculation.parse(speculate),
+                                      -1 if eos is None else eos,
                                       eos if pad is None else pad, stats=stats))
         return torch.cat([ids, torch.stack(new, 1).to(ids.device)], 1)
 

@@ -33,9 +33,9 @@ run without autograd, so their activations are never kept; the state they produc
 as a constant, while e, p and h⁰ (injected into later steps by the scheme) keep their gradients.
 Peak memory then follows k, not K (benchmarks/elastic.py).
 
-Per-token adaptive exit (`exit="state:0.05"`, meshlm.model.exit): the same loop runs only the
-still-active tokens' core passes and stops when none is left; exited tokens' keys/values are copied
-forward.
+Per-token adaptive exit (`exit=ExitRule.parse("state:0.05")`, meshlm.model.exit; the model takes
+the rule typed, never as text): the same loop runs only the still-active tokens' core passes and
+stops when none is left; exited tokens' keys/values are copied forward.
 
 Per-loop LoRA (`loop_lora_rank`, meshlm.model.loop_lora): before each core pass the loop selects
 that pass's low-rank delta in the core's Linears; every path above (exit, speculation, the cache)
@@ -133,8 +133,8 @@ class MeshLM(nn.Module):
         cache: LayerCache | None = None,
         # truncated backprop: only the last k loop steps keep autograd state
         backprop_loops: int | None = None,
-        # per-token adaptive exit, e.g. "state:0.05" (meshlm.model.exit)
-        exit: ExitRule | str | None = None,
+        # per-token adaptive exit, e.g. ExitRule.parse("state:0.05") (meshlm.model.exit)
+        exit: ExitRule | None = None,
     ) -> LMOutput:
         schedule = self.schedule(loops)
         run = self.start(input_ids, padding_mask, cache, exit, position_ids, return_states,
@@ -161,7 +161,7 @@ class MeshLM(nn.Module):
                        stages=stages, past=past)
 
     def start(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None,
-              cache: LayerCache | None = None, exit: ExitRule | str | None = None,
+              cache: LayerCache | None = None, exit: ExitRule | None = None,
               position_ids: torch.Tensor | None = None, return_states: bool = False,
               backprop_loops: int | None = None) -> LoopRun:
         """`enter` with the exit tracker in place: a forward standing at loop step 0 that `advance`
@@ -230,15 +230,17 @@ class MeshLM(nn.Module):
         return F.linear(y, self.embed_in.weight) if self.embed_out is None else self.embed_out(y)
 
     # -- per-token adaptive exit (meshlm.model.exit) -----------------------------------------------
-    def _tracker(self, exit: ExitRule | str | None, run: LoopRun, padding_mask: torch.Tensor | None,
+    def _tracker(self, exit: ExitRule | None, run: LoopRun, padding_mask: torch.Tensor | None,
                  past: int, backprop_loops: int | None) -> ExitTracker | NoExit:
         if exit is None:
             return NO_EXIT
         if run.stages is not None or backprop_loops:
             raise ConfigError("exit is an inference setting: it cannot be combined with "
                               "return_states or backprop_loops; drop one of them")
-        rule = ExitRule.parse(exit)
-        return ExitTracker(rule, run.h, run.rope, run.mask, padding_mask, run.cache, past)
+        if not isinstance(exit, ExitRule):  # text is parsed once, where it comes in
+            raise TypeError(f"exit={exit!r}: pass an ExitRule (meshlm.model.exit.ExitRule.parse"
+                            f"({str(exit)!r})); the model takes settings typed, not as text")
+        return ExitTracker(exit, run.h, run.rope, run.mask, padding_mask, run.cache, past)
 
     def _probe_slot(self, coda_slot: int, j: int) -> int:
         """Probing exit: the coda probe of state h^j has its own cache slots (the first ones are the

@@ -13,11 +13,11 @@ ones computed with. How the activations meet the weight (`activations`):
             x[m, k] ≈ s[m] · a[m, k], s[m] = max_k |x[m, k]| / 127; `torch._int_mm` sums a · q in
             int32 (exact) and y[m, n] = (sum · s[m]) · scale[n] in fp32: the int8 dot-product
             instructions, about 1.5× the weight-only kernel's speed per weight at one token (at
-            one row decoding may run the same steps as one compiled call: meshlm.quant.native). On a
-            CPU without them (no AVX512-VNNI, AVX-VNNI or AMX) oneDNN's int8 kernels saturate
-            16-bit pair sums, so a probe (exact_int8_products) sends the same rounded activations
-            through the weight-only kernel instead: integers up to 127 are exact in bf16, and it
-            sums in fp32
+            one row decoding may run the same steps as one compiled call:
+            meshlm.quant.row_kernel). On a CPU without them (no AVX512-VNNI, AVX-VNNI or AMX)
+            oneDNN's int8 kernels saturate 16-bit pair sums, so a probe (exact_int8_products)
+            sends the same rounded activations through the weight-only kernel instead: integers
+            up to 127 are exact in bf16, and it sums in fp32
 
 Off CPU the weight is dequantized into the input's dtype and F.linear runs (on the rounded
 activations for "int8"). Every path computes each row on its own, so a row's output does not
@@ -144,7 +144,7 @@ class QuantizedLinear(nn.Module):
         # the CPU kernels' operands, built on first use: kernel name -> tensors
         self._operands: dict[str, tuple] = {}
         # int8 activations at one row: a drop-in for scaled_int8_products that decoding may give
-        # the layer (meshlm.quant.native: one compiled call, the same numbers); None: torch ops
+        # the layer (meshlm.quant.row_kernel: one compiled call, the same numbers); None: torch ops
         self.row_kernel = None
 
     @classmethod

@@ -9,7 +9,8 @@ DTYPE_CHOICES = ("auto", "fp32", "bf16")
 
 def add_dtype_argument(parser: argparse.ArgumentParser, decoding: bool = False) -> None:
     """The `--dtype` option of the inference commands (eval, probe, generate, serve);
-    meshlm.runtime.precision. Decoding commands resolve auto to fp32 (precision.for_decoding)."""
+    meshlm.runtime.precision. Decoding commands resolve auto to fp32
+    (precision.choose_for_decoding)."""
     auto = ("fp32, where greedy decoding is exact under batching and speculation; bf16 autocast "
             "on request"
             if decoding else "bf16 autocast where the CPU/GPU multiplies bf16 natively, else fp32")

@@ -5,7 +5,7 @@ devices). The peak is `train.peak_flops` when given. Otherwise:
   CUDA  the datasheet dense bf16 peak of known chips for bf16 runs (the usual MFU convention);
         anything else (fp32 runs, unknown chips) is measured like a CPU.
   CPU   the best a large matmul of that dtype reaches on this machine with this process's threads,
-        measured once per machine and cached (meshlm.runtime.machine: value, date, method).
+        measured once per machine and cached (meshlm.machine: value, date, method).
         Re-measuring at every start made MFU swing with the machine's load (45% then 28% for one
         configuration); a cached figure makes runs comparable. It is timed on the process's CPU time
         per thread, not the wall clock, so other work on the machine does not lower it (a wall-clock
@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from meshlm.runtime import machine
+from meshlm import machine
 from meshlm.runtime.precision import BF16_CPU_FLAGS
 
 # Dense (no sparsity) bf16 tensor-core peaks, FLOP/s, by a substring of

@@ -6,23 +6,19 @@ fp32) where the hardware multiplies bf16 natively, and plain fp32 everywhere els
         (x86) or bf16 (arm64), AND a short timed probe confirms it: a 512³ bf16 matmul must run at
         least BF16_MIN_SPEEDUP× as fast as fp32. Without the flags PyTorch emulates bf16 (about 70×
         slower than fp32 on an AVX2-only AMD EPYC), so no probe is run. The probe's result is cached
-        per machine (meshlm.runtime.machine) with its date and figures; a flag without the speed (a
+        per machine (meshlm.machine) with its date and figures; a flag without the speed (a
         hypervisor hiding the units, a build without the kernels) falls back to fp32.
 
 `fp32` and `bf16` are always honoured as given.
 
-Decoding (`meshlm generate`, `meshlm serve`: `for_decoding`) resolves `auto` to fp32 everywhere.
-Under bf16 autocast greedy output depends on the path: a batch's shape, the cache, speculation's
-draft-verify split all round differently, and with top logits within a bf16 step of each other the
-argmax flips (measured in docs/serve.md). In fp32 it does not, so speculation is lossless and a
-batched request decodes as it would alone. It costs little: decoding one token per row is bound by
-reading the weights, not by multiplying (docs/serve.md and docs/quantize.md have the measured
-ratios). fp32 decoding on CPU lays the linear weights out for it (meshlm.runtime.split_linear:
-transposed and cut into blocks of output columns) where a probe, cached per machine, finds that
-faster: 128-column blocks multiplied by a kernel compiled for the CPU (meshlm.runtime.fp32_rows;
-decoding at d = 768 ran 1.6-2.1x faster than through F.linear on a 2-core Zen 5), else one block
-per thread through torch.bmm (split_speedup; 1.6-1.8x). It changes nothing but the speed: the same
-fp32 arithmetic, to rounding.
+Decoding (`meshlm generate`, `meshlm serve`: `choose_for_decoding`) resolves `auto` to fp32
+everywhere. Under bf16 autocast greedy output depends on the path: a batch's shape, the cache,
+speculation's draft-verify split all round differently, and with top logits within a bf16 step of
+each other the argmax flips (measured in docs/serve.md). In fp32 it does not, so speculation is
+lossless and a batched request decodes as it would alone. It costs little: decoding one token per
+row is bound by reading the weights, not by multiplying (docs/serve.md and docs/quantize.md have
+the measured ratios). Choosing is all this module does for decoding: meshlm.decoding lays the
+weights out for the precision chosen and names what it did on the precision line.
 
 Weights follow the compute precision: where a command computes in bf16 (`for_model` under auto on
 bf16 hardware, or `--dtype bf16` anywhere), `store_weights` keeps every nn.Linear's weight and bias
@@ -39,12 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
-from meshlm.quant import native as quant_native
-from meshlm.quant.calibrate import describe, structure_of
-from meshlm.runtime import fp32_rows, machine
+from meshlm import machine
 from meshlm.runtime.options import DTYPE_CHOICES as CHOICES
-from meshlm.runtime.split_linear import MIN_SPEEDUP as SPLIT_MIN_SPEEDUP
-from meshlm.runtime.split_linear import split_linears, split_speedup, split_tied_head
 
 BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 # bf16 GEMM over fp32 GEMM throughput below which autocast's casts eat the gain
@@ -117,52 +109,10 @@ DECODING_FP32 = ("auto: decoding in fp32, where greedy output does not depend on
                  "speculation")
 
 
-SPLIT_NOTE = "linear weights split per thread for one-token products"
-FP32_KERNEL_NOTE = ("linear weights in 128-column blocks, products of up to 64 rows by meshlm's "
-                    "kernel compiled for this CPU")
-ROW_KERNEL_NOTE = "one-token int8 products by meshlm's kernel compiled for this CPU"
-# where a kernel could not be had (meshlm.runtime.native.why_not): named, never a silent fallback
-FP32_KERNEL_MISSING = "meshlm's fp32 kernel unavailable"
-ROW_KERNEL_MISSING = "meshlm's int8 kernel unavailable"
-
-
-def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, Precision]:
-    """(the model's device, the precision to decode in): `auto` is fp32 (see the module docstring).
-    Under bf16 the model's matmul weights are stored in bf16 (store_weights); in fp32 on CPU they
-    are laid out for one-token products (split_linears). For inference only: the model's plain
-    nn.Linear layers are replaced."""
-    device = next(model.parameters()).device
-    chosen = Precision(None, DECODING_FP32) if requested == "auto" else choose(requested, device)
-    note = laid_out_for_decoding(model) if chosen.dtype is None and device.type == "cpu" else None
-    if note:
-        chosen = Precision(None, f"{chosen.reason}; {note}")
-    quantized = structure_of(model)
-    if quantized:  # those layers run their own kernels whatever the precision (meshlm.quant)
-        reason = f"{chosen.reason}; {describe(quantized)}"
-        if device.type == "cpu" and quant_native.give_row_kernel(model):
-            reason += f"; {ROW_KERNEL_NOTE}"
-        elif device.type == "cpu" and (why := quant_native.unavailable(model)):
-            reason += f"; {ROW_KERNEL_MISSING} ({why}), so one-token int8 products by torch._int_mm"
-        chosen = Precision(chosen.dtype, reason)
-    return device, store_weights(model, chosen)
-
-
-def laid_out_for_decoding(model: torch.nn.Module) -> str | None:
-    """Lay `model`'s fp32 linear layers (on CPU) out for decoding where a probe, measured once per
-    machine, found it faster: in the compiled kernel's blocks (meshlm.runtime.fp32_rows), else in
-    one block per thread (split_linear). Returns the precision line's note, or None (unchanged);
-    where the kernel could not be had (fp32_rows.unavailable) the note names why, and the fix."""
-    kernel = fp32_rows.paying_kernel()
-    why = None if kernel else fp32_rows.unavailable()
-    missing = f"{FP32_KERNEL_MISSING} ({why}), so " if why else ""
-    speedup = fp32_rows.kernel_speedup(kernel)["kernel_over_linear"] if kernel else \
-        split_speedup()
-    if not kernel and speedup < SPLIT_MIN_SPEEDUP:
-        return f"{missing}linear layers keep F.linear" if missing else None
-    split_linears(model, kernel=kernel)
-    split_tied_head(model)
-    return (f"{missing}{FP32_KERNEL_NOTE if kernel else SPLIT_NOTE} ({speedup:.1f}x F.linear's "
-            "one-row speed here, measured once)")
+def choose_for_decoding(requested: str, device: torch.device) -> Precision:
+    """The precision to decode in on `device`: `auto` is fp32 (the module docstring), fp32 and bf16
+    as requested."""
+    return Precision(None, DECODING_FP32) if requested == "auto" else choose(requested, device)
 
 
 def for_model(requested: str, model: torch.nn.Module) -> tuple[torch.device, Precision]:

@@ -11,7 +11,7 @@ F.linear's speed at one row with two threads, 1.2-2.0x at 2-64 rows, 1.03x at 25
 Decoding that model runs 1.59-1.80x faster (benchmarks/decode_speed.py --versus-transformers).
 
 With a C compiler the blocks can be 128 columns wide and multiplied by a kernel compiled for the
-CPU instead (meshlm.runtime.fp32_rows: ~25 GB/s on every shape, where bmm's speed depends on the
+CPU instead (meshlm.kernels.fp32_rows: ~25 GB/s on every shape, where bmm's speed depends on the
 block's width), up to KERNEL_ROWS rows; bmm takes longer calls over the same blocks.
 
 `split_linears(model)` swaps every plain nn.Linear of a model for a `SplitLinear` holding the same
@@ -21,9 +21,11 @@ fp32 rounding (tests/test_split_linear.py). Only for inference on CPU (the weigh
 buffer); CUDA's kernels need no such layout.
 
 Whether it pays depends on the CPU and the BLAS build, so `split_speedup()` measures it once per
-machine (CPU model and flags, torch version, threads; cached by meshlm.runtime.machine like the
-bf16 probe): one-row products over PROBE_MB of weights, split against F.linear, best of a few.
-Decoding splits only where the split was at least MIN_SPEEDUP times as fast.
+machine (CPU model and flags, torch version, threads; cached by meshlm.machine like the bf16
+probe): one-row products over PROBE_MB of weights, split against F.linear, best of a few.
+Decoding splits only where the split was at least MIN_SPEEDUP times as fast, and takes the
+compiled kernel's blocks where its own probe found it the faster of the three (`paying_kernel`):
+`lay_out_for_decoding(model)`.
 """
 from __future__ import annotations
 
@@ -31,16 +33,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshlm.runtime import machine
+from meshlm import machine
+from meshlm.kernels import fp32_rows
 
 # output columns per block below which a further split stops paying
 MIN_BLOCK = 256
-# meshlm.runtime.fp32_rows' compiled kernel: its blocks' width (fp32_rows.c's TILE) and the most
+# meshlm.kernels.fp32_rows' compiled kernel: its blocks' width (fp32_rows.c's TILE) and the most
 # rows it takes (decode steps, speculation's verify, served batches); longer calls (prefill
 # chunks) go through torch.bmm over the same blocks
-KERNEL_WIDTH, KERNEL_ROWS = 128, 64
+KERNEL_WIDTH, KERNEL_ROWS = fp32_rows.WIDTH, 64
 # the probe's weights (more than a CPU's caches: decoding streams from memory) and its threshold
 PROBE_MB, PROBE_SHAPE, MIN_SPEEDUP = 128, (4096, 1024), 1.1
+# the kernel's probe: LAYERS decoder layers of width D (query-key-value, output, the MLP's two),
+# 144 MB. Per shape the gain differs (on a 2-core Zen 5 bmm reads 768-column layers slowly, wide
+# ones nearly as fast as the kernel): so a whole layer's mix
+KERNEL_PROBE_D, KERNEL_PROBE_LAYERS = 1024, 3
+KERNEL_PROBE_SHAPES = ((3 * KERNEL_PROBE_D, KERNEL_PROBE_D), (KERNEL_PROBE_D, KERNEL_PROBE_D),
+                       (4 * KERNEL_PROBE_D, KERNEL_PROBE_D),
+                       (KERNEL_PROBE_D, 4 * KERNEL_PROBE_D)) * KERNEL_PROBE_LAYERS
 
 
 def blocked_product(rows: torch.Tensor, blocks: torch.Tensor,
@@ -57,18 +67,16 @@ def blocked_product(rows: torch.Tensor, blocks: torch.Tensor,
 
 class SplitLinear(nn.Module):
     """y = x Wᵀ + b with W (out, in) stored as `blocks` (P, in, w): block p holds output columns
-    p·w ... (p+1)·w − 1, the last zero-padded up to P·w ≥ out. With a `kernel` (fp32_rows: blocks
-    KERNEL_WIDTH wide) calls of up to KERNEL_ROWS rows go through it, longer ones through bmm."""
+    p·w ... (p+1)·w − 1, the last zero-padded up to P·w ≥ out (fp32_rows.as_blocks). With a
+    `kernel` (fp32_rows: blocks KERNEL_WIDTH wide) calls of up to KERNEL_ROWS rows go through it,
+    longer ones through bmm."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, width: int):
         super().__init__()
         weight = weight.detach()  # (out, in)
         self.out_features, self.in_features = weight.shape
-        parts = -(-self.out_features // width)
-        padded = F.pad(weight, (0, 0, 0, parts * width - self.out_features))  # (P·w, in)
-        # (P, w, in) -> (P, in, w), each block contiguous
-        self.register_buffer("blocks", padded.reshape(parts, width, -1).transpose(1, 2)
-                             .contiguous())
+        self.register_buffer("blocks", fp32_rows.as_blocks(weight, width))
+        parts = len(self.blocks)
         self.register_buffer("bias", None if bias is None else bias.detach())
         # the bias as blocks (P, 1, w), zero-padded like the weight; derived, so not saved
         self.register_buffer("bias_blocks", None if bias is None else F.pad(
@@ -85,7 +93,7 @@ class SplitLinear(nn.Module):
     @classmethod
     def for_kernel(cls, linear: nn.Linear, kernel) -> SplitLinear:
         """`linear` in KERNEL_WIDTH-wide blocks (one narrower block below that width), multiplied
-        by `kernel` (meshlm.runtime.fp32_rows) at up to KERNEL_ROWS rows."""
+        by `kernel` (meshlm.kernels.fp32_rows) at up to KERNEL_ROWS rows."""
         layer = cls(linear.weight, linear.bias, min(KERNEL_WIDTH, linear.out_features))
         layer.kernel = kernel
         return layer
@@ -150,7 +158,7 @@ def width_for(out_features: int, threads: int) -> int:
 def split_linears(model: nn.Module, threads: int | None = None, kernel=None) -> int:
     """Swap every plain fp32 nn.Linear on CPU of `model` (not subclasses such as MeSH's routers or
     meshlm.quant's layers) for a SplitLinear: with one block per thread (default: torch's intra-op
-    thread count), or in the compiled `kernel`'s blocks (meshlm.runtime.fp32_rows). With a
+    thread count), or in the compiled `kernel`'s blocks (meshlm.kernels.fp32_rows). With a
     `kernel`, the subclasses that take a `product` (MeSH's and MoE's routers: a forward of their
     own around fp32 logits) get one in the kernel's blocks, so that every linear of the model's own
     layers computes each row as it would alone. Returns how many layers were laid out."""
@@ -186,11 +194,8 @@ def split_tied_head(model: nn.Module, threads: int | None = None) -> bool:
 
 def split_speedup() -> float:
     """This machine's one-row speed split over F.linear, from the cache or measured now."""
-    threads = torch.get_num_threads()
     method = f"best of 5 one-row passes over {PROBE_MB} MB of {PROBE_SHAPE} fp32 weights"
-    entry = machine.lookup(machine.cpu_key("split-linear", threads), lambda: _probe(threads),
-                           method)
-    return entry["value"]["split_over_linear"]
+    return machine.measured("split-linear", method, _probe)["value"]["split_over_linear"]
 
 
 def _probe(threads: int, reps: int = 5) -> dict:
@@ -200,9 +205,48 @@ def _probe(threads: int, reps: int = 5) -> dict:
     weights = [torch.full(PROBE_SHAPE, 0.01) for _ in range(count)]
     split = [SplitLinear(w, None, width_for(out_features, threads)) for w in weights]
     x = torch.full((1, in_features), 0.5)
-    with torch.no_grad():
-        seconds = {"linear": machine.best_seconds(lambda: [F.linear(x, w) for w in weights], reps),
-                   "split": machine.best_seconds(lambda: [m(x) for m in split], reps)}
-    return {"split_over_linear": seconds["linear"] / seconds["split"],
-            "linear_ms": seconds["linear"] * 1e3, "split_ms": seconds["split"] * 1e3}
+    return machine.race({"linear": lambda: [F.linear(x, w) for w in weights],
+                         "split": lambda: [m(x) for m in split]}, reps, fastest="split")
 
+
+def lay_out_for_decoding(model: nn.Module) -> tuple[str | None, float]:
+    """Lay `model`'s fp32 linear layers on CPU out for decoding where a probe, measured once per
+    machine, found it faster: ("kernel", its one-row speed over F.linear) in the compiled kernel's
+    blocks (paying_kernel), else ("split", that speed) in one block per thread, else (None, the
+    split's speed) with the model unchanged."""
+    kernel = paying_kernel()
+    speedup = kernel_speedup(kernel)["kernel_over_linear"] if kernel else split_speedup()
+    if not kernel and speedup < MIN_SPEEDUP:
+        return None, speedup
+    split_linears(model, kernel=kernel)
+    split_tied_head(model)
+    return "kernel" if kernel else "split", speedup
+
+
+def paying_kernel() -> fp32_rows.Product | None:
+    """fp32_rows.fp32_rows_kernel() where this machine's probe found it at least
+    meshlm.kernels.kernel.MIN_SPEEDUP times as fast as both the split layout's bmm and F.linear
+    at one row, else None."""
+    return fp32_rows.KERNEL.paying(kernel_speedup)
+
+
+def kernel_speedup(kernel: fp32_rows.Product) -> dict:
+    """This machine's one-row speed of `kernel` over the split layout's bmm and over F.linear,
+    from the cache or measured now."""
+    method = (f"best of 5 one-row passes over the fp32 weights of {KERNEL_PROBE_LAYERS} decoder "
+              f"layers of width {KERNEL_PROBE_D}")
+    return machine.measured("fp32-rows-kernel", method,
+                            lambda threads: _kernel_probe(kernel, threads))["value"]
+
+
+def _kernel_probe(kernel: fp32_rows.Product, threads: int, reps: int = 5) -> dict:
+    # the values do not matter to the speed (fp32, no denormals): filled, not drawn, to be quick
+    weights = [torch.full(shape, 0.01, device="cpu") for shape in KERNEL_PROBE_SHAPES]
+    split = [SplitLinear(w, None, width_for(len(w), threads)) for w in weights]
+    tiled = [fp32_rows.as_blocks(w, KERNEL_WIDTH) for w in weights]
+    x = {w.shape[1]: torch.full((1, w.shape[1]), 0.5, device="cpu") for w in weights}
+    return machine.race({
+        "linear": lambda: [F.linear(x[w.shape[1]], w) for w in weights],
+        "split": lambda: [m(x[m.in_features]) for m in split],
+        "kernel": lambda: [kernel(x[b.shape[1]], b, None, len(w)) for b, w in zip(tiled, weights)]},
+        reps, fastest="kernel")

@@ -22,6 +22,8 @@ from starlette.exceptions import HTTPException
 
 from meshlm.errors import ConfigError
 from meshlm.generate import Sampling
+from meshlm.generate.speculative import Speculation
+from meshlm.model.exit import ExitRule
 from meshlm.serve import api
 from meshlm.serve.batcher import QueueFull
 from meshlm.serve.batcher import Request as Job
@@ -167,8 +169,17 @@ def _job(served: Served, body: api.Body, ids: list[int], chat: bool) -> Job:
     s = Sampling(max_new_tokens=wanted, temperature=body.temperature, top_k=body.top_k,
                  top_p=body.top_p,
                  seed=body.seed, stop_at_eos=not body.ignore_eos)
-    return Job(ids, s, loops=body.loops, exit=body.exit, speculate=body.speculate,
+    return Job(ids, s, loops=body.loops, exit=_parsed(ExitRule.parse, body.exit, "exit"),
+               speculate=_parsed(Speculation.parse, body.speculate, "speculate"),
                timeout=served.timeout)
+
+
+def _parsed(parse, text: str | None, param: str):
+    """A setting's text parsed once, here at the edge (ApiError 400 naming the field)."""
+    try:
+        return None if text is None else parse(text)
+    except ConfigError as err:
+        raise ApiError(400, str(err), param=param) from None
 
 
 async def _respond(engine: Engine, served: Served, metrics: Metrics, body: api.Body, ids: list[int],

@@ -22,75 +22,25 @@ which at fp32 never changed a token in the tests (docs/serve.md states what hold
 """
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from meshlm.errors import ConfigError, MeshlmError
-from meshlm.generate import Sampling, check_loops, check_room
+from meshlm.generate import check_loops, check_room
 from meshlm.generate.batch import Batch
-from meshlm.generate.speculative import Speculation
 from meshlm.model import MeshLM
-from meshlm.model.exit import ExitRule
 from meshlm.serve.cohorts import Cohort, PlainCohort, Prefill, SpeculativeCohort
+from meshlm.serve.requests import FINISH_REASONS, BatcherStats, Request
 
-FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error", "shutdown")
-_ids = itertools.count()
-
+__all__ = ["FINISH_REASONS", "Batcher", "BatcherStats", "QueueFull", "Request"]
 
 class QueueFull(MeshlmError):
     """The waiting queue holds max_queue requests: try again later (HTTP 429)."""
-
-
-@dataclass(eq=False)
-class Request:
-    prompt: list[int]
-    sampling: Sampling
-    loops: int | None = None  # core passes (single-core specs); None = the trained count
-    exit: str | None = None  # per-token exit rule, e.g. "state:0.05" (meshlm.model.exit)
-    speculate: str | None = None  # "auto", "K_d" or "K_d:γ" (meshlm.generate.speculative)
-    timeout: float | None = None  # seconds from submission until it is stopped with finish
-    # "timeout"
-    on_tokens: Callable[[Request, list[int]], None] | None = None
-    on_done: Callable[[Request], None] | None = None
-    tokens: list[int] = field(default_factory=list)  # generated so far (EOS included when it
-    # stopped there)
-    finish: str | None = None  # one of FINISH_REASONS once done
-    error: str | None = None  # with finish "error": what went wrong
-    id: int = field(default_factory=lambda: next(_ids))
-    submitted: float = field(default_factory=time.monotonic)
-    generator: torch.Generator | None = None  # its own random stream, seeded from sampling.seed
-    stop_requested: str | None = None  # set by `Batcher.cancel` (any thread); acted on at the next
-    # boundary
-    done: threading.Event = field(default_factory=threading.Event)
-
-    def key(self) -> tuple:
-        """Requests with equal keys decode in one cohort. Speculative sampling draws from its
-        decoder's one generator, so a sampled speculative request decodes in a cohort of its own."""
-        if self.speculate is None:
-            return ("plain", self.loops, self.exit)
-        s = self.sampling
-        alone = self.id if s.temperature > 0 else None
-        return ("speculate", self.loops, self.speculate, s.temperature, s.top_k, s.top_p, alone)
-
-
-@dataclass
-class BatcherStats:
-    """Counters for /metrics; read from any thread."""
-
-    admitted: int = 0
-    finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
-    tokens: int = 0  # delivered
-    steps: int = 0  # cohort decode steps
-    step_rows: int = 0  # rows summed over those steps (mean batch = step_rows / steps)
-    loop_steps: int = 0  # core passes per decoded token, summed (exit and loops change it)
-    decoded: int = 0  # tokens decoded by steps
 
 
 class Batcher:
@@ -126,13 +76,11 @@ class Batcher:
             raise ConfigError(f"prompt token ids must be in 0 … {self.model.config.vocab_size - 1}")
         check_loops(self.model, r.loops, self.max_loops)
         schedule = self.model.schedule(r.loops)
-        if r.exit is not None:
-            r.exit = str(ExitRule.parse(r.exit))
         if r.speculate is not None:
             if r.exit is not None:
                 raise ConfigError("speculate decodes at the full depth: it cannot be combined "
                                   "with exit; drop one")
-            Speculation.parse(r.speculate).check(self.model, schedule)
+            r.speculate.check(self.model, schedule)
 
     def submit(self, r: Request) -> None:
         """Queue r (after `check`); QueueFull when max_queue requests already wait."""

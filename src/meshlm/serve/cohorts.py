@@ -34,6 +34,7 @@ from meshlm.generate.batch import Batch
 from meshlm.generate.sampling import left_pad, next_token, padding_if_any
 from meshlm.generate.speculative import Speculation, SpeculationStats, SpeculativeDecoder
 from meshlm.model import MeshLM
+from meshlm.model.exit import ExitRule
 from meshlm.model.kv_cache import KVCache
 
 
@@ -84,7 +85,7 @@ class Prefill:
         return self.ids.shape[1] - self.done
 
     @torch.no_grad()
-    def advance(self, model: MeshLM, loops: int | None, exit: str | None,
+    def advance(self, model: MeshLM, loops: int | None, exit: ExitRule | None,
                 chunk: int | None = None, loop_slice: int | None = None) -> Batch | None:
         """Prefill the next `chunk` columns (None: all that remain), `loop_slice` loop steps of
         their forward per call (None: all); after the last, the rows as a Batch with each one's
@@ -165,9 +166,9 @@ class Cohort(ABC):
 
 
 class PlainCohort(Cohort):
-    """Plain decoding at the full depth, or with per-token exit (`exit`, e.g. "state:0.05")."""
+    """Plain decoding at the full depth, or with per-token exit (`exit`, an ExitRule)."""
 
-    def __init__(self, model: MeshLM, loops: int | None, exit: str | None, pad_id: int):
+    def __init__(self, model: MeshLM, loops: int | None, exit: ExitRule | None, pad_id: int):
         super().__init__(model, loops, pad_id)
         self.exit = exit
         self.flight: tuple | None = None  # (the forward under way, its mask) while sliced
@@ -214,11 +215,12 @@ class SpeculativeCohort(Cohort):
     sampled request gets its own cohort, as its draws come from the decoder's one generator).
     `lead`: the first request, whose sampling and generator the cohort's decoder takes."""
 
-    def __init__(self, model: MeshLM, loops: int | None, speculate: str, pad_id: int, lead):
+    def __init__(self, model: MeshLM, loops: int | None, speculate: Speculation, pad_id: int,
+                 lead):
         super().__init__(model, loops, pad_id)
         self.stats = SpeculationStats()
-        self.decoder = SpeculativeDecoder(model, self.schedule, Speculation.parse(speculate),
-                                          lead.sampling, lead.generator)
+        self.decoder = SpeculativeDecoder(model, self.schedule, speculate, lead.sampling,
+                                          lead.generator)
         self.stats.planner = self.decoder.planner
 
     @torch.no_grad()

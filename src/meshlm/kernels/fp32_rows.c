@@ -1,13 +1,13 @@
 /* meshlm's fp32 products for decoding, compiled on the machine that runs it
-   (meshlm.runtime.native, used by meshlm.runtime.fp32_rows).
+   (meshlm.kernels.build, used by meshlm.kernels.fp32_rows).
 
-   y (m, n) = x (m, k) W^T + b, with W (n, k) stored as meshlm.runtime.split_linear lays it out
-   for this kernel: P column blocks (P, k, w), block p holding columns p*w ... p*w + w - 1 (the last
+   y (m, n) = x (m, k) W^T + b, with W (n, k) stored as meshlm.kernels.fp32_rows.as_blocks lays it
+   out: P column blocks (P, k, w), block p holding columns p*w ... p*w + w - 1 (the last
    zero-padded), each block contiguous, w <= TILE. bias (n) may be NULL.
 
    Every output is one accumulator summed over j = 0 ... k-1 in order, then + b: the same
    operations for a row whatever m is and whichever rows share its pass, so a row's outputs do not
-   depend on the batch, bit for bit (meshlm.runtime.fp32_rows checks it before use).
+   depend on the batch, bit for bit (meshlm.kernels.fp32_rows checks it before use).
 
    Why a plain loop: a decoded token is a matrix-vector product bound by streaming the weights. A
    full block is TILE columns of k rows, read once, front to back, into TILE accumulators held in

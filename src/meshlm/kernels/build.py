@@ -1,19 +1,12 @@
-"""C kernels compiled on the machine that runs them: meshlm.runtime.fp32_rows (fp32 products of
-up to a few dozen rows, decoding's) and meshlm.quant.native (one-row int8 products).
-
-`library(source)` compiles one of meshlm's own C files once per machine with the C compiler ($CC,
-else cc or gcc; -O3 -march=native -fopenmp, with fewer flags where the compiler refuses those)
-into <cache>/kernels/<name>-<digest>.so (<cache> as meshlm.runtime.machine), keyed by the source,
-the compiler and the CPU, and loads it; None where that cannot be done (the source missing from
-the install, no compiler, a failed build) or MESHLM_NATIVE=0: the callers then keep PyTorch's ops,
-and `why_not(source)` names the reason and its fix for the precision line (never a silent
-fallback). The library is code this process runs, built from meshlm's own source: one that another
-user could have written (not owned by this user, or its file or folder writable by group or
-others) is not loaded. Delete the folder to rebuild. OpenMP comes from the runtime torch itself
-loads, so the kernels share its threads.
-
-Each kernel's module checks the numbers before use and times it against PyTorch's path (a probe
-cached in machine.json): whether a plain loop beats oneDNN depends on the CPU.
+"""The builder of meshlm's C kernels: `library(source)` compiles one of meshlm's own C files once
+per machine with the C compiler ($CC, else cc or gcc; -O3 -march=native -fopenmp, with fewer flags
+where the compiler refuses those) into <cache>/kernels/<name>-<digest>.so (<cache> as
+meshlm.machine), keyed by the source, the compiler and the CPU, and loads it; None where that
+cannot be done (the source missing from the install, no compiler, a failed build) or
+MESHLM_NATIVE=0, and then `why_not(source)` names the reason and its fix. A library is code this
+process runs: one that another user could have written (not owned by this user, or its file or
+folder writable by group or others) is not loaded. Delete the folder to rebuild. OpenMP comes from
+the runtime torch itself loads, so the kernels share its threads.
 """
 from __future__ import annotations
 
@@ -26,8 +19,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from meshlm import machine
 from meshlm.data.cache_dir import cache_dir
-from meshlm.runtime import machine
 
 # tried in order: the first set this compiler accepts is built
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O3",))

@@ -1,7 +1,7 @@
-"""A small per-machine cache of measured facts (matmul peaks, the bf16 probe): <cache>/machine.json,
-where <cache> is $MESHLM_CACHE or ~/.cache/meshlm. Each entry is keyed by what it depends on (CPU
-model and flags (cpu_id) or GPU model, torch version, threads) and records its value, the date it
-was measured and how.
+"""A small per-machine cache of measured facts (matmul peaks, the bf16 probe, the probes of
+meshlm's layouts and compiled kernels): <cache>/machine.json, where <cache> is $MESHLM_CACHE or
+~/.cache/meshlm. Each entry is keyed by what it depends on (CPU model and flags (cpu_id) or GPU
+model, torch version, threads) and records its value, the date it was measured and how.
 
 Delete the file (or one entry) to measure again, e.g. after a run on a busy machine measured a low
 peak.
@@ -71,6 +71,23 @@ def best_seconds(step: Callable[[], Any], reps: int) -> float:
         step()
         best = min(best, time.perf_counter() - start)
     return best
+
+
+def race(steps: dict[str, Callable[[], Any]], reps: int, fastest: str) -> dict[str, float]:
+    """Each of `steps` timed without autograd (best_seconds): {"<step>_ms": its milliseconds,
+    "<fastest>_over_<step>": its time over that of the step named `fastest`}."""
+    with torch.no_grad():
+        seconds = {name: best_seconds(step, reps) for name, step in steps.items()}
+    ratios = {f"{fastest}_over_{name}": value / seconds[fastest] for name, value in seconds.items()
+              if name != fastest}
+    return {**ratios, **{f"{name}_ms": value * 1e3 for name, value in seconds.items()}}
+
+
+def measured(name: str, method: str, measure: Callable[[int], Any]) -> dict[str, Any]:
+    """The cached entry of measurement `name` of this CPU at torch's thread count (cpu_key), or
+    `measure(threads)` now by `method` (lookup)."""
+    threads = torch.get_num_threads()
+    return lookup(cpu_key(name, threads), lambda: measure(threads), method)
 
 
 def path() -> Path:

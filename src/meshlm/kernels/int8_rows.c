@@ -1,5 +1,5 @@
 /* meshlm's one-row int8-activation product, compiled on the machine that runs it
-   (meshlm.quant.native).
+   (meshlm.quant.row_kernel).
 
    For one fp32 activation row x (k) and int8 weights w (n, k), row-major:
        s    = max(max_j |x[j]| * (float)(1/127), 1e-30f)        the row's scale
@@ -13,8 +13,8 @@
    activations times signed weights is the pattern of the CPU's int8 dot-product instruction
    (AVX512-VNNI's vpdpbusd, 64 products an instruction), which the compiler then emits, and the
    weights' own sum comes from the same instruction over a row of ones. Integers throughout, so
-   exact while |sum| <= k * 255 * 128 fits int32: k up to MAX_K (meshlm.quant.native sends wider
-   rows through the torch ops). On a 2-core Zen 5 this ran 1.2-1.4x the plain signed loop.
+   exact while |sum| <= k * 255 * 128 fits int32: k up to MAX_K (wider rows go through the torch
+   ops). On a 2-core Zen 5 this ran 1.2-1.4x the plain signed loop.
 
    The rows of w are split over `threads` OpenMP threads (the runtime torch's own kernels use);
    within a row the compiler vectorises the loop for this CPU (-march=native). A decoded token is

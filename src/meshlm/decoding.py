@@ -1,0 +1,87 @@
+"""A model made ready to decode (`meshlm generate`, `meshlm serve`): `for_decoding` takes the
+precision meshlm.runtime.precision chooses (`auto` is fp32), `prepare` does the weight surgery it
+calls for, and the precision line says what was chosen and what prepare did.
+
+fp32 on CPU lays the linear weights out for one-token products where a probe, cached per machine,
+finds that faster (meshlm.runtime.split_linear): 128-column blocks multiplied by meshlm's compiled
+kernel (meshlm.kernels.fp32_rows; decoding at d = 768 ran 1.6-2.1x F.linear's speed on a 2-core
+Zen 5), else one block per thread through torch.bmm (1.6-1.8x); the same fp32 arithmetic, to
+rounding. Int8-activation layers take the compiled one-row kernel where it pays
+(meshlm.quant.row_kernel), the same numbers bit for bit; under bf16 the weights are stored in
+bf16. A kernel that could not be had is named on the line with its fix, never a silent fallback.
+Above runtime and quant, which do not import each other.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from meshlm.kernels import fp32_rows
+from meshlm.quant import row_kernel
+from meshlm.quant.calibrate import describe, structure_of
+from meshlm.runtime import precision, split_linear
+from meshlm.runtime.precision import Precision
+
+SPLIT_NOTE = "linear weights split per thread for one-token products"
+FP32_KERNEL_NOTE = ("linear weights in 128-column blocks, products of up to 64 rows by meshlm's "
+                    "kernel compiled for this CPU")
+ROW_KERNEL_NOTE = "one-token int8 products by meshlm's kernel compiled for this CPU"
+# where a kernel could not be had (meshlm.kernels.build.why_not): named, never a silent fallback
+FP32_KERNEL_MISSING = "meshlm's fp32 kernel unavailable"
+ROW_KERNEL_MISSING = "meshlm's int8 kernel unavailable"
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What prepare did to a model, for the precision line."""
+    layout: str | None = None  # fp32 linears: "kernel" (its blocks), "split" (bmm's) or None
+    speedup: float = 0.0  # that layout's one-row speed over F.linear here
+    fp32_missing: str | None = None  # why the fp32 kernel could not be had (fp32_rows.unavailable)
+    quantized: dict | None = None  # the quantized layers (quant.calibrate.structure_of)
+    row_kernel: bool = False  # whether the int8-activation layers took the compiled row kernel
+    row_missing: str | None = None  # why they could not (quant.row_kernel.unavailable)
+
+
+def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, Precision]:
+    """(the model's device, the precision to decode in, its reason naming what prepare did). For
+    inference only: the model's plain nn.Linear layers are replaced."""
+    device = next(model.parameters()).device
+    chosen = precision.choose_for_decoding(requested, device)
+    return device, described(chosen, prepare(model, chosen))
+
+
+def prepare(model: torch.nn.Module, chosen: Precision) -> Prepared:
+    """Lay `model`'s weights out for decoding in `chosen`: in fp32 on CPU its linear layers where a
+    probe found that faster (split_linear.lay_out_for_decoding), its int8-activation layers on CPU
+    given the compiled row kernel where it pays (quant.row_kernel.give_row_kernel), under bf16 its
+    nn.Linear weights stored in bf16 (precision.store_weights). Returns what it did."""
+    cpu = next(model.parameters()).device.type == "cpu"
+    fp32 = cpu and chosen.dtype is None
+    layout, speedup = split_linear.lay_out_for_decoding(model) if fp32 else (None, 0.0)
+    quantized = structure_of(model)
+    given = cpu and quantized is not None and row_kernel.give_row_kernel(model) > 0
+    fp32_missing = fp32_rows.unavailable() if fp32 and layout != "kernel" else None
+    row_missing = row_kernel.unavailable(model) if cpu and quantized and not given else None
+    precision.store_weights(model, chosen)
+    return Prepared(layout, speedup, fp32_missing, quantized, given, row_missing)
+
+
+def described(chosen: Precision, done: Prepared) -> Precision:
+    """`chosen` with what prepare did (`done`) added to its reason, which the precision line
+    prints (Precision.describe)."""
+    notes = [chosen.reason]
+    missing = f"{FP32_KERNEL_MISSING} ({done.fp32_missing}), so " if done.fp32_missing else ""
+    if done.layout:
+        notes.append(f"{missing}{FP32_KERNEL_NOTE if done.layout == 'kernel' else SPLIT_NOTE} "
+                     f"({done.speedup:.1f}x F.linear's one-row speed here, measured once)")
+    elif missing:
+        notes.append(f"{missing}linear layers keep F.linear")
+    if done.quantized:  # those layers run their own kernels whatever the precision
+        notes.append(describe(done.quantized))
+        if done.row_kernel:
+            notes.append(ROW_KERNEL_NOTE)
+        elif done.row_missing:
+            notes.append(f"{ROW_KERNEL_MISSING} ({done.row_missing}), so one-token int8 products "
+                         "by torch._int_mm")
+    return Precision(chosen.dtype, "; ".join(notes))

@@ -1,0 +1,60 @@
+"""Kernel: what each of meshlm's C kernels needs, written once (the package docstring)."""
+from __future__ import annotations
+
+import ctypes
+import functools
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from meshlm.kernels import build
+
+# a kernel is used where its probe found it at least this many times as fast as every PyTorch
+# path it raced (meshlm.machine.race, cached by meshlm.machine.measured)
+MIN_SPEEDUP = 1.05
+
+
+class Kernel:
+    """The C function `symbol` of `source` (a C file of this package): it returns an int (0: done)
+    and takes `argtypes`. `product()` is it built for this CPU and loaded (build.library), bound,
+    made into what its callers take (`wrap(function)`) and returned where `check(product)` passes
+    (a comparison with `reference`, named in words), else None; once per process
+    (`product.cache_clear()` forgets it). `unavailable()` says why it is None, `paying()` whether
+    its probe found it the faster."""
+
+    def __init__(self, source: str, symbol: str, argtypes: list, wrap: Callable[[Any], Callable],
+                 check: Callable[[Callable], bool], reference: str):
+        self.source = Path(__file__).with_name(source)
+        self.symbol, self.argtypes, self.reference = symbol, argtypes, reference
+        self.wrap, self.check = wrap, check
+        self.product = functools.cache(self._product)
+
+    def _product(self) -> Callable | None:
+        library = build.library(self.source)
+        if library is None:
+            return None
+        function = getattr(library, self.symbol)
+        function.argtypes, function.restype = self.argtypes, ctypes.c_int
+        product = self.wrap(function)
+        return product if self.check(product) else None
+
+    def unavailable(self) -> str | None:
+        """Why this process has no product(), in one line naming the problem and its fix (the
+        source missing from the install, no compiler, a failed build or check, MESHLM_NATIVE=0);
+        None where it has it. The precision line prints it: the fallback is never silent."""
+        if self.product() is not None:
+            return None
+        return build.why_not(self.source) or (
+            f"the kernel built from {self.source.name} failed its check against "
+            f"{self.reference}; set $CC to another C compiler (gcc or clang)")
+
+    def paying(self, speedup: Callable[[Callable], dict]) -> Callable | None:
+        """product() where its probe's figures (`speedup(product)`: meshlm.machine.race's, cached
+        in machine.json) have it at least MIN_SPEEDUP times as fast as every path it raced, else
+        None."""
+        kernel = self.product()
+        if kernel is None:
+            return None
+        figures = speedup(kernel)
+        ratios = [figures[name] for name in figures if name.startswith("kernel_over_")]
+        return kernel if min(ratios) >= MIN_SPEEDUP else None

@@ -1,0 +1,125 @@
+"""The one-row int8-activation product compiled on this machine (meshlm/kernels/int8_rows.c), for
+decoding, and the int8-activation layers given it.
+
+A decoded token rounds one activation row to int8 and multiplies it by every int8 weight: a
+matrix-vector product bound by streaming the weights. At one row oneDNN's `torch._int_mm` reads
+them at ~60% of a core's bandwidth on a 2-core Zen 5; a plain C loop that the compiler vectorises
+for this CPU reads ~80% (1.4x the speed over a 12-layer d = 768 stack, docs/quantize.md), and one
+call also does the row's rounding and scaling, eight tensor ops in meshlm.quant.linear. Its sums
+are the exact int32 integers and every other step the same IEEE fp32 operation, so a layer can
+take either path at any row and its outputs stay the same numbers bit for bit.
+
+KERNEL is it, checked against scaled_int8_products with exact integer sums. `give_row_kernel`
+gives it to the layers where torch._int_mm's sums are exact (the other rows take them) and a probe
+over PROBE_MB of weights found it the faster: that depends on the CPU (oneDNN may have a better
+kernel for it, AMX for one) and on the OpenMP runtime torch was built with; `unavailable` names
+why a layer goes without it. Defined here, beside the arithmetic it repeats: meshlm.quant.linear,
+which a Hugging Face export carries (meshlm.hf.remote), imports no kernel code.
+"""
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from meshlm import machine
+from meshlm.kernels.kernel import Kernel
+from meshlm.quant.linear import (
+    QuantizedLinear,
+    exact_int8_products,
+    quantize_rows,
+    scaled_int8_products,
+)
+
+CPU = torch.device("cpu")
+# the probe's weights (more than a CPU's caches: decoding streams from memory)
+PROBE_MB, PROBE_SHAPE = 64, (3072, 768)
+# the widest row whose sums int8_rows.c keeps exact in int32: k * 255 * 128 <= 2**31 - 1
+MAX_K = (2**31 - 1) // (255 * 128)
+# (x (1, K) fp32, weight (K, N) int8, the transposed view of a contiguous (N, K)) -> (1, N) fp32
+Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _product(function) -> Product:
+    """The bound C function as a drop-in for scaled_int8_products at one row, bit for bit."""
+    def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] > MAX_K:  # its int32 sums could overflow: the torch ops' exact ones
+            return scaled_int8_products(x, weight)
+        rows = weight.t()  # (N, K): the stored qweight (QuantizedLinear's operands: contiguous)
+        rows, x = rows.contiguous(), x.contiguous()  # no copies when they are, as C reads them
+        # fp32 on the CPU, whatever torch's default dtype and device: C writes floats there
+        y = torch.empty(1, rows.shape[0], dtype=torch.float32, device=CPU)
+        if function(x.data_ptr(), rows.data_ptr(), y.data_ptr(), rows.shape[0], rows.shape[1],
+                    torch.get_num_threads()):
+            raise MemoryError(f"int8 row product: no memory for {rows.shape[1]} int8 values")
+        return y
+
+    return product
+
+
+def _same_numbers(product: Product) -> bool:
+    """Whether `product` gives scaled_int8_products' numbers bit for bit, on ragged shapes, rows of
+    very different scales, an all-zero row and the extreme weights."""
+    g = torch.Generator(device=CPU).manual_seed(0)
+    for (n, k), size in zip(((37, 200), (64, 768), (5, 1), (16, 64)), (1.0, 1e-3, 50.0, 0.0)):
+        x = torch.randn(1, k, generator=g, dtype=torch.float32, device=CPU) * size
+        if k >= 8:  # max 127: the scale is 1.0 exactly, so x/s = 2.5 etc. are ties (to even)
+            x[0, :8] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5], device=CPU)
+        weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g, device=CPU)
+        weight[0] = 127  # the largest sums
+        q, scale = quantize_rows(x)
+        exact = (q.long() @ weight.long().t()).float() * scale  # the sums without torch._int_mm
+        if not torch.equal(product(x, weight.t()), exact):
+            return False
+    return True
+
+
+KERNEL = Kernel("int8_rows.c", "int8_row_product",
+                [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int], _product,
+                _same_numbers, "exact integer sums")
+int8_row_kernel = KERNEL.product  # () -> Product | None, once per process (.cache_clear())
+
+
+def give_row_kernel(model: nn.Module) -> int:
+    """Give every int8-activation layer of `model` on the CPU the compiled kernel where this
+    machine has it, torch._int_mm's sums are exact (the other rows take them) and the kernel is
+    the faster (kernel_speedup). Returns how many layers got it."""
+    layers = _cpu_int8_layers(model)
+    kernel = KERNEL.paying(kernel_speedup) if layers and exact_int8_products() else None
+    for layer in layers if kernel else ():
+        layer.row_kernel = kernel
+    return len(layers) if kernel else 0
+
+
+def unavailable(model: nn.Module) -> str | None:
+    """Why `model`'s int8-activation layers on the CPU go without the compiled kernel because this
+    process could not have it (KERNEL.unavailable: the reason and its fix, in one line); None
+    where it has it or would not use it anyway (no such layer, or torch._int_mm's sums not
+    exact)."""
+    if not _cpu_int8_layers(model) or not exact_int8_products():
+        return None
+    return KERNEL.unavailable()
+
+
+def _cpu_int8_layers(model: nn.Module) -> list[QuantizedLinear]:
+    return [m for m in model.modules() if isinstance(m, QuantizedLinear)
+            and m.activations == "int8" and m.qweight.is_cpu]
+
+
+def kernel_speedup(kernel: Product) -> dict:
+    """This machine's one-row speed of `kernel` over scaled_int8_products (torch._int_mm), from
+    the cache or measured now."""
+    method = (f"best of 5 one-row passes over {PROBE_MB} MB of {PROBE_SHAPE} int8 weights, "
+              "rounding included")
+    return machine.measured("int8-row-kernel", method, lambda threads: _probe(kernel))["value"]
+
+
+def _probe(kernel: Product, reps: int = 5) -> dict:
+    count = max(1, PROBE_MB * 2**20 // (PROBE_SHAPE[0] * PROBE_SHAPE[1]))
+    # the values do not matter to the speed: filled, not drawn, to be quick
+    weights = [torch.full(PROBE_SHAPE, 3, dtype=torch.int8, device=CPU).t() for _ in range(count)]
+    x = torch.full((1, PROBE_SHAPE[1]), -0.5, dtype=torch.float32, device=CPU)
+    return machine.race({"torch": lambda: [scaled_int8_products(x, w) for w in weights],
+                         "kernel": lambda: [kernel(x, w) for w in weights]}, reps, fastest="kernel")
