@@ -24,7 +24,10 @@ import torch
 
 from meshlm.errors import ConfigError
 from meshlm.generate import speculative
+from meshlm.generate.batch import Batch
+from meshlm.generate.decoder import Decoder, PlainDecoder, Step, check_room, decode
 from meshlm.generate.sampling import (
+    SEED_RANGE,
     Sampling,
     draw,
     left_pad,
@@ -32,12 +35,14 @@ from meshlm.generate.sampling import (
     padding_if_any,
     probabilities,
 )
+from meshlm.generate.speculative import Speculation, SpeculationStats, SpeculativeDecoder
 from meshlm.model import MeshLM
 from meshlm.model.exit import ExitRule
-from meshlm.model.kv_cache import KVCache
 
-__all__ = ["LOOP_CAP_FACTOR", "Sampling", "check_loops", "draw", "generate", "left_pad",
-           "loop_cap", "next_token", "probabilities", "stream"]
+__all__ = ["LOOP_CAP_FACTOR", "SEED_RANGE", "Batch", "Decoder", "PlainDecoder", "Sampling",
+           "Speculation", "SpeculationStats", "SpeculativeDecoder", "Step", "check_loops",
+           "check_room", "decode", "draw", "generate", "left_pad", "loop_cap", "next_token",
+           "probabilities", "stream"]
 
 # decoding runs at most this many times the trained loop count unless the caller raises the cap
 # (meshlm generate / serve --max-loops): the depth study tests stability up to 4K, and past it a
@@ -65,28 +70,13 @@ def check_loops(model: MeshLM, loops: int | None, max_loops: int | None = None) 
     model.schedule(loops)  # single-core spec, loops >= 1
 
 
-def check_room(model: MeshLM, prompts: list[list[int]], s: Sampling) -> None:
-    """ConfigError unless the longest prompt plus max_new_tokens fits the context, with advice that
-    works."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ConfigError("every prompt needs at least one token; pass a non-empty prompt")
-    longest, context = max(len(p) for p in prompts), model.config.context_length
-    if longest >= context:
-        raise ConfigError(f"the prompt is {longest} tokens but context_length={context} leaves "
-                          f"room for at most {context - 1} prompt tokens plus one new one; shorten "
-                          "the prompt")
-    if longest + s.max_new_tokens > context:
-        raise ConfigError(f"the prompt ({longest} tokens) plus max_new_tokens={s.max_new_tokens} "
-                          f"exceeds context_length={context}; pass -n {context - longest} or less, "
-                          "or shorten the prompt")
-
-
 @torch.no_grad()
 def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0, pad_id: int = 1,
            cache: bool = True, loops: int | None = None, exit: ExitRule | None = None,
-           speculate: speculative.Speculation | None = None, stats=None,
+           speculate: Speculation | None = None, stats=None,
            observe=None) -> Iterator[torch.Tensor]:
-    """Yield the (B,) next tokens step by step. Rows that reached EOS keep yielding `pad_id`.
+    """Yield the (B,) next tokens step by step: a PlainDecoder (or, with `speculate`, a
+    SpeculativeDecoder) run by `decode`. Rows that reached EOS keep yielding `pad_id`.
 
     `observe(out, mask)`, if given, sees every forward's LMOutput with the (B, T) padding mask of
     its new positions (under exit, out.exit_loops says how many loop steps each position ran).
@@ -105,28 +95,38 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
     check_room(model, prompts, s)
     ids, mask = left_pad(prompts, pad_id, device)
     generator = None if s.seed is None else torch.Generator(device).manual_seed(s.seed)
-    kv = KVCache() if cache else None
-    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
-    step_input = ids
+
+    def choose(logits: torch.Tensor) -> torch.Tensor:
+        return next_token(logits, s, generator)
+    if not cache:
+        yield from _recomputed(model, ids, mask, s, eos_id, pad_id, loops, exit, choose, observe)
+        return
+    decoder = PlainDecoder(model, model.schedule(loops), choose, exit, observe)
+    yield from decode(decoder, decoder.prefill(ids, mask), s, eos_id, pad_id)
+
+
+def _recomputed(model: MeshLM, ids: torch.Tensor, mask: torch.Tensor, s: Sampling, eos_id: int,
+                pad_id: int, loops: int | None, exit: ExitRule | None, choose, observe
+                ) -> Iterator[torch.Tensor]:
+    """`stream` with cache=False: the whole sequence through the model at every step, the
+    reference the decoders are checked against."""
+    done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     for _ in range(s.max_new_tokens):
-        out = model(step_input, padding_mask=padding_if_any(mask), cache=kv, loops=loops, exit=exit)
+        out = model(ids, padding_mask=padding_if_any(mask), loops=loops, exit=exit)
         if observe is not None:
-            observe(out, mask[:, -step_input.shape[1]:])
-        logits = out.logits[:, -1]  # (B, V)
-        token = next_token(logits, s, generator).masked_fill(done, pad_id)  # (B,)
+            observe(out, mask)
+        token = choose(out.logits[:, -1]).masked_fill(done, pad_id)  # (B,)
         yield token
         done |= (token == eos_id) & s.stop_at_eos
         if done.all():
             return
         ids = torch.cat([ids, token[:, None]], dim=1)
-        # finished rows' pads are never read
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
-        step_input = token[:, None] if cache else ids
 
 
 def generate(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0, pad_id: int = 1,
              cache: bool = True, loops: int | None = None, exit: ExitRule | None = None,
-             speculate: speculative.Speculation | None = None, stats=None,
+             speculate: Speculation | None = None, stats=None,
              observe=None) -> list[list[int]]:
     """The new tokens of every row, up to and including EOS (when stop_at_eos). `speculate`,
     `stats`, `observe`: see `stream`."""

@@ -1,4 +1,5 @@
-"""The steps of self-speculative decoding over a Batch: calibrating prefill, plain steps, rounds.
+"""The steps of self-speculative decoding over a Batch: calibrating prefill and rounds (a plain
+step is meshlm.generate.decoder.PlainDecoder's).
 
 Each step runs on the model's three stages, through `stages`: the MeshLM itself, or the timing
 wrapper meshlm.generate.timing.Timed, which measures them for the planner. A step returns what it
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from meshlm.generate.batch import Batch
-from meshlm.generate.sampling import Sampling, draw, next_token, padding_if_any, probabilities
+from meshlm.generate.sampling import Sampling, draw, padding_if_any, probabilities
 from meshlm.generate.timing import Timed
 from meshlm.model import MeshLM
 from meshlm.model.kv_cache import KVCache
@@ -71,7 +72,7 @@ class Rounds:
         (greedy: how often the argmaxes agree) — and how many real positions that mean is over."""
         kv, stages, n = KVCache(), self._stages, ids.shape[1]
         last = min(positions, n) if depths else 1  # calibrated positions: the prompt's last ones
-        run = stages.enter(ids, padding_if_any(mask), None, kv)
+        run = stages.start(ids, padding_if_any(mask), kv)
         exits: dict[tuple[int, bool], torch.Tensor] = {}  # (K_d, final read) -> (B, last, d)
         for step in range(len(self.schedule)):
             stages.advance(run, self.schedule, step + 1)
@@ -110,20 +111,9 @@ class Rounds:
         return list(probabilities(logits, self.s).chunk(len(states)))
 
     def _front(self, kv: KVCache, tokens: torch.Tensor, mask: torch.Tensor, stop: int) -> LoopRun:
-        """enter → advance to loop step `stop`; mask (B, cached + T) covers the cache and T."""
-        run = self._stages.enter(tokens, padding_if_any(mask), None, kv)
+        """start → advance to loop step `stop`; mask (B, cached + T) covers the cache and T."""
+        run = self._stages.start(tokens, padding_if_any(mask), kv)
         return self._stages.advance(run, self.schedule, stop)
-
-    def plain_step(self, batch: Batch, keep_limit: torch.Tensor | None = None) -> torch.Tensor:
-        """Feed the pending tokens through the full model; returns the (B,) new pending tokens. Rows
-        whose keep_limit is 0 (done) turn their new position into padding. On the model itself and
-        without keep_limit it is exactly meshlm.generate's step."""
-        mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], 1)
-        run = self._front(batch.kv, batch.pending[:, None], mask, len(self.schedule))
-        token = next_token(self._stages.readout(run, self.schedule)[:, -1], self.s, self.generator)
-        batch.settle(mask.new_ones(len(batch)) if keep_limit is None else keep_limit.clamp(max=1),
-                     token)
-        return token
 
     def round(self, batch: Batch, k_d: int, gamma: int, final_read: bool,
               keep_limit: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,8 @@ The pieces, each in its own module, wrapped around the model rather than woven i
 
     planner.py   Speculation (the setting), Costs, Planner: which (K_d, γ) to run, or a plain step
     timing.py    Timed: the model's stages, each timed into the planner's Costs while it works
-    rounds.py    Rounds: prefill with calibration, plain step, draft-verify round, accept
+    rounds.py    Rounds: prefill with calibration, draft-verify round, accept (plain steps:
+                 meshlm.generate.decoder.PlainDecoder)
     batch.py     Batch: the cache, padding mask and pending tokens the steps advance
 
 Here: `SpeculativeDecoder`, one step at a time as the planner says (what `stream` runs, and what a
@@ -21,36 +22,22 @@ speculative cohort of continuous batching runs at every token boundary, meshlm.s
 """
 from __future__ import annotations
 
-import time
-from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
-from meshlm.errors import ConfigError
 from meshlm.generate.batch import Batch
+from meshlm.generate.decoder import PlainDecoder, Step, check_room, decode
 from meshlm.generate.planner import PRIOR_TOKENS, Planner, Speculation
 from meshlm.generate.rounds import Rounds
-from meshlm.generate.sampling import Sampling, left_pad
+from meshlm.generate.sampling import Sampling, left_pad, next_token
 from meshlm.generate.timing import Timed
 from meshlm.model import MeshLM
 
 __all__ = ["AUTO", "Speculation", "SpeculationStats", "SpeculativeDecoder", "Step", "stream"]
 
 AUTO = Speculation()  # "auto": the planner picks (K_d, γ), or plain steps where nothing pays
-
-
-@dataclass(frozen=True)
-class Step:
-    """What one decoding step emitted: row r's tokens[r][:counts[r]]; for a round, the drafted and
-    accepted tokens of the rows still generating."""
-
-    tokens: list[list[int]]
-    counts: list[int]
-    plain: bool = True  # a plain step, not a draft-verify round
-    drafted: int = 0
-    accepted: int = 0
 
 
 @dataclass
@@ -107,11 +94,16 @@ class SpeculativeDecoder:
         spec.check(model, schedule)
         self.planner = Planner(spec, model.config.layout, schedule, s.max_new_tokens)
         self.timed = Timed(model, self.planner.costs)
-        self.plain = Rounds(model, schedule, s, generator)  # untimed
-        self.rounds = replace(self.plain, stages=self.timed)
+        self.rounds = Rounds(model, schedule, s, generator, self.timed)
+
+        def choose(logits: torch.Tensor) -> torch.Tensor:
+            return next_token(logits, s, generator)
+        self.plain = PlainDecoder(model, schedule, choose)  # untimed
+        self.timed_plain = PlainDecoder(self.timed, schedule, choose, pad_done=True)
         self.context = model.config.context_length
         self.calibrated = False
 
+    @torch.no_grad()
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> Batch:
         """Prefill prompts (B, T) with padding mask (B, T); the first batch calibrates."""
         depths = [] if self.calibrated else self.planner.calibrates
@@ -121,6 +113,7 @@ class SpeculativeDecoder:
             self.calibrated = True
         return batch
 
+    @torch.no_grad()
     def step(self, batch: Batch, keep: torch.Tensor, active: torch.Tensor) -> Step:
         """One plain step or one round for a batch whose row r may still emit keep[r] tokens (0 for
         rows done; `active` (B,) bool marks the others)."""
@@ -139,15 +132,14 @@ class SpeculativeDecoder:
         accepted = (counts - 1).cpu()[active]
         self.planner.observe(k_d, accepted, gamma, span.seconds)
         drafted = gamma * int(active.sum())
-        return Step(tokens.tolist(), counts.tolist(), False, drafted, int(accepted.sum()))
+        return Step(tokens.tolist(), counts.tolist(), False, drafted, int(accepted.sum()),
+                    int(counts.sum()) * len(self.rounds.schedule))
 
     def _plain_step(self, batch: Batch, keep: torch.Tensor) -> Step:
         if self.planner.plain_for_good:  # nothing pays: meshlm.generate's own step, no bookkeeping
-            token = self.plain.plain_step(batch)
-        else:
-            with self.timed.overhead("plain-overhead", 1):
-                token = self.rounds.plain_step(batch, keep)
-        return Step([[t] for t in token.tolist()], [1] * len(batch))
+            return self.plain.step(batch)
+        with self.timed.overhead("plain-overhead", 1):
+            return self.timed_plain.step(batch, keep)
 
 
 @torch.no_grad()
@@ -163,38 +155,10 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling,
         raise TypeError(f"speculate={speculate!r}: pass a Speculation (meshlm.generate.planner."
                         f"Speculation.parse({str(speculate)!r})); settings travel typed")
     schedule, stats = model.schedule(loops), stats if stats is not None else SpeculationStats()
-    start, device = time.perf_counter(), next(model.parameters()).device
+    device = next(model.parameters()).device
     generator = None if s.seed is None else torch.Generator(device).manual_seed(s.seed)
     decoder = SpeculativeDecoder(model, schedule, speculate, s, generator)
     stats.planner = decoder.planner
-    ids, mask = left_pad(prompts, pad_id, device)
-    context = model.config.context_length
-    if ids.shape[1] + s.max_new_tokens > context:
-        raise ConfigError(f"the prompt ({ids.shape[1]} tokens) plus max_new_tokens="
-                          f"{s.max_new_tokens} exceeds context_length={context}; lower "
-                          f"max_new_tokens to at most {context - ids.shape[1]} or shorten "
-                          f"the prompt")
-    batch = decoder.prefill(ids, mask)
-    queues = [deque([t]) for t in batch.pending.tolist()]
-    made, done = [1] * len(queues), [False] * len(queues)  # tokens generated per row; yielded EOS
-    for _ in range(s.max_new_tokens):
-        while not all(d or q for d, q in zip(done, queues)):  # some row still lacks its next token
-            step = decoder.step(batch, *_budget(s, made, done))
-            stats.record(step)
-            for r, (row, count) in enumerate(zip(step.tokens, step.counts)):
-                queues[r].extend(row[:count])
-                made[r] += count
-        tokens = [pad_id if done[r] else queues[r].popleft() for r in range(len(queues))]
-        stats.tokens += sum(not d for d in done)
-        done = [d or (s.stop_at_eos and t == eos_id) for d, t in zip(done, tokens)]
-        stats.seconds = time.perf_counter() - start
-        yield torch.tensor(tokens, device=device)
-        if all(done):
-            return
-
-
-def _budget(s: Sampling, made: list[int], done: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B,) tokens each row may still emit (0 for rows done) and (B,) bool: the rows still going.
-    Rows keep at most the positions they will need in the cache."""
-    active = torch.tensor([not d and m < s.max_new_tokens for d, m in zip(done, made)])
-    return torch.tensor([s.max_new_tokens - m for m in made]).clamp(min=0) * active, active
+    check_room(model, prompts, s)
+    batch = decoder.prefill(*left_pad(prompts, pad_id, device))
+    yield from decode(decoder, batch, s, eos_id, pad_id, stats)

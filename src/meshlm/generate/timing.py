@@ -1,6 +1,6 @@
 """Stage timing for the speculation planner, as a wrapper around the model (wrap, don't weave).
 
-`Timed(model, costs)` has MeshLM's three stages, `enter`, `advance` and `readout`: each call runs
+`Timed(model, costs)` has MeshLM's three stages, `start`, `advance` and `readout`: each call runs
 the model's own and adds its seconds to `costs` (meshlm.generate.planner.Costs) under its stage and
 token count, so measuring costs no extra forward. Decoding code (meshlm.generate.rounds) runs on the
 model itself or on this wrapper and cannot tell them apart. `overhead(stage, n)` times what a block
@@ -55,10 +55,11 @@ class Timed:
         self.seconds += seconds
         return out
 
-    def enter(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None,
-              position_ids: torch.Tensor | None = None, cache=None) -> LoopRun:
-        return self._timed("enter", input_ids.shape[1], self.model.enter, input_ids, padding_mask,
-                           position_ids, cache)
+    def start(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None,
+              cache=None, exit=None) -> LoopRun:
+        """MeshLM.start (embed, prelude, exit tracker), timed as the stage "enter"."""
+        return self._timed("enter", input_ids.shape[1], self.model.start, input_ids, padding_mask,
+                           cache, exit)
 
     def advance(self, run: LoopRun, schedule: tuple[int, ...], stop: int | None = None) -> LoopRun:
         """MeshLM.advance, one step at a time: loop step k is the stage ("step", k)."""

@@ -22,7 +22,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from meshlm.generate.sampling import SEED_RANGE
+from meshlm.generate import SEED_RANGE
 
 # OpenAI's default max_tokens for /v1/completions (or what the context leaves)
 COMPLETION_DEFAULT_TOKENS = 16

@@ -21,8 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from meshlm.errors import ConfigError
-from meshlm.generate import Sampling
-from meshlm.generate.speculative import Speculation
+from meshlm.generate import Sampling, Speculation
 from meshlm.model.exit import ExitRule
 from meshlm.serve import api
 from meshlm.serve.batcher import QueueFull

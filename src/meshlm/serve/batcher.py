@@ -31,8 +31,7 @@ from collections.abc import Callable
 import torch
 
 from meshlm.errors import ConfigError, MeshlmError
-from meshlm.generate import check_loops, check_room
-from meshlm.generate.batch import Batch
+from meshlm.generate import Batch, check_loops, check_room
 from meshlm.model import MeshLM
 from meshlm.serve.cohorts import Cohort, PlainCohort, Prefill, SpeculativeCohort
 from meshlm.serve.requests import FINISH_REASONS, BatcherStats, Request

@@ -2,7 +2,7 @@
 boundaries.
 
 A cohort holds the requests that share one compute setting (`loops`, `exit`, `speculate`): their
-cache slots line up, so one forward serves them all. Its state is a meshlm.generate.batch.Batch, the
+cache slots line up, so one forward serves them all. Its state is a meshlm.generate.Batch, the
 one that self-speculation advances too: the looped KV cache, the (B, W) padding mask over it and
 each row's pending token (sampled, not yet fed):
 
@@ -26,16 +26,22 @@ decoder over the same rows: each step is a plain step or a draft-verify round, a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from meshlm.generate.batch import Batch
-from meshlm.generate.sampling import left_pad, next_token, padding_if_any
-from meshlm.generate.speculative import Speculation, SpeculationStats, SpeculativeDecoder
+from meshlm.generate import (
+    Batch,
+    PlainDecoder,
+    Speculation,
+    SpeculationStats,
+    SpeculativeDecoder,
+    Step,
+    left_pad,
+    next_token,
+)
 from meshlm.model import MeshLM
 from meshlm.model.exit import ExitRule
-from meshlm.model.kv_cache import KVCache
 
 
 def pick(logits: torch.Tensor, requests: list, failed: dict | None = None) -> torch.Tensor:
@@ -68,9 +74,9 @@ class Prefill:
     requests: list
     ids: torch.Tensor  # (N, T) left-padded prompts
     mask: torch.Tensor  # (N, T) 1 = real token
-    kv: KVCache = field(default_factory=KVCache)
+    kv: object = None  # the prompts' KV cache, from the first chunk on
     done: int = 0  # columns prefilled so far
-    flight: tuple | None = None  # (the chunk's forward under way, its end column) while sliced
+    flight: tuple | None = None  # (the chunk's Forward under way, its end column) while sliced
 
     @classmethod
     def of(cls, requests: list, pad_id: int, device: torch.device) -> Prefill:
@@ -90,18 +96,21 @@ class Prefill:
         """Prefill the next `chunk` columns (None: all that remain), `loop_slice` loop steps of
         their forward per call (None: all); after the last, the rows as a Batch with each one's
         first token pending, else None."""
+        decoder = PlainDecoder(model, model.schedule(loops), lambda logits: pick(logits,
+                                                                                 self.requests),
+                               exit)
         if self.flight is None:
             end = self.ids.shape[1] if chunk is None else min(self.done + chunk, self.ids.shape[1])
-            self.flight = (model.start(self.ids[:, self.done:end],
-                                       padding_if_any(self.mask[:, :end]), self.kv, exit), end)
-        (run, end), schedule = self.flight, model.schedule(loops)
-        model.advance(run, schedule, None if loop_slice is None else run.step + loop_slice)
-        if run.step < len(schedule):
+            forward = decoder.start(self.ids[:, self.done:end], self.mask[:, :end], self.kv)
+            self.flight, self.kv = (forward, end), forward.kv
+        forward, end = self.flight
+        logits = decoder.finish(forward, loop_slice)
+        if logits is None:
             return None
-        self.flight, self.done, logits = None, end, model.readout(run, schedule)
+        self.flight, self.done = None, end
         if self.remaining:
             return None
-        return Batch(self.kv, self.mask, pick(logits[:, -1], self.requests))
+        return Batch(self.kv, self.mask, decoder.choose(logits))
 
     def keep(self, rows: list[int]) -> None:
         """Keep only these rows (in order): requests stopped while their prompts prefilled."""
@@ -158,24 +167,36 @@ class Cohort(ABC):
         """A sliced step is under way: rows may not join or leave until it ends."""
         return False
 
-    @abstractmethod
+    @torch.no_grad()
     def step(self, loop_slice: int | None = None) -> list[list[int]] | None:
         """Decode once for every row; returns each row's new tokens (at least one). A cohort that
         can slice its step runs at most `loop_slice` loop steps per call and returns None until
         the step is done (None: the whole step at once)."""
+        step = self._step(loop_slice)
+        if step is None:
+            return None
+        self.tokens += sum(step.counts)
+        self.loop_steps += step.loop_steps
+        return [row[:count] for row, count in zip(step.tokens, step.counts)]
+
+    @abstractmethod
+    def _step(self, loop_slice: int | None) -> Step | None:
+        """The decoder's step over the rows."""
 
 
 class PlainCohort(Cohort):
-    """Plain decoding at the full depth, or with per-token exit (`exit`, an ExitRule)."""
+    """Plain decoding at the full depth, or with per-token exit (`exit`, an ExitRule): a
+    PlainDecoder whose rows each sample with their own request's settings and generator."""
 
     def __init__(self, model: MeshLM, loops: int | None, exit: ExitRule | None, pad_id: int):
         super().__init__(model, loops, pad_id)
         self.exit = exit
-        self.flight: tuple | None = None  # (the forward under way, its mask) while sliced
+        self.decoder = PlainDecoder(model, self.schedule,
+                                    lambda logits: pick(logits, self.requests, self.failed), exit)
 
     @property
     def busy(self) -> bool:
-        return self.flight is not None
+        return self.decoder.busy
 
     def admit(self, requests: list) -> list[int]:
         """Prefill the prompts; join the batch with each one's first token pending (returned)."""
@@ -184,28 +205,11 @@ class PlainCohort(Cohort):
         self.join(requests, batch)
         return batch.pending.tolist()
 
-    @torch.no_grad()
-    def step(self, loop_slice: int | None = None) -> list[list[int]] | None:
+    def _step(self, loop_slice: int | None) -> Step | None:
         """Feed every row's pending token; each row's next token. With `loop_slice`, the forward
-        (MeshLM.start → advance → readout, what the model's forward computes) runs that many loop
-        steps per call and the tokens come with the call that ends it."""
-        s, model = self.state, self.model
-        if self.flight is None:
-            mask = torch.cat([s.mask, s.mask.new_ones(len(s), 1)], 1)
-            self.flight = (model.start(s.pending[:, None], padding_if_any(mask), s.kv, self.exit),
-                           mask)
-        run, mask = self.flight
-        stop = None if loop_slice is None else min(run.step + loop_slice, len(self.schedule))
-        model.advance(run, self.schedule, stop)
-        if run.step < len(self.schedule):
-            return None
-        self.flight, logits = None, model.readout(run, self.schedule)
+        runs that many loop steps per call and the tokens come with the call that ends it."""
         self.failed = {}
-        s.mask, s.pending = mask, pick(logits[:, -1], self.requests, self.failed)
-        self.tokens += len(s.pending)
-        self.loop_steps += len(s.pending) * len(self.schedule) if run.track.loops is None else \
-            int(run.track.loops.sum())
-        return [[t] for t in s.pending.tolist()]
+        return self.decoder.step(self.state, loop_slice=loop_slice)
 
 
 class SpeculativeCohort(Cohort):
@@ -229,14 +233,11 @@ class SpeculativeCohort(Cohort):
         self.join(requests, batch)
         return batch.pending.tolist()
 
-    @torch.no_grad()
-    def step(self, loop_slice: int | None = None) -> list[list[int]]:
+    def _step(self, loop_slice: int | None) -> Step:
         """One plain step or one draft-verify round; each row's 1 … γ+1 new tokens (a round is
         never sliced)."""
         keep = torch.tensor([r.sampling.max_new_tokens - len(r.tokens)
                              for r in self.requests]).clamp(min=1)
         step = self.decoder.step(self.state, keep, torch.ones(len(keep), dtype=torch.bool))
         self.stats.record(step)
-        self.tokens += sum(step.counts)
-        self.loop_steps += sum(step.counts) * len(self.schedule)  # every token is the full depth's
-        return [row[:count] for row, count in zip(step.tokens, step.counts)]
+        return step

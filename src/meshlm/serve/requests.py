@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from meshlm.generate import Sampling
-from meshlm.generate.speculative import Speculation
+from meshlm.generate import Sampling, Speculation
 from meshlm.model.exit import ExitRule
 
 FINISH_REASONS = ("stop", "length", "cancelled", "timeout", "error", "shutdown")
