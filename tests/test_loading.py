@@ -239,6 +239,48 @@ def test_a_folder_is_recognised_read_built_and_checked_once(wide, tmp_path, call
         "resolve": 1, "_recognise": 1, "load_checkpoint": 1, "weight_mismatch": 1, "__init__": 1}
 
 
+@pytest.fixture
+def reads(monkeypatch, calls):
+    """Counts, by file name, the files opened (builtins.open, io.open: what pathlib and the hashing
+    use), the JSON texts parsed ("json.loads") and the safetensors files loaded ("load_file")."""
+    import builtins
+    import io
+    import os
+    from pathlib import Path
+
+    from meshlm.interop import folders
+
+    real_open = io.open
+
+    def counting_open(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)):
+            calls.counted[Path(file).name] += 1
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(io, "open", counting_open)
+    for owner, name in [(json, "loads"), (checkpoint, "load_file"), (folders, "load_file")]:
+        calls(owner, name)
+    return calls.counted
+
+
+def test_every_file_of_a_folder_is_read_once_per_open(wide, tmp_path, reads):
+    """open_model reads config.json, manifest.json and the weights once each: the config.json bytes
+    parsed on recognising are the ones the manifest check hashes (never read again), and the weights
+    are hashed once (the integrity check) and loaded once. A run: its `latest` pointer, config.json,
+    manifest.json (two JSON texts), the weights; a Hugging Face folder: config.json and the
+    weights."""
+    hf = open_model(wide[0])
+    assert dict(reads) == {"config.json": 1, "loads": 1, "load_file": 1}
+    run = tmp_path / "run"
+    checkpoint.save_checkpoint(run, 1, hf.model.state_dict(), {},
+                               {"model": hf.model.config.to_dict()})
+    reads.clear()
+    open_model(run)
+    assert dict(reads) == {"latest": 1, "config.json": 1, "manifest.json": 1, "loads": 2,
+                           "model.safetensors": 1, "load_file": 1}
+
+
 def test_a_checkpoint_rewritten_between_recognising_and_loading_is_refused(tmp_path):
     """The model is built from the config.json bytes read when the folder was recognised; its
     weights load only if the verified manifest names those bytes. A consistent rewrite in between

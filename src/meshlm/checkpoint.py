@@ -264,13 +264,13 @@ def read_meta_and_digest(path: str | Path) -> tuple[dict[str, Any], str]:
 
 
 def verify(path: str | Path, unread: tuple[str, ...] = (),
-           config_sha256: str | None = None) -> dict[str, Any]:
+           config: tuple[dict[str, Any], str] | None = None) -> dict[str, Any]:
     """Check every file's size and SHA-256 against manifest.json, and that the manifest covers every
     file the checkpoint needs (config.json, the weights, state.pt and tokenizer.json when present or
     named); returns the metadata, parsed from the very bytes that were hashed. Files in `unread`
     (state.pt for a reader that never loads it) are checked by size only: hashing gigabytes of
-    optimizer state proves nothing about the weights. `config_sha256`: the hash of the config.json
-    a caller already built from, which must be the verified one (no rewrite in between)."""
+    optimizer state proves nothing about the weights. `config`: (metadata, SHA-256) of config.json
+    as a caller read and built from it, checked instead of a second read (no rewrite between)."""
     path = resolve(path)
     files = read_manifest(path)
     for name, expected in files.items():
@@ -290,13 +290,13 @@ def verify(path: str | Path, unread: tuple[str, ...] = (),
         if actual != expected["sha256"]:
             raise CheckpointError(f"{file} was edited or is corrupt: its SHA-256 does not match "
                                   f"{MANIFEST}; use an earlier checkpoint")
-    meta, config_hash = read_meta_and_digest(path)
+    meta, config_hash = config or read_meta_and_digest(path)
     if CONFIG in files and config_hash != files[CONFIG]["sha256"]:
+        if config and read_meta_and_digest(path)[1] == files[CONFIG]["sha256"]:  # sealed since
+            raise CheckpointError(f"{path / CONFIG} changed while it was being opened (another "
+                                  "process rewrote the checkpoint); open it again")
         raise CheckpointError(f"{path / CONFIG} was edited or is corrupt: its SHA-256 does not "
                               f"match {MANIFEST}; use an earlier checkpoint")
-    if config_sha256 is not None and config_sha256 != config_hash:
-        raise CheckpointError(f"{path / CONFIG} changed while it was being opened (another process "
-                              "rewrote the checkpoint); open it again")
     needed = {CONFIG, WEIGHTS} | {n for n in (STATE, TOKENIZER) if (path / n).exists()}
     needed |= {meta["tokenizer"]} if isinstance(meta.get("tokenizer"), str) else set()
     uncovered = sorted(needed - set(files))
@@ -335,12 +335,12 @@ def reseal(path: str | Path, force: bool = False) -> Path:
 
 
 def load_checkpoint(path: str | Path, with_state: bool = True, check: bool = True,
-                    config_sha256: str | None = None) -> Checkpoint:
+                    config: tuple[dict[str, Any], str] | None = None) -> Checkpoint:
     """Read (and verify) one checkpoint; every failure is a CheckpointError naming the file.
-    `config_sha256`: see verify."""
+    `config`: the config.json read already (see verify), not read again."""
     path = resolve(path)
-    meta = (verify(path, () if with_state else (STATE,), config_sha256) if check
-            else read_meta(path))
+    meta = (verify(path, () if with_state else (STATE,), config) if check
+            else config[0] if config else read_meta(path))
     try:
         weights = load_file(str(path / WEIGHTS))
     except (SafetensorError, OSError, ValueError) as err:

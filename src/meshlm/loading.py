@@ -16,8 +16,9 @@ metadata, data.
 The format is recognised from config.json alone. `locate(path)` reads only that (a `ModelFolder`:
 the model config, the tokenizer and data the folder names); `open_model` also loads the weights into
 a `MeshLM` (a family folder becomes the vanilla meshlm model with the same logits), checking every
-file. Each format's config and weights come from its adapter below the loader
-(meshlm.interop.folders); the loader builds the model once and checks the weights against it once
+file. Each format's config and weights come from its registered class below the loader
+(meshlm.interop.folders.FOLDERS), given the config.json read here: every file of a folder is read
+once per open. The loader builds the model once and checks the weights against it once
 (`weight_mismatch`). A quantized checkpoint's config.json lists its quantized layers
 ("quantization"); they are rebuilt before the weights load.
 
@@ -73,7 +74,7 @@ from meshlm.data.tokenizer import (
 )
 from meshlm.errors import CheckpointError, ConfigError, DataError, MeshlmError
 from meshlm.interop import folders
-from meshlm.interop.folders import KNOWN_FAMILIES, format_of, mismatch, read_json_and_digest
+from meshlm.interop.folders import FOLDERS, KNOWN_FAMILIES, format_of, mismatch
 from meshlm.model import MeshLM
 from meshlm.quant.calibrate import empty_structure
 from meshlm.runtime import devices
@@ -126,7 +127,7 @@ class ModelFolder:
 
     @cached_property
     def _model_config(self) -> ModelConfig:
-        return folders.model_config(self.format, self.config, self.path)
+        return FOLDERS[self.format].model_config(self.config, self.path)
 
     @property
     def chat_template(self) -> str | None:
@@ -195,10 +196,11 @@ class ModelFolder:
         return str(self.train.get("data") or "default")
 
     def weights(self, check: bool = True) -> dict[str, torch.Tensor]:
-        """The meshlm-named state dict, by the format's adapter (meshlm.interop.folders; fp32 for
-        Hugging Face folders); `check` verifies a meshlm checkpoint's hashes."""
-        return folders.read_weights(self.format, self.path, self.model_config(), check,
-                                    self.config_sha256)
+        """The meshlm-named state dict, by the format's class (meshlm.interop.folders.FOLDERS; fp32
+        for Hugging Face folders), handed the config.json read on recognising (never read again);
+        `check` verifies a meshlm checkpoint's hashes, its config.json as the bytes read then."""
+        read = (self.config, self.config_sha256) if self.config_sha256 else None
+        return FOLDERS[self.format].weights(self.path, read, self.model_config(), check)
 
 
 def locate(path: str | os.PathLike | ModelFolder) -> ModelFolder:
@@ -217,10 +219,10 @@ def locate(path: str | os.PathLike | ModelFolder) -> ModelFolder:
 
 
 def _recognise(path: Path) -> ModelFolder:
-    """config.json read once: its format names the adapter (meshlm.interop.folders)."""
+    """config.json read once: its format names the registered class (meshlm.interop.folders)."""
     config = path / checkpoint.CONFIG
     if config.is_file():
-        raw, sha256 = read_json_and_digest(config)
+        raw, sha256 = folders.read_json_and_digest(config)
         return ModelFolder(path, format_of(raw, config), raw, config_sha256=sha256)
     if (path / "latest").is_file() or checkpoint.list_checkpoints(path):
         step = checkpoint.resolve(path)
