@@ -65,7 +65,7 @@ def read_manifest(path: Path) -> dict[str, dict[str, Any]]:
     if not path.is_dir():
         raise missing(file)
     if not file.is_file():
-        legacy = (path / CONFIG).is_file() and "files" in _read_json_or_empty(path / CONFIG)
+        legacy = (path / CONFIG).is_file() and "files" in read_json_or_empty(path / CONFIG)
         why = ("it was written by meshlm before checksums covered config.json; if you trust it, "
                "seal it with `python "
                f"-m meshlm.checkpoint reseal {path}`") if legacy else "the checkpoint is incomplete"
@@ -83,7 +83,9 @@ def read_manifest(path: Path) -> dict[str, dict[str, Any]]:
     return files
 
 
-def _read_json_or_empty(path: Path) -> dict:
+def read_json_or_empty(path: Path) -> dict:
+    """read_json, or {} where that would be a CheckpointError (missing, unreadable, not an
+    object): for readers that only ask whether a file says something."""
     try:
         return read_json(path)
     except CheckpointError:

@@ -38,7 +38,7 @@ from meshlm.data.shards import FORMAT as DATA_FORMAT
 from meshlm.data.shards import MANIFEST as DATA_MANIFEST
 from meshlm.data.shards import SHARD_GLOB
 from meshlm.errors import ConfigError, storage_error
-from meshlm.manifest import CONFIG
+from meshlm.manifest import CONFIG, read_json_or_empty
 from meshlm.manifest import FORMAT as CHECKPOINT_FORMAT
 
 MARKER = ".meshlm-output.json"
@@ -97,10 +97,7 @@ def never_a_source(out: Path, sources: Iterable[str | Path], label: str,
 def made_by(folder: Path) -> str | None:
     """The command whose output `folder` holds: its marker's, else the LEGACY one it looks like;
     None if none."""
-    try:
-        command = json.loads((folder / MARKER).read_text(encoding="utf-8")).get("command")
-    except (OSError, ValueError, AttributeError):
-        command = None
+    command = read_json_or_empty(folder / MARKER).get("command")
     if isinstance(command, str):
         return command
     return next((name for name, looks in LEGACY.items() if looks(folder)), None)
@@ -122,23 +119,15 @@ def _entries(folder: Path) -> bool:
         raise storage_error(err, folder, "reading") from None
 
 
-def _json_field(file: Path, key: str):
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data.get(key) if isinstance(data, dict) else None
-
-
 def _prepared(folder: Path) -> bool:
     """Prepared data, or what a killed `prepare` left: its staging folder (meshlm.data.shards)."""
-    return (_json_field(folder / DATA_MANIFEST, "format") == DATA_FORMAT
+    return (read_json_or_empty(folder / DATA_MANIFEST).get("format") == DATA_FORMAT
             or any(folder.glob(SHARD_GLOB)) or any(folder.glob(".prepare-*")))
 
 
 def _quantized(folder: Path) -> bool:
-    return (_json_field(folder / CONFIG, "format") == CHECKPOINT_FORMAT
-            and _json_field(folder / CONFIG, "quantization") is not None)
+    config = read_json_or_empty(folder / CONFIG)
+    return config.get("format") == CHECKPOINT_FORMAT and config.get("quantization") is not None
 
 
 # command -> what its outputs held before markers (prepare: always; it writes none)
