@@ -58,7 +58,8 @@ def cost_arithmetic(model, prompts, args, k_ds) -> None:
     planners = []
     for k_d in k_ds:  # one run per K_d so each gets its own acceptance
         stats = speculative.SpeculationStats()
-        list(speculative.stream(model, prompts, s, f"{k_d}", stats=stats, loops=args.loops))
+        list(speculative.stream(model, prompts, s, speculative.Speculation(k_d), stats=stats,
+                                loops=args.loops))
         planners.append(stats.planner)
     print("cost arithmetic (per-stage costs measured while decoding; ratios to one plain token):")
     print("  K_d   c_d   α      best γ  v(γ)  predicted   bound at α=1 (γ=8)")
