@@ -142,10 +142,10 @@ def _no_tmp_left(tmp: Path) -> None:
 
 
 def _earlier_checkpoint_intact(tmp: Path) -> None:
-    from meshlm import checkpoint
+    from meshlm.folders import integrity
 
     _no_tmp_left(tmp)
-    assert checkpoint.verify(step_dir(tmp))["step"] == 2
+    assert integrity.verify(step_dir(tmp))["step"] == 2
     assert (tmp / "run" / "latest").read_text().strip() == "step-000002"
 
 
@@ -376,7 +376,7 @@ def _pruned_while_hashing(mp: pytest.MonkeyPatch, tmp: Path) -> None:
     def prune_then_hash(path):
         shutil.rmtree(step_dir(tmp), ignore_errors=True)
         raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
-    mp.setattr("meshlm.checkpoint.sha256_file", prune_then_hash)
+    mp.setattr("meshlm.folders.integrity.sha256_file", prune_then_hash)
 
 
 # `meshlm train --resume` of the tiny run that copy_run puts under {tmp}/run: the next save is a
@@ -987,7 +987,7 @@ def _truncate(path: Path) -> None:
 
 
 def _drop_from_manifest(folder: Path, name: str) -> None:
-    from meshlm.manifest import digest
+    from meshlm.folders.integrity import digest
 
     def change(d: dict) -> None:
         del d["files"][name]

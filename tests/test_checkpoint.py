@@ -9,7 +9,9 @@ import torch
 
 from meshlm import checkpoint
 from meshlm.config import ModelConfig
+from meshlm.data.hashing import sha256_file
 from meshlm.errors import CheckpointError
+from meshlm.folders import integrity
 from meshlm.loading import open_model
 from meshlm.model import MeshLM
 
@@ -29,7 +31,7 @@ def test_round_trip_and_load_model(tmp_path):
     model = MeshLM(CFG)
     path = write(tmp_path, 5, model=model)
     assert path.name == "step-000005" and (tmp_path / "latest").read_text().strip() == "step-000005"
-    ckpt = checkpoint.load_checkpoint(tmp_path)
+    ckpt = integrity.load_checkpoint(tmp_path)
     assert ckpt.step == 5 and ckpt.state["step"] == 5
     loaded = open_model(tmp_path).model
     for (name, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
@@ -41,7 +43,7 @@ def test_prune_keeps_last_n_and_best(tmp_path):
     write(tmp_path, 1, val_loss=0.5, is_best=True, keep_last=2)
     for step in (2, 3, 4):
         write(tmp_path, step, keep_last=2)
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-000004", "step-000003",
+    assert [p.name for p in integrity.list_checkpoints(tmp_path)] == ["step-000004", "step-000003",
                                                                        "step-000001"]
     assert (tmp_path / "best").read_text().strip() == "step-000001"
 
@@ -52,7 +54,7 @@ def test_refuses_non_finite_weights(tmp_path):
         model.embed_in.weight[0, 0] = math.nan
     with pytest.raises(CheckpointError, match="non-finite"):
         write(tmp_path, 1, model=model)
-    assert not checkpoint.list_checkpoints(tmp_path)
+    assert not integrity.list_checkpoints(tmp_path)
 
 
 @pytest.mark.parametrize("victim, damage", [
@@ -71,7 +73,7 @@ def test_corruption_names_the_file_and_resume_falls_back(tmp_path, victim, damag
     else:
         bad.unlink()
     with pytest.raises(CheckpointError) as err:
-        checkpoint.load_checkpoint(bad.parent)
+        integrity.load_checkpoint(bad.parent)
     assert str(bad) in str(err.value) and "\n" not in str(err.value)
     warnings = []
     good = checkpoint.find_resumable(tmp_path, warn=warnings.append)
@@ -81,7 +83,7 @@ def test_corruption_names_the_file_and_resume_falls_back(tmp_path, victim, damag
 
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(CheckpointError, match="holds no checkpoint"):
-        checkpoint.load_checkpoint(tmp_path)
+        integrity.load_checkpoint(tmp_path)
 
 
 def test_state_loads_without_executing_code(tmp_path):
@@ -112,11 +114,11 @@ def test_a_missing_or_edited_manifest_is_refused(tmp_path):
     path = write(tmp_path, 1)
     (path / "manifest.json").rename(path / "saved.json")
     with pytest.raises(CheckpointError, match="manifest.json is missing"):
-        checkpoint.load_checkpoint(path)
+        integrity.load_checkpoint(path)
     (path / "saved.json").rename(path / "manifest.json")
     _edit_json(path / "manifest.json", lambda d: d["files"]["state.pt"].update(bytes=7))
     with pytest.raises(CheckpointError, match="manifest.json was edited"):
-        checkpoint.load_checkpoint(path)
+        integrity.load_checkpoint(path)
 
 
 def test_a_manifest_must_cover_every_needed_file(tmp_path):
@@ -124,15 +126,15 @@ def test_a_manifest_must_cover_every_needed_file(tmp_path):
 
     def drop_state(d):
         del d["files"]["state.pt"]
-        d["sha256"] = checkpoint.digest(d["files"])
+        d["sha256"] = integrity.digest(d["files"])
     _edit_json(path / "manifest.json", drop_state)
     with pytest.raises(CheckpointError, match="does not cover state.pt"):
-        checkpoint.verify(path)
+        integrity.verify(path)
 
 
 def test_a_checkpoint_from_before_manifests_is_refused_until_resealed(tmp_path):
     path = write(tmp_path, 1)
-    files = {n: {"bytes": (path / n).stat().st_size, "sha256": checkpoint.sha256_file(path / n)}
+    files = {n: {"bytes": (path / n).stat().st_size, "sha256": sha256_file(path / n)}
              for n in ("model.safetensors", "state.pt")}
     # the old layout: files inside config.json
     _edit_json(path / "config.json", lambda d: d.update(files=files))
@@ -168,7 +170,7 @@ def test_reseal_refuses_to_sign_an_edit_of_a_sealed_checkpoint_unless_forced(tmp
                              "--force"],
                             capture_output=True, text=True, env=env)
     assert forced.returncode == 0, forced.stderr
-    checkpoint.verify(path)
+    integrity.verify(path)
 
 
 class Payload:
@@ -180,14 +182,14 @@ def test_state_is_loaded_without_executing_code(tmp_path):
     matches."""
     path = write(tmp_path, 1)
     torch.save({"step": 1, "payload": Payload()}, path / "state.pt")  # not an allowed global
-    files = {n: {"bytes": (path / n).stat().st_size, "sha256": checkpoint.sha256_file(path / n)}
+    files = {n: {"bytes": (path / n).stat().st_size, "sha256": sha256_file(path / n)}
              for n in ("model.safetensors", "state.pt", "config.json")}
     _edit_json(path / "manifest.json",
-               lambda d: d.update(files=files, sha256=checkpoint.digest(files)))
+               lambda d: d.update(files=files, sha256=integrity.digest(files)))
     with pytest.raises(CheckpointError,
                        match="state.pt holds pickled Python objects beyond plain tensors, which "
                              "meshlm never unpickles") as err:
-        checkpoint.load_checkpoint(path)
+        integrity.load_checkpoint(path)
     # torch's advice (weights_only=False) would run the file's code
     assert "weights_only" not in str(err.value)
 
@@ -208,9 +210,9 @@ def test_a_full_disk_leaves_no_temporary_folder_and_keeps_earlier_checkpoints(tm
                                            r"device \(.* free\)"):
         write(tmp_path, 2)
     assert not list(tmp_path.glob(".t*"))
-    assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-000001"]
+    assert [p.name for p in integrity.list_checkpoints(tmp_path)] == ["step-000001"]
     assert (tmp_path / "latest").read_text().strip() == "step-000001"
-    checkpoint.load_checkpoint(tmp_path)
+    integrity.load_checkpoint(tmp_path)
 
 
 def test_write_failures_reported_by_safetensors_or_torch_are_storage_errors(tmp_path, monkeypatch):
@@ -244,7 +246,7 @@ def test_write_failures_reported_by_safetensors_or_torch_are_storage_errors(tmp_
         with pytest.raises(StorageError, match="no space left on device"):
             write(tmp_path, 2)
     assert (not list(tmp_path.glob(".t*"))
-            and [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-000001"])
+            and [p.name for p in integrity.list_checkpoints(tmp_path)] == ["step-000001"])
 
 
 def test_every_checkpoint_file_gets_the_same_permissions(tmp_path):
@@ -256,7 +258,7 @@ def test_every_checkpoint_file_gets_the_same_permissions(tmp_path):
 
 
 def _unhashed(run):
-    return checkpoint.load_checkpoint(run, check=False)  # hashing would call any edit "edited"
+    return integrity.load_checkpoint(run, check=False)  # hashing would call any edit "edited"
 
 
 @pytest.mark.parametrize("text, message", [
@@ -267,11 +269,11 @@ def _unhashed(run):
 def test_a_damaged_config_json_is_one_line_from_the_one_json_reader(tmp_path, text, message):
     path = write(tmp_path, 1)
     (path / "config.json").write_text(text)
-    for read in (checkpoint.read_meta, _unhashed):
+    for read in (integrity.read_meta, _unhashed):
         with pytest.raises(CheckpointError, match=message) as err:
             read(tmp_path)  # the run dir: its `latest` checkpoint
         assert "\n" not in str(err.value)
     (path / "config.json").unlink()
     with pytest.raises(CheckpointError,
                        match="config.json is missing: the checkpoint is incomplete"):
-        checkpoint.read_meta(path)
+        integrity.read_meta(path)

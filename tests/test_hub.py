@@ -1,6 +1,6 @@
-"""Hugging Face Hub names (meshlm.hub) in every command that takes a model folder, offline against a
-Hub cache laid out as huggingface_hub lays one out (made here; huggingface_hub's own scan_cache_dir
-reads it back). Only the download itself is not exercised."""
+"""Hugging Face Hub names (meshlm.folders.hub) in every command that takes a model folder, offline
+against a Hub cache laid out as huggingface_hub lays one out (made here; huggingface_hub's own
+scan_cache_dir reads it back). Only the download itself is not exercised."""
 from __future__ import annotations
 
 import hashlib
@@ -15,7 +15,7 @@ import torch
 
 from meshlm.cli import main
 from meshlm.errors import CheckpointError
-from meshlm.hub import exists, is_hub_name, resolve
+from meshlm.folders.hub import exists, is_hub_name, resolve
 
 REPO = "acme/llama-tiny"
 
@@ -121,7 +121,8 @@ def test_unknown_name_online_is_one_clear_line(monkeypatch):
 def test_every_command_that_takes_a_folder_takes_a_hub_name(offline_cache, llama_folder, prepared,
                                                             tmp_path,
                                                             capsys):
-    from meshlm.loading import locate, open_model
+    from meshlm.folders.locate import locate
+    from meshlm.loading import open_model
 
     _, commit = offline_cache
     local = open_model(llama_folder[0]).model

@@ -166,9 +166,10 @@ LAYERS = (
     ("model", ("meshlm.model",)),
     ("this machine", ("meshlm.machine", "meshlm.data.cache_dir")),  # its measured facts, its cache
     ("compiled kernels", ("meshlm.kernels",)),  # below runtime and quant, which both use them
-    ("below the loader",  # data, runtime, checkpoints, Hub, LoRA/int8 structure, format adapters
-     ("meshlm.data", "meshlm.reasoning", "meshlm.runtime", "meshlm.checkpoint", "meshlm.manifest",
-      "meshlm.outputs", "meshlm.hub", "meshlm.adapters", "meshlm.quant", "meshlm.interop")),
+    ("below the loader",  # data, runtime, checkpoints, model folders (Hub, formats, integrity),
+     # LoRA/int8 structure, family adapters
+     ("meshlm.data", "meshlm.reasoning", "meshlm.runtime", "meshlm.checkpoint", "meshlm.folders",
+      "meshlm.outputs", "meshlm.adapters", "meshlm.quant", "meshlm.interop")),
     ("loader", ("meshlm.loading",)),
     ("users of a model", ("meshlm.train", "meshlm.evaluation", "meshlm.generate", "meshlm.analysis",
                           "meshlm.serve", "meshlm.hf", "meshlm.quant.report",
@@ -197,9 +198,22 @@ def upward_arrows() -> list[str]:
 
 def test_every_module_is_in_a_layer_and_every_layer_holds_one():
     assert {layer_of(m) for m in MODULES} == set(range(len(LAYERS)))
-    below, loader = layer_of("meshlm.interop.folders"), layer_of("meshlm.loading")
+    below, loader = layer_of("meshlm.folders.formats"), layer_of("meshlm.loading")
     assert layer_of("meshlm.model") < below == layer_of("meshlm.quant.calibrate") < loader
     assert loader < layer_of("meshlm.interop.convert") == layer_of("meshlm.hf")
+
+
+def test_model_folders_are_read_below_the_checkpoint_writer_and_the_loader():
+    """meshlm.folders (locate, formats, integrity, hub) imports neither meshlm.checkpoint nor
+    meshlm.loading; the writer imports the reading side (meshlm.folders.integrity), not the
+    reverse."""
+    edges = graph(type_checking=True)
+    folders = [m for m in MODULES if m == "meshlm.folders" or m.startswith("meshlm.folders.")]
+    assert len(folders) == 5
+    assert [f"{m} -> {t}" for m in folders for t in sorted(edges[m])
+            if t in ("meshlm.checkpoint", "meshlm.loading")] == []
+    assert "meshlm.folders.integrity" in edges["meshlm.checkpoint"]
+    assert {"meshlm.folders.locate", "meshlm.folders.formats"} <= edges["meshlm.loading"]
 
 
 def test_the_layer_check_sees_type_checking_imports():

@@ -9,9 +9,9 @@ import pytest
 import torch
 from trainkit import tiny_train
 
-from meshlm import checkpoint
 from meshlm.cli import main
 from meshlm.errors import CheckpointError, ConfigError
+from meshlm.folders import integrity
 from meshlm.loading import open_model
 from meshlm.train.plan import resolve
 from meshlm.train.trainer import Trainer, train
@@ -52,11 +52,11 @@ def test_a_retrofitted_llama_mesh_model_trains_and_keeps_its_tokenizer(prepared,
     assert (model.config.backbone, model.config.scheme, model.config.spec) == ("llama", "mesh",
                                                                                "1+1R2+1")
     # the source's own tokenizer.json travels with every checkpoint, so the run stands alone
-    meta = json.loads((result.checkpoint / checkpoint.CONFIG).read_text())
-    files = json.loads((result.checkpoint / checkpoint.MANIFEST).read_text())["files"]
+    meta = json.loads((result.checkpoint / integrity.CONFIG).read_text())
+    files = json.loads((result.checkpoint / integrity.MANIFEST).read_text())["files"]
     assert meta["tokenizer"] == "tokenizer.json" and "tokenizer.json" in files
     assert open_model(result.run_dir).tokenizer_source == str(result.checkpoint / "tokenizer.json")
-    checkpoint.verify(result.checkpoint)
+    integrity.verify(result.checkpoint)
 
 
 def test_resume_continues_the_run_not_the_initial_weights(prepared, tmp_path, retrofitted):

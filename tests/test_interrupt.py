@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from trainkit import ROOT, as_overrides, cli, cli_command, run_dir, tiny_train, train_losses
 
-from meshlm import checkpoint
+from meshlm.folders import integrity
 
 
 def start_and_signal(cfg, at_step: int, signals: list[int]) -> subprocess.CompletedProcess:
@@ -50,8 +50,8 @@ def test_sigint_saves_the_current_step_and_resume_is_bit_identical(prepared, tmp
     assert "Traceback" not in done.stderr and not done.stdout
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("meshlm train: stopped: checkpoint ") and last.endswith("--resume"), last
-    saved = checkpoint.list_checkpoints(run_dir(cfg))
-    assert len(saved) == 1 and 5 <= checkpoint.verify(saved[0])["step"] < steps
+    saved = integrity.list_checkpoints(run_dir(cfg))
+    assert len(saved) == 1 and 5 <= integrity.verify(saved[0])["step"] < steps
     assert not list(run_dir(cfg).glob(".t*"))  # no temporary folder left
 
     resumed = cli("train", *as_overrides(cfg), "--resume")
@@ -67,7 +67,7 @@ def test_sigterm_exits_143_with_a_checkpoint(prepared, tmp_path):
     done = start_and_signal(cfg, 3, [signal.SIGTERM])
     assert done.returncode == 143, done.stderr
     assert "meshlm train: stopped: checkpoint" in done.stderr and "Traceback" not in done.stderr
-    assert checkpoint.list_checkpoints(run_dir(cfg))
+    assert integrity.list_checkpoints(run_dir(cfg))
 
 
 def test_a_second_ctrl_c_aborts_at_once(prepared, tmp_path):
@@ -80,5 +80,5 @@ def test_a_second_ctrl_c_aborts_at_once(prepared, tmp_path):
     assert "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("meshlm train: stopped: interrupted")
     assert not list(run_dir(cfg).glob(".t*"))  # an abort during a save leaves no temporary folder
-    for path in checkpoint.list_checkpoints(run_dir(cfg)):
-        checkpoint.verify(path)
+    for path in integrity.list_checkpoints(run_dir(cfg)):
+        integrity.verify(path)

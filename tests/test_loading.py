@@ -25,8 +25,10 @@ from meshlm.data.corpus import default_documents
 from meshlm.data.prepare import prepare
 from meshlm.data.tokenizer import DEFAULT_PATH, DEFAULT_VOCAB, load_tokenizer
 from meshlm.errors import DataError
+from meshlm.folders import integrity
+from meshlm.folders.locate import locate
 from meshlm.interop.convert import convert
-from meshlm.loading import locate, open_model
+from meshlm.loading import open_model
 from meshlm.train.trainer import train
 
 WIDE_VOCAB = DEFAULT_VOCAB + 128  # the wide tokenizer's ids, and the Llama model's vocabulary
@@ -78,7 +80,7 @@ def test_a_run_initialised_from_a_hf_folder_is_evaluated_and_probed_with_its_tok
                      save_every=0)
     run = train(cfg).run_dir
     assert ((run / "latest").is_file()
-            and json.loads((checkpoint.resolve(run) / "config.json").read_text())[
+            and json.loads((integrity.resolve(run) / "config.json").read_text())[
         # the config says "default"; the carried file is what counts
         "train"]["tokenizer"] == "default")
     opened = open_model(run)
@@ -126,7 +128,7 @@ def test_retrofit_carries_the_source_tokenizer(wide, tmp_path):
     assert main(["retrofit", str(folder), str(out), "--spec", "1+1R2+1"]) == 0
     opened = open_model(out)
     assert opened.model.config.scheme == "mesh" and opened.tokenizer.vocab_size == WIDE_VOCAB
-    checkpoint.verify(out)  # written by the one checkpoint writer: every file hashed in config.json
+    integrity.verify(out)  # written by the one checkpoint writer: every file hashed in config.json
 
 
 def test_a_folder_naming_no_tokenizer(wide, tmp_path):
@@ -218,13 +220,14 @@ def test_a_folder_is_recognised_read_built_and_checked_once(wide, tmp_path, call
     """Through open_model a Hugging Face family folder is located once, its config translated once,
     its weights read once, its model built once and the weights checked once; a meshlm run
     likewise."""
-    from meshlm import hub, loading
-    from meshlm.interop import folders
+    from meshlm import loading
+    from meshlm.folders import formats, hub
+    from meshlm.folders import locate as locating
     from meshlm.model import MeshLM
 
-    for owner, name in [(hub, "resolve"), (loading, "_recognise"), (folders, "family_config"),
-                        (folders, "read_weight_files"), (loading, "weight_mismatch"),
-                        (MeshLM, "__init__"), (checkpoint, "load_checkpoint")]:
+    for owner, name in [(hub, "resolve"), (locating, "_recognise"), (formats, "family_config"),
+                        (formats, "read_weight_files"), (loading, "weight_mismatch"),
+                        (MeshLM, "__init__"), (integrity, "load_checkpoint")]:
         calls(owner, name)
     open_model(wide[0])
     assert dict(calls.counted) == {"resolve": 1, "_recognise": 1, "family_config": 1,
@@ -248,7 +251,7 @@ def reads(monkeypatch, calls):
     import os
     from pathlib import Path
 
-    from meshlm.interop import folders
+    from meshlm.folders import formats
 
     real_open = io.open
 
@@ -259,7 +262,7 @@ def reads(monkeypatch, calls):
 
     monkeypatch.setattr(builtins, "open", counting_open)
     monkeypatch.setattr(io, "open", counting_open)
-    for owner, name in [(json, "loads"), (checkpoint, "load_file"), (folders, "load_file")]:
+    for owner, name in [(json, "loads"), (integrity, "load_file"), (formats, "load_file")]:
         calls(owner, name)
     return calls.counted
 
@@ -293,10 +296,10 @@ def test_a_checkpoint_rewritten_between_recognising_and_loading_is_refused(tmp_p
     folder = checkpoint.save_model(build(tiny(spec="1+1R2+1", scheme="base")), tmp_path / "ckpt")
     located = locate(folder)
     assert open_model(located).model.config == located.model_config()  # unchanged: it opens
-    meta = checkpoint.read_meta(folder)
+    meta = integrity.read_meta(folder)
     meta["model"] = {**meta["model"], "spec": "1+1R3+1"}  # same weights, another depth
-    checkpoint.seal(folder, meta, [checkpoint.WEIGHTS])
-    checkpoint.verify(folder)  # a valid checkpoint on its own ...
+    checkpoint.seal(folder, meta, [integrity.WEIGHTS])
+    integrity.verify(folder)  # a valid checkpoint on its own ...
     with pytest.raises(CheckpointError, match="changed while it was being opened"):
         open_model(located)  # ... but not the one `located` read
     assert open_model(folder).model.config.spec == "1+1R3+1"  # opened afresh, it is the new one

@@ -16,9 +16,10 @@ from evalkit import tiny_checkpoint
 from trainkit import make_prepared
 
 from meshlm import outputs
-from meshlm.checkpoint import save_model, verify
+from meshlm.checkpoint import save_model
 from meshlm.cli import main
 from meshlm.errors import ConfigError
+from meshlm.folders.integrity import verify
 
 NOTES = b"my notes: not meshlm's to touch\n"
 QUICK = ["--bits", "8", "--seq-len", "16", "--calibration", "2", "--no-report"]

@@ -7,8 +7,9 @@ import pytest
 import torch
 from conftest import build, tiny
 
-from meshlm.checkpoint import save_model, verify
+from meshlm.checkpoint import save_model
 from meshlm.errors import CheckpointError
+from meshlm.folders.integrity import verify
 from meshlm.generate import Sampling, generate
 from meshlm.generate.speculative import Speculation
 from meshlm.loading import open_model

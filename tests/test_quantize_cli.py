@@ -11,7 +11,8 @@ from conftest import build, tiny
 from servekit import ROOT, clean_env
 
 from meshlm import decoding
-from meshlm.checkpoint import save_model, verify
+from meshlm.checkpoint import save_model
+from meshlm.folders.integrity import verify
 from meshlm.kernels import kernel
 
 

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file
 from trainkit import ROOT, as_overrides, cli, cli_command, run_dir, tiny_train, train_losses
 
-from meshlm import checkpoint
 from meshlm.cli import main
+from meshlm.folders import integrity
 from meshlm.loading import open_model
 from meshlm.model import MeshLM
 from meshlm.train.trainer import NonFiniteLossError, train
@@ -67,7 +67,7 @@ def test_too_many_non_finite_steps_abort(prepared, tmp_path, monkeypatch):
     cfg = tiny_train(prepared, tmp_path, steps=10, micro_batch=8, save_every=1, max_nonfinite=3)
     with pytest.raises(NonFiniteLossError, match="3 steps in a row"):
         train(cfg)
-    for path in checkpoint.list_checkpoints(run_dir(cfg)):  # all saved is finite and loadable
+    for path in integrity.list_checkpoints(run_dir(cfg)):  # all saved is finite and loadable
         open_model(path)
 
 

@@ -8,6 +8,7 @@ from trainkit import tiny_train
 from meshlm import loading
 from meshlm.cli import main
 from meshlm.errors import ConfigError
+from meshlm.folders import locate as locating
 from meshlm.train import plan as plan_module
 from meshlm.train import trainer as trainer_module
 from meshlm.train.config import TrainConfig
@@ -42,7 +43,7 @@ def test_meshlm_train_from_init_from_resolves_the_run_once(prepared, tmp_path, m
     resolved = counting(monkeypatch, plan_module, "resolve")
     again = counting(monkeypatch, trainer_module, "resolve")  # train() given a config resolves it
     located = counting(monkeypatch, plan_module, "locate")
-    recognised = counting(monkeypatch, loading, "_recognise")  # a folder's config.json read
+    recognised = counting(monkeypatch, locating, "_recognise")  # a folder's config.json read
     code = main(["train", f"train.init_from={first.run_dir}", f"train.data={prepared}",
                  f"train.out_dir={tmp_path}", "train.name=more", *TINY])
     assert code == 0

@@ -1,4 +1,5 @@
-"""Checkpoints that describe themselves, written atomically, verified on load.
+"""Checkpoints that describe themselves, written atomically (read back verified by
+meshlm.folders.integrity).
 
     <run>/
       step-000600/
@@ -6,8 +7,9 @@
         state.pt            optimizer (keyed by parameter name), scheduler, RNG, step, best val
                             loss; plain tensors and containers only: loaded with
                             torch.load(weights_only=True)
-        tokenizer.json      the tokenizer, unless it is the shipped "default" (meshlm.loading: a
-                            folder's own tokenizer file wins over the one its training config names)
+        tokenizer.json      the tokenizer, unless it is the shipped "default"
+                            (meshlm.folders.locate: a folder's own tokenizer file wins over the
+                            one its training config names)
         config.json         {"model": ModelConfig, "train": TrainConfig, "step", "val_loss"}
         manifest.json       {"format", "files": {name: {"bytes", "sha256"}}, "sha256"}: every file
                             above, config.json included, plus a digest of that list; written last,
@@ -16,8 +18,8 @@
       best                  the checkpoint with the lowest validation loss
       metrics.jsonl
 
-The file names, the formats and the checked reading of config.json and manifest.json live in
-meshlm.manifest.
+The file names, the formats, the checked reading of config.json and manifest.json and the verified
+reading of a checkpoint (resolve, verify, load_checkpoint) live in meshlm.folders.integrity.
 
 `write_checkpoint` is the one writer: training (`save_checkpoint`, which adds the pointers and
 pruning), `meshlm convert` and `meshlm retrofit` (a single step-0 folder without state.pt) all go
@@ -26,37 +28,29 @@ through it.
 Atomicity: a checkpoint is written into `.tmp-step-…`, every file fsynced, then the directory is
 renamed into place (rename is atomic on POSIX) and the parent fsynced; pointers are written to a
 temp file and `os.replace`d. A crash leaves either the old state or the new one, never a half
-checkpoint under a real name. Loading checks every file's size and SHA-256 against manifest.json, so
-truncation, corruption or an edit (of config.json too) is reported with the file's path, and
-`find_resumable` falls back to the previous good checkpoint. A checkpoint without a manifest, or
-whose manifest leaves out a file it needs or was edited, is refused. A failed write (full disk, no
-permission) removes its temporary folder and names the path and the free space; the checkpoints
-written before stay as they were.
-
-Loading never executes code: weights via safetensors, the rest via torch.load(weights_only=True).
+checkpoint under a real name; `find_resumable` falls back to the previous checkpoint that verifies.
+A failed write (full disk, no permission) removes its temporary folder and names the path and the
+free space; the checkpoints written before stay as they were.
 """
 from __future__ import annotations
 
 import errno
 import json
 import os
-import pickle
-import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from meshlm import atomic
 from meshlm.atomic import as_os_error, fsync_path
 from meshlm.data.hashing import sha256_file
 from meshlm.errors import CheckpointError, storage_error
-from meshlm.manifest import (
+from meshlm.folders.integrity import (
     CONFIG,
     FORMAT,
     MANIFEST,
@@ -64,25 +58,15 @@ from meshlm.manifest import (
     STATE,
     TOKENIZER,
     WEIGHTS,
+    Checkpoint,
     digest,
-    missing,
-    read_json_and_digest,
-    read_manifest,
+    list_checkpoints,
+    load_checkpoint,
+    read_meta,
+    read_pointer,
+    resolve,
+    verify,
 )
-
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-
-
-@dataclass
-class Checkpoint:
-    path: Path
-    meta: dict[str, Any]  # config.json
-    weights: dict[str, torch.Tensor] | None = None
-    state: dict[str, Any] | None = None
-
-    @property
-    def step(self) -> int:
-        return int(self.meta["step"])
 
 
 def step_dir_name(step: int) -> str:
@@ -194,7 +178,7 @@ def seal(folder: Path, meta: dict[str, Any], names: list[str]) -> None:
 def prune(run_dir: Path, keep_last: int) -> None:
     """Delete all but the newest `keep_last` checkpoints, never the `best` one; drop stale temp
     dirs."""
-    best = _read_pointer(run_dir / "best")
+    best = read_pointer(run_dir / "best")
     for old in list_checkpoints(run_dir)[keep_last:]:
         if old.name != best:
             shutil.rmtree(old, ignore_errors=True)
@@ -215,97 +199,7 @@ def _write_pointer(path: Path, target: str) -> None:
     atomic.write_text(path, target + "\n", "updating")
 
 
-def _read_pointer(path: Path) -> str | None:
-    try:
-        return path.read_text().strip() or None
-    except OSError:
-        return None
-
-
-# -- reading ---------------------------------------------------------------------------------------
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete-looking checkpoint dirs, newest step first."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _STEP_DIR.match(p.name))
-             and p.is_dir()]
-    return [p for _, p in sorted(found, reverse=True)]
-
-
-def resolve(path: str | Path) -> Path:
-    """A checkpoint dir, or a run dir (-> its `latest`, else its newest checkpoint)."""
-    path = Path(path)
-    if (path / CONFIG).is_file() or _STEP_DIR.match(path.name):
-        return path
-    pointer = _read_pointer(path / "latest")
-    if pointer and (path / pointer).is_dir():
-        return path / pointer
-    found = list_checkpoints(path)
-    if not found:
-        raise CheckpointError(f"{path} holds no checkpoint (no config.json, `latest` or step-* "
-                              "dirs); pass a run dir or a step-NNNNNN dir")
-    return found[0]
-
-
-def read_meta(path: str | Path) -> dict[str, Any]:
-    """A checkpoint's config.json (of a run dir: of its newest checkpoint), checked to be one."""
-    return read_meta_and_digest(path)[0]
-
-
-def read_meta_and_digest(path: str | Path) -> tuple[dict[str, Any], str]:
-    """read_meta, and the SHA-256 of the bytes it parsed (manifest.read_json_and_digest)."""
-    file = resolve(path) / CONFIG
-    meta, sha256 = read_json_and_digest(file)
-    if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{file} is not a meshlm checkpoint config (format {FORMAT!r} "
-                              f"expected)")
-    return meta, sha256
-
-
-def verify(path: str | Path, unread: tuple[str, ...] = (),
-           config: tuple[dict[str, Any], str] | None = None) -> dict[str, Any]:
-    """Check every file's size and SHA-256 against manifest.json, and that the manifest covers every
-    file the checkpoint needs (config.json, the weights, state.pt and tokenizer.json when present or
-    named); returns the metadata, parsed from the very bytes that were hashed. Files in `unread`
-    (state.pt for a reader that never loads it) are checked by size only: hashing gigabytes of
-    optimizer state proves nothing about the weights. `config`: (metadata, SHA-256) of config.json
-    as a caller read and built from it, checked instead of a second read (no rewrite between)."""
-    path = resolve(path)
-    files = read_manifest(path)
-    for name, expected in files.items():
-        file = path / name
-        if not file.is_file():
-            raise missing(file)
-        size = file.stat().st_size
-        if size != expected["bytes"]:
-            raise CheckpointError(f"{file} is truncated or corrupt: {size} bytes, expected "
-                                  f"{expected['bytes']}; use an earlier checkpoint")
-        if name in unread or name == CONFIG:  # config.json: hashed with the bytes parsed below
-            continue
-        try:
-            actual = sha256_file(file)
-        except FileNotFoundError:
-            raise missing(file) from None
-        if actual != expected["sha256"]:
-            raise CheckpointError(f"{file} was edited or is corrupt: its SHA-256 does not match "
-                                  f"{MANIFEST}; use an earlier checkpoint")
-    meta, config_hash = config or read_meta_and_digest(path)
-    if CONFIG in files and config_hash != files[CONFIG]["sha256"]:
-        if config and read_meta_and_digest(path)[1] == files[CONFIG]["sha256"]:  # sealed since
-            raise CheckpointError(f"{path / CONFIG} changed while it was being opened (another "
-                                  "process rewrote the checkpoint); open it again")
-        raise CheckpointError(f"{path / CONFIG} was edited or is corrupt: its SHA-256 does not "
-                              f"match {MANIFEST}; use an earlier checkpoint")
-    needed = {CONFIG, WEIGHTS} | {n for n in (STATE, TOKENIZER) if (path / n).exists()}
-    needed |= {meta["tokenizer"]} if isinstance(meta.get("tokenizer"), str) else set()
-    uncovered = sorted(needed - set(files))
-    if uncovered:
-        raise CheckpointError(f"{path / MANIFEST} does not cover {', '.join(uncovered)}: the "
-                              "checkpoint was edited; use an earlier checkpoint")
-    return meta
-
-
+# -- sealing old checkpoints, resuming -------------------------------------------------------------
 def reseal(path: str | Path, force: bool = False) -> Path:
     """Write manifest.json for a checkpoint from before manifests, after checking the files its
     config.json lists. Only for checkpoints you trust: config.json itself was never checksummed. A
@@ -332,48 +226,6 @@ def reseal(path: str | Path, force: bool = False) -> Path:
     _write_json(tmp, {"format": MANIFEST_FORMAT, "files": files, "sha256": digest(files)})
     os.replace(tmp, path / MANIFEST)
     return path / MANIFEST
-
-
-def load_checkpoint(path: str | Path, with_state: bool = True, check: bool = True,
-                    config: tuple[dict[str, Any], str] | None = None) -> Checkpoint:
-    """Read (and verify) one checkpoint; every failure is a CheckpointError naming the file.
-    `config`: the config.json read already (see verify), not read again."""
-    path = resolve(path)
-    meta = (verify(path, () if with_state else (STATE,), config) if check
-            else config[0] if config else read_meta(path))
-    try:
-        weights = load_file(str(path / WEIGHTS))
-    except (SafetensorError, OSError, ValueError) as err:
-        if not path.is_dir():
-            raise missing(path / WEIGHTS) from None
-        raise CheckpointError(f"{path / WEIGHTS} "
-                              f"cannot be read ({err}); use an earlier checkpoint") from None
-    state = None
-    if with_state:
-        try:
-            state = torch.load(path / STATE, map_location="cpu", weights_only=True)
-        except Exception as err:  # pickle/zip errors have no common base class
-            raise unreadable_pickle(path / STATE, err, "use an earlier checkpoint") from None
-    return Checkpoint(path, meta, weights, state)
-
-
-def unreadable_pickle(file: Path, err: Exception, fix: str) -> CheckpointError:
-    """The one-line error for a torch.load(weights_only=True) that failed. torch's own text advises
-    weights_only=False, which would run whatever code the file holds: it is never shown."""
-    text = str(err)
-    if "allowed global" in text or "Unsupported global" in text:  # a class or function it names
-        return CheckpointError(f"{file} holds pickled Python objects beyond plain tensors, which "
-                               "meshlm never unpickles (that could run code from the file); "
-                               f"{fix}, or save it as safetensors (transformers: "
-                               "save_pretrained(safe_serialization=True))")
-    if isinstance(err, pickle.UnpicklingError) or "weights_only" in text:
-        # not a pickle at all (random bytes: "Unsupported operand 185", "invalid load key")
-        found = re.search(r"WeightsUnpickler error:\s*(\S[^\n]*)", text)
-        reason = found.group(1)[:100] if found else f"{type(err).__name__}: {text[:80]}"
-        return CheckpointError(f"{file} is not a PyTorch file meshlm can read ({reason}): "
-                               f"truncated, corrupt or another format; {fix}")
-    return CheckpointError(f"{file} is truncated or corrupt ({type(err).__name__}: "
-                           f"{text[:100]}); {fix}")
 
 
 def find_resumable(run_dir: str | Path, warn: Callable[[str], None] = print) -> Checkpoint | None:

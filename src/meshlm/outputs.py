@@ -33,13 +33,12 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from meshlm import atomic
-from meshlm.checkpoint import list_checkpoints
 from meshlm.data.shards import FORMAT as DATA_FORMAT
 from meshlm.data.shards import MANIFEST as DATA_MANIFEST
 from meshlm.data.shards import SHARD_GLOB
 from meshlm.errors import ConfigError, storage_error
-from meshlm.manifest import CONFIG, read_json_or_empty
-from meshlm.manifest import FORMAT as CHECKPOINT_FORMAT
+from meshlm.folders.integrity import CONFIG, list_checkpoints, read_json_or_empty
+from meshlm.folders.integrity import FORMAT as CHECKPOINT_FORMAT
 
 MARKER = ".meshlm-output.json"
 RUN_FILES = (".owner", "latest", "metrics.jsonl")  # what `meshlm train` leaves in every run folder

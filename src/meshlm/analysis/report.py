@@ -27,7 +27,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from meshlm import atomic, checkpoint
+from meshlm import atomic
 from meshlm.analysis import plots, reasoning_report
 from meshlm.analysis.report_html import cells, html_page, img, percent, table
 from meshlm.config import ModelConfig
@@ -43,6 +43,7 @@ from meshlm.evaluation.results import (
     read_probe,
 )
 from meshlm.evaluation.tasks import PAPER_TASKS
+from meshlm.folders import integrity
 from meshlm.model.accounting import describe
 
 TASK_TITLES = {"lambada_openai": "LAMBADA", "piqa": "PIQA", "hellaswag": "HellaSwag",
@@ -134,7 +135,7 @@ def collect(path: str | Path) -> RunResults:
     model = (evaluation or probed).model if evaluation or probed else None
     if model is None:
         try:
-            model = checkpoint.read_meta(run_dir)["model"]
+            model = integrity.read_meta(run_dir)["model"]
         except MeshlmError:
             raise ReportError(f"{run_dir} has no eval.json, probe/probe.json or checkpoint; run "
                               "`meshlm eval "

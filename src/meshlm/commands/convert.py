@@ -29,10 +29,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm import hub
     from meshlm.errors import ConfigError
+    from meshlm.folders import hub
+    from meshlm.folders.locate import locate
     from meshlm.interop.convert import convert
-    from meshlm.loading import locate
 
     if not hub.exists(args.source):
         raise ConfigError(f"source {args.source} does not exist; pass a model folder, a meshlm "

@@ -127,7 +127,7 @@ def _add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm import hub
+    from meshlm.folders import hub
 
     # first: importing meshlm.evaluation switches the Hub off (for lm-eval's data)
     hub.prefetch(args.checkpoint)
@@ -172,11 +172,11 @@ def run(args: argparse.Namespace) -> int:
 def check_inputs(args: argparse.Namespace) -> str | None:
     """Every argument, the model folder, the device, the task names and their fetched data, before
     any compute (all problems in one error). Returns the tasks to run (None = none)."""
-    from meshlm import hub
     from meshlm.errors import Problems
     from meshlm.evaluation.run import check_task_data, suite_for
+    from meshlm.folders import hub
+    from meshlm.folders.locate import locate
     from meshlm.generate.speculative import Speculation
-    from meshlm.loading import locate
     from meshlm.model.exit import ExitRule
     from meshlm.runtime.devices import resolve_device
 

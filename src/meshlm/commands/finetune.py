@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     from meshlm.commands.train import log_to_stderr
     from meshlm.data.sft import DEFAULT_TEMPLATE, cached_sft_data
     from meshlm.data.tokenizer import TEMPLATE_FILE
-    from meshlm.loading import locate, open_model
+    from meshlm.folders.locate import locate
+    from meshlm.loading import open_model
     from meshlm.train.config import load_config
     from meshlm.train.plan import resolve
     from meshlm.train.trainer import train
@@ -82,8 +83,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def chat_template(args: argparse.Namespace, folder) -> str | None:
-    """--chat-template's file, else the model's own template (meshlm.loading.ModelFolder's; None:
-    meshlm's default)."""
+    """--chat-template's file, else the model's own template (meshlm.folders.locate.ModelFolder's;
+    None: meshlm's default)."""
     from meshlm.errors import ConfigError
 
     if not args.chat_template:

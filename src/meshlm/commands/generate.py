@@ -124,8 +124,8 @@ def check_inputs(args: argparse.Namespace):
     before loading anything (every problem in one error). Returns (Sampling, prompts as text)."""
     from pathlib import Path
 
-    from meshlm import hub
     from meshlm.errors import Problems
+    from meshlm.folders import hub
     from meshlm.generate import Sampling
     from meshlm.generate.speculative import Speculation
     from meshlm.model.exit import ExitRule

@@ -54,7 +54,8 @@ def held_out_samples(data, n: int, tokens: int):
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from meshlm import hub, outputs
+    from meshlm import outputs
+    from meshlm.folders import hub
 
     # first: importing meshlm.evaluation switches the Hub off (for lm-eval's data)
     hub.prefetch(args.checkpoint)
@@ -104,9 +105,10 @@ def run(args: argparse.Namespace) -> int:
 def check_inputs(args: argparse.Namespace) -> None:
     """Numbers, device, checkpoint and --data, all before loading anything (every problem in one
     error)."""
-    from meshlm import hub, outputs
+    from meshlm import outputs
     from meshlm.errors import Problems
-    from meshlm.loading import locate
+    from meshlm.folders import hub
+    from meshlm.folders.locate import locate
     from meshlm.runtime.devices import resolve_device
 
     p = Problems()

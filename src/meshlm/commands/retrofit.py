@@ -35,8 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm import hub
     from meshlm.errors import Problems
+    from meshlm.folders import hub
     from meshlm.interop.retrofit import retrofit_folder
 
     p = Problems()

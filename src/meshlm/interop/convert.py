@@ -13,7 +13,7 @@ and meshlm HF folders.
     meshlm -> meshlm  only from a LoRA run's checkpoint: its adapters merged into the base weights
 
 The source is opened by meshlm.loading.open_model, which recognises every format from
-config.json; the adapters below it (meshlm.interop.folders) read family weights from
+config.json; the adapters below it (meshlm.folders.formats) read family weights from
 model.safetensors, a sharded model.safetensors.index.json or pytorch_model.bin (loaded with
 weights_only=True), and meshlm.interop.families has the name mappings. Written GPT-NeoX files use
 Pythia's `embed_out.weight`, and config.json carries both transformers-5 `rope_parameters` and
@@ -21,7 +21,7 @@ Pythia's legacy keys; written OLMoE files hold one matrix per expert.
 
 A meshlm checkpoint written here is one folder written by meshlm.checkpoint.write_checkpoint (step
 0, no optimizer state): `open_model` reads it, and `train.init_from` continues training from it. The
-source's tokenizer (by the tokenizer rule of meshlm.loading) is carried as tokenizer.json.
+source's tokenizer (by the tokenizer rule of meshlm.folders.locate) is carried as tokenizer.json.
 """
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ from meshlm.backbones import BACKBONES, Backbone
 from meshlm.config import ModelConfig
 from meshlm.data.tokenizer import TEMPLATE_FILE
 from meshlm.errors import ConfigError
+from meshlm.folders.formats import read_json
 from meshlm.interop import FORMATS
 from meshlm.interop.families import export_problems, from_meshlm, hf_config, split_experts
-from meshlm.interop.folders import read_json
 from meshlm.loading import open_model
 
 

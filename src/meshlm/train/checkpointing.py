@@ -18,7 +18,9 @@ import torch
 from meshlm import atomic, checkpoint
 from meshlm.config import ModelConfig
 from meshlm.errors import CheckpointError, ConfigError
-from meshlm.loading import ModelFolder, open_model, weight_mismatch
+from meshlm.folders import integrity
+from meshlm.folders.locate import ModelFolder
+from meshlm.loading import open_model, weight_mismatch
 from meshlm.model import MeshLM
 from meshlm.train import parallel
 from meshlm.train.config import TrainConfig
@@ -52,7 +54,7 @@ class Checkpointing:
     def _prepare_run_dir(self, resume: bool) -> None:
         if taken := occupied(self.run_dir, resume):
             raise ConfigError(taken)
-        existing = checkpoint.list_checkpoints(self.run_dir)
+        existing = integrity.list_checkpoints(self.run_dir)
         ckpt = self._find_resumable() if resume else None
         if resume and ckpt is None:
             if existing:
@@ -72,16 +74,16 @@ class Checkpointing:
                 self.metrics.path.unlink(missing_ok=True)
         parallel.barrier(self.env)
 
-    def _find_resumable(self) -> checkpoint.Checkpoint | None:
+    def _find_resumable(self) -> integrity.Checkpoint | None:
         """Rank 0 verifies (hashes) the candidates; the others load the one it picked without
         re-hashing."""
         ckpt = checkpoint.find_resumable(self.run_dir, warn=self.log) if self.env.is_main else None
         path = parallel.broadcast_object(ckpt.path if ckpt else None, self.env)
         if ckpt is None and path is not None:
-            ckpt = checkpoint.load_checkpoint(path, check=False)
+            ckpt = integrity.load_checkpoint(path, check=False)
         return ckpt
 
-    def _restore(self, ckpt: checkpoint.Checkpoint) -> None:
+    def _restore(self, ckpt: integrity.Checkpoint) -> None:
         if ckpt.meta["model"] != self.model_cfg.to_dict():
             raise CheckpointError(model_change(ckpt, self.model_cfg.to_dict(), self.cfg))
         changed = changed_settings(ckpt.meta["train"], self.cfg.to_dict(), self.run_dir.name)

@@ -29,7 +29,7 @@ from meshlm.config import ModelConfig
 from meshlm.data.tasks import data_folder, data_tokenizer
 from meshlm.data.tokenizer import TextTokenizer, load_tokenizer, tokenizer_file
 from meshlm.errors import CheckpointError, ConfigError
-from meshlm.loading import ModelFolder, locate
+from meshlm.folders.locate import ModelFolder, locate
 from meshlm.train.config import PREFIX, TrainConfig
 from meshlm.train.depth import LoopDistribution
 
@@ -99,9 +99,9 @@ def resolve_model(cfg: TrainConfig) -> tuple[ModelConfig, ModelFolder | None]:
 
 def _tokenizer(cfg: TrainConfig, init: ModelFolder | None,
                data_dir: Path | None) -> tuple[str, TextTokenizer]:
-    """(source, loaded tokenizer): train.tokenizer, else init_from's own (meshlm.loading's rule),
-    else the one task data carry, else "default". A train.tokenizer that encodes unlike init_from's
-    is a ConfigError unless train.force_tokenizer."""
+    """(source, loaded tokenizer): train.tokenizer, else init_from's own (the tokenizer rule of
+    meshlm.folders.locate), else the one task data carry, else "default". A train.tokenizer that
+    encodes unlike init_from's is a ConfigError unless train.force_tokenizer."""
     if init is not None and cfg.tokenizer != "default":
         return cfg.tokenizer, init.chosen_tokenizer(cfg.tokenizer, cfg.force_tokenizer,
                                                     "train.tokenizer", "train.force_tokenizer=true")

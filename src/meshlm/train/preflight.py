@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from meshlm import checkpoint
 from meshlm.errors import Problems
+from meshlm.folders import integrity
 from meshlm.runtime.devices import device_problem
 from meshlm.train import trackers
 from meshlm.train.config import TrainConfig
@@ -31,7 +31,7 @@ def changed_settings(saved: dict, current: dict, run_name: str) -> list[str]:
     return sorted(k for k, v in current.items() if saved.get(k, v) != v)
 
 
-def model_change(ckpt: checkpoint.Checkpoint, now: dict, cfg: TrainConfig) -> str:
+def model_change(ckpt: integrity.Checkpoint, now: dict, cfg: TrainConfig) -> str:
     """Why a checkpoint cannot be resumed with this model config: the fields that differ, and the
     train setting behind a derived one (model.max_loops follows train.loops)."""
     saved = ckpt.meta["model"]
@@ -66,7 +66,7 @@ def preflight(plan: RunPlan, resume: bool = False) -> None:
 
 def occupied(run_dir: Path, resume: bool) -> str | None:
     """Why a fresh run (no --resume) cannot start in `run_dir`: it already holds checkpoints."""
-    existing = checkpoint.list_checkpoints(run_dir)
+    existing = integrity.list_checkpoints(run_dir)
     if resume or not existing:
         return None
     return (f"{run_dir} already holds checkpoints (newest {existing[0].name}); pass --resume to "

@@ -28,6 +28,7 @@ from meshlm.backbones import BACKBONES
 from meshlm.data.order import validation_batches
 from meshlm.data.tasks import curriculum
 from meshlm.errors import ConfigError, MeshlmError
+from meshlm.folders import integrity
 from meshlm.model import MeshLM
 from meshlm.model.accounting import describe, train_flops_per_token
 from meshlm.runtime import allocator
@@ -111,7 +112,7 @@ class Trainer(Checkpointing):
         """The model, its init_from weights, adapters and trainable set, then its wrapping."""
         torch.manual_seed(self.cfg.seed)  # same initial weights on every rank and every resume
         self.model = MeshLM(self.model_cfg).to(self.env.device)  # the unwrapped handle: saving
-        resuming = resume and checkpoint.list_checkpoints(self.run_dir)
+        resuming = resume and integrity.list_checkpoints(self.run_dir)
         if self.plan.init is not None and not resuming:
             self._initialise_from(self.plan.init)  # before LoRA renames the Linears it wraps
         self.trainable = adapt(self.model, self.cfg.to_dict())  # LoRA, frozen set (meshlm.adapters)
@@ -192,7 +193,7 @@ class Trainer(Checkpointing):
                        self.run_dir.name)
         start, train_time, rate = time.perf_counter(), 0.0, 0.0
         if self.step >= self.total_steps:  # resumed a finished run: report it, train nothing
-            result.val_loss, result.checkpoint = self.evaluate(), checkpoint.resolve(self.run_dir)
+            result.val_loss, result.checkpoint = self.evaluate(), integrity.resolve(self.run_dir)
         # a rank that dies or hangs is named
         watch = RankWatch(self.env, self.cfg.collective_timeout)
         try:

@@ -1,21 +1,22 @@
-"""Model folders as meshlm reads them, below the loader: one registered format per kind of folder.
+"""The registry of model folder formats, below the loader: one registered format per kind of folder.
 
     format        matches config.json saying       ModelConfig from       weights, in meshlm's names
-    meshlm        "format": "meshlm-checkpoint/1"  its "model"            meshlm.checkpoint (hashed)
+    meshlm        "format": "meshlm-checkpoint/1"  its "model"            folders.integrity (hashed)
     hf            "model_type": "meshlm"           its "meshlm"           MeshForCausalLM's, its
                                                                           "model." prefix dropped
     neox, llama,  the family's "model_type"        families.model_config  families.to_meshlm
     olmoe
 
 `FOLDERS` is the registry: each format is a small class that `matches` a parsed config.json, builds
-the `model_config` it describes and reads the folder's `weights`, given the config the loader read
-(config.json is read once per open: nothing here reads it again). Like torchtitan's state-dict
-adapters, a format turns a folder's own names into meshlm's and knows nothing of what the model is
-for: meshlm.loading recognises a folder once, builds its model once and checks these weights against
-it once (`weight_mismatch`). Nothing here imports transformers or runs code from a file: a Hugging
-Face folder's weights are model.safetensors, a sharded model.safetensors.index.json or
-pytorch_model.bin (torch.load(weights_only=True)); a meshlm checkpoint's are verified against its
-manifest, with the config.json bytes the loader parsed.
+the `model_config` it describes and reads the folder's `weights`, given the config.json that
+meshlm.folders.locate read (it is read once per open: nothing here reads it again). Like
+torchtitan's state-dict adapters, a format turns a folder's own names into meshlm's and knows
+nothing of what the model is for: meshlm.folders.locate recognises a folder once, and meshlm.loading
+builds its model once and checks these weights against it once (`weight_mismatch`). Nothing here
+imports transformers or runs code from a file: a Hugging Face folder's weights are
+model.safetensors, a sharded model.safetensors.index.json or pytorch_model.bin
+(torch.load(weights_only=True)); a meshlm checkpoint's are verified against its manifest
+(meshlm.folders.integrity), with the config.json bytes locate parsed.
 """
 from __future__ import annotations
 
@@ -26,10 +27,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from meshlm import checkpoint, manifest
 from meshlm.backbones import BACKBONES, Backbone
 from meshlm.config import ModelConfig
 from meshlm.errors import CheckpointError
+from meshlm.folders import integrity
 from meshlm.interop.families import model_config as family_config
 from meshlm.interop.families import to_meshlm
 
@@ -39,23 +40,24 @@ HF_PREFIX = "model."  # MeshForCausalLM.base_model_prefix: the weights of the Me
 
 def read_json(path: Path) -> dict[str, Any]:
     """A Hugging Face folder's config.json or weight index, by the one JSON reader
-    (meshlm.manifest.read_json)."""
+    (meshlm.folders.integrity.read_json)."""
     return read_json_and_digest(path)[0]
 
 
 def read_json_and_digest(path: Path) -> tuple[dict[str, Any], str]:
-    """read_json, and the SHA-256 of the bytes it parsed (meshlm.manifest.read_json_and_digest)."""
-    return manifest.read_json_and_digest(path, "re-download or re-export it")
+    """read_json, and the SHA-256 of the bytes it parsed (integrity.read_json_and_digest)."""
+    return integrity.read_json_and_digest(path, "re-download or re-export it")
 
 
 # -- the formats -----------------------------------------------------------------------------------
 class MeshlmCheckpoint:
-    """A meshlm checkpoint folder (meshlm.checkpoint): verified against its manifest on reading."""
+    """A meshlm checkpoint folder (meshlm.checkpoint): verified against its manifest on reading
+    (meshlm.folders.integrity)."""
 
     name = "meshlm"
 
     def matches(self, raw: dict[str, Any]) -> bool:
-        return raw.get("format") == checkpoint.FORMAT
+        return raw.get("format") == integrity.FORMAT
 
     def model_config(self, raw: dict[str, Any], folder: Path) -> ModelConfig:
         return ModelConfig.from_dict(raw["model"])
@@ -64,8 +66,8 @@ class MeshlmCheckpoint:
                 check: bool = True) -> dict[str, torch.Tensor]:
         """`read`: (config.json, the SHA-256 of its bytes) as the loader parsed them (None: read
         here); `check` verifies every file against the manifest, config.json by that hash."""
-        return checkpoint.load_checkpoint(folder, with_state=False, check=check,
-                                          config=read).weights
+        return integrity.load_checkpoint(folder, with_state=False, check=check,
+                                         config=read).weights
 
 
 class HfExport:
@@ -99,7 +101,7 @@ class FamilyFolder:
         return raw.get("model_type") == self.family.model_type
 
     def model_config(self, raw: dict[str, Any], folder: Path) -> ModelConfig:
-        return family_config(raw, self.family, folder / checkpoint.CONFIG)
+        return family_config(raw, self.family, folder / integrity.CONFIG)
 
     def weights(self, folder: Path, read: tuple[dict[str, Any], str] | None, cfg: ModelConfig,
                 check: bool = True) -> dict[str, torch.Tensor]:
@@ -134,6 +136,8 @@ def mismatch(folder: Path, detail: str) -> CheckpointError:
     """The one error for weights that do not fit the model a folder's config.json describes."""
     return CheckpointError(f"{folder}: the weights do not match config.json ({detail}); the files "
                            f"are truncated or from another model")
+
+
 def read_weight_files(folder: Path, fix: str = "download it again") -> dict[str, torch.Tensor]:
     """model.safetensors, a sharded model.safetensors.index.json or pytorch_model.bin
     (weights_only), names as stored; `fix` ends the message for a damaged file."""
@@ -159,7 +163,7 @@ def _read_file(file: Path, fix: str) -> dict[str, torch.Tensor]:
         try:
             return torch.load(file, map_location="cpu", weights_only=True)
         except Exception as err:  # pickle/zip errors have no common base class
-            raise checkpoint.unreadable_pickle(file, err, fix) from None
+            raise integrity.unreadable_pickle(file, err, fix) from None
     try:
         return load_file(str(file))
     except (SafetensorError, OSError, RuntimeError, ValueError) as err:
