@@ -12,11 +12,12 @@ Comparisons (targets from the Hugging Face / generation issue):
      transformers' GPTNeoXForCausalLM.generate on the same weights: transformers fp32 and bf16,
      meshlm fp32 (what `--dtype auto` decodes in: split_linears' layout, multiplied by the kernel
      meshlm.kernels.fp32_rows compiles where it pays; "fp32 split bmm" without that kernel), fp32
-     through plain F.linear, bf16 (weights stored in bf16), int8, int4 and w8a8 (int8 weights and
-     activations; meshlm.quant, every layer and the head; "w8a8 _int_mm" without the one-row
-     kernel meshlm.quant.row_kernel compiles), each with the weights `meshlm
-     generate` decodes with, and with the weight bytes each reads per token against this core's
-     measured copy bandwidth:
+     through plain F.linear, bf16 (weights stored in bf16; products of one or two rows by the
+     kernel meshlm.kernels.bf16_rows compiles where it pays, "bf16 F.linear" without it), int8,
+     int4 and w8a8 (int8 weights and activations; meshlm.quant, every layer and the head;
+     "w8a8 _int_mm" without the one-row kernel meshlm.quant.row_kernel compiles), each with the
+     weights `meshlm generate` decodes with, and with the weight bytes each reads per token
+     against this core's measured copy bandwidth:
          .venv/bin/python benchmarks/decode_speed.py --versus-transformers --d-model 768 \
              --heads 12 \
              --vocab 50304 --new-tokens 64 --rounds 3 --threads 1
@@ -142,6 +143,7 @@ def versus_transformers(args) -> None:
     models = {"transformers fp32": hf, "transformers bf16": copy.deepcopy(hf).to(torch.bfloat16),
               "meshlm fp32": decoding_copy(ours, "auto")[0], "meshlm fp32 F.linear": ours,
               "meshlm bf16": decoding_copy(ours, "bf16")[0],
+              "meshlm bf16 F.linear": bf16_without_kernel(ours),
               "meshlm int8": decoding_copy(quantize_model(ours, 8, PARTS, activations="bf16")[0],
                                            "auto")[0],
               "meshlm w8a8": decoding_copy(quantize_model(ours, 8, PARTS, activations="int8")[0],
@@ -155,7 +157,8 @@ def versus_transformers(args) -> None:
 
     def step(name: str, model):
         def run():
-            with torch.no_grad(), precision.autocast(CPU, bf16 if name == "meshlm bf16" else fp32):
+            policy = bf16 if name.startswith("meshlm bf16") else fp32
+            with torch.no_grad(), precision.autocast(CPU, policy):
                 if name.startswith("transformers"):
                     model.generate(prompt, max_new_tokens=args.new_tokens,
                                    min_new_tokens=args.new_tokens,
@@ -180,6 +183,7 @@ def versus_transformers(args) -> None:
                  ("meshlm fp32", "meshlm fp32 split bmm"),
                  ("meshlm fp32 split bmm", "transformers fp32"),
                  ("meshlm fp32", "transformers bf16"), ("meshlm bf16", "transformers bf16"),
+                 ("meshlm bf16", "meshlm bf16 F.linear"),
                  ("meshlm bf16", "transformers fp32"), ("meshlm int8", "transformers fp32"),
                  ("meshlm int8", "meshlm fp32"), ("meshlm w8a8", "transformers fp32"),
                  ("meshlm w8a8", "meshlm fp32"), ("meshlm w8a8", "meshlm int8"),
@@ -190,6 +194,18 @@ def versus_transformers(args) -> None:
 
 
 CPU = torch.device("cpu")
+
+
+def bf16_without_kernel(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of `model` as bf16 decoding is without the kernel meshlm.kernels.bf16_rows compiles:
+    the weights stored in bf16, every product by F.linear (what the kernel buys)."""
+    import copy
+
+    from meshlm.runtime import precision
+
+    model = copy.deepcopy(model)
+    precision.store_weights(model, precision.Precision(torch.bfloat16, "as requested"))
+    return model
 
 
 def split_without_kernel(model: torch.nn.Module) -> torch.nn.Module:

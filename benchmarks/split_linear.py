@@ -9,6 +9,12 @@ have. Prints the speed ratios per row count.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/split_linear.py --threads 1
     .venv/bin/python benchmarks/split_linear.py --tied-decode        # greedy decoding, tied head
 
+--bf16 instead times bf16 decoding's products over the same shapes in bf16: F.linear (oneDNN)
+against the kernel meshlm.kernels.bf16_rows compiles, at every row count (Bf16Linear takes it up to
+meshlm.runtime.bf16_linear.KERNEL_ROWS rows: where it stops paying here):
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/split_linear.py --bf16 --threads 1
+
 --tied-decode instead decodes 32 greedy tokens with a vanilla stack of that shape whose head is its
 embedding table, three ways: through F.linear, with the layers split, and with the tied head split
 too (SharedSplitLinear, views of the table); it checks the tokens agree and prints speed ratios.
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.nn.functional as F
 from benchkit import (
     add_stack_arguments,
     add_timing_arguments,
@@ -71,15 +78,43 @@ def tied_decode(args, clock) -> None:
         print(f"  {name:<27} {t['F.linear'] / t[name]:.2f}x F.linear's speed")
 
 
+def bf16_products(args, clock) -> None:
+    """--bf16 (module docstring)."""
+    from meshlm.kernels import bf16_rows
+
+    kernel = bf16_rows.bf16_rows_kernel()
+    if kernel is None:
+        raise SystemExit(f"no bf16 kernel here: {bf16_rows.unavailable()}")
+    torch.manual_seed(0)
+    weights = [torch.randn(o, i).bfloat16() for o, i in stack_shapes(args.d_model, args.layers,
+                                                                     args.vocab)]
+    megabytes = sum(w.numel() for w in weights) * 2 / 1e6
+    print(f"{len(weights)} bf16 weights, {megabytes:.0f} MB, {torch.get_num_threads()} threads, "
+          f"{args.rounds} rounds (medians)")
+    for rows in map(int, args.rows.split(",")):
+        x = {w.shape[1]: torch.randn(rows, w.shape[1]).bfloat16() for w in weights}
+        with torch.no_grad():
+            t = interleaved_medians({
+                "F.linear": lambda x=x: [F.linear(x[w.shape[1]], w) for w in weights],
+                "kernel": lambda x=x: [kernel(x[w.shape[1]], w, None) for w in weights]},
+                args.rounds, clock)
+        print(f"  {rows:4d} rows: F.linear {t['F.linear'] * 1e3:7.1f} ms "
+              f"({megabytes / 1e3 / t['F.linear']:5.1f} GB/s), kernel {t['kernel'] * 1e3:7.1f} ms "
+              f"({megabytes / 1e3 / t['kernel']:5.1f} GB/s): {t['F.linear'] / t['kernel']:.2f}x")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_stack_arguments(p)
     p.add_argument("--tied-decode", action="store_true", help="decode with a tied head instead")
+    p.add_argument("--bf16", action="store_true", help="bf16 products: F.linear vs the kernel")
     add_timing_arguments(p, rounds=5)
     args = p.parse_args()
     clock = timing_setup(args)
     if args.tied_decode:
         return tied_decode(args, clock)
+    if args.bf16:
+        return bf16_products(args, clock)
     threads = torch.get_num_threads()
     torch.manual_seed(0)
     linears = [torch.nn.Linear(i, o, bias=False) for o, i in stack_shapes(args.d_model, args.layers,

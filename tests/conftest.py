@@ -1,6 +1,8 @@
 """Shared fixtures: tiny configs that run in milliseconds on CPU."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -78,3 +80,17 @@ def llama_folder(tmp_path_factory):
 def _deterministic():
     torch.manual_seed(0)
     yield
+
+
+@contextlib.contextmanager
+def fresh_kernel(kernel, monkeypatch, cache):
+    """`kernel` (a meshlm.kernels.kernel.Kernel) built into the cache folder `cache`, none
+    remembered from earlier in this process; forgotten again after."""
+    monkeypatch.setenv("MESHLM_CACHE", str(cache))
+    kernel.product.cache_clear()
+    built = kernel.product()
+    assert built is not None, "this machine has a C compiler (cc or gcc): the kernel builds"
+    try:
+        yield built
+    finally:
+        kernel.product.cache_clear()

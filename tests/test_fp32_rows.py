@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build, tiny
+from conftest import build, fresh_kernel, tiny
 from test_quant import assert_decodes_exactly
 
 from meshlm import decoding
@@ -26,12 +26,8 @@ from meshlm.runtime.split_linear import KERNEL_ROWS, KERNEL_WIDTH, SplitLinear
 @pytest.fixture
 def kernel(monkeypatch, tmp_path):
     """The kernel built into a cache of its own, none remembered from earlier in this process."""
-    monkeypatch.setenv("MESHLM_CACHE", str(tmp_path))
-    fp32_rows.fp32_rows_kernel.cache_clear()
-    built = fp32_rows.fp32_rows_kernel()
-    assert built is not None, "this machine has a C compiler (cc or gcc): the kernel builds"
-    yield built
-    fp32_rows.fp32_rows_kernel.cache_clear()
+    with fresh_kernel(fp32_rows.KERNEL, monkeypatch, tmp_path) as built:
+        yield built
 
 
 def paid(monkeypatch, speedup: float) -> None:

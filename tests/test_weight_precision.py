@@ -11,13 +11,16 @@ from test_decode_precision import bf16_machine  # noqa: F401 (fixture)
 from meshlm.decoding import for_decoding
 from meshlm.generate import Sampling, generate
 from meshlm.runtime import precision, split_linear
+from meshlm.runtime.bf16_linear import Bf16Linear
 from meshlm.runtime.split_linear import SplitLinear
 
 CPU = torch.device("cpu")
 
 
 def linear_dtypes(model) -> set[torch.dtype]:
-    return {m.weight.dtype for m in model.modules() if type(m) is torch.nn.Linear}
+    """The weight dtypes of the model's plain linear layers (bf16 decoding's kernel layers are
+    plain nn.Linear over the same weight)."""
+    return {m.weight.dtype for m in model.modules() if type(m) in (torch.nn.Linear, Bf16Linear)}
 
 
 @pytest.mark.parametrize("cfg", [tiny(spec="1+1R3+1", vocab_size=256),

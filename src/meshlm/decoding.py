@@ -7,8 +7,11 @@ finds that faster (meshlm.runtime.split_linear): 128-column blocks multiplied by
 kernel (meshlm.kernels.fp32_rows; decoding at d = 768 ran 1.6-2.1x F.linear's speed on a 2-core
 Zen 5), else one block per thread through torch.bmm (1.6-1.8x); the same fp32 arithmetic, to
 rounding. Int8-activation layers take the compiled one-row kernel where it pays
-(meshlm.quant.row_kernel), the same numbers bit for bit; under bf16 the weights are stored in
-bf16. A kernel that could not be had is named on the line with its fix, never a silent fallback.
+(meshlm.quant.row_kernel), the same numbers bit for bit. Under bf16 the weights are stored in
+bf16, and on CPU calls of one or two rows go through meshlm's compiled bf16 kernel where it pays
+(meshlm.runtime.bf16_linear: decoding at d = 768 ran 1.25-1.36x F.linear's speed on a 2-core
+Intel Xeon with AMX).
+A kernel that could not be had is named on the line with its fix, never a silent fallback.
 Above runtime and quant, which do not import each other.
 """
 from __future__ import annotations
@@ -17,19 +20,22 @@ from dataclasses import dataclass
 
 import torch
 
-from meshlm.kernels import fp32_rows
+from meshlm.kernels import bf16_rows, fp32_rows
 from meshlm.quant import row_kernel
 from meshlm.quant.calibrate import describe, structure_of
-from meshlm.runtime import precision, split_linear
+from meshlm.runtime import bf16_linear, precision, split_linear
 from meshlm.runtime.precision import Precision
 
 SPLIT_NOTE = "linear weights split per thread for one-token products"
 FP32_KERNEL_NOTE = ("linear weights in 128-column blocks, products of up to 64 rows by meshlm's "
                     "kernel compiled for this CPU")
 ROW_KERNEL_NOTE = "one-token int8 products by meshlm's kernel compiled for this CPU"
+BF16_KERNEL_NOTE = (f"bf16 products of up to {bf16_linear.KERNEL_ROWS} rows by meshlm's kernel "
+                    "compiled for this CPU")
 # where a kernel could not be had (meshlm.kernels.build.why_not): named, never a silent fallback
 FP32_KERNEL_MISSING = "meshlm's fp32 kernel unavailable"
 ROW_KERNEL_MISSING = "meshlm's int8 kernel unavailable"
+BF16_KERNEL_MISSING = "meshlm's bf16 kernel unavailable"
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,8 @@ class Prepared:
     quantized: dict | None = None  # the quantized layers (quant.calibrate.structure_of)
     row_kernel: bool = False  # whether the int8-activation layers took the compiled row kernel
     row_missing: str | None = None  # why they could not (quant.row_kernel.unavailable)
+    bf16_speedup: float = 0.0  # bf16 linears: the kernel's one-row speed over F.linear, if taken
+    bf16_missing: str | None = None  # why the bf16 kernel could not be had (bf16_rows.unavailable)
 
 
 def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, Precision]:
@@ -55,7 +63,9 @@ def prepare(model: torch.nn.Module, chosen: Precision) -> Prepared:
     """Lay `model`'s weights out for decoding in `chosen`: in fp32 on CPU its linear layers where a
     probe found that faster (split_linear.lay_out_for_decoding), its int8-activation layers on CPU
     given the compiled row kernel where it pays (quant.row_kernel.give_row_kernel), under bf16 its
-    nn.Linear weights stored in bf16 (precision.store_weights). Returns what it did."""
+    nn.Linear weights stored in bf16 (precision.store_weights) and, on CPU, multiplied by the
+    compiled bf16 kernel at one or two rows where it pays (bf16_linear.lay_out_for_decoding).
+    Returns what it did."""
     cpu = next(model.parameters()).device.type == "cpu"
     fp32 = cpu and chosen.dtype is None
     layout, speedup = split_linear.lay_out_for_decoding(model) if fp32 else (None, 0.0)
@@ -64,7 +74,11 @@ def prepare(model: torch.nn.Module, chosen: Precision) -> Prepared:
     fp32_missing = fp32_rows.unavailable() if fp32 and layout != "kernel" else None
     row_missing = row_kernel.unavailable(model) if cpu and quantized and not given else None
     precision.store_weights(model, chosen)
-    return Prepared(layout, speedup, fp32_missing, quantized, given, row_missing)
+    bf16 = cpu and chosen.dtype == torch.bfloat16
+    swapped, bf16_speedup = bf16_linear.lay_out_for_decoding(model) if bf16 else (0, 0.0)
+    bf16_missing = bf16_rows.unavailable() if bf16 else None
+    return Prepared(layout, speedup, fp32_missing, quantized, given, row_missing,
+                    bf16_speedup if swapped else 0.0, bf16_missing)
 
 
 def described(chosen: Precision, done: Prepared) -> Precision:
@@ -77,6 +91,12 @@ def described(chosen: Precision, done: Prepared) -> Precision:
                      f"({done.speedup:.1f}x F.linear's one-row speed here, measured once)")
     elif missing:
         notes.append(f"{missing}linear layers keep F.linear")
+    if done.bf16_speedup:
+        notes.append(f"{BF16_KERNEL_NOTE} ({done.bf16_speedup:.1f}x F.linear's one-row speed here, "
+                     "measured once)")
+    elif done.bf16_missing:
+        notes.append(f"{BF16_KERNEL_MISSING} ({done.bf16_missing}), so linear layers keep "
+                     "F.linear")
     if done.quantized:  # those layers run their own kernels whatever the precision
         notes.append(describe(done.quantized))
         if done.row_kernel:

@@ -1,0 +1,120 @@
+/* meshlm's bf16 products for decoding, compiled on the machine that runs it
+   (meshlm.kernels.build, used by meshlm.kernels.bf16_rows).
+
+   y (m, n) fp32 = x (m, k) W^T + b: x bf16 rows, W (n, k) bf16 row-major -- an nn.Linear's bf16
+   weight as it is, so the one copy of it serves here and in F.linear (longer calls) -- and b (n)
+   fp32 or NULL. k must be a multiple of 32 (else 1 is returned: the caller keeps F.linear).
+
+   Every output is one dot product in a fixed order of operations (vector lanes, then their sum),
+   the same whichever rows share the call, so a row's outputs do not depend on the batch, bit for
+   bit (meshlm.kernels.bf16_rows checks it before use). A tile is OUT weight rows by up to ROWS x
+   rows: OUT x ROWS independent accumulators, each weight read once for every row of the tile.
+   The weight rows are split over `threads` OpenMP threads.
+
+   Why: a decoded token is a matrix-vector product bound by streaming the weights. On a 2-core
+   Intel Xeon with AMX, oneDNN's bf16 F.linear at one row reads the weights of a 12-layer d = 768
+   stack and its head at 12.8 GB/s with two threads; this, through AVX512-BF16's vdpbf16ps (32
+   products an instruction, summed in fp32), at 18.1 (docs/quantize.md). With AVX512F alone the weights are
+   widened to fp32 (exact) for fma; elsewhere a plain C loop, which the probe will rarely find
+   paying. */
+#include <stdint.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define ROWS 4
+#define OUT 4
+#define INLINE static inline __attribute__((always_inline))
+
+static inline float widen(uint16_t v) {
+    uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+#define STEP 32
+/* acc += the products of 32 bf16 of x and of w, pairwise */
+INLINE __m512 dot_step(__m512 acc, const uint16_t *x, __m512i w) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x), (__m512bh)w);
+}
+INLINE __m512i weights(const uint16_t *w) { return _mm512_loadu_si512(w); }
+#else
+#define STEP 16
+INLINE __m512i weights(const uint16_t *w) {
+    return _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)w)), 16);
+}
+INLINE __m512 dot_step(__m512 acc, const uint16_t *x, __m512i w) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(weights(x)), _mm512_castsi512_ps(w), acc);
+}
+#endif
+
+/* rows x outs outputs (compile-time counts once inlined): y[r * n + o] */
+INLINE void tile(const uint16_t *restrict x, const uint16_t *restrict w, float *restrict y,
+                 int64_t k, int64_t n, const int rows, const int outs) {
+    __m512 acc[ROWS][OUT];
+    for (int r = 0; r < rows; r++)
+        for (int o = 0; o < outs; o++)
+            acc[r][o] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < k; j += STEP) {
+        __m512i wv[OUT];
+        for (int o = 0; o < outs; o++)
+            wv[o] = weights(w + o * k + j);
+        for (int r = 0; r < rows; r++)
+            for (int o = 0; o < outs; o++)
+                acc[r][o] = dot_step(acc[r][o], x + r * k + j, wv[o]);
+    }
+    for (int r = 0; r < rows; r++)
+        for (int o = 0; o < outs; o++)
+            y[r * n + o] = _mm512_reduce_add_ps(acc[r][o]);
+}
+#else
+INLINE void tile(const uint16_t *restrict x, const uint16_t *restrict w, float *restrict y,
+                 int64_t k, int64_t n, const int rows, const int outs) {
+    for (int r = 0; r < rows; r++)
+        for (int o = 0; o < outs; o++) {
+            float acc = 0.0f;
+            for (int64_t j = 0; j < k; j++)
+                acc += widen(x[r * k + j]) * widen(w[o * k + j]);
+            y[r * n + o] = acc;
+        }
+}
+#endif
+
+/* `rows` rows against `outs` weight rows: a full tile, or one output at a time at the edge (the
+   same operations per output either way) */
+static void block(const uint16_t *restrict x, const uint16_t *restrict w, float *restrict y,
+                  int64_t k, int64_t n, int64_t rows, int64_t outs) {
+    if (outs < OUT) {
+        for (int64_t o = 0; o < outs; o++)
+            for (int64_t r = 0; r < rows; r++)
+                tile(x + r * k, w + o * k, y + r * n + o, k, n, 1, 1);
+        return;
+    }
+    switch (rows) {
+    case 1: tile(x, w, y, k, n, 1, OUT); break;
+    case 2: tile(x, w, y, k, n, 2, OUT); break;
+    case 3: tile(x, w, y, k, n, 3, OUT); break;
+    default: tile(x, w, y, k, n, ROWS, OUT);
+    }
+}
+
+int bf16_rows_product(const uint16_t *restrict x, const uint16_t *restrict w,
+                      const float *restrict bias, float *restrict y, int64_t m, int64_t k,
+                      int64_t n, int threads) {
+    if (k % 32)
+        return 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t i = 0; i < n; i += OUT)
+        for (int64_t r = 0; r < m; r += ROWS)
+            block(x + r * k, w + i * k, y + r * n + i, k, n, m - r < ROWS ? m - r : ROWS,
+                  n - i < OUT ? n - i : OUT);
+    if (bias)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < n; i++)
+                y[r * n + i] += bias[i];
+    return 0;
+}
