@@ -139,13 +139,15 @@ class PlainDecoder:
         if self.flight is None:
             mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], 1)
             self.flight = self.start(batch.pending[:, None], mask, batch.kv)
-        run, logits = self.flight.run, self.finish(self.flight, loop_slice)
+        forward = self.flight
+        logits = self.finish(forward, loop_slice)
         if logits is None:
             return None
-        self.flight = None
-        real = batch.mask.new_ones(len(batch)) if keep is None or not self.pad_done else \
-            keep.clamp(max=1)
-        batch.settle(real, self.choose(logits))
+        self.flight, run, tokens = None, forward.run, self.choose(logits)
+        if keep is None or not self.pad_done:  # every fed position stays real: the step's mask
+            batch.mask, batch.pending = forward.mask, tokens
+        else:
+            batch.settle(keep.clamp(max=1), tokens)
         loops = len(batch) * len(self.schedule) if run.track.loops is None else \
             int(run.track.loops.sum())
         return Step(batch.pending[:, None].tolist(), [1] * len(batch), loop_steps=loops)
