@@ -1,79 +1,82 @@
-"""torch.compile for decoding: what compiling every layer costs on the first generation and saves
-per token, and the break-even in generations (the decode-side companion of
-benchmarks/compile_speed.py).
+"""Decoding through the compiled step (meshlm generate --compile; meshlm.generate.compiled) against
+the eager decoder, side by side in one run, at every precision `meshlm generate` decodes in: fp32
+under the default policy (its weight layout and kernel as this machine's probes chose), bf16 (its
+kernel where it pays; "bf16 F.linear" without it, what bf16 decoding was before), int8 with int8
+activations (w8a8) and int4. Prints tokens/s, the ratio, the first compiled call's seconds (the
+compile, with whatever Inductor had cached on disk) and whether the greedy tokens are the eager
+ones.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/compile_decode.py --threads 1
-        # d=128, 2+2R4+2, 256 tokens
+    .venv/bin/python benchmarks/compile_decode.py --spec 2+4R2+2 --scheme mesh --threads 2
 
-Two copies of one model (same weights): eager, and every layer compiled as training compiles it
-(meshlm.train.parallel.compile_layers). Greedy generation of --new-tokens from a --prompt-token
-prompt, batch 1. overhead = compiled first generation − eager first generation (a cold Inductor
-cache: a user's first run); steady = medians of interleaved rounds; break-even = overhead / (eager −
-compiled) generations. The tokens of both are compared (they must be equal). Dynamo guards on each
-layer's cache slot, so a looped core with more unrolled slots than torch._dynamo's recompile limit
-(8) runs its later slots eagerly.
+A model of --spec at d = 768, 12 heads, a 50,304-word vocabulary (random weights), greedy, batch
+--batch, a 32-token prompt, --new-tokens new ones with EOS ignored; each round runs eager and
+compiled once per precision (interleaved), medians of --rounds (the time includes the prompt's
+prefill, eager in both).
 """
 from __future__ import annotations
 
 import argparse
 import copy
-import os
-import tempfile
+import time
 
-# cold cache
-os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="meshlm-inductor-"))
+import torch
+from benchkit import add_timing_arguments, decoding_copy, interleaved_medians, timing_setup
 
-import torch  # noqa: E402
-from benchkit import add_shape_arguments, add_timing_arguments, interleaved_medians, timing_setup  # noqa: E402
+
+def variants(model) -> dict:
+    """precision -> (model laid out as meshlm generate decodes it, its Precision)."""
+    from meshlm.quant import PARTS, quantize_model
+    from meshlm.runtime import precision
+
+    plain_bf16 = copy.deepcopy(model)  # bf16 weights through F.linear: bf16 before its kernel
+    bf16 = precision.store_weights(plain_bf16, precision.Precision(torch.bfloat16, "as requested"))
+    out = {"fp32": decoding_copy(model, "auto"), "bf16": decoding_copy(model, "bf16"),
+           "bf16 F.linear": (plain_bf16, bf16)}
+    out["w8a8"] = decoding_copy(quantize_model(copy.deepcopy(model), 8, PARTS)[0], "auto")
+    out["int4"] = decoding_copy(quantize_model(copy.deepcopy(model), 4, PARTS)[0], "auto")
+    return out
 
 
 def main() -> None:
     from meshlm.config import ModelConfig
     from meshlm.generate import Sampling, generate
     from meshlm.model import MeshLM
-    from meshlm.train.parallel import compile_layers
+    from meshlm.runtime import precision
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_shape_arguments(p)
-    p.set_defaults(spec="2+2R4+2", d_model=128, heads=4)
-    p.add_argument("--prompt", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--spec", default="12")
+    p.add_argument("--scheme", default="vanilla")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--new-tokens", type=int, default=64)
     add_timing_arguments(p, rounds=3)
     args = p.parse_args()
     clock = timing_setup(args)
     torch.manual_seed(0)
-    cfg = ModelConfig(spec=args.spec, d_model=args.d_model, n_heads=args.heads,
-                      vocab_size=args.vocab,
-                      context_length=args.prompt + args.new_tokens, scheme="mesh")
-    models = {"eager": MeshLM(cfg).eval()}
-    models["compiled"] = copy.deepcopy(models["eager"])
-    compile_layers(models["compiled"])
+    cfg = ModelConfig(spec=args.spec, d_model=768, n_heads=12, vocab_size=50304,
+                      context_length=256, scheme=args.scheme, scale_embeddings=False)
+    model = MeshLM(cfg).eval()
+    prompts = torch.randint(2, 50304, (args.batch, 32),
+                            generator=torch.Generator().manual_seed(0)).tolist()
     s = Sampling(max_new_tokens=args.new_tokens, temperature=0, stop_at_eos=False)
-    prompt = [list(range(5, 5 + args.prompt))]
-    first, tokens = {}, {}
-    for name, model in models.items():
-        start = clock()
-        with torch.no_grad():
-            tokens[name] = generate(model, prompt, s)
-        first[name] = clock() - start
-
-    def step(model):
-        def run():
-            with torch.no_grad():
-                generate(model, prompt, s)
-        return run
-
-    t = interleaved_medians({name: step(m) for name, m in models.items()}, args.rounds, clock)
-    overhead, saved = first["compiled"] - first["eager"], t["eager"] - t["compiled"]
-    print(f"spec {args.spec}, d_model {args.d_model}, {args.new_tokens} new tokens, "
-          f"{torch.get_num_threads()} threads, {args.clock} clock, {args.rounds} rounds; same "
-          f"tokens: {tokens['eager'] == tokens['compiled']}")
-    print(f"first generation: eager {first['eager']:.2f} s, compiled {first['compiled']:.2f} s "
-          f"(compile overhead {overhead:.1f} s)")
-    print(f"steady: eager {t['eager']:.2f} s, compiled {t['compiled']:.2f} s: "
-          f"compiled {t['eager'] / t['compiled']:.2f}x")
-    print(f"break-even: {overhead / saved:.0f} generations" if saved > 0
-          else "break-even: never (no saving)")
+    print(f"{args.spec} {args.scheme}, d_model 768, batch {args.batch}, {args.new_tokens} new "
+          f"tokens, {torch.get_num_threads()} threads, {args.rounds} rounds (medians)")
+    rates = {}
+    for name, (laid_out, chosen) in variants(model).items():
+        def run(compile: bool, laid_out=laid_out, chosen=chosen):
+            with torch.no_grad(), precision.autocast(torch.device("cpu"), chosen):
+                return generate(laid_out, prompts, s, compile=compile)
+        start = time.perf_counter()
+        same = run(True) == run(False)
+        first = time.perf_counter() - start
+        t = interleaved_medians({"eager": lambda: run(False), "compiled": lambda: run(True)},
+                                args.rounds, clock)
+        rate = rates[name] = {k: args.new_tokens * args.batch / v for k, v in t.items()}
+        print(f"  {name:13s} eager {rate['eager']:6.1f} tokens/s, compiled {rate['compiled']:6.1f} "
+              f"({rate['compiled'] / rate['eager']:.2f}x); first compiled call {first:.0f} s; "
+              f"same greedy tokens: {same}", flush=True)
+    print(f"bf16 compiled, through its kernel / bf16 eager through F.linear: "
+          f"{rates['bf16']['compiled'] / rates['bf16 F.linear']['eager']:.2f}x")
 
 
 if __name__ == "__main__":

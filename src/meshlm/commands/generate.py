@@ -46,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "per round (auto: chosen from measured acceptance and cost, plain "
                         "decoding when "
                         "it would not pay); prints acceptance and tokens/s on stderr")
+    p.add_argument("--compile", action="store_true",
+                   help="decode through one step compiled by torch.compile over a static KV cache "
+                        "(plain decoding at the full depth; the first call compiles for seconds)")
     p.hints = {"required": 'pass the text to continue, e.g. meshlm generate runs/small-mesh "To '
                            'be, or not to be"',
                "argument": 'a prompt that starts with "-" goes after --, e.g. meshlm generate RUN '
@@ -82,7 +85,7 @@ def _generate(args: argparse.Namespace, model, tok, s, texts: list[str],
     stats = SpeculationStats() if args.speculate is not None else None
     common = dict(eos_id=tok.eos_id, pad_id=tok.pad_id, cache=not args.no_cache, loops=args.loops,
                   exit=args.exit,
-                  speculate=args.speculate, stats=stats)
+                  speculate=args.speculate, stats=stats, compile=args.compile)
     if len(prompts) > 1:
         for text, new in zip(texts, generate(model, prompts, s, **common)):
             print(text + tok.decode(t for t in new if t != tok.eos_id))
@@ -144,6 +147,9 @@ def check_inputs(args: argparse.Namespace):
         args.exit = p.check(ExitRule.parse, args.exit)
     if args.speculate is not None:
         args.speculate = p.check(Speculation.parse, args.speculate)
+    p.need(not args.compile or (args.exit is None and args.speculate is None and not args.no_cache),
+           "--compile decodes plainly at the full depth with the KV cache; drop --exit, "
+           "--speculate and --no-cache (or --compile)")
     p.check(resolve_device, args.device)
     p.need(Path(args.checkpoint).is_dir() or hub.is_hub_name(args.checkpoint),
            f"{args.checkpoint} is not a folder; pass a meshlm run or step-NNNNNN folder, a Hugging "

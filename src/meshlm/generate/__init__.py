@@ -25,6 +25,7 @@ import torch
 from meshlm.errors import ConfigError
 from meshlm.generate import speculative
 from meshlm.generate.batch import Batch
+from meshlm.generate.compiled import CompiledDecoder
 from meshlm.generate.decoder import Decoder, PlainDecoder, Step, check_room, decode
 from meshlm.generate.sampling import (
     SEED_RANGE,
@@ -74,7 +75,7 @@ def check_loops(model: MeshLM, loops: int | None, max_loops: int | None = None) 
 def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0, pad_id: int = 1,
            cache: bool = True, loops: int | None = None, exit: ExitRule | None = None,
            speculate: Speculation | None = None, stats=None,
-           observe=None) -> Iterator[torch.Tensor]:
+           observe=None, compile: bool = False) -> Iterator[torch.Tensor]:
     """Yield the (B,) next tokens step by step: a PlainDecoder (or, with `speculate`, a
     SpeculativeDecoder) run by `decode`. Rows that reached EOS keep yielding `pad_id`.
 
@@ -84,7 +85,13 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
     `speculate` (a meshlm.generate.speculative.Speculation) decodes by
     lossless self-speculation (meshlm.generate.speculative): the same tokens when greedy, the same
     distribution when sampling; `stats` (a SpeculationStats) then receives the acceptance rate,
-    tokens/s and the chosen setting."""
+    tokens/s and the chosen setting.
+
+    `compile` decodes through one compiled step over a static cache (meshlm.generate.compiled:
+    plain decoding at the full depth, the same tokens to floating-point rounding)."""
+    if compile and (speculate is not None or exit is not None or not cache or observe):
+        raise ConfigError("--compile decodes plainly at the full depth with the KV cache; drop "
+                          "--speculate, --exit and --no-cache (or --compile)")
     if speculate is not None:
         if not cache or exit is not None:
             raise ConfigError("speculative decoding needs the KV cache and the full depth; drop "
@@ -101,7 +108,9 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
     if not cache:
         yield from _recomputed(model, ids, mask, s, eos_id, pad_id, loops, exit, choose, observe)
         return
-    decoder = PlainDecoder(model, model.schedule(loops), choose, exit, observe)
+    schedule = model.schedule(loops)
+    decoder = CompiledDecoder(model, schedule, choose, s.max_new_tokens) if compile else \
+        PlainDecoder(model, schedule, choose, exit, observe)
     yield from decode(decoder, decoder.prefill(ids, mask), s, eos_id, pad_id)
 
 
@@ -127,13 +136,13 @@ def _recomputed(model: MeshLM, ids: torch.Tensor, mask: torch.Tensor, s: Samplin
 def generate(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0, pad_id: int = 1,
              cache: bool = True, loops: int | None = None, exit: ExitRule | None = None,
              speculate: Speculation | None = None, stats=None,
-             observe=None) -> list[list[int]]:
+             observe=None, compile: bool = False) -> list[list[int]]:
     """The new tokens of every row, up to and including EOS (when stop_at_eos). `speculate`,
-    `stats`, `observe`: see `stream`."""
+    `stats`, `observe`, `compile`: see `stream`."""
     out: list[list[int]] = [[] for _ in prompts]
     finished = [False] * len(prompts)
     for token in stream(model, prompts, s, eos_id, pad_id, cache, loops, exit, speculate, stats,
-                        observe):
+                        observe, compile):
         for row, t in enumerate(token.tolist()):
             if not finished[row]:
                 out[row].append(t)

@@ -68,6 +68,9 @@ def _agrees(product: Product) -> bool:
 
 KERNEL = Kernel("bf16_rows.c", "bf16_rows_product",
                 [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int], _product, _agrees,
-                "a float64 product")
+                "a float64 product",
+                "bf16_rows(Tensor rows, Tensor weight, Tensor? bias) -> Tensor",
+                lambda rows, weight, bias: rows.new_empty(rows.shape[0], weight.shape[0],
+                                                          dtype=torch.float32))
 bf16_rows_kernel = KERNEL.product  # () -> Product | None, once per process (.cache_clear())
 unavailable = KERNEL.unavailable

@@ -89,6 +89,10 @@ def rows_apart(function: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> 
 
 KERNEL = Kernel("fp32_rows.c", "fp32_rows_product",
                 [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5 + [ctypes.c_int], _product, _agrees,
-                "a float64 product")
+                "a float64 product",
+                "fp32_rows(Tensor rows, Tensor blocks, Tensor? bias, SymInt out_features) "
+                "-> Tensor",
+                lambda rows, blocks, bias, out_features: rows.new_empty(
+                    rows.shape[0], out_features, dtype=torch.float32))
 fp32_rows_kernel = KERNEL.product  # () -> Product | None, once per process (.cache_clear())
 unavailable = KERNEL.unavailable

@@ -7,11 +7,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from meshlm.kernels import build
 
 # a kernel is used where its probe found it at least this many times as fast as every PyTorch
 # path it raced (meshlm.machine.race, cached by meshlm.machine.measured)
 MIN_SPEEDUP = 1.05
+# the torch operators meshlm::<name> through which a compiled graph calls the kernels
+LIBRARY = torch.library.Library("meshlm", "DEF")
 
 
 class Kernel:
@@ -23,11 +27,20 @@ class Kernel:
     its probe found it the faster."""
 
     def __init__(self, source: str, symbol: str, argtypes: list, wrap: Callable[[Any], Callable],
-                 check: Callable[[Callable], bool], reference: str):
+                 check: Callable[[Callable], bool], reference: str, schema: str,
+                 fake: Callable[..., torch.Tensor]):
         self.source = Path(__file__).with_name(source)
         self.symbol, self.argtypes, self.reference = symbol, argtypes, reference
         self.wrap, self.check = wrap, check
         self.product = functools.cache(self._product)
+        # the product as the torch operator meshlm::<name> ("<name>(Tensor x, …) -> Tensor"):
+        # torch.compile traces an operator, not a C function bound by ctypes; `fake` gives the
+        # output's shape and dtype from the inputs' while tracing
+        name = schema.split("(")[0]
+        LIBRARY.define(schema)
+        LIBRARY.impl(name, lambda *args: self.product()(*args), "CPU")
+        torch.library.register_fake(f"meshlm::{name}", fake, lib=LIBRARY)
+        self.operator = getattr(torch.ops.meshlm, name)
 
     def _product(self) -> Callable | None:
         library = build.library(self.source)
@@ -36,7 +49,13 @@ class Kernel:
         function = getattr(library, self.symbol)
         function.argtypes, function.restype = self.argtypes, ctypes.c_int
         product = self.wrap(function)
-        return product if self.check(product) else None
+        if not self.check(product):
+            return None
+
+        def traceable(*args):
+            """The bound function; its operator inside a graph torch.compile is tracing."""
+            return self.operator(*args) if torch.compiler.is_compiling() else product(*args)
+        return traceable
 
     def unavailable(self) -> str | None:
         """Why this process has no product(), in one line naming the problem and its fix (the

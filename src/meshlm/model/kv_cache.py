@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from meshlm.config import Layout
 
@@ -189,6 +190,62 @@ class RepeatedView:
 
     def get_seq_length(self) -> int:
         return self.length
+
+
+class StaticKVCache(nn.Module):
+    """A LayerCache of fixed shape, for a decode step compiled once (meshlm.generate.compiled):
+    every slot holds (B, H, capacity, hd) keys and values, preallocated, and a decode step writes
+    its one token in place, so the step's shapes never change.
+
+    Columns 0 … capacity−2 hold the cached tokens (`column`, a 0-d tensor, is the next free one);
+    the last column holds the token being decoded: `update` writes it there and at `column`, and
+    the caller's (B, capacity) padding mask marks the filled columns and the last one real, so the
+    model's own mask and positions (get_seq_length() = capacity − 1, one new token) attend to the
+    cached tokens and the new one, as over a growing cache. `advance()` moves `column` on after a
+    step. Built from an eager prefill's KVCache (`of`). Buffers, so a compiled step updates them in
+    place."""
+
+    def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], column: int):
+        super().__init__()
+        self.slots = len(keys)
+        for i, (k, v) in enumerate(zip(keys, values)):
+            self.register_buffer(f"k{i}", k)
+            self.register_buffer(f"v{i}", v)
+        self.register_buffer("column", torch.tensor(column, device=keys[0].device))
+
+    @classmethod
+    def of(cls, cache: KVCache, capacity: int) -> StaticKVCache:
+        """`cache`'s filled positions in buffers of `capacity` columns (more than it holds)."""
+        length = cache.get_seq_length()
+        if capacity <= length:
+            raise ValueError(f"a static cache of {capacity} columns cannot hold {length} cached "
+                             "tokens and the one decoded")
+        keys, values = [], []
+        for i in range(len(cache)):
+            for filled, out in zip(cache.slot(i), (keys, values)):
+                buffer = filled.new_zeros(*filled.shape[:2], capacity, filled.shape[-1])
+                buffer[..., :length, :] = filled
+                out.append(buffer)
+        return cls(keys, values, length)
+
+    @property
+    def capacity(self) -> int:
+        return self.k0.shape[-2]
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = getattr(self, f"k{layer_idx}"), getattr(self, f"v{layer_idx}")
+        for buffer, new in ((k, key), (v, value)):
+            buffer.index_copy_(2, self.column[None], new.to(buffer.dtype))
+            buffer[..., -1:, :] = new
+        return k, v
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.capacity - 1
+
+    def advance(self) -> None:
+        """After a step: its token's column is cached."""
+        self.column += 1
 
 
 def _left_padded(parts: tuple[torch.Tensor, ...], width: int, room: int) -> torch.Tensor:

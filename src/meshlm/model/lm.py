@@ -158,7 +158,7 @@ class MeshLM(nn.Module):
         h = self.scheme.begin(ctx, p)
         stages = Stages(embeddings=e, prelude=p, states=[h]) if return_states else None
         return LoopRun(h=h, ctx=ctx, rope=rope, mask=mask, cache=cache, routed=routed,
-                       stages=stages, past=past)
+                       stages=stages, past=past, track=NO_EXIT)
 
     def start(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None,
               cache: LayerCache | None = None, exit: ExitRule | None = None,

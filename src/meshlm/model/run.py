@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from meshlm.model.exit import NO_EXIT, ExitTracker, NoExit
+from meshlm.model.exit import ExitTracker, NoExit
 from meshlm.model.kv_cache import LayerCache
 from meshlm.model.layers import Rope, attention_mask_from_padding
 from meshlm.model.schemes import LoopContext, concat_contexts, map_contexts
@@ -48,7 +48,9 @@ class LoopRun:
     routed: list[torch.Tensor] = field(default_factory=list)  # MoE router logits of every layer
     # call, in order
     stages: Stages | None = None  # only with return_states=True
-    track: ExitTracker | NoExit = NO_EXIT  # who is still looping (meshlm.model.exit); NO_EXIT: all
+    # who is still looping (meshlm.model.exit; NO_EXIT: all), given by MeshLM.enter and start (no
+    # default instance here: torch.compile cannot trace a dataclass default that is an object)
+    track: ExitTracker | NoExit | None = None
     past: int = 0  # tokens cached before this run's: its mask covers past + T keys
 
     def attention_mask(self) -> torch.Tensor:

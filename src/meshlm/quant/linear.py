@@ -88,6 +88,7 @@ def scaled_int8_products(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tens
 
 
 @functools.cache
+@torch.compiler.assume_constant_result  # a compiled decode step takes its answer as a constant
 def exact_int8_products() -> bool:
     """Whether torch._int_mm sums int8 products exactly on this CPU: oneDNN's VNNI and AMX kernels
     do; its older x86 kernels saturate 16-bit pair sums (measured: every output of a random

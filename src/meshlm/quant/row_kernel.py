@@ -78,7 +78,8 @@ def _same_numbers(product: Product) -> bool:
 
 KERNEL = Kernel("int8_rows.c", "int8_row_product",
                 [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int], _product,
-                _same_numbers, "exact integer sums")
+                _same_numbers, "exact integer sums", "int8_row(Tensor x, Tensor weight) -> Tensor",
+                lambda x, weight: x.new_empty(1, weight.shape[1], dtype=torch.float32))
 int8_row_kernel = KERNEL.product  # () -> Product | None, once per process (.cache_clear())
 
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from meshlm import machine
 from meshlm.kernels import fp32_rows
+from meshlm.kernels.kernel import LIBRARY
 
 # output columns per block below which a further split stops paying
 MIN_BLOCK = 256
@@ -56,13 +57,29 @@ KERNEL_PROBE_SHAPES = ((3 * KERNEL_PROBE_D, KERNEL_PROBE_D), (KERNEL_PROBE_D, KE
 def blocked_product(rows: torch.Tensor, blocks: torch.Tensor,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """rows (M, in) @ blocks (P, in, w) [+ bias (P, 1, w)] -> (M, P·w), block p's columns at
-    p·w …: one bmm batch entry, and so one thread, per block."""
+    p·w …: one bmm batch entry, and so one thread, per block. Inside a graph torch.compile traces,
+    the operator meshlm::blocked_product: Inductor's own lowering of this bmm ran 0.7x eager's
+    speed at d = 768 (meshlm.generate.compiled)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.meshlm.blocked_product(rows, blocks, bias)
+    return _blocked(rows, blocks, bias)
+
+
+def _blocked(rows: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     batch = rows.expand(blocks.shape[0], *rows.shape)
     # (P, M, w); the bias added by the product itself: one tensor call fewer
     y = torch.bmm(batch, blocks) if bias is None else torch.baddbmm(bias, batch, blocks)
     if rows.shape[0] == 1:  # decoding's one row: (P, 1, w) is already (1, P·w) in memory
         return y.view(1, -1)
     return y.transpose(0, 1).reshape(rows.shape[0], -1)
+
+
+LIBRARY.define("blocked_product(Tensor rows, Tensor blocks, Tensor? bias) -> Tensor")
+LIBRARY.impl("blocked_product", _blocked, "CPU")
+torch.library.register_fake(
+    "meshlm::blocked_product",
+    lambda rows, blocks, bias: rows.new_empty(rows.shape[0], blocks.shape[0] * blocks.shape[2]),
+    lib=LIBRARY)
 
 
 class SplitLinear(nn.Module):

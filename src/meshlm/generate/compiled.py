@@ -1,0 +1,103 @@
+"""Plain decoding through one compiled step over a static looped KV cache.
+
+A decode step runs ~25 tensor ops a layer (norms, rotary, the cache write, attention, residuals) and
+the loop's bookkeeping around them; on a CPU their dispatch costs about 3 ms a token at d = 768, a
+fifth of an int4 model's step. Compiled (torch.compile, Inductor) they fuse into a few kernels, and
+that overhead goes. A compiled step needs shapes that do not change from token to token: the cache
+is a meshlm.model.kv_cache.StaticKVCache, preallocated to the generation's length (rounded up to
+COLUMNS, so that nearby lengths share one compiled step) and written in place, and the step takes a
+(B, capacity) padding mask over it.
+
+`CompiledDecoder` is a Decoder (meshlm.generate.decoder): the prompts prefill eagerly, as a
+PlainDecoder does, into a KVCache that then becomes the static one; every step after is the compiled
+forward — the prelude, the loop of every scheme and the coda, at the full depth — with the sampling
+outside it. Per-token exit (data-dependent control flow) and speculation (a cache that rolls back)
+keep the eager decoders. The tokens are the eager path's to floating-point rounding (Inductor fuses
+what the eager ops round separately); tests/test_compiled.py checks greedy tokens against it.
+
+Compiling costs seconds (torch.compile caches its work per process and, for Inductor's kernels, on
+disk); a compiled step is reused for every call with the same model, batch size and capacity.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from meshlm.errors import ConfigError
+from meshlm.generate.batch import Batch
+from meshlm.generate.decoder import Choose, PlainDecoder, Step
+from meshlm.model import MeshLM
+from meshlm.model.kv_cache import StaticKVCache
+
+COLUMNS = 64  # a static cache's capacity is a multiple of this: fewer distinct compiled shapes
+
+
+def capacity_for(cached: int, new_tokens: int) -> int:
+    """Columns for `cached` prompt positions, `new_tokens` decoded ones and the decoded token's own
+    column, rounded up to COLUMNS."""
+    return -(-(cached + new_tokens + 1) // COLUMNS) * COLUMNS
+
+
+def _forward(model: MeshLM, schedule: tuple[int, ...], tokens: torch.Tensor,
+             padding: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+    """One decode step: tokens (B, 1) after the cache, padding (B, capacity) -> (B, V) logits."""
+    run = model.start(tokens, padding, cache)
+    model.advance(run, schedule)
+    return model.readout(run, schedule)[:, -1]
+
+
+@functools.cache
+def compiled_forward():
+    """_forward compiled (torch.compile is lazy: Inductor runs at the first call of a shape)."""
+    step = torch.compile(_forward, dynamic=False)
+
+    def call(*args):
+        with warnings.catch_warnings():  # tracing reads config.layout through its lru_cache, which
+            # Dynamo warns that it traces through: harmless (the spec is a constant)
+            warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools")
+            return step(*args)
+    return call
+
+
+class CompiledDecoder:
+    """Plain decoding at the full depth with a compiled step (module docstring). `new_tokens`: the
+    most tokens a row will decode (the static cache's room). `compiled=False` runs the same step
+    eagerly over the static cache (what the compiled one computes, to rounding)."""
+
+    def __init__(self, model: MeshLM, schedule: tuple[int, ...], choose: Choose,
+                 new_tokens: int, compiled: bool = True):
+        self.model, self.schedule, self.choose = model, schedule, choose
+        self.new_tokens = new_tokens
+        self.forward = compiled_forward() if compiled else _forward
+        self.cache: StaticKVCache | None = None
+
+    def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> Batch:
+        batch = PlainDecoder(self.model, self.schedule, self.choose).prefill(ids, mask)
+        capacity = capacity_for(batch.cached, self.new_tokens)
+        if capacity > self.model.config.context_length:
+            capacity = batch.cached + self.new_tokens + 1
+        if capacity > self.model.config.context_length:
+            raise ConfigError(f"a compiled step needs one column beyond the prompt and the new "
+                              f"tokens ({capacity} > context_length="
+                              f"{self.model.config.context_length}); decode one token fewer or "
+                              "drop --compile")
+        self.cache = StaticKVCache.of(batch.kv, capacity)
+        batch.kv = self.cache  # the eager cache is freed; only this decoder's steps use the batch
+        return batch
+
+    @torch.no_grad()
+    def step(self, batch: Batch, keep: torch.Tensor | None = None,
+             active: torch.Tensor | None = None) -> Step:
+        """Feed every row's pending token through the compiled step; its next one."""
+        cache, rows = self.cache, len(batch)
+        padding = batch.mask.new_zeros(rows, cache.capacity)
+        padding[:, :batch.mask.shape[1]] = batch.mask
+        padding[:, -1] = 1  # the decoded token's own column
+        logits = self.forward(self.model, self.schedule, batch.pending[:, None], padding, cache)
+        cache.advance()
+        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(rows, 1)], 1)
+        batch.pending = self.choose(logits)
+        return Step(batch.pending[:, None].tolist(), [1] * rows,
+                    loop_steps=rows * len(self.schedule))

@@ -1,0 +1,94 @@
+"""Plain decoding through one compiled step over a static looped KV cache
+(meshlm.generate.compiled): the static cache computes what the growing one does, for every scheme
+and with left padding; compiled, the greedy tokens are the eager decoder's; what it cannot do is
+refused in one line."""
+import pytest
+import torch
+from conftest import build, tiny
+
+from meshlm.checkpoint import save_model
+from meshlm.cli import main
+from meshlm.errors import ConfigError
+from meshlm.generate import PlainDecoder, Sampling, decode, generate, left_pad, next_token
+from meshlm.generate.compiled import COLUMNS, CompiledDecoder, capacity_for
+from meshlm.model.exit import ExitRule
+
+SCHEMES = ["mesh", "base", "anchor"]
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11]]  # left padding in the batch
+
+
+def logits_by_step(decoder, model, s):
+    """Every decode step's (B, V) logits, decoder.forward observed."""
+    seen, inner = [], decoder.forward
+
+    def spy(*args):
+        seen.append(inner(*args))
+        return seen[-1]
+    decoder.forward = spy
+    ids, mask = left_pad(PROMPTS, 1, torch.device("cpu"))
+    list(decode(decoder, decoder.prefill(ids, mask), s))
+    return seen
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_the_static_cache_computes_what_the_growing_one_does(scheme):
+    model = build(tiny(scheme=scheme, spec="1+2R3+1", vocab_size=128, context_length=96))
+    s = Sampling(max_new_tokens=8, temperature=0, stop_at_eos=False)
+
+    def choose(logits):
+        return next_token(logits, s, None)
+    with torch.no_grad():
+        static = CompiledDecoder(model, model.schedule(), choose, s.max_new_tokens, compiled=False)
+        steps = logits_by_step(static, model, s)
+        assert static.cache.capacity == COLUMNS and int(static.cache.column) == 5 + 7
+        plain = PlainDecoder(model, model.schedule(), choose,
+                             observe=lambda out, mask: eager.append(out.logits[:, -1]))
+        eager = []
+        ids, mask = left_pad(PROMPTS, 1, torch.device("cpu"))
+        tokens = [t.tolist() for t in decode(plain, plain.prefill(ids, mask), s)]
+    assert len(steps) == len(eager) - 1 == 7  # the prefill's logits come first
+    for ours, theirs in zip(steps, eager[1:]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert generate(model, PROMPTS, s) == [list(row) for row in zip(*tokens)]
+
+
+def test_capacity_rounds_up_and_a_full_context_is_refused():
+    assert capacity_for(5, 8) == COLUMNS and capacity_for(COLUMNS - 1, 1) == 2 * COLUMNS
+    model = build(tiny(vocab_size=128, context_length=32))
+    s = Sampling(max_new_tokens=32 - 5, temperature=0, stop_at_eos=False)
+    with pytest.raises(ConfigError, match="one column beyond the prompt and the new tokens"):
+        generate(model, [[5, 6, 7, 8, 9]], s, compile=True)
+
+
+def test_what_compile_cannot_do_is_refused_in_one_line(tmp_path, capsys):
+    model = build(tiny(vocab_size=8192))
+    s = Sampling(max_new_tokens=2, temperature=0)
+    with pytest.raises(ConfigError, match="--compile decodes plainly"):
+        generate(model, [[5]], s, exit=ExitRule.parse("state:0.1"), compile=True)
+    save_model(model, tmp_path / "ckpt")
+    for extra in (["--exit", "state:0.1"], ["--speculate", "auto"], ["--no-cache"]):
+        assert main(["generate", str(tmp_path / "ckpt"), "To be", "--compile", *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--compile decodes plainly" in err[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", [*SCHEMES, "vanilla"])
+def test_compiled_greedy_tokens_are_the_eager_decoders(scheme):
+    spec = "1+2+1" if scheme == "vanilla" else "1+2R3+1"
+    model = build(tiny(scheme=scheme, spec=spec, d_model=64, vocab_size=256, context_length=96))
+    s = Sampling(max_new_tokens=12, temperature=0, stop_at_eos=False)
+    eager = generate(model, PROMPTS, s)
+    assert generate(model, PROMPTS, s, compile=True) == eager
+    assert generate(model, PROMPTS, s, compile=True) == eager  # the compiled step reused
+
+
+@pytest.mark.slow
+def test_meshlm_generate_compile_prints_the_eager_text(tmp_path, capsys):
+    save_model(build(tiny(vocab_size=8192)), tmp_path / "ckpt")
+    outputs = []
+    for extra in ([], ["--compile"]):
+        assert main(["generate", str(tmp_path / "ckpt"), "To be, or not", "-t", "0", "-n", "8",
+                     *extra]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
