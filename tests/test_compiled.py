@@ -8,6 +8,7 @@ from conftest import build, tiny
 
 from meshlm.checkpoint import save_model
 from meshlm.cli import main
+from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import ConfigError
 from meshlm.generate import PlainDecoder, Sampling, decode, generate, left_pad, next_token
 from meshlm.generate.compiled import COLUMNS, CompiledDecoder, capacity_for
@@ -70,6 +71,12 @@ def test_what_compile_cannot_do_is_refused_in_one_line(tmp_path, capsys):
         assert main(["generate", str(tmp_path / "ckpt"), "To be", "--compile", *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--compile decodes plainly" in err[0]
+    # the prompt and -n fill the context exactly: eager decoding fits, the compiled step's extra
+    # column does not; refused before anything is printed
+    n = model.config.context_length - len(load_tokenizer("default").encode("To be"))
+    assert main(["generate", str(tmp_path / "ckpt"), "To be", "-n", str(n), "--compile"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "one column beyond the prompt and the new tokens" in err
 
 
 @pytest.mark.slow

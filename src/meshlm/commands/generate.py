@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from meshlm.decoding import for_decoding
-    from meshlm.generate import check_loops, check_room
+    from meshlm.generate import check_loops, check_room, compiled
     from meshlm.loading import open_model
     from meshlm.runtime import precision
 
@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     model, tok = opened.model, opened.tokenizer
     prompts = [tok.encode(text) for text in texts]
     check_room(model, prompts, s)  # before anything is written to stdout
+    if args.compile:
+        compiled.check_room(model, prompts, s.max_new_tokens)
     check_loops(model, args.loops, args.max_loops)
     device, chosen = for_decoding(args.dtype, model)
     with precision.autocast(device, chosen):

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import torch
 
 from meshlm.errors import ConfigError
-from meshlm.generate import speculative
+from meshlm.generate import compiled, speculative
 from meshlm.generate.batch import Batch
 from meshlm.generate.compiled import CompiledDecoder
 from meshlm.generate.decoder import Decoder, PlainDecoder, Step, check_room, decode
@@ -100,6 +100,8 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
         return
     device = next(model.parameters()).device
     check_room(model, prompts, s)
+    if compile:
+        compiled.check_room(model, prompts, s.max_new_tokens)
     ids, mask = left_pad(prompts, pad_id, device)
     generator = None if s.seed is None else torch.Generator(device).manual_seed(s.seed)
 

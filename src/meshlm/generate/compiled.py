@@ -40,6 +40,16 @@ def capacity_for(cached: int, new_tokens: int) -> int:
     return -(-(cached + new_tokens + 1) // COLUMNS) * COLUMNS
 
 
+def check_room(model: MeshLM, prompts: list[list[int]], new_tokens: int) -> None:
+    """ConfigError unless the longest prompt, the new tokens and the decoded token's own column
+    fit the context (the static cache's last column holds the token being decoded)."""
+    need, context = max(map(len, prompts)) + new_tokens + 1, model.config.context_length
+    if need > context:
+        raise ConfigError(f"a compiled step needs one column beyond the prompt and the new tokens "
+                          f"({need} > context_length={context}); decode one token fewer or drop "
+                          "--compile")
+
+
 def _forward(model: MeshLM, schedule: tuple[int, ...], tokens: torch.Tensor,
              padding: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
     """One decode step: tokens (B, 1) after the cache, padding (B, capacity) -> (B, V) logits."""
@@ -75,14 +85,9 @@ class CompiledDecoder:
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> Batch:
         batch = PlainDecoder(self.model, self.schedule, self.choose).prefill(ids, mask)
-        capacity = capacity_for(batch.cached, self.new_tokens)
-        if capacity > self.model.config.context_length:
-            capacity = batch.cached + self.new_tokens + 1
-        if capacity > self.model.config.context_length:
-            raise ConfigError(f"a compiled step needs one column beyond the prompt and the new "
-                              f"tokens ({capacity} > context_length="
-                              f"{self.model.config.context_length}); decode one token fewer or "
-                              "drop --compile")
+        # rounded up where the context allows (check_room: the exact need always fits)
+        capacity = min(capacity_for(batch.cached, self.new_tokens),
+                       max(self.model.config.context_length, batch.cached + self.new_tokens + 1))
         self.cache = StaticKVCache.of(batch.kv, capacity)
         batch.kv = self.cache  # the eager cache is freed; only this decoder's steps use the batch
         return batch
