@@ -41,7 +41,7 @@ def test_the_static_cache_computes_what_the_growing_one_does(scheme):
     with torch.no_grad():
         static = CompiledDecoder(model, model.schedule(), choose, s.max_new_tokens, compiled=False)
         steps = logits_by_step(static, model, s)
-        assert static.cache.capacity == COLUMNS and int(static.cache.column) == 5 + 7
+        assert static.cache.capacity == COLUMNS and static.cache.column == 5 + 7
         plain = PlainDecoder(model, model.schedule(), choose,
                              observe=lambda out, mask: eager.append(out.logits[:, -1]))
         eager = []
