@@ -6,6 +6,8 @@
                         a step (a prefill's forward too) resumable a few loop steps at a time, so
                         continuous batching spreads a deep request's step over boundaries
     SpeculativeDecoder  (meshlm.generate.speculative) a plain step or a draft-verify round
+    CompiledDecoder     (meshlm.generate.compiled) a plain full-depth step compiled once over a
+                        static KV cache (`meshlm generate --compile`)
     decode              the loop over a decoder: meshlm.generate.stream and speculative.stream
 
 Each row's token is the decoder's `choose(logits)`: one rule and generator for the batch
