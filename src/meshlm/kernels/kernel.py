@@ -18,6 +18,15 @@ MIN_SPEEDUP = 1.05
 LIBRARY = torch.library.Library("meshlm", "DEF")
 
 
+def close_to_float64(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> bool:
+    """Whether y is x Wᵀ + b to fp32 rounding: against the product in float64 over the same
+    numbers, within 1e-5 of Σ|x||W| (+1e-6) per output. The check of the fp32 and bf16 kernels."""
+    exact = x.double() @ weight.double().t() + (0 if bias is None else bias.double())
+    bound = 1e-5 * (x.abs().double() @ weight.abs().double().t()) + 1e-6
+    return bool(((y.double() - exact).abs() <= bound).all())
+
+
 class Kernel:
     """The C function `symbol` of `source` (a C file of this package): it returns an int (0: done)
     and takes `argtypes`. `product()` is it built for this CPU and loaded (build.library), bound,
