@@ -76,6 +76,18 @@ def decoding_copy(model: torch.nn.Module, dtype: str) -> tuple[torch.nn.Module, 
     return model, for_decoding(dtype, model)[1]
 
 
+def bf16_without_kernel(model: torch.nn.Module) -> tuple[torch.nn.Module, object]:
+    """(a copy of `model` as bf16 decoding is without the kernel meshlm.kernels.bf16_rows compiles:
+    the weights stored in bf16, every product by F.linear, what the kernel buys; its precision)."""
+    import copy
+
+    from meshlm.runtime import precision
+
+    model = copy.deepcopy(model)
+    return model, precision.store_weights(model, precision.Precision(torch.bfloat16,
+                                                                     "as requested"))
+
+
 def corpus_prompts(tok, count: int, length: int) -> list[list[int]]:
     """`count` prompts of `length` tokens: the openings of held-out documents of the embedded corpus
     (validation split), so decoding is measured on real text."""

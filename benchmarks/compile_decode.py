@@ -21,18 +21,21 @@ import copy
 import time
 
 import torch
-from benchkit import add_timing_arguments, decoding_copy, interleaved_medians, timing_setup
+from benchkit import (
+    add_timing_arguments,
+    bf16_without_kernel,
+    decoding_copy,
+    interleaved_medians,
+    timing_setup,
+)
 
 
 def variants(model) -> dict:
     """precision -> (model laid out as meshlm generate decodes it, its Precision)."""
     from meshlm.quant import PARTS, quantize_model
-    from meshlm.runtime import precision
 
-    plain_bf16 = copy.deepcopy(model)  # bf16 weights through F.linear: bf16 before its kernel
-    bf16 = precision.store_weights(plain_bf16, precision.Precision(torch.bfloat16, "as requested"))
     out = {"fp32": decoding_copy(model, "auto"), "bf16": decoding_copy(model, "bf16"),
-           "bf16 F.linear": (plain_bf16, bf16)}
+           "bf16 F.linear": bf16_without_kernel(model)}
     out["w8a8"] = decoding_copy(quantize_model(copy.deepcopy(model), 8, PARTS)[0], "auto")
     out["int4"] = decoding_copy(quantize_model(copy.deepcopy(model), 4, PARTS)[0], "auto")
     return out

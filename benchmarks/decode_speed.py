@@ -42,6 +42,7 @@ import torch
 from benchkit import (
     add_shape_arguments,
     add_timing_arguments,
+    bf16_without_kernel,
     decoding_copy,
     interleaved_medians,
     timing_setup,
@@ -143,7 +144,7 @@ def versus_transformers(args) -> None:
     models = {"transformers fp32": hf, "transformers bf16": copy.deepcopy(hf).to(torch.bfloat16),
               "meshlm fp32": decoding_copy(ours, "auto")[0], "meshlm fp32 F.linear": ours,
               "meshlm bf16": decoding_copy(ours, "bf16")[0],
-              "meshlm bf16 F.linear": bf16_without_kernel(ours),
+              "meshlm bf16 F.linear": bf16_without_kernel(ours)[0],
               "meshlm int8": decoding_copy(quantize_model(ours, 8, PARTS, activations="bf16")[0],
                                            "auto")[0],
               "meshlm w8a8": decoding_copy(quantize_model(ours, 8, PARTS, activations="int8")[0],
@@ -194,18 +195,6 @@ def versus_transformers(args) -> None:
 
 
 CPU = torch.device("cpu")
-
-
-def bf16_without_kernel(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of `model` as bf16 decoding is without the kernel meshlm.kernels.bf16_rows compiles:
-    the weights stored in bf16, every product by F.linear (what the kernel buys)."""
-    import copy
-
-    from meshlm.runtime import precision
-
-    model = copy.deepcopy(model)
-    precision.store_weights(model, precision.Precision(torch.bfloat16, "as requested"))
-    return model
 
 
 def split_without_kernel(model: torch.nn.Module) -> torch.nn.Module:
