@@ -82,6 +82,7 @@ class CompiledDecoder:
         self.new_tokens = new_tokens
         self.forward = compiled_forward() if compiled else _forward
         self.cache: StaticKVCache | None = None
+        self.padding: torch.Tensor | None = None
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> Batch:
         batch = PlainDecoder(self.model, self.schedule, self.choose).prefill(ids, mask)
@@ -90,6 +91,11 @@ class CompiledDecoder:
                        max(self.model.config.context_length, batch.cached + self.new_tokens + 1))
         self.cache = StaticKVCache.of(batch.kv, capacity)
         batch.kv = self.cache  # the eager cache is freed; only this decoder's steps use the batch
+        # the steps' (B, capacity) padding mask: the prompts' columns, and the decoded token's own
+        # (the last); each step marks its column real, and the batch's mask is a view of it
+        self.padding = batch.mask.new_zeros(len(batch), capacity)
+        self.padding[:, :batch.cached] = batch.mask
+        self.padding[:, -1] = 1
         return batch
 
     @torch.no_grad()
@@ -97,12 +103,11 @@ class CompiledDecoder:
              active: torch.Tensor | None = None) -> Step:
         """Feed every row's pending token through the compiled step; its next one."""
         cache, rows = self.cache, len(batch)
-        padding = batch.mask.new_zeros(rows, cache.capacity)
-        padding[:, :batch.mask.shape[1]] = batch.mask
-        padding[:, -1] = 1  # the decoded token's own column
-        logits = self.forward(self.model, self.schedule, batch.pending[:, None], padding, cache)
+        logits = self.forward(self.model, self.schedule, batch.pending[:, None], self.padding,
+                              cache)
+        self.padding[:, cache.column] = 1  # the step's token, cached there by advance
         cache.advance()
-        batch.mask = torch.cat([batch.mask, batch.mask.new_ones(rows, 1)], 1)
+        batch.mask = self.padding[:, :cache.column]
         batch.pending = self.choose(logits)
         return Step(batch.pending[:, None].tolist(), [1] * rows,
                     loop_steps=rows * len(self.schedule))
