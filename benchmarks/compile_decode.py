@@ -8,6 +8,13 @@ ones.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/compile_decode.py --threads 1
     .venv/bin/python benchmarks/compile_decode.py --spec 2+4R2+2 --scheme mesh --threads 2
+    .venv/bin/python benchmarks/compile_decode.py --no-matmul --threads 2   # the per-token split
+
+--no-matmul splits a token's time: the fp32 model as decoded, and the same model with every weight
+product (each linear and the output layer) replaced by a slice of its input (a view the compiler
+fuses); what is left (norms, rotary, attention over the cache, the scheme's own math, sampling over
+the vocabulary, the Python and dispatch around them) is the non-matmul time per token, eager and
+compiled.
 
 A model of --spec at d = 768, 12 heads, a 50,304-word vocabulary (random weights), greedy, batch
 --batch, a 32-token prompt, --new-tokens new ones with EOS ignored; each round runs eager and
@@ -41,6 +48,61 @@ def variants(model) -> dict:
     return out
 
 
+class NoProduct(torch.nn.Module):
+    """A weight product's stand-in: (…, in) -> (…, out) by slicing (or tiling) the input, a view
+    or one small copy that the compiler fuses with its neighbours, so nothing of the product's cost
+    (its dispatch included) is left in the time of what surrounds it."""
+
+    def __init__(self, out: int):
+        super().__init__()
+        self.out = out
+
+    def forward(self, x):
+        tiles = -(-self.out // x.shape[-1])
+        return (x if tiles == 1 else x.repeat(*([1] * (x.dim() - 1)), tiles))[..., :self.out]
+
+
+def without_products(model) -> torch.nn.Module:
+    """A copy of `model` whose every linear and output layer is a NoProduct."""
+    model = copy.deepcopy(model)
+    for m in list(model.modules()):
+        for child, sub in list(m.named_children()):
+            if type(sub) is torch.nn.Linear:  # MeSH's routers (small) keep theirs
+                setattr(m, child, NoProduct(sub.out_features))
+    model.embed_out = NoProduct(model.config.vocab_size)
+    return model
+
+
+def split(model, prompts, s, args, clock) -> None:
+    """ms a decoded token (prefill excluded: a generation of --new-tokens against one of a single
+    token, the difference over the tokens between) of the fp32 model as decoded and of its copy
+    without weight products, eager and compiled, timed in interleaved rounds."""
+    import dataclasses
+
+    from meshlm.generate import generate
+    from meshlm.runtime import precision
+
+    one = dataclasses.replace(s, max_new_tokens=1)
+
+    def run(m, chosen, compile, sampling):
+        with torch.no_grad(), precision.autocast(torch.device("cpu"), chosen):
+            return generate(m, prompts, sampling, compile=compile)
+
+    full, chosen = decoding_copy(model, "auto")
+    bare = without_products(model)
+    cases = {(what, mode, n): (lambda m=m, c=c, sm=sm: run(m, chosen, c, sm))
+             for what, m in (("whole", full), ("no-matmul", bare))
+             for mode, c in (("eager", False), ("compiled", True))
+             for n, sm in ((1, one), (args.new_tokens, s))}
+    t = interleaved_medians(cases, args.rounds, clock)
+    ms = {(what, mode): 1e3 * (t[what, mode, args.new_tokens] - t[what, mode, 1])
+          / ((args.new_tokens - 1) * args.batch) for what, mode, _ in t}
+    for mode in ("eager", "compiled"):
+        whole, bare_ms = ms["whole", mode], ms["no-matmul", mode]
+        print(f"  {mode:9s} {whole:6.2f} ms a token; without weight products {bare_ms:5.2f} ms "
+              f"(the products {whole - bare_ms:.2f} ms)", flush=True)
+
+
 def main() -> None:
     from meshlm.config import ModelConfig
     from meshlm.generate import Sampling, generate
@@ -52,6 +114,8 @@ def main() -> None:
     p.add_argument("--scheme", default="vanilla")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--no-matmul", action="store_true",
+                   help="fp32 only: the per-token time without weight products, eager and compiled")
     add_timing_arguments(p, rounds=3)
     args = p.parse_args()
     clock = timing_setup(args)
@@ -64,6 +128,8 @@ def main() -> None:
     s = Sampling(max_new_tokens=args.new_tokens, temperature=0, stop_at_eos=False)
     print(f"{args.spec} {args.scheme}, d_model 768, batch {args.batch}, {args.new_tokens} new "
           f"tokens, {torch.get_num_threads()} threads, {args.rounds} rounds (medians)")
+    if args.no_matmul:
+        return split(model, prompts, s, args, clock)
     rates = {}
     for name, (laid_out, chosen) in variants(model).items():
         def run(compile: bool, laid_out=laid_out, chosen=chosen):
