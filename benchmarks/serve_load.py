@@ -15,9 +15,11 @@ fairness ratio (`--loop-slice` is passed to the server: 0 turns slicing off). Ea
 `--bad` bad requests (an unknown field, a negative temperature: both must be
 400) and `--disconnects` streams that hang up after two chunks; a good request that fails is counted
 and printed. A level stops starting requests after `--seconds`. Every mode runs at every level once
-per round, rounds alternating the order, and the figures are the medians over rounds: on a shared
-machine, read the ratios (concurrency c over one at a time, exit and speculation over plain at the
-same concurrency) rather than the absolute tokens/s.
+per round, rounds alternating the order, and the figures are the medians over rounds. `--compile`
+adds a mode: the same plain requests to a second server started with `--compile` (its warm-up
+compile done before the first level). On a shared machine, read the ratios (concurrency c over
+one at a time; exit, speculation and the compiled server over plain at the same concurrency)
+rather than the absolute tokens/s.
 """
 from __future__ import annotations
 
@@ -143,6 +145,8 @@ def modes(args) -> dict[str, dict]:
         out[f"speculate {args.speculate}"] = {"speculate": args.speculate}
     if args.deep:
         out[f"+ loops={args.deep} client"] = {"deep": args.deep}
+    if args.compile:
+        out["plain, compiled"] = {"server": "compiled"}
     return out
 
 
@@ -187,24 +191,30 @@ def main() -> None:
                    help="add a mode with one client sending loops=L requests meanwhile")
     p.add_argument("--loop-slice", type=int, default=None,
                    help="the server's --loop-slice (default: its own; 0: never slice)")
+    p.add_argument("--compile", action="store_true",
+                   help="add a mode: plain requests to a second server run with --compile")
     p.add_argument("--server-threads", type=int, default=1)
     p.add_argument("--max-batch", type=int, default=16)
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     tok = open_model(args.checkpoint).tokenizer
     prompts = [tok.decode(w) for w in corpus_windows(tok, args.requests, args.prompt_tokens)]
-    server = Server(Path(args.checkpoint), "--max-batch", str(args.max_batch), "--max-queue",
-                    "1024",
-                    "--threads", str(args.server_threads),
-                    *([] if args.deep is None else ["--max-loops", str(args.deep)]),
-                    *([] if args.loop_slice is None else ["--loop-slice", str(args.loop_slice)]),
-                    name="bench")
+    options = ["--max-batch", str(args.max_batch), "--max-queue", "1024",
+               "--threads", str(args.server_threads),
+               *([] if args.deep is None else ["--max-loops", str(args.deep)]),
+               *([] if args.loop_slice is None else ["--loop-slice", str(args.loop_slice)])]
+    servers = {"eager": Server(Path(args.checkpoint), *options, name="bench")}
+    if args.compile:  # the compiled step's warm-up precedes /health
+        servers["compiled"] = Server(Path(args.checkpoint), *options, "--compile", name="bench",
+                                     ready_within=600)
     try:
         results: dict[tuple[str, int], list[dict]] = {}
         plan = [(m, c) for c in levels for m in modes(args)]
         for r in range(args.rounds):
             for name, c in plan if r % 2 == 0 else plan[::-1]:
-                out = asyncio.run(level(server, prompts, c, modes(args)[name], args))
+                mode = dict(modes(args)[name])
+                server = servers[mode.pop("server", "eager")]
+                out = asyncio.run(level(server, prompts, c, mode, args))
                 results.setdefault((name, c), []).append(out)
         for c in levels:
             base = report("plain", c, results[("plain", c)], None)
@@ -215,7 +225,8 @@ def main() -> None:
             print(f"plain: concurrency {c} / one at a time: {plain[c] / plain[levels[0]]:.2f}x "
                   "tokens/s")
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ def clean_env() -> dict[str, str]:
 
 
 class Server:
-    def __init__(self, folder: Path, *options: str, name: str = "tiny"):
+    def __init__(self, folder: Path, *options: str, name: str = "tiny", ready_within: float = 60):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "meshlm.cli", "serve", str(folder), "--port", str(self.port),
@@ -39,9 +39,9 @@ class Server:
         self.proc = subprocess.Popen(cmd, env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE,
                                      text=True)
-        self._wait_ready()
+        self._wait_ready(ready_within)
 
-    def _wait_ready(self, timeout: float = 60) -> None:
+    def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -52,7 +52,7 @@ class Server:
                     return
             time.sleep(0.1)
         self.stop()
-        raise RuntimeError("meshlm serve did not answer /health within a minute")
+        raise RuntimeError(f"meshlm serve did not answer /health within {timeout:.0f} s")
 
     def client(self):
         import openai

@@ -73,6 +73,24 @@ def test_completion_equals_meshlm_generate(server, folder, opened):
     assert choice.text == solo(opened, PROMPT, 12) and choice.finish_reason in ("length", "stop")
 
 
+@pytest.mark.slow
+def test_a_compiled_server_answers_concurrent_requests_as_meshlm_generate_does(folder, opened):
+    """`meshlm serve --compile`: compiled before /health answers; concurrent greedy requests, which
+    share compiled steps, each get what meshlm.generate decodes alone."""
+    s = Server(folder, "--max-batch", "4", "--compile", ready_within=600)
+    try:
+        prompts = [PROMPT, "The", "It was a dark and stormy night", "Hello there"]
+
+        async def go():
+            async with s.client() as c:
+                return await asyncio.gather(*(c.completions.create(
+                    model="tiny", prompt=p, max_tokens=10, temperature=0) for p in prompts))
+        answers = asyncio.run(go())
+        assert [a.choices[0].text for a in answers] == [solo(opened, p, 10) for p in prompts]
+    finally:
+        s.stop()
+
+
 def test_chat_uses_the_default_template(server, opened):
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Say hello"}]

@@ -409,3 +409,55 @@ def test_a_deep_request_cancelled_mid_slice_leaves_when_the_slice_ends():
     while batcher.step():
         pass
     assert plain.tokens == reference(model, plain)
+
+
+def _compiled_serving_decodes_as_eager_alone(scheme):
+    model = build(tiny(scheme=scheme, spec="1+2+1+1" if scheme == "vanilla" else "1+1R3+1"))
+    batcher = Batcher(model, eos_id=0, pad_id=1, max_batch=4, compile=True)
+    assert batcher.warm() > 0
+    rs = requests()
+    staggered(batcher, rs)
+    # fp32: Inductor's fused ops round apart from eager's, not enough to flip a greedy token here
+    assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
+    assert batcher.stats.step_rows > batcher.stats.steps  # they did share batches
+
+
+@pytest.fixture
+def traced_only(monkeypatch):
+    """The compiled step through Dynamo's tracing and guards, run by the eager backend (no
+    Inductor: seconds, not a minute), counting graph breaks and compiles."""
+    from torch._dynamo.utils import counters
+
+    from meshlm.generate import steps
+
+    torch._dynamo.reset()
+    steps.compiled.cache_clear()
+    monkeypatch.setattr(steps, "BACKEND", "eager")
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()
+    steps.compiled.cache_clear()
+
+
+def test_compiled_serving_joins_and_leaves_in_one_graph_and_decodes_as_alone(traced_only):
+    """`meshlm serve --compile`: rows joining and leaving a batch whose whole steps run as one
+    traced graph (symbolic batch size and cache length, no graph break; the warm-up compiles every
+    graph serving then needs) decode exactly what eager meshlm.generate decodes for each alone."""
+    model = build(tiny(scheme="mesh", spec="1+1R3+1"))
+    batcher = Batcher(model, eos_id=0, pad_id=1, max_batch=4, compile=True)
+    batcher.warm()
+    graphs = traced_only["stats"]["unique_graphs"]
+    assert not traced_only["graph_break"]
+    assert graphs == 3, graphs  # several rows (specialised, then general) and one row alone
+    rs = requests()
+    staggered(batcher, rs)
+    assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
+    assert batcher.stats.step_rows > batcher.stats.steps
+    assert traced_only["stats"]["unique_graphs"] == graphs  # serving compiled nothing new
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", [*LOOPED, "vanilla"])
+def test_compiled_serving_decodes_as_eager_alone(scheme):
+    """The same through Inductor, every scheme: greedy tokens equal eager's."""
+    _compiled_serving_decodes_as_eager_alone(scheme)

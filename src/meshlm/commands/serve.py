@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="while other requests decode, a request's token runs at most N loop "
                         "steps per boundary, so deep `loops` asks cannot stall the others "
                         "(default: the trained count; 0: never slice)")
+    p.add_argument("--compile", action="store_true",
+                   help="decode plain requests' tokens through a compiled step (torch.compile): "
+                        "compiled at start-up, faster per token (docs/serve.md)")
     p.add_argument("--timeout", type=float, default=600.0,
                    help="seconds a request may run (default 600)")
     p.add_argument("--grace", type=float, default=30.0,
@@ -107,7 +110,6 @@ def run(args: argparse.Namespace) -> int:
     from meshlm.loading import open_model
     from meshlm.runtime import precision
     from meshlm.serve.app import Served, create_app
-    from meshlm.serve.batcher import Batcher
     from meshlm.serve.engine import Engine
     from meshlm.serve.text import chat_template
 
@@ -126,8 +128,7 @@ def run(args: argparse.Namespace) -> int:
                           "context_length": cfg.context_length,
                           "precision": chosen.name,
                           "chat_template": "folder" if own else "meshlm default"})
-    batcher = Batcher(model, tok.eos_id, tok.pad_id, args.max_batch, args.max_queue,
-                      args.prefill_chunk or None, args.max_loops, args.loop_slice)
+    batcher = batcher_for(args, model, tok, lambda: precision.autocast(device, chosen))
     engine = Engine(batcher, lambda: precision.autocast(device, chosen))
     app = create_app(engine, served)
     app.router.on_startup.append(engine.start)
@@ -144,6 +145,21 @@ def run(args: argparse.Namespace) -> int:
           file=sys.stderr, flush=True)
     server.run(sockets=[sock])
     return 0
+
+
+def batcher_for(args: argparse.Namespace, model, tok, autocast):
+    """The server's Batcher; with --compile, its step compiled before the server listens."""
+    from meshlm.serve.batcher import Batcher
+
+    batcher = Batcher(model, tok.eos_id, tok.pad_id, args.max_batch, args.max_queue,
+                      args.prefill_chunk or None, args.max_loops, args.loop_slice,
+                      compile=args.compile)
+    if args.compile:
+        with autocast():
+            seconds = batcher.warm()
+        print(f"meshlm serve: compiled the decode step in {seconds:.0f} s", file=sys.stderr,
+              flush=True)
+    return batcher
 
 
 def listening_socket(host: str, port: int):

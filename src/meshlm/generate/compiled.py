@@ -20,12 +20,10 @@ disk); a compiled step is reused for every call with the same model, batch size 
 """
 from __future__ import annotations
 
-import functools
-import warnings
-
 import torch
 
 from meshlm.errors import ConfigError
+from meshlm.generate import steps
 from meshlm.generate.batch import Batch
 from meshlm.generate.decoder import Choose, PlainDecoder, Step
 from meshlm.model import MeshLM
@@ -50,27 +48,6 @@ def check_room(model: MeshLM, prompts: list[list[int]], new_tokens: int) -> None
                           "--compile")
 
 
-def _forward(model: MeshLM, schedule: tuple[int, ...], tokens: torch.Tensor,
-             padding: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
-    """One decode step: tokens (B, 1) after the cache, padding (B, capacity) -> (B, V) logits."""
-    run = model.start(tokens, padding, cache)
-    model.advance(run, schedule)
-    return model.readout(run, schedule)[:, -1]
-
-
-@functools.cache
-def compiled_forward():
-    """_forward compiled (torch.compile is lazy: Inductor runs at the first call of a shape)."""
-    step = torch.compile(_forward, dynamic=False)
-
-    def call(*args):
-        with warnings.catch_warnings():  # tracing reads config.layout through its lru_cache, which
-            # Dynamo warns that it traces through: harmless (the spec is a constant)
-            warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools")
-            return step(*args)
-    return call
-
-
 class CompiledDecoder:
     """Plain decoding at the full depth with a compiled step (module docstring). `new_tokens`: the
     most tokens a row will decode (the static cache's room). `compiled=False` runs the same step
@@ -80,7 +57,7 @@ class CompiledDecoder:
                  new_tokens: int, compiled: bool = True):
         self.model, self.schedule, self.choose = model, schedule, choose
         self.new_tokens = new_tokens
-        self.forward = compiled_forward() if compiled else _forward
+        self.forward = steps.compiled(dynamic=False) if compiled else steps.forward
         self.cache: StaticKVCache | None = None
         self.padding: torch.Tensor | None = None
 

@@ -25,6 +25,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from meshlm.errors import ConfigError
+from meshlm.generate import steps
 from meshlm.generate.batch import Batch
 from meshlm.generate.sampling import Sampling, padding_if_any
 from meshlm.model import MeshLM
@@ -94,12 +95,16 @@ class PlainDecoder:
     mask)`, if given, sees every forward's LMOutput with the padding mask of its new positions.
     `pad_done`: a step turns the new positions of rows done (keep 0) into padding, which compaction
     frees (speculation, whose rollback holes need a mask anyway); else they stay real, so that a
-    batch without padding attends with no mask."""
+    batch without padding attends with no mask. `compiled`: every whole step (not sliced) without
+    exit or `observe` runs through meshlm.generate.steps' compiled forward with symbolic shapes,
+    over the same growing cache, so rows may join and leave between steps; prefill stays eager."""
 
     def __init__(self, model, schedule: tuple[int, ...], choose: Choose,
-                 exit: ExitRule | None = None, observe=None, pad_done: bool = False):
+                 exit: ExitRule | None = None, observe=None, pad_done: bool = False,
+                 compiled: bool = False):
         self.model, self.schedule, self.choose = model, schedule, choose
         self.exit, self.observe, self.pad_done = exit, observe, pad_done
+        self.compiled = compiled and exit is None and observe is None
         self.flight: Forward | None = None  # a sliced step under way
 
     @property
@@ -138,6 +143,16 @@ class PlainDecoder:
              active: torch.Tensor | None = None, loop_slice: int | None = None) -> Step | None:
         """Feed every row's pending token; its next one (rows done, keep 0: see `pad_done`). With
         `loop_slice`, None until the call that runs the step's last loop step."""
+        whole = loop_slice is None or loop_slice >= len(self.schedule)
+        if self.flight is None and self.compiled and whole:
+            mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], 1)
+            # one graph: the cache grows outside it (two columns ahead, so the step's view of a
+            # buffer is never the whole buffer), a mask even without padding
+            batch.kv.reserve(2)
+            with torch.no_grad():
+                logits = steps.compiled(dynamic=True)(self.model, self.schedule,
+                                                      batch.pending[:, None], mask, batch.kv)
+            return self._next(batch, keep, mask, logits, None)
         if self.flight is None:
             mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], 1)
             self.flight = self.start(batch.pending[:, None], mask, batch.kv)
@@ -145,14 +160,20 @@ class PlainDecoder:
         logits = self.finish(forward, loop_slice)
         if logits is None:
             return None
-        self.flight, run, tokens = None, forward.run, self.choose(logits)
+        self.flight = None
+        return self._next(batch, keep, forward.mask, logits, forward.run.track.loops)
+
+    def _next(self, batch: Batch, keep: torch.Tensor | None, mask: torch.Tensor,
+              logits: torch.Tensor, loops: torch.Tensor | None) -> Step:
+        """The step's tokens chosen from its (B, V) logits (`loops`: the loop steps each position
+        ran, None for all); the batch advanced past it."""
+        tokens = self.choose(logits)
         if keep is None or not self.pad_done:  # every fed position stays real: the step's mask
-            batch.mask, batch.pending = forward.mask, tokens
+            batch.mask, batch.pending = mask, tokens
         else:
             batch.settle(keep.clamp(max=1), tokens)
-        loops = len(batch) * len(self.schedule) if run.track.loops is None else \
-            int(run.track.loops.sum())
-        return Step(batch.pending[:, None].tolist(), [1] * len(batch), loop_steps=loops)
+        ran = len(batch) * len(self.schedule) if loops is None else int(loops.sum())
+        return Step(batch.pending[:, None].tolist(), [1] * len(batch), loop_steps=ran)
 
 
 def decode(decoder: Decoder, batch: Batch, s: Sampling, eos_id: int = 0, pad_id: int = 1,

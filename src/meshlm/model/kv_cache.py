@@ -94,6 +94,13 @@ class KVCache:
         self._lengths[i] = n + t
         return self.slot(i)
 
+    def reserve(self, t: int) -> None:
+        """Room for t more positions in every slot, grown now (as `write` would grow it), so that
+        the next write stays in place: a compiled step then always takes the same branch."""
+        for i, k in enumerate(self._keys):
+            if k is not None and self._lengths[i] + t > k.shape[-2]:
+                self._grow(i, k[..., :1, :], self._values[i][..., :1, :], self._lengths[i] + t)
+
     def concatenate(self, i: int, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor,
                                                                                    torch.Tensor]:
         """Append by concatenation: new tensors, so that nothing autograd saved is written over."""

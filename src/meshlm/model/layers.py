@@ -107,7 +107,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     """
     if cache is not None:
         k, v = cache.update(k, v, slot)  # (B, H_kv, T_past + T, hd): this slot's whole history
-    is_causal = mask is None and k.shape[-2] == q.shape[-2]
+    # no mask and several queries: no past (MeshLM.attention_inputs builds a mask after one), so
+    # causal; one query attends to every key. (Not k's length against q's: under a compiled step's
+    # symbolic lengths that comparison is no bool.)
+    is_causal = mask is None and q.shape[-2] > 1
     gqa = k.shape[1] != q.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                           enable_gqa=gqa)

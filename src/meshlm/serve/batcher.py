@@ -33,7 +33,7 @@ import torch
 from meshlm.errors import ConfigError, MeshlmError
 from meshlm.generate import Batch, check_loops, check_room
 from meshlm.model import MeshLM
-from meshlm.serve.cohorts import Cohort, PlainCohort, Prefill, SpeculativeCohort
+from meshlm.serve.cohorts import Cohort, PlainCohort, Prefill, SpeculativeCohort, warm
 from meshlm.serve.requests import FINISH_REASONS, BatcherStats, Request
 
 __all__ = ["FINISH_REASONS", "Batcher", "BatcherStats", "QueueFull", "Request"]
@@ -51,7 +51,8 @@ class Batcher:
 
     def __init__(self, model: MeshLM, eos_id: int, pad_id: int, max_batch: int = 16,
                  max_queue: int = 64, prefill_chunk: int | None = None,
-                 max_loops: int | None = None, loop_slice: int | None = None):
+                 max_loops: int | None = None, loop_slice: int | None = None,
+                 compile: bool = False):
         if max_batch < 1 or max_queue < 0:
             raise ConfigError(f"max_batch={max_batch} must be >= 1 and max_queue={max_queue} >= 0")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -61,11 +62,17 @@ class Batcher:
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.max_loops = max_loops  # a request's loops cap (None: meshlm.generate.loop_cap's rule)
         self.loop_slice = len(model.schedule()) if loop_slice is None else loop_slice
+        self.compile = compile  # plain cohorts decode through the compiled step
         self.waiting: deque[Request] = deque()
         self.cohorts: dict[tuple, Cohort] = {}
         self.prefilling: list[Prefill] = []  # prompts part-prefilled, one group per cohort key
         self.stats = BatcherStats()
         self._wake = threading.Condition()
+
+    def warm(self) -> float:
+        """With `compile`: compile the plain step before serving (seconds taken; requests asking
+        for other `loops` compile theirs at first use)."""
+        return warm(self.model, self.pad_id) if self.compile else 0.0
 
     # -- any thread --------------------------------------------------------------------------------
     def check(self, r: Request) -> None:
@@ -215,7 +222,7 @@ class Batcher:
         if key in self.cohorts:
             return self.cohorts[key]
         if first.speculate is None:
-            return PlainCohort(self.model, first.loops, first.exit, self.pad_id)
+            return PlainCohort(self.model, first.loops, first.exit, self.pad_id, self.compile)
         return SpeculativeCohort(self.model, first.loops, first.speculate, self.pad_id, first)
 
     def _admitted(self, group: list[Request], tokens: list[int]) -> None:

@@ -25,6 +25,7 @@ decoder over the same rows: each step is a plain step or a draft-verify round, a
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -186,13 +187,16 @@ class Cohort(ABC):
 
 class PlainCohort(Cohort):
     """Plain decoding at the full depth, or with per-token exit (`exit`, an ExitRule): a
-    PlainDecoder whose rows each sample with their own request's settings and generator."""
+    PlainDecoder whose rows each sample with their own request's settings and generator.
+    `compiled`: its whole steps without exit run through the compiled step (PlainDecoder)."""
 
-    def __init__(self, model: MeshLM, loops: int | None, exit: ExitRule | None, pad_id: int):
+    def __init__(self, model: MeshLM, loops: int | None, exit: ExitRule | None, pad_id: int,
+                 compiled: bool = False):
         super().__init__(model, loops, pad_id)
         self.exit = exit
         self.decoder = PlainDecoder(model, self.schedule,
-                                    lambda logits: pick(logits, self.requests, self.failed), exit)
+                                    lambda logits: pick(logits, self.requests, self.failed), exit,
+                                    compiled=compiled)
 
     @property
     def busy(self) -> bool:
@@ -210,6 +214,20 @@ class PlainCohort(Cohort):
         runs that many loop steps per call and the tokens come with the call that ends it."""
         self.failed = {}
         return self.decoder.step(self.state, loop_slice=loop_slice)
+
+
+def warm(model: MeshLM, pad_id: int, loops: int | None = None) -> float:
+    """Compile the plain step for what a server meets: several rows with padding and without, and
+    one row alone, each while its cache buffers grow and while they do not (greedy throwaway
+    decodes of a few tokens). Returns the seconds it took."""
+    start, device = time.perf_counter(), model.embed_in.weight.device
+    decoder = PlainDecoder(model, model.schedule(loops), lambda logits: logits.argmax(-1),
+                           compiled=True)
+    for prompts in ([[pad_id] * 3, [pad_id] * 2], [[pad_id] * 3] * 2, [[pad_id] * 3]):
+        batch = decoder.prefill(*left_pad(prompts, pad_id, device))
+        for _ in range(4):  # capacity 3 → 6: grows at the first step, fits at the next
+            decoder.step(batch)
+    return time.perf_counter() - start
 
 
 class SpeculativeCohort(Cohort):

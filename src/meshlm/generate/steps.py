@@ -1,0 +1,48 @@
+"""One decode step as a function of tensors, and its compiled forms.
+
+`forward(model, schedule, tokens, padding, cache)` feeds tokens (B, 1) after a cache at the full
+depth of `schedule` (the prelude, the loop of every scheme, the coda) and returns the (B, V)
+logits of its last position: what a plain decoder's step computes, with nothing around it, so
+that torch.compile can take it whole. Two compiled forms share it:
+
+    compiled(dynamic=False)  over a StaticKVCache (meshlm.generate.compiled): every step has the
+                             same shapes, one graph per batch size and capacity
+    compiled(dynamic=True)   over the growing KVCache a serving cohort joins and leaves rows in
+                             (meshlm.generate.decoder.PlainDecoder(compiled=True)): the batch size
+                             and the cache length are symbolic, so rows joining and leaving and the
+                             cache growing reuse the graph; Dynamo compiles again where the cache
+                             buffers grow (their capacity doubles) and for a batch of one
+
+torch.compile is lazy: Inductor runs at the first call of a shape, and caches its kernels on disk.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+BACKEND = "inductor"  # torch.compile's backend ("eager": Dynamo's tracing and guards alone, as fast
+# tests use it)
+
+
+def forward(model, schedule: tuple[int, ...], tokens: torch.Tensor,
+            padding: torch.Tensor | None, cache) -> torch.Tensor:
+    """One decode step: tokens (B, 1) after the cache, padding (B, cached + 1) or None -> (B, V)
+    logits."""
+    run = model.start(tokens, padding, cache)
+    model.advance(run, schedule)
+    return model.readout(run, schedule)[:, -1]
+
+
+@functools.cache
+def compiled(dynamic: bool):
+    """`forward` compiled, with static or symbolic shapes (module docstring)."""
+    step = torch.compile(forward, dynamic=dynamic, backend=BACKEND)
+
+    def call(*args):
+        with warnings.catch_warnings():  # tracing reads config.layout through its lru_cache, which
+            # Dynamo warns that it traces through: harmless (the spec is a constant)
+            warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools")
+            return step(*args)
+    return call
