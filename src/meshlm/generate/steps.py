@@ -9,9 +9,10 @@ that torch.compile can take it whole. Two compiled forms share it:
                              same shapes, one graph per batch size and capacity
     compiled(dynamic=True)   over the growing KVCache a serving cohort joins and leaves rows in
                              (meshlm.generate.decoder.PlainDecoder(compiled=True)): the batch size
-                             and the cache length are symbolic, so rows joining and leaving and the
-                             cache growing reuse the graph; Dynamo compiles again where the cache
-                             buffers grow (their capacity doubles) and for a batch of one
+                             and the cache length are symbolic, so rows joining and leaving reuse
+                             the graph; the caller grows the cache outside it (KVCache.reserve) and
+                             always passes a mask, so Dynamo compiles three graphs in all (one
+                             specialised to the first lengths, one general, one for a batch of one)
 
 torch.compile is lazy: Inductor runs at the first call of a shape, and caches its kernels on disk.
 """
