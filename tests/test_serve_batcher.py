@@ -414,7 +414,8 @@ def test_a_deep_request_cancelled_mid_slice_leaves_when_the_slice_ends():
 def _compiled_serving_decodes_as_eager_alone(scheme):
     model = build(tiny(scheme=scheme, spec="1+2+1+1" if scheme == "vanilla" else "1+1R3+1"))
     batcher = Batcher(model, eos_id=0, pad_id=1, max_batch=4, compile=True)
-    assert batcher.warm() > 0
+    assert batcher.warm().startswith("compiled the decode step")
+    batcher.compile = True  # whatever the timing chose: the compiled path is what is checked
     rs = requests()
     staggered(batcher, rs)
     # fp32: Inductor's fused ops round apart from eager's, not enough to flip a greedy token here
@@ -446,6 +447,7 @@ def test_compiled_serving_joins_and_leaves_in_one_graph_and_decodes_as_alone(tra
     model = build(tiny(scheme="mesh", spec="1+1R3+1"))
     batcher = Batcher(model, eos_id=0, pad_id=1, max_batch=4, compile=True)
     batcher.warm()
+    batcher.compile = True  # whatever the timing chose: the compiled path is what is checked
     graphs = traced_only["stats"]["unique_graphs"]
     assert not traced_only["graph_break"]
     assert graphs == 3, graphs  # several rows (specialised, then general) and one row alone
@@ -454,6 +456,20 @@ def test_compiled_serving_joins_and_leaves_in_one_graph_and_decodes_as_alone(tra
     assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
     assert batcher.stats.step_rows > batcher.stats.steps
     assert traced_only["stats"]["unique_graphs"] == graphs  # serving compiled nothing new
+
+
+@pytest.mark.parametrize("compiled_ms, keeps", [(2.0, True), (5.0, False)])
+def test_the_compiled_step_is_kept_only_where_the_warm_up_times_it_faster(monkeypatch, compiled_ms,
+                                                                          keeps):
+    import meshlm.serve.batcher as batcher_module
+
+    monkeypatch.setattr(batcher_module, "warm", lambda model, pad_id, rows: (9.0, compiled_ms, 3.0))
+    batcher = Batcher(build(tiny()), eos_id=0, pad_id=1, max_batch=4, compile=True)
+    line = batcher.warm()
+    assert batcher.compile is keeps
+    assert f"{compiled_ms:.1f} ms compiled, 3.0 ms eager" in line
+    assert ("decoding compiled" in line) is keeps
+    assert Batcher(build(tiny()), eos_id=0, pad_id=1).warm() == ""  # without --compile: nothing
 
 
 @pytest.mark.slow

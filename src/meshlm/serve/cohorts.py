@@ -25,6 +25,7 @@ decoder over the same rows: each step is a plain step or a draft-verify round, a
 """
 from __future__ import annotations
 
+import statistics
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -219,19 +220,37 @@ class PlainCohort(Cohort):
         return self.decoder.step(self.state, loop_slice=loop_slice)
 
 
-def warm(model: MeshLM, pad_id: int, loops: int | None = None) -> float:
-    """Compile the plain step for what a server meets: several rows with padding and without, and
-    one row alone, each while its cache buffers grow and while they do not (greedy throwaway
-    decodes of a few tokens after an eager prefill). Returns the seconds it took."""
-    start, device = time.perf_counter(), model.embed_in.weight.device
-    cohort = PlainCohort(model, loops, None, pad_id, compiled=True)
-    for prompts in ([[pad_id] * 3, [pad_id] * 2], [[pad_id] * 3] * 2, [[pad_id] * 3]):
-        requests = [Request(p, Sampling(max_new_tokens=5, temperature=0)) for p in prompts]
-        cohort.requests = requests
-        cohort.state = Prefill.of(requests, pad_id, device).advance(model, loops, None)
-        for _ in range(4):  # the buffers grow at the first step and fit at the next
-            cohort.step()
+def _decode_some(model: MeshLM, pad_id: int, loops: int | None, compiled: bool,
+                 prompts: list[list[int]], steps: int) -> float:
+    """Greedy throwaway requests: an eager prefill, then `steps` plain steps (the compiled or the
+    eager one); the steps' seconds."""
+    cohort = PlainCohort(model, loops, None, pad_id, compiled=compiled)
+    cohort.requests = [Request(p, Sampling(max_new_tokens=steps + 1, temperature=0))
+                       for p in prompts]
+    cohort.state = Prefill.of(cohort.requests, pad_id, model.embed_in.weight.device).advance(
+        model, loops, None)
+    start = time.perf_counter()
+    for _ in range(steps):
+        cohort.step()
     return time.perf_counter() - start
+
+
+def warm(model: MeshLM, pad_id: int, loops: int | None = None,
+         rows: int = 16) -> tuple[float, float, float]:
+    """Compile the plain step for what a server meets: several rows with padding and without, and
+    one row alone, each while its cache buffers grow and while they do not; then time `rows` rows'
+    steps both ways (alternating, medians of 3). Returns (seconds it took, ms a compiled step, ms an
+    eager step)."""
+    start = time.perf_counter()
+    for prompts in ([[pad_id] * 3, [pad_id] * 2], [[pad_id] * 3] * 2, [[pad_id] * 3]):
+        _decode_some(model, pad_id, loops, True, prompts, 4)  # grows at step 1, fits at 2
+    times = {True: [], False: []}
+    for _ in range(3):
+        for compiled in times:
+            times[compiled].append(_decode_some(model, pad_id, loops, compiled,
+                                                [[pad_id] * 8] * rows, 8) / 8 * 1e3)
+    return (time.perf_counter() - start, statistics.median(times[True]),
+            statistics.median(times[False]))
 
 
 class SpeculativeCohort(Cohort):
