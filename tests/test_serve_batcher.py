@@ -10,6 +10,7 @@ from meshlm.errors import ConfigError
 from meshlm.generate import Sampling, generate
 from meshlm.generate.speculative import Speculation
 from meshlm.model.exit import ExitRule
+from meshlm.model.kv_cache import KVCache
 from meshlm.model.schemes import SCHEMES
 from meshlm.serve.batcher import Batcher, QueueFull, Request
 
@@ -440,7 +441,8 @@ def traced_only(monkeypatch):
     steps.compiled.cache_clear()
 
 
-def test_compiled_serving_joins_and_leaves_in_one_graph_and_decodes_as_alone(traced_only):
+def test_compiled_serving_joins_and_leaves_in_one_graph_and_decodes_as_alone(traced_only,
+                                                                            monkeypatch):
     """`meshlm serve --compile`: rows joining and leaving a batch whose whole steps run as one
     traced graph (symbolic batch size and cache length, no graph break; the warm-up compiles every
     graph serving then needs) decode exactly what eager meshlm.generate decodes for each alone."""
@@ -451,11 +453,16 @@ def test_compiled_serving_joins_and_leaves_in_one_graph_and_decodes_as_alone(tra
     graphs = traced_only["stats"]["unique_graphs"]
     assert not traced_only["graph_break"]
     assert graphs == 3, graphs  # several rows (specialised, then general) and one row alone
+    compiled_steps = []  # the compiled path (and only it) reserves cache room before a step
+    reserve = KVCache.reserve
+    monkeypatch.setattr(KVCache, "reserve", lambda kv, t: (compiled_steps.append(t),
+                                                           reserve(kv, t)))
     rs = requests()
     staggered(batcher, rs)
     assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
     assert batcher.stats.step_rows > batcher.stats.steps
-    assert traced_only["stats"]["unique_graphs"] == graphs  # serving compiled nothing new
+    assert len(compiled_steps) == batcher.stats.steps  # every step of serving ran compiled
+    assert traced_only["stats"]["unique_graphs"] == graphs  # and compiled nothing new
 
 
 @pytest.mark.parametrize("compiled_ms, keeps", [(2.0, True), (5.0, False)])
