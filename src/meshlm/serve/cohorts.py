@@ -237,13 +237,13 @@ def _decode_some(model: MeshLM, pad_id: int, loops: int | None, compiled: bool,
 
 def warm(model: MeshLM, pad_id: int, loops: int | None = None,
          rows: int = 16) -> tuple[float, float, float]:
-    """Compile the plain step for what a server meets: several rows with padding and without, and
-    one row alone, each while its cache buffers grow and while they do not; then time `rows` rows'
-    steps both ways (alternating, medians of 3). Returns (seconds it took, ms a compiled step, ms an
-    eager step)."""
+    """Compile the plain step for what a server meets (several rows with padding and without, a
+    few steps each, so that Dynamo specialises, then generalises the lengths; one row alone); then
+    time `rows` rows' steps both ways (alternating, medians of 3). Returns (seconds it took, ms a
+    compiled step, ms an eager step)."""
     start = time.perf_counter()
     for prompts in ([[pad_id] * 3, [pad_id] * 2], [[pad_id] * 3] * 2, [[pad_id] * 3]):
-        _decode_some(model, pad_id, loops, True, prompts, 4)  # grows at step 1, fits at 2
+        _decode_some(model, pad_id, loops, True, prompts, 4)
     times = {True: [], False: []}
     for _ in range(3):
         for compiled in times:
