@@ -25,13 +25,13 @@ decoder over the same rows: each step is a plain step or a draft-verify round, a
 """
 from __future__ import annotations
 
-import statistics
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 
+from meshlm import machine
 from meshlm.generate import (
     Batch,
     PlainDecoder,
@@ -220,37 +220,35 @@ class PlainCohort(Cohort):
         return self.decoder.step(self.state, loop_slice=loop_slice)
 
 
-def _decode_some(model: MeshLM, pad_id: int, loops: int | None, compiled: bool,
-                 prompts: list[list[int]], steps: int) -> float:
-    """Greedy throwaway requests: an eager prefill, then `steps` plain steps (the compiled or the
-    eager one); the steps' seconds."""
+def _prefilled(model: MeshLM, pad_id: int, loops: int | None, compiled: bool,
+               prompts: list[list[int]]) -> PlainCohort:
+    """A plain cohort of greedy throwaway requests, prefilled (eagerly), its steps compiled or
+    not."""
     cohort = PlainCohort(model, loops, None, pad_id, compiled=compiled)
-    cohort.requests = [Request(p, Sampling(max_new_tokens=steps + 1, temperature=0))
-                       for p in prompts]
+    cohort.requests = [Request(p, Sampling(max_new_tokens=16, temperature=0)) for p in prompts]
     cohort.state = Prefill.of(cohort.requests, pad_id, model.embed_in.weight.device).advance(
         model, loops, None)
-    start = time.perf_counter()
-    for _ in range(steps):
-        cohort.step()
-    return time.perf_counter() - start
+    return cohort
 
 
 def warm(model: MeshLM, pad_id: int, loops: int | None = None,
          rows: int = 16) -> tuple[float, float, float]:
     """Compile the plain step for what a server meets (several rows with padding and without, a
     few steps each, so that Dynamo specialises, then generalises the lengths; one row alone); then
-    time `rows` rows' steps both ways (alternating, medians of 3). Returns (seconds it took, ms a
-    compiled step, ms an eager step)."""
+    time `rows` rows' steps both ways as the kernels' probes time (machine.race: the best of 3
+    calls of 3 steps, after one). Returns (seconds it took, ms a compiled step, ms an eager
+    step)."""
     start = time.perf_counter()
     for prompts in ([[pad_id] * 3, [pad_id] * 2], [[pad_id] * 3] * 2, [[pad_id] * 3]):
-        _decode_some(model, pad_id, loops, True, prompts, 4)
-    times = {True: [], False: []}
-    for _ in range(3):
-        for compiled in times:
-            times[compiled].append(_decode_some(model, pad_id, loops, compiled,
-                                                [[pad_id] * 8] * rows, 8) / 8 * 1e3)
-    return (time.perf_counter() - start, statistics.median(times[True]),
-            statistics.median(times[False]))
+        cohort = _prefilled(model, pad_id, loops, True, prompts)
+        for _ in range(4):
+            cohort.step()
+    # 4 prompt positions and 4 calls of 3 steps: 16, what a context of any use holds
+    cohorts = {name: _prefilled(model, pad_id, loops, name == "compiled", [[pad_id] * 4] * rows)
+               for name in ("compiled", "eager")}
+    raced = machine.race({name: lambda c=c: [c.step() for _ in range(3)]
+                          for name, c in cohorts.items()}, reps=3, fastest="compiled")
+    return time.perf_counter() - start, raced["compiled_ms"] / 3, raced["eager_ms"] / 3
 
 
 class SpeculativeCohort(Cohort):
