@@ -129,8 +129,10 @@ def run(args: argparse.Namespace) -> int:
                           "context_length": cfg.context_length,
                           "precision": chosen.name,
                           "chat_template": "folder" if own else "meshlm default"})
-    batcher = batcher_for(args, model, tok, lambda: precision.autocast(device, chosen))
-    engine = Engine(batcher, lambda: precision.autocast(device, chosen))
+    def autocast():
+        return precision.autocast(device, chosen)
+    batcher = batcher_for(args, model, tok, autocast)
+    engine = Engine(batcher, autocast)
     app = create_app(engine, served)
     app.router.on_startup.append(engine.start)
     app.router.on_shutdown.append(engine.stop)

@@ -143,18 +143,16 @@ class PlainDecoder:
              active: torch.Tensor | None = None, loop_slice: int | None = None) -> Step | None:
         """Feed every row's pending token; its next one (rows done, keep 0: see `pad_done`). With
         `loop_slice`, None until the call that runs the step's last loop step."""
-        whole = loop_slice is None or loop_slice >= len(self.schedule)
-        if self.flight is None and self.compiled and whole:
-            mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], 1)
-            # one graph: the cache grows outside it (two columns ahead, so the step's view of a
-            # buffer is never the whole buffer), a mask even without padding
-            batch.kv.reserve(2)
-            with torch.no_grad():
-                logits = steps.compiled(dynamic=True)(self.model, self.schedule,
-                                                      batch.pending[:, None], mask, batch.kv)
-            return self._next(batch, keep, mask, logits, None)
         if self.flight is None:
             mask = torch.cat([batch.mask, batch.mask.new_ones(len(batch), 1)], 1)
+            if self.compiled and (loop_slice is None or loop_slice >= len(self.schedule)):
+                # one graph: the cache grows outside it (two columns ahead, so the step's view of
+                # a buffer is never the whole buffer), a mask even without padding
+                batch.kv.reserve(2)
+                with torch.no_grad():
+                    logits = steps.compiled(dynamic=True)(self.model, self.schedule,
+                                                          batch.pending[:, None], mask, batch.kv)
+                return self._next(batch, keep, mask, logits, None)
             self.flight = self.start(batch.pending[:, None], mask, batch.kv)
         forward = self.flight
         logits = self.finish(forward, loop_slice)

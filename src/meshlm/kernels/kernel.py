@@ -18,6 +18,18 @@ MIN_SPEEDUP = 1.05
 LIBRARY = torch.library.Library("meshlm", "DEF")
 
 
+def operator(schema: str, impl: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor]):
+    """The torch operator meshlm::<name> for `schema` ("<name>(Tensor x, …) -> Tensor"), run by
+    `impl` on CPU: torch.compile traces an operator, not a C function bound by ctypes or a layout
+    Inductor would lower worse; `fake` gives the output's shape and dtype from the inputs' while
+    tracing."""
+    name = schema.split("(")[0]
+    LIBRARY.define(schema)
+    LIBRARY.impl(name, impl, "CPU")
+    torch.library.register_fake(f"meshlm::{name}", fake, lib=LIBRARY)
+    return getattr(torch.ops.meshlm, name)
+
+
 def close_to_float64(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
                      bias: torch.Tensor | None) -> bool:
     """Whether y is x Wᵀ + b to fp32 rounding: against the product in float64 over the same
@@ -42,14 +54,8 @@ class Kernel:
         self.symbol, self.argtypes, self.reference = symbol, argtypes, reference
         self.wrap, self.check = wrap, check
         self.product = functools.cache(self._product)
-        # the product as the torch operator meshlm::<name> ("<name>(Tensor x, …) -> Tensor"):
-        # torch.compile traces an operator, not a C function bound by ctypes; `fake` gives the
-        # output's shape and dtype from the inputs' while tracing
-        name = schema.split("(")[0]
-        LIBRARY.define(schema)
-        LIBRARY.impl(name, lambda *args: self.product()(*args), "CPU")
-        torch.library.register_fake(f"meshlm::{name}", fake, lib=LIBRARY)
-        self.operator = getattr(torch.ops.meshlm, name)
+        # the product as the torch operator meshlm::<name>, which a compiled graph calls
+        self.operator = operator(schema, lambda *args: self.product()(*args), fake)
 
     def _product(self) -> Callable | None:
         library = build.library(self.source)

@@ -35,7 +35,7 @@ from torch import nn
 
 from meshlm import machine
 from meshlm.kernels import fp32_rows
-from meshlm.kernels.kernel import LIBRARY
+from meshlm.kernels.kernel import operator
 
 # output columns per block below which a further split stops paying
 MIN_BLOCK = 256
@@ -74,12 +74,9 @@ def _blocked(rows: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None
     return y.transpose(0, 1).reshape(rows.shape[0], -1)
 
 
-LIBRARY.define("blocked_product(Tensor rows, Tensor blocks, Tensor? bias) -> Tensor")
-LIBRARY.impl("blocked_product", _blocked, "CPU")
-torch.library.register_fake(
-    "meshlm::blocked_product",
-    lambda rows, blocks, bias: rows.new_empty(rows.shape[0], blocks.shape[0] * blocks.shape[2]),
-    lib=LIBRARY)
+operator("blocked_product(Tensor rows, Tensor blocks, Tensor? bias) -> Tensor", _blocked,
+         lambda rows, blocks, bias: rows.new_empty(rows.shape[0],
+                                                   blocks.shape[0] * blocks.shape[2]))
 
 
 class SplitLinear(nn.Module):
