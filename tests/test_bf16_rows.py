@@ -146,3 +146,16 @@ def test_a_kernel_that_cannot_be_had_is_named_on_the_precision_line(monkeypatch,
     finally:
         bf16_rows.bf16_rows_kernel.cache_clear()
 
+
+
+def test_the_probe_is_measured_again_when_the_kernel_source_changes(kernel, tmp_path,
+                                                                    monkeypatch):
+    source = tmp_path / "bf16_rows.c"
+    source.write_text(bf16_rows.KERNEL.source.read_text())
+    monkeypatch.setattr(bf16_rows.KERNEL, "source", source)
+    calls = []
+    monkeypatch.setattr(bf16_linear, "_probe", lambda k: calls.append(1) or {"n": len(calls)})
+    first = bf16_linear.kernel_speedup(kernel)
+    assert bf16_linear.kernel_speedup(kernel) == first == {"n": 1}  # cached
+    source.write_text(source.read_text() + "\n/* a new version */\n")
+    assert bf16_linear.kernel_speedup(kernel) == {"n": 2} and len(calls) == 2

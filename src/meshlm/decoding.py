@@ -8,7 +8,7 @@ kernel (meshlm.kernels.fp32_rows; decoding at d = 768 ran 1.6-2.1x F.linear's sp
 Zen 5), else one block per thread through torch.bmm (1.6-1.8x); the same fp32 arithmetic, to
 rounding. Int8-activation layers take the compiled one-row kernel where it pays
 (meshlm.quant.row_kernel), the same numbers bit for bit. Under bf16 the weights are stored in
-bf16, and on CPU calls of one or two rows go through meshlm's compiled bf16 kernel where it pays
+bf16, and on CPU calls of up to four rows go through meshlm's compiled bf16 kernel where it pays
 (meshlm.runtime.bf16_linear: decoding at d = 768 ran 1.25-1.36x F.linear's speed on a 2-core
 Intel Xeon with AMX).
 A kernel that could not be had is named on the line with its fix, never a silent fallback.
@@ -64,7 +64,7 @@ def prepare(model: torch.nn.Module, chosen: Precision) -> Prepared:
     probe found that faster (split_linear.lay_out_for_decoding), its int8-activation layers on CPU
     given the compiled row kernel where it pays (quant.row_kernel.give_row_kernel), under bf16 its
     nn.Linear weights stored in bf16 (precision.store_weights) and, on CPU, multiplied by the
-    compiled bf16 kernel at one or two rows where it pays (bf16_linear.lay_out_for_decoding).
+    compiled bf16 kernel at up to four rows where it pays (bf16_linear.lay_out_for_decoding).
     Returns what it did."""
     cpu = next(model.parameters()).device.type == "cpu"
     fp32 = cpu and chosen.dtype is None

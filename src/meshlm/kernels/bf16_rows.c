@@ -8,13 +8,16 @@
    Every output is one dot product in a fixed order of operations (vector lanes, then their sum),
    the same whichever rows share the call, so a row's outputs do not depend on the batch, bit for
    bit (meshlm.kernels.bf16_rows checks it before use). A tile is OUT weight rows by up to ROWS x
-   rows: OUT x ROWS independent accumulators, each weight read once for every row of the tile.
-   The weight rows are split over `threads` OpenMP threads.
+   rows: OUT x ROWS independent accumulators, each weight read once for every row of the tile,
+   while the next tile's weights are prefetched (AHEAD tiles ahead): the hardware's own prefetch
+   does not run far enough ahead of these short rows. The weight rows are split over `threads`
+   OpenMP threads.
 
    Why: a decoded token is a matrix-vector product bound by streaming the weights. On a 2-core
    Intel Xeon with AMX, oneDNN's bf16 F.linear at one row reads the weights of a 12-layer d = 768
-   stack and its head at 12.8 GB/s with two threads; this, through AVX512-BF16's vdpbf16ps (32
-   products an instruction, summed in fp32), at 18.1 (docs/quantize.md). With AVX512F alone the weights are
+   stack and its head at 12.1-12.9 GB/s with two threads; this, through AVX512-BF16's vdpbf16ps
+   (32 products an instruction, summed in fp32), at 21.3-22.0 with the prefetch and 17.4 without
+   (docs/quantize.md). With AVX512F alone the weights are
    widened to fp32 (exact) for fma; elsewhere a plain C loop, which the probe will rarely find
    paying. */
 #include <stdint.h>
@@ -25,6 +28,7 @@
 
 #define ROWS 4
 #define OUT 4
+#define AHEAD 1
 #define INLINE static inline __attribute__((always_inline))
 
 static inline float widen(uint16_t v) {
@@ -61,8 +65,10 @@ INLINE void tile(const uint16_t *restrict x, const uint16_t *restrict w, float *
             acc[r][o] = _mm512_setzero_ps();
     for (int64_t j = 0; j < k; j += STEP) {
         __m512i wv[OUT];
-        for (int o = 0; o < outs; o++)
+        for (int o = 0; o < outs; o++) {
+            _mm_prefetch((const char *)(w + o * k + j + AHEAD * OUT * k), _MM_HINT_T0);
             wv[o] = weights(w + o * k + j);
+        }
         for (int r = 0; r < rows; r++)
             for (int o = 0; o < outs; o++)
                 acc[r][o] = dot_step(acc[r][o], x + r * k + j, wv[o]);

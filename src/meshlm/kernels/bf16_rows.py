@@ -3,7 +3,7 @@
 Decoding in bf16 stores every nn.Linear's weight in bf16 (meshlm.runtime.precision.store_weights),
 and a decoded token is then a matrix-vector product per layer, bound by streaming those weights.
 oneDNN's F.linear reads them slower than AVX512-BF16's dot-product instruction does at one or two
-rows (1.3-1.4x at one row on a 2-core Intel Xeon with AMX); the kernel multiplies the weight where
+rows (1.5-1.7x at one row on a 2-core Intel Xeon with AMX); the kernel multiplies the weight where
 it lies, (out, in) row-major, so the one bf16 copy serves it and F.linear alike (longer calls: a
 prefill). Its arithmetic is F.linear's under bf16 autocast to rounding: bf16 inputs, fp32 sums, then
 bf16; each output is one dot product in a fixed order, so a row's outputs do not depend on the

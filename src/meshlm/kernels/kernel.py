@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,6 +72,15 @@ class Kernel:
             """The bound function; its operator inside a graph torch.compile is tracing."""
             return self.operator(*args) if torch.compiler.is_compiling() else product(*args)
         return traceable
+
+    def probed_by(self, method: str) -> str:
+        """`method` (a probe's description, meshlm.machine.measured) naming this kernel's source
+        by its digest: a probe cached for an older source is measured again, not trusted."""
+        try:
+            digest = hashlib.sha256(self.source.read_bytes()).hexdigest()[:12]
+        except OSError:
+            digest = "missing"
+        return f"{method}; {self.source.name} {digest}"
 
     def unavailable(self) -> str | None:
         """Why this process has no product(), in one line naming the problem and its fix (the

@@ -114,7 +114,8 @@ def kernel_speedup(kernel: Product) -> dict:
     the cache or measured now."""
     method = (f"best of 5 one-row passes over {PROBE_MB} MB of {PROBE_SHAPE} int8 weights, "
               "rounding included")
-    return machine.measured("int8-row-kernel", method, lambda threads: _probe(kernel))["value"]
+    return machine.measured("int8-row-kernel", KERNEL.probed_by(method),
+                            lambda threads: _probe(kernel))["value"]
 
 
 def _probe(kernel: Product, reps: int = 5) -> dict:

@@ -25,10 +25,11 @@ from meshlm.kernels.kernel import MIN_SPEEDUP
 from meshlm.runtime.split_linear import KERNEL_PROBE_D, KERNEL_PROBE_LAYERS, KERNEL_PROBE_SHAPES
 
 # the most rows a call multiplies by the kernel. On a 2-core Intel Xeon with AMX, over the bf16
-# weights of a 12-layer d = 768 stack and a 50,304-word head (benchmarks/split_linear.py --bf16):
-# 1.32x F.linear's speed at one row with one thread and 1.41x with two, 1.08x and 1.13x at two
-# rows, 0.85x and 0.92x at four
-KERNEL_ROWS = 2
+# weights of a 12-layer d = 768 stack and a 50,304-word head (benchmarks/split_linear.py --bf16,
+# the kernel prefetching the next tile): 1.70x F.linear's speed at one row with two threads (1.55x
+# with one), 1.66x (1.50x) at two rows, 1.54x (1.45x) at four, 1.10x (1.05x) at eight, 0.75x
+# (0.71x) at sixteen
+KERNEL_ROWS = 4
 
 
 class Bf16Linear(nn.Linear):
@@ -87,7 +88,7 @@ def kernel_speedup(kernel: bf16_rows.Product) -> dict:
     now."""
     method = (f"best of 5 one-row passes over the bf16 weights of {KERNEL_PROBE_LAYERS} decoder "
               f"layers of width {KERNEL_PROBE_D}")
-    return machine.measured("bf16-rows-kernel", method,
+    return machine.measured("bf16-rows-kernel", bf16_rows.KERNEL.probed_by(method),
                             lambda threads: _probe(kernel))["value"]
 
 

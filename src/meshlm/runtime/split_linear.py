@@ -249,7 +249,7 @@ def kernel_speedup(kernel: fp32_rows.Product) -> dict:
     from the cache or measured now."""
     method = (f"best of 5 one-row passes over the fp32 weights of {KERNEL_PROBE_LAYERS} decoder "
               f"layers of width {KERNEL_PROBE_D}")
-    return machine.measured("fp32-rows-kernel", method,
+    return machine.measured("fp32-rows-kernel", fp32_rows.KERNEL.probed_by(method),
                             lambda threads: _kernel_probe(kernel, threads))["value"]
 
 
