@@ -140,3 +140,18 @@ def test_another_batch_in_the_same_cache_is_a_clear_error():
         with pytest.raises(ValueError, match="start a new cache for another batch"):
             # (would broadcast silently)
             cache.update(torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4), 0)
+
+
+def test_a_query_attends_to_real_keys_and_to_itself_only_where_it_has_none():
+    from meshlm.model.layers import attention_mask_from_padding
+    # row 0: two left pads, then three real tokens; row 1: real, real, a hole (a static cache's
+    # nominal column of the decoded token), real, and the query's own column empty
+    padding = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 0, 1, 0]])
+    mask = attention_mask_from_padding(padding)[:, 0]  # (B, T, S)
+    expected = torch.tensor([
+        [[1, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]],
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 0]]])
+    assert torch.equal(mask, expected.bool())
+    # one query after four cached columns: the last row of the same mask
+    last = attention_mask_from_padding(padding, past=4)[:, 0, 0]
+    assert torch.equal(last, expected[:, -1].bool())

@@ -40,7 +40,7 @@ def capacity_for(cached: int, new_tokens: int) -> int:
 
 def check_room(model: MeshLM, prompts: list[list[int]], new_tokens: int) -> None:
     """ConfigError unless the longest prompt, the new tokens and the decoded token's own column
-    fit the context (the static cache's last column holds the token being decoded)."""
+    fit the context (the static cache's last column is the decoded token's nominal one)."""
     need, context = max(map(len, prompts)) + new_tokens + 1, model.config.context_length
     if need > context:
         raise ConfigError(f"a compiled step needs one column beyond the prompt and the new tokens "
@@ -68,11 +68,10 @@ class CompiledDecoder:
                        max(self.model.config.context_length, batch.cached + self.new_tokens + 1))
         self.cache = StaticKVCache.of(batch.kv, capacity)
         batch.kv = self.cache  # the eager cache is freed; only this decoder's steps use the batch
-        # the steps' (B, capacity) padding mask: the prompts' columns, and the decoded token's own
-        # (the last); each step marks its column real, and the batch's mask is a view of it
+        # the steps' (B, capacity) padding mask: the prompts' columns; each step marks its token's
+        # column real, and the batch's mask is a view of it
         self.padding = batch.mask.new_zeros(len(batch), capacity)
         self.padding[:, :batch.cached] = batch.mask
-        self.padding[:, -1] = 1
         return batch
 
     @torch.no_grad()
@@ -80,9 +79,9 @@ class CompiledDecoder:
              active: torch.Tensor | None = None) -> Step:
         """Feed every row's pending token through the compiled step; its next one."""
         cache, rows = self.cache, len(batch)
+        self.padding[:, cache.column] = 1  # the step's token, which the step caches there
         logits = self.forward(self.model, self.schedule, batch.pending[:, None], self.padding,
                               cache)
-        self.padding[:, cache.column] = 1  # the step's token, cached there by advance
         cache.advance()
         batch.mask = self.padding[:, :cache.column]
         batch.pending = self.choose(logits)

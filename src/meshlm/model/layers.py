@@ -198,12 +198,15 @@ def attention_mask_from_padding(padding_mask: torch.Tensor, past: int = 0) -> to
     mask.
 
     S = past + T: the mask covers the `past` cached tokens and the T new ones (queries are the last
-    T). Every query may at least attend to itself, so rows of padding queries never become all -inf
-    (which would make SDPA return NaN); padding positions' outputs are ignored by callers anyway.
+    T). A query with no real key at or before it (a left pad) attends to itself, so no row is all
+    -inf (which would make SDPA return NaN); padding positions' outputs are ignored by callers
+    anyway. Any other query attends to real keys only, its own column included only where it is
+    real: a static cache (meshlm.model.kv_cache.StaticKVCache) writes the decoded token at a column
+    of its own, and the query's nominal column, the last, holds nothing.
     """
     s = padding_mask.shape[-1]
     # (T, 1) absolute positions
     query_pos = torch.arange(past, s, device=padding_mask.device)[:, None]
     key_pos = torch.arange(s, device=padding_mask.device)[None]  # (1, S)
     allowed = (key_pos <= query_pos) & padding_mask.bool()[:, None, None, :]  # (B, 1, T, S)
-    return allowed | (key_pos == query_pos)
+    return allowed | (key_pos == query_pos) & ~allowed.any(-1, keepdim=True)
