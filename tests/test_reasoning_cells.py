@@ -168,6 +168,39 @@ def test_labelled_loss_equals_a_hand_masked_cross_entropy(chain_data):
     assert int((y != -100).sum()) == len(hand_targets) == 3 * (TASKS["chain"].cells - 4)
 
 
+def test_unlabelled_next_gives_every_other_position_its_next_token(chain_data):
+    """train.unlabelled=next: a labelled position keeps its label, every other its next token,
+    recomputed from the text; the last position (its next token starts another example) none."""
+    data = PreparedData(chain_data, "train")
+    tok = load_tokenizer(chain_data / "tokenizer.json")
+    block, rows = data.manifest["task"]["block"], [0, 5, 9]
+    x, labelled = windows_xy(data, rows, block)
+    data.unlabelled = "next"
+    same_x, y = windows_xy(data, rows, block)
+    assert torch.equal(x, same_x)
+    for row_x, row_y in zip(x.tolist(), y.tolist()):
+        labels = TASKS["chain"].solve(tok.decode(row_x))
+        expected = [tok.encode(label)[0] if label is not None else
+                    (row_x[pos + 1] if pos + 1 < block else -100)
+                    for pos, label in enumerate(labels)]
+        assert row_y == expected
+    assert torch.equal(y[labelled != -100], labelled[labelled != -100])
+
+
+def test_unlabelled_next_needs_labelled_data(tmp_path_factory):
+    from trainkit import make_prepared
+
+    from meshlm.data.tasks import unlabelled
+    from meshlm.train.config import TrainConfig
+
+    text = PreparedData(make_prepared(tmp_path_factory), "train")
+    with pytest.raises(ConfigError, match="train.unlabelled=next .* has no labels"):
+        unlabelled(text, "next")
+    assert unlabelled(text, "ignore") == "ignore"
+    with pytest.raises(ConfigError, match="unlabelled='every' must be one of ignore, next"):
+        TrainConfig(unlabelled="every").validate()
+
+
 def test_evaluation_scores_every_labelled_position_by_its_own_difficulty(chain_data):
     tok = load_tokenizer(chain_data / "tokenizer.json")
     records = read_test(chain_data)

@@ -36,15 +36,21 @@ def max_label(labels: list[np.ndarray] | None, dtype: np.dtype) -> int:
 
 
 def example_targets(data, indices: list[int], seq_len: int, targets: np.ndarray,
-                    ignore_index: int) -> np.ndarray:
+                    ignore_index: int, unlabelled: str = "ignore") -> np.ndarray:
     """The targets of windows `indices` of `data` (a meshlm.data.prepare.PreparedData) from their
     next tokens `targets`: those under the answer mask (the others `ignore_index`), or with labels
-    the label stream itself (window i's positions i·seq_len …, `ignore_index` where no label);
-    plain text keeps every next token."""
+    the label stream itself (window i's positions i·seq_len …), and where a position has no label
+    `ignore_index`, or with unlabelled="next" its next token (none for the window's last position,
+    whose next token starts another example, or where the next token is padding); plain text
+    keeps every next token."""
     if data.labels is not None:
         labels = np.stack([data.tokens(i * seq_len, (i + 1) * seq_len, data.labels)
                            for i in indices])
-        return np.where(labels == no_label(np.dtype(data.manifest["dtype"])), ignore_index, labels)
+        rest = np.full_like(targets, ignore_index)
+        if unlabelled == "next":
+            pad = data.manifest["tokenizer"].get("pad_id")
+            rest[:, :-1] = np.where(targets[:, :-1] == pad, ignore_index, targets[:, :-1])
+        return np.where(labels == no_label(np.dtype(data.manifest["dtype"])), rest, labels)
     if data.masks is not None:
         masks = np.stack([data.tokens(i * seq_len + 1, (i + 1) * seq_len + 1, data.masks)
                           for i in indices])

@@ -276,6 +276,8 @@ class PreparedData:
         self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
         self.num_tokens = int(self.offsets[-1])
         self.id_limit: int | None = None  # the model's vocabulary, once check_ids has seen it
+        # labelled data: what positions without a label learn (train.unlabelled; example_targets)
+        self.unlabelled = "ignore"
         for side, what in ((self.masks, "answer mask"), (self.labels, "label stream")):
             if side is not None and [len(m) for m in side] != [len(s) for s in self.shards]:
                 raise DataError(f"{data_dir}: the {what} of the {split} split does not line up "
@@ -336,15 +338,17 @@ class PreparedData:
         """Windows `indices` as int64 (len(indices), seq_len) inputs and next-token targets, the
         targets `ignore_index` where task data's answer mask says the loss does not look (prompts,
         padding); plain text keeps every target. Labelled task data replace the next tokens by the
-        label stream (the target of position i is its label, `ignore_index` where it has none), so
-        a label is never an input. Each window is read once."""
+        label stream (the target of position i is its label; where it has none `ignore_index`, or
+        its next token with unlabelled="next"), so a label is never an input. Each window is read
+        once."""
         windows = np.stack([self.sequence(i, seq_len) for i in indices])  # (n, seq_len + 1)
         if self.id_limit is not None and (largest := int(windows.max())) >= self.id_limit:
             raise DataError(f"{self.dir} ({self.split} split) holds token id {largest:,}, past the "
                             f"model's {self.id_limit:,} ids, though its manifest says at most "
                             f"{max_id(self.manifest, self.split, self.shards):,}: the manifest is "
                             "stale; prepare the data again (meshlm prepare ... --overwrite)")
-        targets = example_targets(self, indices, seq_len, windows[:, 1:], ignore_index)
+        targets = example_targets(self, indices, seq_len, windows[:, 1:], ignore_index,
+                                  self.unlabelled)
         return np.ascontiguousarray(windows[:, :-1]), np.ascontiguousarray(targets)
 
     def sequence(self, i: int, seq_len: int) -> np.ndarray:

@@ -234,6 +234,17 @@ def opened(levels: list, step: int, every: int) -> list:
     return levels[:1 + step // every]
 
 
+def unlabelled(data, choice: str) -> str:
+    """train.unlabelled=`choice` for training data `data` (a PreparedData): "next" needs labelled
+    task data (ConfigError otherwise, in one line with the fix)."""
+    if choice == "next" and data.labels is None:
+        raise ConfigError(f"train.unlabelled=next gives the positions without a label their next "
+                          f"token, but {data.dir} has no labels (text or answer-mask data, which "
+                          "train on next tokens or answers already); drop train.unlabelled or "
+                          "train on labelled task data (meshlm prepare task:chain)")
+    return choice
+
+
 def curriculum(manifest: dict, every: int, seq_len: int) -> Callable[[int], int]:
     """train.curriculum=`every` over prepared task data: step -> the training windows (of `seq_len`
     tokens) its batch draws from, the prefix of the difficulty-sorted split that holds the

@@ -46,6 +46,7 @@ DISTRIBUTED = ("ddp", "fsdp")
 DEFAULT_PRESET = "mesh-small"  # what `meshlm train` trains with no arguments
 DTYPES = ("auto", "fp32", "bf16")
 COMPILE = ("auto", "true", "false")
+UNLABELLED = ("ignore", "next")  # train.unlabelled
 PREFIX = "invalid training config: "
 
 
@@ -92,6 +93,9 @@ class TrainConfig:
     # 0 = all
     curriculum: int = 0  # task data: open one training difficulty every N steps, from the lowest
     # (meshlm.data.tasks.curriculum); 0 = every difficulty from the start
+    unlabelled: str = "ignore"  # labelled task data: what a position without a label learns:
+    # "ignore" (no loss) or "next" (its next token, as on text: a target everywhere, so no
+    # position's readout is left free to drift; docs/reasoning.md)
     # -- optimizer and schedule (docs/training.md) -------------------------------------------------
     lr: float = 4e-3  # peak learning rate (the default small model; the paper configs set theirs)
     min_lr_ratio: float = 0.1  # cosine decays to this fraction of the peak
@@ -302,6 +306,9 @@ class TrainConfig:
         if not (isinstance(self.curriculum, int) and self.curriculum >= 0):
             return [f"curriculum={self.curriculum!r} must be an integer >= 0 (steps per opened "
                     "difficulty; 0 = none)"]
+        if self.unlabelled not in UNLABELLED:
+            return [f"unlabelled={self.unlabelled!r} must be one of {', '.join(UNLABELLED)} (what "
+                    "a labelled task's positions without a label learn)"]
         return []
 
     # -- serialisation ----------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from meshlm import checkpoint
 from meshlm.adapters import adapt
 from meshlm.backbones import BACKBONES
 from meshlm.data.order import validation_batches
-from meshlm.data.tasks import curriculum
+from meshlm.data.tasks import curriculum, unlabelled
 from meshlm.errors import ConfigError, MeshlmError
 from meshlm.folders import integrity
 from meshlm.model import MeshLM
@@ -95,6 +95,7 @@ class Trainer(Checkpointing):
         # a curriculum: step -> the windows of the difficulties opened by then (None: all)
         self.opened = (curriculum(self.train_data.manifest, cfg.curriculum, self.seq_len)
                        if cfg.curriculum else None)
+        self.train_data.unlabelled = unlabelled(self.train_data, cfg.unlabelled)
         self._build_model(resume)
         self.optimizer = build_optimizer(self.model, cfg, env.device)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
