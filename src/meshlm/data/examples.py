@@ -46,9 +46,10 @@ def example_targets(data, indices: list[int], seq_len: int, targets: np.ndarray,
     if data.labels is not None:
         labels = np.stack([data.tokens(i * seq_len, (i + 1) * seq_len, data.labels)
                            for i in indices])
-        rest = np.full_like(targets, ignore_index)
+        rest = ignore_index
         if unlabelled == "next":
             pad = data.manifest["tokenizer"].get("pad_id")
+            rest = np.full_like(targets, ignore_index)
             rest[:, :-1] = np.where(targets[:, :-1] == pad, ignore_index, targets[:, :-1])
         return np.where(labels == no_label(np.dtype(data.manifest["dtype"])), rest, labels)
     if data.masks is not None:

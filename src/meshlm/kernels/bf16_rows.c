@@ -17,9 +17,8 @@
    Intel Xeon with AMX, oneDNN's bf16 F.linear at one row reads the weights of a 12-layer d = 768
    stack and its head at 12.1-12.9 GB/s with two threads; this, through AVX512-BF16's vdpbf16ps
    (32 products an instruction, summed in fp32), at 21.3-22.0 with the prefetch and 17.4 without
-   (docs/quantize.md). With AVX512F alone the weights are
-   widened to fp32 (exact) for fma; elsewhere a plain C loop, which the probe will rarely find
-   paying. */
+   (docs/quantize.md). With AVX512F alone the weights are widened to fp32 (exact) for fma;
+   elsewhere a plain C loop, which the probe will rarely find paying. */
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512F__)

@@ -216,7 +216,6 @@ class StaticKVCache(nn.Module):
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], column: int):
         super().__init__()
-        self.slots = len(keys)
         for i, (k, v) in enumerate(zip(keys, values)):
             self.register_buffer(f"k{i}", k)
             self.register_buffer(f"v{i}", v)
