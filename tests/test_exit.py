@@ -8,6 +8,7 @@ from test_memory import randomise_routers
 from meshlm.errors import ConfigError
 from meshlm.model import exit as exit_module
 from meshlm.model.exit import CRITERIA, Criterion, ExitRule, ProbeKL, Seen, register_criterion
+from meshlm.model.exit_tokens import Gathered
 from meshlm.model.kv_cache import KVCache
 
 LOOPS = 4
@@ -116,15 +117,39 @@ def test_cached_decoding_equals_uncached_with_exit_on_left_padded_batch(criterio
 def test_gathering_and_masking_compute_the_same_thing(criterion, monkeypatch):
     model, x = model_for(), x_batch(b=4, t=12)
     rule = ExitRule(criterion, mid_threshold(model, x, criterion))
-    results = {}
+    results, gathered = {}, []
+    real_select = exit_module.ExitTracker.select
+
+    def select(tracker):  # counts the steps that gathered
+        real_select(tracker)
+        gathered.append(tracker.sel is not None)
+
+    monkeypatch.setattr(exit_module.ExitTracker, "select", select)
     for name, below in [("mask", 0.0), ("gather", 1.01)]:
         monkeypatch.setattr(exit_module, "GATHER_BELOW", below)
+        gathered.clear()
         with torch.no_grad():
             results[name] = model(x, loops=LOOPS, exit=rule)
+        assert any(gathered) == (name == "gather")  # the layout really ran
     assert torch.equal(results["mask"].exit_loops, results["gather"].exit_loops)
     assert 1 < results["mask"].exit_loops.float().mean() < LOOPS
     torch.testing.assert_close(results["mask"].logits, results["gather"].logits, rtol=1e-5,
                                atol=1e-5)
+
+
+def test_gathered_tokens_lay_out_flat_and_per_row_alike():
+    active = torch.tensor([[0, 1, 0, 1, 1], [0, 0, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    g = Gathered.of(active)
+    assert g.rows.tolist() == [0, 0, 0, 2] and g.cols.tolist() == [1, 3, 4, 0]
+    assert g.flat.tolist() == [1, 3, 4, 10]
+    assert g.row_ids.tolist() == [0, 2]
+    # per row, padded to the busiest (3): padding repeats the row's first token
+    assert g.pad.tolist() == [[0, 1, 2], [3, 3, 3]]
+    assert g.cols_padded.tolist() == [[1, 3, 4], [0, 0, 0]]
+    assert g.unpad.tolist() == [0, 1, 2, 3]  # the flat tokens' slots in the (2 x 3) layout
+    x = torch.arange(15.0).view(3, 5, 1)
+    assert g.take(x)[:, 0, 0].tolist() == [1.0, 3.0, 4.0, 10.0]
+    assert torch.equal(g.put(x.clone(), g.take(x)), x)
 
 
 def test_an_exited_token_runs_no_further_core_passes():

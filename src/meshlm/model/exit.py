@@ -29,9 +29,9 @@ representation visible.
 
 How compute is skipped. Each step runs the core on the *active* tokens only:
 - all tokens active: the ordinary computation (bit-identical to the model without exit);
-- few active (fraction < GATHER_BELOW): gather them, per batch row padded to the row with the most
-  (padding repeats a row's own token, so scattering back is idempotent), with their rotary tables
-  and mask rows; the attention reads every token's current keys/values from `ExitKV`;
+- few active (fraction < GATHER_BELOW): gather them flat, (N, 1, d), with their rotary tables, so
+  the norms, projections and MLP cost the active tokens only; the attention lays the queries out
+  per row and reads every token's current keys/values from `ExitKV` (meshlm.model.exit_tokens);
 - otherwise mask: compute every token and keep only the active ones' results (cheaper than gathering
   when most tokens are still active, benchmarks/elastic.py).
 In cached decoding at batch 1 a token that exits ends the loop: steps j+1 … K are not run, their
@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from meshlm.errors import ConfigError
+from meshlm.model.exit_tokens import ExitKV, Gathered
 from meshlm.model.kv_cache import LayerCache
 from meshlm.model.layers import Rope, attention_mask_from_padding
 from meshlm.model.registry import named_into
@@ -163,67 +164,9 @@ class ExitRule:
         return f"{self.criterion}:{self.threshold:g}"
 
 
-class ExitKV:
-    """The cache the layers see during loop steps under exit: it keeps every layer's *current*
-    keys/values for all new tokens (active ones just computed, exited ones from their last computed
-    step) and appends them to the real cache's slot for that step, so deeper steps and later tokens
-    attend to the same thing.
-
-    `stage(group, first_slot, sel)` points it at one stage (a core pass or a coda probe); `sel` is
-    None when every token is computed, else (rows (R,), cols (R, m)) of the gathered tokens."""
-
-    def __init__(self, inner: LayerCache | None, active: torch.Tensor):
-        self.inner, self.active = inner, active  # active: (B, T) bool, shared with the tracker
-        self.latest: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        self.group, self.first, self.sel = "core", 0, None
-
-    def stage(self, group: str, first_slot: int, sel) -> ExitKV:
-        self.group, self.first, self.sel = group, first_slot, sel
-        return self
-
-    def update(self, key: torch.Tensor, value: torch.Tensor,
-               layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """key, value: (B or R, H, T or m, hd) of the computed tokens -> every key/value they attend
-        to."""
-        name = (self.group, layer_idx - self.first)
-        old = self.latest.get(name)
-        if old is None or (self.sel is None and bool(self.active.all())):
-            new = key, value  # every token computed and kept: exactly the model without exit
-        elif self.sel is None:  # masked: keep the computed ones of active tokens only
-            keep = self.active[:, None, :, None]
-            new = torch.where(keep, key, old[0]), torch.where(keep, value, old[1])
-        else:  # gathered: scatter the computed tokens into copies of the current keys/values
-            rows, cols = self.sel
-            new = tuple(_scatter_tokens(o, rows, cols, x) for o, x in zip(old, (key, value)))
-        self.latest[name] = new
-        # (B, H, P + T, hd): with a cache, the slot's history too
-        full = new if self.inner is None else self.inner.update(*new, layer_idx)
-        return full if self.sel is None else (full[0][self.sel[0]], full[1][self.sel[0]])
-
-    def get_seq_length(self) -> int:
-        return 0 if self.inner is None else self.inner.get_seq_length()
-
-    def copy_forward(self, group: str, first_slot: int) -> None:
-        """Append the current keys/values of `group` to the real cache's slots from first_slot (a
-        skipped stage)."""
-        if self.inner is None:
-            return
-        for (g, i), (k, v) in sorted(self.latest.items(), key=lambda item: item[0][1]):
-            if g == group:
-                self.inner.update(k, v, first_slot + i)
-
-
 def _expand(active: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """(B, T) -> broadcastable against like (B, T, …)."""
     return active.view(*active.shape, *([1] * (like.dim() - 2)))
-
-
-def _scatter_tokens(base: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor,
-                    x: torch.Tensor) -> torch.Tensor:
-    """A copy of base (B, H, T, hd) with tokens (rows, cols) replaced by x (R, H, m, hd)."""
-    out = base.clone()
-    out[rows[:, None], :, cols] = x.transpose(1, 2)  # advanced indices first: (R, m, H, hd)
-    return out
 
 
 class NoExit:
@@ -267,20 +210,14 @@ class ExitTracker:
 
     # -- one step's view ---------------------------------------------------------------------------
     def select(self) -> None:
-        """Choose how this step computes: all tokens (sel None) or the gathered active ones."""
+        """Choose how this step computes: all tokens (sel None) or the active ones gathered."""
         self.sel = None
         b, t = self.active.shape
-        counts = self.active.sum(1)  # (B,)
-        rows = counts.nonzero().squeeze(1)
-        m = int(counts.max())
-        if bool(self.active.all()) or len(rows) * m >= GATHER_BELOW * b * t:
+        if bool(self.active.all()) or int(self.active.sum()) >= GATHER_BELOW * b * t:
             return
-        # per row: the active columns first (stable), padded with the row's first active column
-        inactive = (~self.active[rows]).to(torch.int8)
-        order = torch.sort(inactive, dim=1, stable=True).indices[:, :m]  # (R, m)
-        fill = order[:, :1].expand(-1, m)
-        valid = torch.arange(m, device=order.device)[None] < counts[rows][:, None]
-        self.sel = rows, torch.where(valid, order, fill)
+        self.sel = Gathered.of(self.active)
+        self.sel.mask = self._full_mask()[self.sel.row_ids[:, None], 0,
+                                          self.sel.cols_padded].unsqueeze(1)  # (R, 1, m, P + T)
 
     def step_inputs(self, run, first_slot: int):
         """Choose this step's computed tokens, then (x, rope, mask, kv, router logits list) for its
@@ -297,18 +234,16 @@ class ExitTracker:
             self.kv.copy_forward("probe", slot)
 
     def view(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, d) -> the computed tokens: itself, or (R, m, d) gathered."""
-        return x if self.sel is None else x[self.sel[0][:, None], self.sel[1]]
+        """(B, T, …) -> the computed tokens: itself, or (N, 1, …) gathered."""
+        return x if self.sel is None else self.sel.take(x)
 
     def inputs(self, h: torch.Tensor, group: str, first_slot: int):
-        """(x, rope, mask, kv) for a stage (core pass or coda probe) over the computed tokens."""
+        """(x, rope, mask, kv) for a stage (core pass or coda probe) over the computed tokens (a
+        gathered stage's attention mask is the tracker's own, `ExitKV` applies it)."""
         kv = self.kv.stage(group, first_slot, self.sel)
         if self.sel is None:
             return h, self.rope, self.mask, kv
-        rows, cols = self.sel
-        b = self.active.shape[0]
-        rope = tuple(r.expand(b, -1, -1)[rows[:, None], cols] for r in self.rope)  # (R, m, r)
-        return self.view(h), rope, self._full_mask()[rows[:, None], 0, cols].unsqueeze(1), kv
+        return self.view(h), tuple(self.view(r) for r in self.rope), None, kv
 
     def _full_mask(self) -> torch.Tensor:
         """(B, 1, T, P + T) "may attend" mask of every new token (built once, gathered from)."""
@@ -326,9 +261,7 @@ class ExitTracker:
             if bool(self.active.all()):
                 return computed
             return torch.where(_expand(self.active, like), computed, like)
-        out = like.clone()
-        out[self.sel[0][:, None], self.sel[1]] = computed
-        return out
+        return self.sel.put(like.clone(memory_format=torch.contiguous_format), computed)
 
     # -- after a step ------------------------------------------------------------------------------
     def probe(self, logits: torch.Tensor) -> None:
@@ -344,7 +277,7 @@ class ExitTracker:
                     *(None if x is None else self.view(x) for x in (self.logits, self.previous)))
         self.previous = None  # a probe lives one step longer, for the comparison only
         converged = self.merge(self.criterion.converged(seen), torch.zeros_like(self.active))
-        h = torch.where(self.active[..., None], h_new, h_old)
+        h = self.merge(self.view(h_new), h_old)
         self.active &= ~converged  # in place: ExitKV shares this tensor
         return h
 

@@ -105,6 +105,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     key. Otherwise a boolean (B, 1, T, T_past + T) "may attend" mask (built by the model when it is
     needed).
     """
+    own = getattr(cache, "attend", None)  # a cache that computes attention itself (exit's)
+    if own is not None:
+        return own(q, k, v, mask, slot)
     if cache is not None:
         k, v = cache.update(k, v, slot)  # (B, H_kv, T_past + T, hd): this slot's whole history
     # no mask and several queries: no past (MeshLM.attention_inputs builds a mask after one), so
