@@ -205,8 +205,11 @@ class ExitTracker:
         self.kv = ExitKV(cache, self.active)
         self.rope, self.mask, self.padding_mask, self.past = rope, mask, padding_mask, past
         self.logits: torch.Tensor | None = None  # probing: (B, T, V) each token's latest probe
-        self.previous: torch.Tensor | None = None  # probing: (B, T, V) the probe before it
+        self.previous: torch.Tensor | None = None  # probing: the computed tokens' probe before it
         self.sel = None
+        # tensors this tracker made and handed to no one: a gathered step writes into them in place
+        self._merged: torch.Tensor | None = None  # the step's merged core output
+        self._own_logits = False
 
     # -- one step's view ---------------------------------------------------------------------------
     def select(self) -> None:
@@ -256,6 +259,12 @@ class ExitTracker:
         return self.mask
 
     def merge(self, computed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The core's output: the computed tokens' placed into a (B, T, d) tensor, the exited
+        tokens' from `like` (the state)."""
+        self._merged = self._merge(computed, like)
+        return self._merged
+
+    def _merge(self, computed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """Computed tokens' outputs placed into a (B, T, …) tensor; exited tokens keep `like`'s."""
         if self.sel is None:
             if bool(self.active.all()):
@@ -265,19 +274,32 @@ class ExitTracker:
 
     # -- after a step ------------------------------------------------------------------------------
     def probe(self, logits: torch.Tensor) -> None:
-        """Record the computed tokens' probe logits (R, m, V) or (B, T, V) of this step's state."""
-        self.previous = self.logits
-        self.logits = logits if self.logits is None else self.merge(logits, self.logits)
+        """Record the computed tokens' probe logits (N, 1, V) or (B, T, V) of this step's state."""
+        self.previous = None if self.logits is None else self.view(self.logits)
+        if self.sel is not None and self._own_logits and not torch.is_grad_enabled():
+            self.sel.put(self.logits, logits)
+        else:
+            self.logits = logits if self.logits is None else self._merge(logits, self.logits)
+            self._own_logits = True
         self.probes += self.active
+
+    def final_logits(self) -> torch.Tensor | None:
+        """Probing: each token's probe where it exited (B, T, V), handed out: later probes no longer
+        write into it."""
+        self._own_logits = False
+        return self.logits
 
     def advance(self, h_old: torch.Tensor, h_new: torch.Tensor) -> torch.Tensor:
         """Count the step, decide who exits, and return the state with exited tokens frozen."""
         self.loops += self.active
         seen = Seen(self.view(h_old), self.view(h_new),
-                    *(None if x is None else self.view(x) for x in (self.logits, self.previous)))
+                    None if self.logits is None else self.view(self.logits), self.previous)
         self.previous = None  # a probe lives one step longer, for the comparison only
-        converged = self.merge(self.criterion.converged(seen), torch.zeros_like(self.active))
-        h = self.merge(self.view(h_new), h_old)
+        converged = self._merge(self.criterion.converged(seen), torch.zeros_like(self.active))
+        # the scheme handed back the merged core output itself (the base recursion): its exited
+        # tokens already hold h_old's
+        h = h_new if h_new is self._merged else self._merge(self.view(h_new), h_old)
+        self._merged = None
         self.active &= ~converged  # in place: ExitKV shares this tensor
         return h
 

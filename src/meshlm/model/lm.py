@@ -215,7 +215,8 @@ class MeshLM(nn.Module):
         coda uses `schedule`'s coda slots whatever step the run stands at (a speculative draft exits
         early into the full model's coda slots)."""
         if run.track.logits is not None:  # a probing exit: each token's probe where it exited
-            return run.track.logits if last is None else run.track.logits[:, -last:]
+            logits = run.track.final_logits()
+            return logits if last is None else logits[:, -last:]
         coda_slot = slot_offsets(self.config.layout, schedule)[2]
         y = self.coda(run.h, run.rope, run.mask, run.cache, coda_slot, run.routed)
         if run.stages is not None:
