@@ -138,17 +138,17 @@ def test_gathering_and_masking_compute_the_same_thing(criterion, monkeypatch):
 
 
 def test_gathered_tokens_lay_out_flat_and_per_row_alike():
-    active = torch.tensor([[0, 1, 0, 1, 1], [0, 0, 0, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    active = torch.tensor([[0, 1, 0, 1, 1], [0, 0, 0, 0, 0], [1, 0, 0, 1, 0]], dtype=torch.bool)
     g = Gathered.of(active)
-    assert g.rows.tolist() == [0, 0, 0, 2] and g.cols.tolist() == [1, 3, 4, 0]
-    assert g.flat.tolist() == [1, 3, 4, 10]
+    assert g.rows.tolist() == [0, 0, 0, 2, 2] and g.cols.tolist() == [1, 3, 4, 0, 3]
+    assert g.flat.tolist() == [1, 3, 4, 10, 13]
     assert g.row_ids.tolist() == [0, 2]
-    # per row, padded to the busiest (3): padding repeats the row's first token
-    assert g.pad.tolist() == [[0, 1, 2], [3, 3, 3]]
-    assert g.cols_padded.tolist() == [[1, 3, 4], [0, 0, 0]]
-    assert g.unpad.tolist() == [0, 1, 2, 3]  # the flat tokens' slots in the (2 x 3) layout
+    # per row, padded to the busiest (3): padding repeats the row's last token
+    assert g.pad.tolist() == [[0, 1, 2], [3, 4, 4]]
+    assert g.cols_padded.tolist() == [[1, 3, 4], [0, 3, 3]]
+    assert g.unpad.tolist() == [0, 1, 2, 3, 4]  # the flat tokens' slots in the (2 x 3) layout
     x = torch.arange(15.0).view(3, 5, 1)
-    assert g.take(x)[:, 0, 0].tolist() == [1.0, 3.0, 4.0, 10.0]
+    assert g.take(x)[:, 0, 0].tolist() == [1.0, 3.0, 4.0, 10.0, 13.0]
     assert torch.equal(g.put(x.clone(), g.take(x)), x)
 
 

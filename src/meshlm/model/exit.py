@@ -70,10 +70,10 @@ def register_criterion(name: str):
 @dataclass
 class Seen:
     """What a criterion sees after loop step j, of the tokens the step computed: shapes (N…, d) or
-    (N…, vocab), N… = (B, T) when every token was computed, else (R, m) gathered."""
+    (N…, vocab), N… = (B, T) when every token was computed, else (N, 1) gathered."""
 
-    before: torch.Tensor  # h^{j−1}
-    after: torch.Tensor  # h^j
+    before: torch.Tensor | None  # h^{j−1} (None for a criterion that does not see the state)
+    after: torch.Tensor | None  # h^j
     logits: torch.Tensor | None = None  # probing criteria: head(coda(h^j))
     previous: torch.Tensor | None = None  # probing criteria: head(coda(h^{j−1}))
 
@@ -86,6 +86,7 @@ class Criterion(abc.ABC):
     name: ClassVar[str] = ""
     example: ClassVar[str] = ""  # a rule for messages, e.g. "state:0.05"
     probes: ClassVar[bool] = False  # needs head(coda(h^j)) after every step j, and once on h⁰
+    sees_state: ClassVar[bool] = True  # reads Seen.before and .after (else they are None)
 
     def __init__(self, threshold: float):
         self.threshold = threshold
@@ -114,7 +115,7 @@ class StateChange(Criterion):
 class ProbeKL(Criterion):
     """KL(p_j ‖ p_{j−1}) between successive steps' next-token distributions: a probe per step."""
 
-    example, probes = "kl:1e-4", True
+    example, probes, sees_state = "kl:1e-4", True, False
 
     def measure(self, seen):
         new, old = (F.log_softmax(x.float(), -1) for x in (seen.logits, seen.previous))
@@ -292,7 +293,8 @@ class ExitTracker:
     def advance(self, h_old: torch.Tensor, h_new: torch.Tensor) -> torch.Tensor:
         """Count the step, decide who exits, and return the state with exited tokens frozen."""
         self.loops += self.active
-        seen = Seen(self.view(h_old), self.view(h_new),
+        state = self.criterion.sees_state
+        seen = Seen(self.view(h_old) if state else None, self.view(h_new) if state else None,
                     None if self.logits is None else self.view(self.logits), self.previous)
         self.previous = None  # a probe lives one step longer, for the comparison only
         converged = self._merge(self.criterion.converged(seen), torch.zeros_like(self.active))

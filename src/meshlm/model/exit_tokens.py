@@ -4,7 +4,7 @@ every token's current keys/values (meshlm.model.exit drives both).
 A gathered step computes N active tokens of a (B, T) batch as a (N, 1, d) input: the norms,
 projections and MLP cost N tokens, however unevenly the rows hold them. Attention needs each query's
 own row of keys, so `ExitKV.attend` lays the N queries out per row, padded to the busiest row (R
-rows with an active token, m = that row's count; padding repeats the row's first active token),
+rows with an active token, m = that row's count; padding repeats the row's last active token),
 runs one attention over the R rows' keys and takes the N real outputs back. Only the queries and
 outputs move (N · d each), never a row of keys per token.
 """
@@ -38,20 +38,17 @@ class Gathered:
     @classmethod
     def of(cls, active: torch.Tensor) -> Gathered:
         """The active tokens of a (B, T) bool mask, in row-major order."""
-        counts = active.sum(1)  # (B,)
-        row_ids = counts.nonzero().squeeze(1)
-        counts = counts[row_ids]  # (R,)
+        rows, cols = active.nonzero().unbind(1)  # (N,) each
+        row_ids, counts = torch.unique_consecutive(rows, return_counts=True)  # (R,)
         m = int(counts.max())
-        # per row: the active columns first (stable), padded with the row's first active column
-        order = torch.sort((~active[row_ids]).to(torch.int8), dim=1, stable=True).indices[:, :m]
-        slot = torch.arange(m, device=active.device)[None]  # (1, m)
-        valid = slot < counts[:, None]  # (R, m)
         first = counts.cumsum(0) - counts  # (R,) the flat index of each row's first token
-        rows, cols = row_ids.repeat_interleave(counts), order[valid]
-        unpad = (torch.arange(len(row_ids), device=active.device)[:, None] * m + slot)[valid]
+        row_pos = torch.repeat_interleave(counts)  # (N,) each token's row among the R
+        rank = torch.arange(len(rows), device=active.device) - first[row_pos]
+        # per row, padded with the row's last token
+        pad = torch.minimum(first[:, None] + torch.arange(m, device=active.device),
+                            (first + counts - 1)[:, None])  # (R, m)
         return cls(rows=rows, cols=cols, flat=rows * active.shape[1] + cols, row_ids=row_ids,
-                   pad=torch.where(valid, first[:, None] + slot, first[:, None]), unpad=unpad,
-                   cols_padded=torch.where(valid, order, order[:, :1]))
+                   pad=pad, unpad=row_pos * m + rank, cols_padded=cols[pad])
 
     def take(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, …) -> the gathered tokens (N, 1, …); x of batch 1 stands for every row."""
