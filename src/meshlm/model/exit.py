@@ -57,7 +57,7 @@ from meshlm.model.kv_cache import LayerCache
 from meshlm.model.layers import Rope, attention_mask_from_padding
 from meshlm.model.registry import named_into
 
-GATHER_BELOW = 0.5  # gather the active tokens when fewer than this fraction of the batch's tokens
+GATHER_BELOW = 0.9  # gather the active tokens when fewer than this fraction of the batch's tokens
 CRITERIA: dict[str, type[Criterion]] = {}
 
 
