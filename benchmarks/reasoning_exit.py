@@ -2,6 +2,7 @@
 
     python benchmarks/reasoning_exit.py RUN --exit state:0.1,state:0.3 --threads 1 --clock cpu \
         --rounds 7
+    python benchmarks/reasoning_exit.py RUN --loops 16 --exit kl:0.001 --gather-below 0.5,0.9,1.01
 
 For a run trained on task data: its test problems (--limit per task and difficulty, the trained
 difficulties by default) are answered by greedy cached decoding at fixed depth (the trained K, or
@@ -28,6 +29,7 @@ from benchkit import timing_setup
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+import meshlm.model.exit as exit_module  # noqa: E402
 from meshlm.data.tasks import read_test  # noqa: E402
 from meshlm.evaluation.reasoning import (  # noqa: E402
     Positions,
@@ -73,14 +75,19 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--clock", choices=("wall", "cpu"), default="cpu")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--gather-below", default="",
+                   help="comma-separated values of meshlm.model.exit.GATHER_BELOW to run each "
+                        "exit rule at (gather below that fraction of tokens active; > 1: always)")
     args = p.parse_args()
     clock = timing_setup(args)
     loaded = open_model(args.run)
     model, tok = loaded.model, loaded.tokenizer
     problems = chosen_problems(loaded, args.limit, args.beyond)
     k = args.loops or model.config.layout.n_steps
-    settings = {"fixed": None,
-                **{rule: ExitRule.parse(rule) for rule in args.exit.split(",") if rule}}
+    thresholds = [float(g) for g in args.gather_below.split(",") if g] or [exit_module.GATHER_BELOW]
+    settings = {"fixed": (None, exit_module.GATHER_BELOW),
+                **{rule + (f"@{g:g}" if args.gather_below else ""): (ExitRule.parse(rule), g)
+                   for rule in args.exit.split(",") if rule for g in thresholds}}
     labelled = "text" in problems[0]
     if labelled:
         positions = Positions.of(tok, problems)
@@ -89,8 +96,9 @@ def main() -> None:
         tokens = sum(len(tok.encode(q["prompt"])) + len(tok.encode(q["answer"])) + 1
                      for q in problems)
 
-    def measure(rule) -> tuple[float, float, float]:
+    def measure(setting) -> tuple[float, float, float]:
         """accuracy, loops per token, loops per answer token (labelled: per labelled position)."""
+        rule, exit_module.GATHER_BELOW = setting
         if labelled:
             right, steps = run_positions(model, positions, k, rule, args.batch_size)
             scored = positions.scored
@@ -121,7 +129,7 @@ def main() -> None:
     for name in settings:
         ratios = [f / t for f, t in zip(times["fixed"], times[name])]
         every, answer = loops[name]
-        print(f"  {name:<14} acc {100 * accuracy[name]:5.1f}%  loops/token {every:.2f} "
+        print(f"  {name:<18} acc {100 * accuracy[name]:5.1f}%  loops/token {every:.2f} "
               f"({100 * every / k:.0f}% of {k}; answer tokens {answer:.2f})  tokens/s "
               f"{tokens / statistics.median(times[name]):7.0f}  x{statistics.median(ratios):.3f} "
               f"vs fixed (range {min(ratios):.3f}-{max(ratios):.3f})")

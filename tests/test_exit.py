@@ -113,9 +113,15 @@ def test_cached_decoding_equals_uncached_with_exit_on_left_padded_batch(criterio
     torch.testing.assert_close(cached, full, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("criterion", ["state", "kl"])
-def test_gathering_and_masking_compute_the_same_thing(criterion, monkeypatch):
-    model, x = model_for(), x_batch(b=4, t=12)
+@pytest.mark.parametrize("criterion,backbone", [("state", "neox"), ("kl", "neox"),
+                                                ("state", "llama"), ("kl", "olmoe")])
+def test_gathering_and_masking_compute_the_same_thing(criterion, backbone, monkeypatch):
+    # llama and olmoe with grouped-query attention (2 key/value heads for 4 query heads)
+    gqa = {} if backbone == "neox" else {"backbone": backbone, "n_kv_heads": 2, "n_experts": 4,
+                                         "top_k": 2}
+    model = build(tiny(spec="1+1R2+1", max_loops=LOOPS, **gqa))
+    randomise_routers(model)
+    x = x_batch(b=4, t=12)
     rule = ExitRule(criterion, mid_threshold(model, x, criterion))
     results, gathered = {}, []
     real_select = exit_module.ExitTracker.select
