@@ -33,7 +33,7 @@ How compute is skipped. Each step runs the core on the *active* tokens only:
   the norms, projections and MLP cost the active tokens only; the attention lays the queries out
   per row and reads every token's current keys/values from `ExitKV` (meshlm.model.exit_tokens);
 - otherwise mask: compute every token and keep only the active ones' results (cheaper than gathering
-  when most tokens are still active, benchmarks/elastic.py).
+  when nearly every token is still active: benchmarks/reasoning_exit.py --gather-below).
 In cached decoding at batch 1 a token that exits ends the loop: steps j+1 … K are not run, their
 cache slots get its copied-forward keys/values. The scheme's own update is per token and cheap; it
 runs on all tokens.
@@ -220,8 +220,10 @@ class ExitTracker:
         if bool(self.active.all()) or int(self.active.sum()) >= GATHER_BELOW * b * t:
             return
         self.sel = Gathered.of(self.active)
+        # the step's core pass and probe read these: gathered once
         self.sel.mask = self._full_mask()[self.sel.row_ids[:, None], 0,
                                           self.sel.cols_padded].unsqueeze(1)  # (R, 1, m, P + T)
+        self.sel.rope = tuple(self.sel.take(r) for r in self.rope)
 
     def step_inputs(self, run, first_slot: int):
         """Choose this step's computed tokens, then (x, rope, mask, kv, router logits list) for its
@@ -247,7 +249,7 @@ class ExitTracker:
         kv = self.kv.stage(group, first_slot, self.sel)
         if self.sel is None:
             return h, self.rope, self.mask, kv
-        return self.view(h), tuple(self.view(r) for r in self.rope), None, kv
+        return self.view(h), self.sel.rope, None, kv
 
     def _full_mask(self) -> torch.Tensor:
         """(B, 1, T, P + T) "may attend" mask of every new token (built once, gathered from)."""

@@ -34,6 +34,7 @@ class Gathered:
     unpad: torch.Tensor
     cols_padded: torch.Tensor
     mask: torch.Tensor | None = None  # (R, 1, m, P + T) "may attend", set by the tracker
+    rope: tuple[torch.Tensor, ...] = ()  # the tokens' rotary tables (N, 1, r), set by the tracker
 
     @classmethod
     def of(cls, active: torch.Tensor) -> Gathered:
