@@ -18,7 +18,11 @@ def test_the_other_rank_fails_naming_the_one_that_hangs_or_dies(prepared, tmp_pa
             and "Traceback" not in stderr), stderr
     words = ("is stopped (SIGSTOP or a debugger)" if fault == "stopped"
              else "has exited (killed or crashed)")
-    why = (f"no step for train.collective_timeout={RANK_TIMEOUT_S}s" if fault == "stopped"
-           else "its connection closed")
+    # a stopped rank is found by the watchdog only; a killed one by the collective that fails when
+    # its connection closes, or by the watchdog when the survivor was still short of that
+    # collective after the timeout (a step slower than the timeout on a loaded machine)
+    timeout = f"no step for train.collective_timeout={RANK_TIMEOUT_S}s"
+    whys = (timeout,) if fault == "stopped" else ("its connection closed", timeout)
     assert errors[0].startswith(f"meshlm train: error: rank 1 (PID {pids[1]} on "), errors[0]
-    assert words in errors[0] and why in errors[0] and "--resume" in errors[0], errors[0]
+    assert words in errors[0] and "--resume" in errors[0], errors[0]
+    assert any(why in errors[0] for why in whys), errors[0]
