@@ -35,6 +35,13 @@ def max_label(labels: list[np.ndarray] | None, dtype: np.dtype) -> int:
     return max((int(m[m != empty].max()) for m in labels or [] if (m != empty).any()), default=-1)
 
 
+def label_ids(labels: list[np.ndarray] | None, dtype: np.dtype) -> np.ndarray:
+    """The distinct label ids in label shards, ascending (empty without labels)."""
+    empty = no_label(dtype)
+    found = [np.unique(m[m != empty]) for m in labels or []]
+    return np.unique(np.concatenate(found)) if found else np.zeros(0, np.int64)
+
+
 def example_targets(data, indices: list[int], seq_len: int, targets: np.ndarray,
                     ignore_index: int, unlabelled: str = "ignore") -> np.ndarray:
     """The targets of windows `indices` of `data` (a meshlm.data.prepare.PreparedData) from their

@@ -66,6 +66,7 @@ from meshlm.model.layers import Rope, RotaryEmbedding, at_least_fp32, attention_
 from meshlm.model.loop_lora import attach as attach_loop_lora
 from meshlm.model.loop_lora import select_pass
 from meshlm.model.moe import router_losses
+from meshlm.model.reveal import Reveal, Revealing
 from meshlm.model.run import LoopRun, Stages
 from meshlm.model.schemes import LoopContext, build_scheme
 from meshlm.model.stack import Stack
@@ -135,10 +136,12 @@ class MeshLM(nn.Module):
         backprop_loops: int | None = None,
         # per-token adaptive exit, e.g. ExitRule.parse("state:0.05") (meshlm.model.exit)
         exit: ExitRule | None = None,
+        # training: each row's loop sees a partial input for its first steps (meshlm.model.reveal)
+        reveal: Reveal | None = None,
     ) -> LMOutput:
         schedule = self.schedule(loops)
         run = self.start(input_ids, padding_mask, cache, exit, position_ids, return_states,
-                         backprop_loops)
+                         backprop_loops, reveal)
         self.advance(run, schedule, backprop_loops=backprop_loops)
         out = LMOutput(logits=self.readout(run, schedule), stages=run.stages,
                        exit_loops=run.track.loops, exit_probes=run.track.probes)
@@ -163,13 +166,32 @@ class MeshLM(nn.Module):
     def start(self, input_ids: torch.Tensor, padding_mask: torch.Tensor | None = None,
               cache: LayerCache | None = None, exit: ExitRule | None = None,
               position_ids: torch.Tensor | None = None, return_states: bool = False,
-              backprop_loops: int | None = None) -> LoopRun:
-        """`enter` with the exit tracker in place: a forward standing at loop step 0 that `advance`
-        runs (whole, or a few loop steps per call: serve slices a deep request's step this way)
-        and `readout` ends, computing what `forward` computes."""
+              backprop_loops: int | None = None, reveal: Reveal | None = None) -> LoopRun:
+        """`enter` with the exit tracker (or a delayed reveal) in place: a forward standing at loop
+        step 0 that `advance` runs (whole, or a few loop steps per call: serve slices a deep
+        request's step this way) and `readout` ends, computing what `forward` computes."""
         run = self.enter(input_ids, padding_mask, position_ids, cache, return_states)
         run.track = self._tracker(exit, run, padding_mask, run.past, backprop_loops)
+        if reveal is not None:
+            self._reveal(run, reveal, padding_mask, position_ids)
         return run
+
+    def _reveal(self, run: LoopRun, reveal: Reveal, padding_mask: torch.Tensor | None,
+                position_ids: torch.Tensor | None) -> None:
+        """Start each row from the early input's h⁰ where it is hidden, and keep both inputs'
+        contexts for `advance` to choose from per step (meshlm.model.reveal)."""
+        if not self.scheme.reinjects:
+            raise ConfigError(f"reveal needs a scheme that re-injects its input at every loop step "
+                              f"(anchor, anchor-emb, residual+anchor, the mixes); "
+                              f"{self.config.scheme!r} reads it only before the loop")
+        if run.cache is not None or run.track is not NO_EXIT:
+            raise ConfigError("reveal is a training setting: it cannot be combined with a cache "
+                              "or exit; drop one of them")
+        early = self.enter(reveal.early_ids, padding_mask, position_ids)
+        run.revealing = Revealing(reveal, run.ctx, early.ctx)
+        run.h = run.revealing.start(run.h, early.h)
+        if run.stages is not None:
+            run.stages.states[0] = run.h
 
     def advance(self, run: LoopRun, schedule: tuple[int, ...], stop: int | None = None,
                 backprop_loops: int | None = None) -> LoopRun:
@@ -193,7 +215,8 @@ class MeshLM(nn.Module):
                 if self.config.loop_lora_rank:
                     select_pass(core, schedule[:step].count(schedule[step]))
                 u = core(x, r, m, kv, step_slots[step], routed)
-                h = self.scheme.update(step, run.h, track.merge(u, run.h), run.ctx)
+                ctx = run.ctx if run.revealing is None else run.revealing.context(step)
+                h = self.scheme.update(step, run.h, track.merge(u, run.h), ctx)
             run.step = step + 1
             if run.stages is not None:
                 run.stages.core_outputs.append(u)

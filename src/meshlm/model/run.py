@@ -14,6 +14,7 @@ import torch
 from meshlm.model.exit import ExitTracker, NoExit
 from meshlm.model.kv_cache import LayerCache
 from meshlm.model.layers import Rope, attention_mask_from_padding
+from meshlm.model.reveal import Revealing
 from meshlm.model.schemes import LoopContext, concat_contexts, map_contexts
 
 
@@ -52,6 +53,8 @@ class LoopRun:
     # default instance here: torch.compile cannot trace a dataclass default that is an object)
     track: ExitTracker | NoExit | None = None
     past: int = 0  # tokens cached before this run's: its mask covers past + T keys
+    # training's delayed reveal (meshlm.model.reveal): both inputs' contexts, or None
+    revealing: Revealing | None = None
 
     def attention_mask(self) -> torch.Tensor:
         """The (B or 1, 1, T, past + T) boolean mask; without one (no padding) the run is causal."""

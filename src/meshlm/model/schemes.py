@@ -81,6 +81,9 @@ def concat_contexts(contexts: list[LoopContext], dim: int = 1) -> LoopContext:
 
 class Scheme(nn.Module, abc.ABC):
     name: ClassVar[str] = ""
+    # whether `update` reads the input (ctx.e or ctx.h0) at every step: what a delayed reveal of the
+    # input (meshlm.model.reveal) needs to act after the loop has started
+    reinjects: ClassVar[bool] = False
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -120,6 +123,10 @@ class Scheme(nn.Module, abc.ABC):
 class Additive(Scheme):
     TERMS: ClassVar[tuple[str, ...]] = ()  # any of "residual" (h^t), "anchor" (h⁰), "anchor-emb"
     # (e)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.reinjects = any(term != "residual" for term in cls.TERMS)
 
     def update(self, t, h, u, ctx):
         terms = {"residual": h, "anchor": ctx.h0, "anchor-emb": ctx.e}
@@ -199,6 +206,8 @@ class DynamicAlpha(MixCoefficients):
 
 class Mix(Scheme):
     """Option alpha_init: the initial α (init.py)."""
+
+    reinjects = True
 
     def update(self, t, h, u, ctx):
         a = self.alpha(h).to(u.dtype)

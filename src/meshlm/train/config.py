@@ -96,6 +96,9 @@ class TrainConfig:
     unlabelled: str = "ignore"  # labelled task data: what a position without a label learns:
     # "ignore" (no loss) or "next" (its next token, as on text: a target everywhere, so no
     # position's readout is left free to drift; docs/reasoning.md)
+    reveal: int = 0  # labelled task data: hide each sequence's given values (inputs that are also
+    # labels) from the loop for its first s steps, s uniform in 0..reveal, so the step count stops
+    # saying when an answer resolves (meshlm.train.reveal; a re-injecting scheme such as anchor)
     # -- optimizer and schedule (docs/training.md) -------------------------------------------------
     lr: float = 4e-3  # peak learning rate (the default small model; the paper configs set theirs)
     min_lr_ratio: float = 0.1  # cosine decays to this fraction of the peak
@@ -306,6 +309,9 @@ class TrainConfig:
         if not (isinstance(self.curriculum, int) and self.curriculum >= 0):
             return [f"curriculum={self.curriculum!r} must be an integer >= 0 (steps per opened "
                     "difficulty; 0 = none)"]
+        if not (isinstance(self.reveal, int) and self.reveal >= 0):
+            return [f"reveal={self.reveal!r} must be an integer >= 0 (the most loop steps a "
+                    "sequence's given values stay hidden; 0 = none)"]
         if self.unlabelled not in UNLABELLED:
             return [f"unlabelled={self.unlabelled!r} must be one of {', '.join(UNLABELLED)} (what "
                     "a labelled task's positions without a label learn)"]

@@ -19,6 +19,7 @@ from meshlm.errors import Problems
 from meshlm.train import parallel
 from meshlm.train.footprint import schedule_problem
 from meshlm.train.plan import RunPlan
+from meshlm.train.reveal import check_reveal
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ def data_problems(p: Problems, plan: RunPlan, path: Path | None) -> RunData | No
     splits, or None when they could not be opened."""
     p.check(check_vocab, plan.model.vocab_size, plan.tokenizer)
     if path is None:
+        p.need(not plan.cfg.reveal, f"train.reveal={plan.cfg.reveal} hides the given values of "
+                                    "labelled task data, but the embedded corpus is text; set "
+                                    "train.data to a labelled task (task:chain) or train.reveal=0")
         return None
     if not p.need(path.is_dir(), f"train.data={plan.cfg.data}: {path} does not exist; run "
                                  f"`meshlm prepare` or set train.data=default"):
@@ -76,6 +80,7 @@ def data_problems(p: Problems, plan: RunPlan, path: Path | None) -> RunData | No
         p.need(False, f"{path} was prepared with tokenizer {manifest['tokenizer']['name']!r}, not "
                       f"{plan.tokenizer.name!r}; set train.tokenizer to match or prepare the data "
                       f"again")
+    p.check(check_reveal, plan, splits[0])  # train.reveal: its scheme, labels and tokenizer
     if len(splits) < 2:
         return None
     if windows[0] and (absurd := schedule_problem(plan.cfg, plan.total_steps, windows[0])):

@@ -44,6 +44,7 @@ from meshlm.train.optim import build_optimizer, build_scheduler
 from meshlm.train.ownership import RunOwner
 from meshlm.train.plan import RunPlan, resolve
 from meshlm.train.preflight import preflight, schedule_warnings
+from meshlm.train.reveal import RevealDraws
 from meshlm.train.watchdog import RankWatch
 
 
@@ -97,6 +98,8 @@ class Trainer(Checkpointing):
                        if cfg.curriculum else None)
         self.train_data.unlabelled = unlabelled(self.train_data, cfg.unlabelled)
         self._build_model(resume)
+        # train.reveal (checked by preflight): the given values' hidden steps, drawn per step
+        self.reveal = RevealDraws(self.train_data, cfg.reveal, cfg.seed) if cfg.reveal else None
         self.optimizer = build_optimizer(self.model, cfg, env.device)
         self.scheduler = build_scheduler(self.optimizer, cfg, self.total_steps)
         self.flops_per_token = describe(self.model_cfg, self.seq_len).train_flops_per_token
@@ -136,11 +139,14 @@ class Trainer(Checkpointing):
             depth = dict(loops=self.loop_dist.draw(cfg.seed, step),
                          backprop_loops=cfg.backprop_loops or None)
         self.step_loops = depth.get("loops") or self.model_cfg.layout.n_steps
+        hidden = (self.reveal.steps(step, cfg.global_batch, env.rank, env.world, len(batches))
+                  if self.reveal else None)
         for i, (x, y) in enumerate(batches):  # x, y: (micro_batch, seq_len)
             x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+            reveal = {"reveal": self.reveal.reveal(x, hidden[i])} if hidden else {}
             with parallel.no_sync(self.wrapped, sync=i == len(batches) - 1):
                 with parallel.autocast(env):
-                    out = self.wrapped(x, y, **depth)
+                    out = self.wrapped(x, y, **depth, **reveal)
                 # mean over micro-batches = mean over the global batch
                 (out.loss / len(batches)).backward()
             total += out.loss.detach()
