@@ -66,6 +66,10 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=64)
     p.add_argument("--scheme", default="base")
     p.add_argument("--loops", type=int, default=6, help="K of the step (the study samples 4-8)")
+    p.add_argument("--seq-len", type=int, default=32, help="32: chain; 24: parity and compose")
+    p.add_argument("--eager-steps", type=int, default=0,
+                   help="only run this many eager steps and print their time: one side of a "
+                        "whole-command comparison of two checkouts (../shared/tools/pinned-pair)")
     add_timing_arguments(p, rounds=15)
     args = p.parse_args()
     clock = timing_setup(args)
@@ -73,7 +77,13 @@ def main() -> None:
                                   vocab_size=48, context_length=32, rotary_pct=1.0,
                                   scheme=args.scheme)
     g = torch.Generator().manual_seed(0)
-    x, y = (torch.randint(0, 48, (64, 32), generator=g) for _ in range(2))
+    x, y = (torch.randint(0, 48, (64, args.seq_len), generator=g) for _ in range(2))
+    if args.eager_steps:
+        step, start = stepper(cfg, x, y, False), time.perf_counter()
+        for _ in range(args.eager_steps):
+            step(args.loops)
+        print(f"{args.eager_steps} eager steps: {time.perf_counter() - start:.2f} s")
+        return
     print(f"1+1R4+1 {args.scheme}, d_model {args.d_model}, K = {args.loops}, 64 x 32 tokens, "
           f"{torch.get_num_threads()} threads")
     eager, compiled = stepper(cfg, x, y, False), stepper(cfg, x, y, True)
