@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from trainkit import make_task_data
 
 from meshlm.train.config import SHIPPED_CONFIGS
 
@@ -255,20 +256,12 @@ def _hold_run_folder(run: Path) -> None:
     HELD[run] = RunOwner(run).__enter__()
 
 
-def _task_data(tmp: Path, tasks: str) -> Path:
-    from meshlm.data.tasks import TaskData, prepare_tasks
-
-    prepare_tasks(TaskData(tasks=tasks, train_examples=64, val_examples=16, test_per_level=2),
-                  tmp / tasks)
-    return tmp / tasks
-
-
 def _task_run(tmp: Path) -> None:
     """A 2-step run on chase data, and dag data beside it."""
     from meshlm.train.config import TrainConfig
     from meshlm.train.trainer import train
 
-    data, _ = _task_data(tmp, "chase"), _task_data(tmp, "dag")
+    data, _ = make_task_data(tmp, "chase"), make_task_data(tmp, "dag")
     cfg = TrainConfig(model={"preset": "tiny", "vocab_size": 64}, data=str(data), out_dir=str(tmp),
                       name="chase-run",
                       global_batch=4, micro_batch=4, steps=2, eval_every=0, eval_windows=4,
@@ -536,7 +529,7 @@ CASES: list[Case] = [
     Case("train", "a seq_len that cuts task examples",
          ["train", "train.data={tmp}/chase", "model.vocab_size=64",
           "train.seq_len=20"], 2,
-         "set train.seq_len=52 (or 0)", setup=lambda tmp, world: _task_data(tmp, "chase")),
+         "set train.seq_len=52 (or 0)", setup=lambda tmp, world: make_task_data(tmp, "chase")),
     Case("train", "seq_len above the context",
          ["train", "train.data={data}", "model.preset=tiny", "seq_len=512"], 2,
          "exceeds the model's context_length"),
@@ -556,7 +549,7 @@ CASES: list[Case] = [
          ["train", "train.data={tmp}/chain", "model.preset=tiny", "model.vocab_size=48",
           "model.scheme=base", "train.reveal=2", "train.out_dir={tmp}/runs"], 2,
          "train.reveal=2 needs a scheme that re-injects its input at every loop step",
-         setup=lambda tmp, world: _task_data(tmp, "chain")),
+         setup=lambda tmp, world: make_task_data(tmp, "chain")),
     Case("train", "a vocabulary smaller than the tokenizer's",
          ["train", "train.data={data}", "model.vocab_size=1000"],
          2, "set the model vocab_size to at least 8192"),
@@ -718,7 +711,7 @@ CASES: list[Case] = [
     Case("finetune", "labelled task data instead of records",
          ["finetune", "{run}", "{tmp}/chain"], 1,
          "is a prepared folder (labelled task data), which fine-tuning cannot use",
-         setup=lambda tmp, world: _task_data(tmp, "chain"), patch=empty_cache),
+         setup=lambda tmp, world: make_task_data(tmp, "chain"), patch=empty_cache),
     Case("finetune", "a chat template that fails to render",
          ["finetune", "{run}", "{tmp}/chat.jsonl",
           "--chat-template", "{tmp}/t.jinja"],

@@ -9,9 +9,9 @@ import dataclasses
 import pytest
 import torch
 from conftest import build, tiny
+from trainkit import make_task_data
 
 from meshlm.data.prepare import PreparedData
-from meshlm.data.tasks import TaskData, prepare_tasks
 from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import ConfigError
 from meshlm.model.exit import ExitRule
@@ -83,10 +83,7 @@ def test_schemes_that_do_not_reinject_and_inference_settings_are_refused():
 
 @pytest.fixture(scope="module")
 def chain_data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("chain")
-    prepare_tasks(TaskData(tasks="chain", train_examples=64, val_examples=16, test_per_level=2),
-                  out)
-    return out
+    return make_task_data(tmp_path_factory.mktemp("tasks"), "chain")
 
 
 def test_the_hidden_tokens_are_exactly_the_roots_values(chain_data):

@@ -42,6 +42,16 @@ def make_prepared(tmp_path_factory) -> Path:
     return out
 
 
+def make_task_data(tmp: Path, tasks: str) -> Path:
+    """A small prepared task folder `tmp/<tasks>` (64 training problems, 16 validation, 2 test per
+    difficulty)."""
+    from meshlm.data.tasks import TaskData, prepare_tasks
+
+    prepare_tasks(TaskData(tasks=tasks, train_examples=64, val_examples=16, test_per_level=2),
+                  tmp / tasks)
+    return tmp / tasks
+
+
 def tiny_train(data: Path, out_dir: Path, **overrides) -> TrainConfig:
     """A 6-layer-equivalent MeSH model (d=64) on 32-token sequences: ~20 ms per step."""
     base = dict(model={"preset": "tiny", "vocab_size": 8192}, data=str(data), out_dir=str(out_dir),

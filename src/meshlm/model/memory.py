@@ -80,7 +80,7 @@ class Router(nn.Linear):
         slots-major, a router pair a step). Its lanes vectorize across tokens, so a token's bits
         may depend on where it sits in the batch: inference keeps the token-major kernel, which
         gives each token the same bits in any batch (served == alone)."""
-        if torch.is_grad_enabled() and logits.requires_grad:
+        if logits.requires_grad:
             weights = logits.flatten(0, -3).permute(1, 2, 0).softmax(1).permute(2, 0, 1)
             weights = weights.unflatten(0, logits.shape[:-2])
         else:

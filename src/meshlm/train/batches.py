@@ -29,10 +29,15 @@ def get_batch(data: PreparedData, step: int, global_batch: int, seq_len: int, se
                           f"{micro_batches} micro-batches (rank {rank}); change global_batch or "
                           "micro_batches")
     indices = batch_indices(step, global_batch, seed, n_sequences or data.num_sequences(seq_len))
-    per_rank = global_batch // world
-    mine = indices[rank * per_rank:(rank + 1) * per_rank]
-    x, y = windows_xy(data, mine, seq_len)  # (per_rank, seq_len) each
+    x, y = windows_xy(data, rank_part(indices, rank, world), seq_len)  # (per_rank, seq_len) each
     return list(zip(x.chunk(micro_batches), y.chunk(micro_batches)))
+
+
+def rank_part(batch, rank: int, world: int):
+    """Rank `rank`'s contiguous slice of a global batch's rows (a list or a tensor), in rank order:
+    the cut `get_batch` makes, and anything drawn per row of the batch must make too."""
+    per_rank = len(batch) // world
+    return batch[rank * per_rank:(rank + 1) * per_rank]
 
 
 def windows_xy(data: PreparedData, indices: list[int], seq_len: int) -> tuple[torch.Tensor,

@@ -23,6 +23,7 @@ from meshlm.errors import ConfigError, DataError
 from meshlm.model.reveal import Reveal
 from meshlm.model.schemes import SCHEMES
 from meshlm.reasoning.vocab import UNK_TOKEN
+from meshlm.train.batches import rank_part
 
 SALT = 0x5EE1  # keeps the reveal's stream apart from the loop count's (meshlm.train.depth)
 
@@ -61,8 +62,7 @@ class RevealDraws:
         key = ((SALT * 1_000_003 + self.seed) * 1_000_003 + step) % 2**63
         generator = torch.Generator().manual_seed(key)
         drawn = torch.randint(0, self.most + 1, (global_batch,), generator=generator)
-        per_rank = global_batch // world
-        return list(drawn[rank * per_rank:(rank + 1) * per_rank].chunk(micro_batches))
+        return list(rank_part(drawn, rank, world).chunk(micro_batches))
 
     def reveal(self, x: torch.Tensor, steps: torch.Tensor) -> Reveal:
         """The Reveal of inputs x (B, T): the given values hidden, for steps (B,) loop states."""
