@@ -70,8 +70,13 @@ def test_a_second_training_with_the_same_name_refuses_and_the_first_finishes_int
     deadline = time.time() + 120
     while time.time() < deadline and not (owner.is_file() and owner.read_text().strip()):
         time.sleep(0.05)
-    second = cli("train",
-                 *as_overrides(tiny_train(prepared, tmp_path, steps=60, save_every=20, lr=1e-3)))
+    # paused while the second starts, so the first still holds the folder however fast it trains
+    first.send_signal(signal.SIGSTOP)
+    try:
+        second = cli("train", *as_overrides(tiny_train(prepared, tmp_path, steps=60,
+                                                       save_every=20, lr=1e-3)))
+    finally:
+        first.send_signal(signal.SIGCONT)
     out, err = first.communicate(timeout=300)
     assert second.returncode == 2, second.stderr
     assert f"is in use by PID {first.pid}" in second.stderr and second.stderr.count("error:") == 1
