@@ -1,5 +1,6 @@
 """`meshlm reproduce`: study files, the plan with estimates, and a tiny study end to end
 (resumable)."""
+import json
 from pathlib import Path
 
 import pytest
@@ -76,7 +77,27 @@ def test_only_and_seeds_pick_part_of_a_study(tmp_path):
         load_study(path, only="mod*")
 
 
+def test_a_later_stage_starts_from_its_sources_run_of_the_same_seed(tmp_path):
+    path = write_study(tmp_path, seeds=[0, 1], variants={
+        "a": {"overrides": ["model.scheme=base"]},
+        "b": {"from": "a", "overrides": ["model.scheme=anchor", "train.steps=3"]},
+        "c": {"from": "b", "overrides": ["train.steps=4"], "seeds": [1]}})
+    study = load_study(path, only="c")  # its sources are planned too, before it
+    assert [r.name for r in study.runs] == ["a-s1", "b-s1", "c-s1"]
+    a, b, c = study.runs
+    assert (c.source, b.source, a.source) == (b, a, None)
+    assert f"train.init_from={a.dir}" in b.overrides and f"train.init_from={b.dir}" in c.overrides
+    # the model is its source's: only the stage's own model.* overrides apply
+    assert [o for o in b.overrides if o.startswith("model.")] == ["model.scheme=anchor"]
+    assert "model.preset=mesh-small" in a.overrides
+    assert all(name in plan_table(study) for name in ("a-s1", "b-s1", "c-s1"))  # nothing trained
+
+
 @pytest.mark.parametrize("fields, message", [
+    ({"variants": {"a": {"from": "z"}}}, "`from: z` names no variant of this study"),
+    ({"variants": {"a": {"from": "b"}, "b": {"from": "a"}}},
+     "goes round in a circle \\(a -> b -> a\\)"),
+    ({"variants": {"a": {"overides": []}}}, "variant a: unknown key 'overides'"),
     ({"variants": {}}, "at least one variant"),
     ({"seeds": "zero"}, "`seeds` must be a non-empty list"),
     ({"colour": 1}, "unknown key 'colour'"),
@@ -110,6 +131,19 @@ def test_tiny_study_end_to_end_and_rerun_skips(tmp_path, capsys, jobs):
     assert main(["reproduce", str(path)]) == 0  # everything finished: nothing is trained again
     assert capsys.readouterr().out.count("done, skipped") == 2
     assert results_markdown(load_study(path)) == results
+
+
+def test_a_later_stage_trains_after_its_source_from_its_weights(tmp_path, capsys):
+    path = write_study(tmp_path, variants={
+        "base": {"overrides": ["model.spec=1+1R2+1", "model.scheme=base"]},
+        "more": {"from": "base", "overrides": ["train.steps=3"]}})
+    assert main(["reproduce", str(path), "--only", "more", "--jobs", "2"]) == 0
+    out_dir = tmp_path / "runs" / "t"
+    log = (out_dir / "more-s0" / "train.log").read_text()
+    assert f"initialised from {out_dir / 'base-s0'}" in log
+    records = {r.run.name: r for r in read_runs(load_study(path))}
+    own = json.loads((out_dir / "more-s0" / "study.json").read_text())["train_seconds"]
+    assert records["more-s0"].train_seconds == pytest.approx(own + records["base-s0"].train_seconds)
 
 
 def probe_result() -> ProbeResult:

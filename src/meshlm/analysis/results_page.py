@@ -46,7 +46,7 @@ class RunRecord:
 def read_runs(study: Study) -> list[RunRecord]:
     """Every run's results, each file read once."""
     return [RunRecord(run, read_eval(run.dir / "eval.json"),
-                      read_probe(run.dir / "probe" / "probe.json"), wall_time(run))
+                      read_probe(run.dir / "probe" / "probe.json"), staged_wall_time(run))
             for run in study.runs]
 
 
@@ -60,6 +60,15 @@ def record_wall_time(run: Run, seconds: float) -> None:
 def wall_time(run: Run) -> float | None:
     path = run.dir / WALL_TIME
     return json.loads(path.read_text()).get("train_seconds") if path.is_file() else None
+
+
+def staged_wall_time(run: Run) -> float | None:
+    """Training time of the run and of every earlier stage it starts from (a variant's `from`):
+    what its model cost. None while the run itself has none."""
+    own = wall_time(run)
+    if own is None or run.source is None:
+        return own
+    return own + (staged_wall_time(run.source) or 0.0)
 
 
 def _by_variant(records: list[RunRecord], keep) -> dict[str, list[RunRecord]]:

@@ -11,12 +11,19 @@ evaluated, probed and reported, as a plan of runs from one YAML file.
       base:    {overrides: [model.scheme=base]}
       mesh:    {overrides: [model.scheme=mesh]}
       mesh-B3: {overrides: [model.scheme=mesh, model.scheme_options.slots=3], seeds: [0]}
+      mesh-long: {from: mesh, overrides: [train.steps=400]}  # a second stage (below)
     eval: [--tasks, none, --limit, "200"]   # extra `meshlm eval` arguments
     probe: [--samples, "50"]                # extra `meshlm probe` arguments
 
 `launcher` (e.g. `torchrun --nproc_per_node=8`) prefixes training for multi-GPU studies. Before
 anything runs, the plan is printed with each run's tokens, training FLOPs and an estimate of its
 accelerator-hours (`plan_table`).
+
+A variant with `from: <variant>` is a later stage of training: each seed's run starts from the
+newest checkpoint of that variant's run with the same seed (`train.init_from`), which is planned
+too (whatever `--only` selects) and trained first. Its model is its source's: the study's `model.*`
+overrides do not apply to it, only its own. The results page counts the sources' training time in
+its wall time.
 
 The study's three parts: this file (the study file → a plan), meshlm.analysis.study_runner (every
 stage its own `meshlm` process: threads, signals, resuming) and meshlm.analysis.results_page (the
@@ -36,6 +43,7 @@ import torch
 from meshlm.data.shards import read_manifest
 from meshlm.data.tasks import data_folder, holds_tasks, window_length
 from meshlm.errors import ConfigError
+from meshlm.folders.integrity import list_checkpoints
 from meshlm.model.accounting import describe
 from meshlm.runtime.peaks import device_peak
 from meshlm.runtime.precision import choose
@@ -46,6 +54,7 @@ from meshlm.yaml_files import load_yaml
 STUDY_KEYS = {"name", "out_dir", "config", "overrides", "seeds", "variants", "eval", "probe",
               "launcher",
               "assumed_mfu", "peak_flops", "gpus"}
+VARIANT_KEYS = {"overrides", "seeds", "from"}
 
 
 @dataclass
@@ -54,6 +63,7 @@ class Run:
     seed: int
     overrides: list[str]
     dir: Path
+    source: Run | None = None  # the run whose newest checkpoint this one starts from (`from`)
 
     @property
     def name(self) -> str:
@@ -97,14 +107,16 @@ def load_study(path: str | Path, extra_overrides: list[str] = (), only: str | No
     if not (isinstance(study_seeds, list) and study_seeds
             and all(isinstance(s, int) for s in study_seeds)):
         problems.append(f"`seeds` must be a non-empty list of integers, not {study_seeds!r}")
+    problems += stage_problems(variants)
+    selected = variants
     if only is not None and variants:
-        variants = selected_variants(variants, only, problems)
+        selected = selected_variants(variants, only, problems)
     if problems:
         raise ConfigError(f"study {path}: " + "; ".join(problems))
     name = str(raw.get("name") or path.stem)
     out_dir = Path(raw.get("out_dir", "runs/studies"))
     common = [*map(str, raw.get("overrides", [])), *extra_overrides]
-    runs = plan_runs(variants, out_dir / name, common, study_seeds, seeds)
+    runs = plan_runs(variants, out_dir / name, common, study_seeds, seeds, list(selected))
     study = Study(name, out_dir, shared_config(raw.get("config"), path), runs,
                   list(map(str, raw.get("eval", []))),
                   list(map(str, raw.get("probe", []))), shlex.split(raw.get("launcher", "")),
@@ -127,21 +139,54 @@ def selected_variants(variants: dict, only: str, problems: list[str]) -> dict:
     return kept
 
 
-def plan_runs(variants: dict, study_dir: Path, common: list[str], seeds: list[int],
-              given_seeds: list[int] | None) -> list[Run]:
-    """Every variant × seed as a run in <study_dir>/<variant>-s<seed>: the study's overrides, then
-    the variant's, then its seed, folder and name. A variant's own seeds replace the study's, and
-    `given_seeds` (--seeds) replace both."""
-    runs = []
+def stage_problems(variants: dict) -> list[str]:
+    """What is wrong with the variants' `from` (a name not in the study, a cycle) and their keys."""
+    problems = []
     for variant, spec in variants.items():
-        spec = spec or {}
-        for seed in (given_seeds or spec.get("seeds", seeds)):
+        unknown = sorted(set(spec or {}) - VARIANT_KEYS)
+        if unknown:
+            problems.append(f"variant {variant}: unknown key {unknown[0]!r} (valid: "
+                            f"{sorted(VARIANT_KEYS)})")
+        seen, current = [variant], (spec or {}).get("from")
+        while current is not None:
+            if current not in variants:
+                problems.append(f"variant {seen[-1]}: `from: {current}` names no variant of this "
+                                f"study (variants: {', '.join(variants)})")
+                break
+            if current in seen:
+                problems.append(f"variant {variant}: `from` goes round in a circle "
+                                f"({' -> '.join([*seen, current])})")
+                break
+            seen.append(current)
+            current = (variants[current] or {}).get("from")
+    return problems
+
+
+def plan_runs(variants: dict, study_dir: Path, common: list[str], seeds: list[int],
+              given_seeds: list[int] | None, selected: list[str] | None = None) -> list[Run]:
+    """Every selected variant × seed as a run in <study_dir>/<variant>-s<seed>: the study's
+    overrides, then the variant's, then its seed, folder and name. A variant's own seeds replace
+    the study's, and `given_seeds` (--seeds) replace both. A variant with `from` gets its source's
+    run of the same seed planned before it, and starts from it (module docstring)."""
+    runs: dict[tuple[str, int], Run] = {}
+
+    def plan(variant: str, seed: int) -> Run:
+        if (variant, seed) not in runs:
+            spec = variants[variant] or {}
+            source = plan(spec["from"], seed) if spec.get("from") else None
             run_dir = study_dir / f"{variant}-s{seed}"
-            overrides = [*common, *map(str, spec.get("overrides", [])), f"train.seed={seed}",
-                         f"train.out_dir={study_dir}", f"train.name={run_dir.name}",
-                         "train.progress=false"]
-            runs.append(Run(variant, seed, overrides, run_dir))
-    return runs
+            shared = common if source is None else [o for o in common if not o.startswith("model.")]
+            start = [f"train.init_from={source.dir}"] if source else []
+            overrides = [*shared, *map(str, spec.get("overrides", [])), *start,
+                         f"train.seed={seed}", f"train.out_dir={study_dir}",
+                         f"train.name={run_dir.name}", "train.progress=false"]
+            runs[variant, seed] = Run(variant, seed, overrides, run_dir, source)
+        return runs[variant, seed]
+
+    for variant in selected or list(variants):
+        for seed in (given_seeds or (variants[variant] or {}).get("seeds", seeds)):
+            plan(variant, seed)
+    return list(runs.values())
 
 
 def shared_config(config: str | None, path: Path) -> str | None:
@@ -170,7 +215,7 @@ def planning_peak(study: Study) -> tuple[float, str]:
 def estimate(study: Study, run: Run, peak: float | None = None) -> dict[str, Any]:
     """Tokens, training FLOPs and device-hours of one run (at the study's assumed MFU of `peak`)."""
     cfg = train_config(study, run)
-    model_cfg, _ = resolve_model(cfg)  # init_from: the folder's model
+    model_cfg = planned_model(study, run)
     seq_len = cfg.sequence_length(model_cfg)
     # one example per window: the task data's block (generated once, cached)
     if holds_tasks(cfg.data):
@@ -183,6 +228,19 @@ def estimate(study: Study, run: Run, peak: float | None = None) -> dict[str, Any
             "non_embedding_params": acc.non_embedding_params,
             "unrolled_layers": acc.unrolled_layers, "train_flops": flops,
             "gpu_hours": flops / ((peak or planning_peak(study)[0]) * study.assumed_mfu) / 3600}
+
+
+def planned_model(study: Study, run: Run):
+    """The model `run` trains: its config's, or init_from's; a later stage whose source has no
+    checkpoint yet, its source's."""
+    source = run
+    while source.source is not None and not has_checkpoint(source.source.dir):
+        source = source.source
+    return resolve_model(train_config(study, source))[0]
+
+
+def has_checkpoint(run_dir: Path) -> bool:
+    return (run_dir / "latest").is_file() or bool(list_checkpoints(run_dir))
 
 
 def duration(hours: float) -> str:

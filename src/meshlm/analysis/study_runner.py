@@ -36,20 +36,24 @@ def execute(study: Study, log=print, jobs: int = 1, keep_going: bool = False) ->
             log(f"[{i}/{len(study.runs)}] {run.name}: done, skipped")
         else:
             todo.append((i, run))
-    queue, lock, errors = list(reversed(todo)), threading.Lock(), []
+    queue = Queue(todo)
 
     def worker(slot: int) -> None:
         env = job_environment(slot, jobs, bool(study.launcher))
         while True:
-            with lock:
-                if (errors and not keep_going) or children.received or not queue:
+            with queue.lock:
+                if (queue.errors and not keep_going) or children.received or not queue.pending:
                     return
-                i, run = queue.pop()
+                item = queue.take()
+            if item is None:  # every run left waits for a source still training
+                time.sleep(0.2)
+                continue
+            i, run = item
             try:
                 _run_stages(study, run, f"[{i}/{len(study.runs)}]", children, env, log)
+                queue.finish(run)
             except Exception as err:  # noqa: BLE001 — Interrupted too; raised from the main thread
-                with lock:
-                    errors.append(err)
+                queue.finish(run, err)
                 if not isinstance(err, Interrupted):
                     log(f"[{i}/{len(study.runs)}] {run.name}: failed: {err}")
 
@@ -62,14 +66,46 @@ def execute(study: Study, log=print, jobs: int = 1, keep_going: bool = False) ->
             while thread.is_alive():  # join with a timeout: the main thread stays free for Ctrl-C
                 thread.join(0.2)
     write_results(study)
-    interrupted = [err for err in errors if isinstance(err, Interrupted)]
-    if interrupted or errors:
-        raise (interrupted or errors)[0]
+    interrupted = [err for err in queue.errors if isinstance(err, Interrupted)]
+    if interrupted or queue.errors:
+        raise (interrupted or queue.errors)[0]
+
+
+class Queue:
+    """The runs left, in the plan's order; a later stage (a run with a source) is taken once its
+    source has finished, and fails at once if its source failed."""
+
+    def __init__(self, todo: list[tuple[int, Run]]):
+        self.pending = list(todo)
+        self.unfinished = {run.name for _, run in todo}
+        self.failed: set[str] = set()
+        self.errors: list[Exception] = []
+        self.lock = threading.Lock()
+
+    def finish(self, run: Run, error: Exception | None = None) -> None:
+        with self.lock:
+            if error is None:
+                self.unfinished.discard(run.name)
+            else:
+                self.errors.append(error)
+                self.failed.add(run.name)
+
+    def take(self) -> tuple[int, Run] | None:
+        """The first run that can start now (None: each waits for a source); under `lock`."""
+        for k, (_, run) in enumerate(self.pending):
+            if run.source is None or run.source.name not in self.unfinished:
+                return self.pending.pop(k)
+            if run.source.name in self.failed:
+                return self.pending.pop(k)  # _run_stages says why it cannot start
+        return None
 
 
 def _run_stages(study: Study, run: Run, tag: str, children: Children, env: dict[str, str],
                 log) -> None:
     """train → eval → probe for one run, each stage its own `meshlm` process."""
+    if run.source is not None and not (run.source.dir / "eval.json").is_file():
+        raise MeshlmError(f"{run.name} starts from {run.source.name}, which did not finish; fix "
+                          f"that run and run the study again (finished runs are skipped)")
     log(f"{tag} {run.name}: training")
     start = time.perf_counter()
     config = ["--config", study.config] if study.config else []
