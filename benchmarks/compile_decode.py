@@ -2,9 +2,9 @@
 the eager decoder, side by side in one run, at every precision `meshlm generate` decodes in: fp32
 under the default policy (its weight layout and kernel as this machine's probes chose), bf16 (its
 kernel where it pays; "bf16 F.linear" without it, what bf16 decoding was before), int8 with int8
-activations (w8a8) and int4. Prints tokens/s, the ratio, the first compiled call's seconds (the
-compile, with whatever Inductor had cached on disk) and whether the greedy tokens are the eager
-ones.
+activations (w8a8), int4 and int4 with int8 activations (w4a8). Prints tokens/s, the ratio, the
+first compiled call's seconds (the compile, with whatever Inductor had cached on disk) and whether
+the greedy tokens are the eager ones.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/compile_decode.py --threads 1
     .venv/bin/python benchmarks/compile_decode.py --spec 2+4R2+2 --scheme mesh --threads 2
@@ -45,6 +45,8 @@ def variants(model) -> dict:
            "bf16 F.linear": bf16_without_kernel(model)}
     out["w8a8"] = decoding_copy(quantize_model(copy.deepcopy(model), 8, PARTS)[0], "auto")
     out["int4"] = decoding_copy(quantize_model(copy.deepcopy(model), 4, PARTS)[0], "auto")
+    out["w4a8"] = decoding_copy(quantize_model(copy.deepcopy(model), 4, PARTS,
+                                               activations="int8")[0], "auto")
     return out
 
 

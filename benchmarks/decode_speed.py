@@ -14,8 +14,9 @@ Comparisons (targets from the Hugging Face / generation issue):
      meshlm.kernels.fp32_rows compiles where it pays; "fp32 split bmm" without that kernel), fp32
      through plain F.linear, bf16 (weights stored in bf16; products of one or two rows by the
      kernel meshlm.kernels.bf16_rows compiles where it pays, "bf16 F.linear" without it), int8,
-     int4 and w8a8 (int8 weights and activations; meshlm.quant, every layer and the head;
-     "w8a8 _int_mm" without the one-row kernel meshlm.quant.row_kernel compiles), each with the
+     int4, w8a8 (int8 weights and activations; meshlm.quant, every layer and the head;
+     "w8a8 _int_mm" without the one-row kernel meshlm.quant.row_kernel compiles) and w4a8 (int4
+     weights, int8 activations, by the kernel meshlm.quant.int4_kernel compiles), each with the
      weights `meshlm generate` decodes with, and with the weight bytes each reads per token
      against this core's measured copy bandwidth:
          .venv/bin/python benchmarks/decode_speed.py --versus-transformers --d-model 768 \
@@ -149,7 +150,9 @@ def versus_transformers(args) -> None:
                                            "auto")[0],
               "meshlm w8a8": decoding_copy(quantize_model(ours, 8, PARTS, activations="int8")[0],
                                            "auto")[0],
-              "meshlm int4": decoding_copy(quantize_model(ours, 4, PARTS)[0], "auto")[0]}
+              "meshlm int4": decoding_copy(quantize_model(ours, 4, PARTS)[0], "auto")[0],
+              "meshlm w4a8": decoding_copy(quantize_model(ours, 4, PARTS, activations="int8")[0],
+                                           "auto")[0]}
     models["meshlm w8a8 _int_mm"] = without_row_kernel(models["meshlm w8a8"])
     models["meshlm fp32 split bmm"] = split_without_kernel(ours)
     prompt = torch.randint(2, args.vocab, (1, args.prompt),
@@ -189,8 +192,9 @@ def versus_transformers(args) -> None:
                  ("meshlm int8", "meshlm fp32"), ("meshlm w8a8", "transformers fp32"),
                  ("meshlm w8a8", "meshlm fp32"), ("meshlm w8a8", "meshlm int8"),
                  ("meshlm w8a8", "meshlm w8a8 _int_mm"), ("meshlm w8a8 _int_mm", "meshlm fp32"),
-                 ("meshlm int4", "meshlm fp32"),
-                 ("meshlm bf16", "meshlm fp32")):
+                 ("meshlm int4", "meshlm fp32"), ("meshlm w4a8", "meshlm fp32"),
+                 ("meshlm w4a8", "meshlm int4"), ("meshlm w4a8", "meshlm w8a8"),
+                 ("meshlm w4a8", "transformers fp32"), ("meshlm bf16", "meshlm fp32")):
         print(f"{a} / {b}: {rate[a] / rate[b]:.2f}x")
 
 

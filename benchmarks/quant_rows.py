@@ -4,7 +4,8 @@ have: fp32 in its decoding layout (SplitLinear, what `--dtype auto` decodes with
 a block per thread), int8
 weight-only, int8 weights with int8 activations (w8a8: as decoding runs them, one row through the
 kernel meshlm.quant.row_kernel compiles for this CPU; "w8a8 _int_mm": every row through
-torch._int_mm) and int4 (meshlm.quant), on the weights of a
+torch._int_mm), int4 weight-only and int4 weights with int8 activations (w4a8: through the kernel
+meshlm.quant.int4_kernel compiles, at every row count) (meshlm.quant), on the weights of a
 decoder stack too large for the caches (default: 12 layers of d = 768 and a 50,304-word head).
 Prints each format's time per call and its speed against fp32's.
 
@@ -29,6 +30,7 @@ from benchkit import (
 )
 
 from meshlm.quant import QuantizedLinear
+from meshlm.quant.int4_kernel import give as give_int4_kernel
 from meshlm.quant.row_kernel import give_row_kernel
 from meshlm.runtime.split_linear import SplitLinear, parts_for, paying_kernel
 
@@ -39,12 +41,17 @@ def formats(linears: list[torch.nn.Linear], threads: int) -> dict[str, list[torc
                                for m in linears)
     plain_w8a8 = copy.deepcopy(w8a8)
     give_row_kernel(w8a8)
+    w4a8 = torch.nn.ModuleList(QuantizedLinear.from_linear(m, 4, group_size=64, activations="int8")
+                               for m in linears)
+    if not give_int4_kernel(w4a8):
+        raise SystemExit("w4a8: no compiled kernel here (meshlm.quant.int4_kernel.unavailable)")
     kernel = paying_kernel()
     return {"fp32": [SplitLinear.for_kernel(m, kernel) if kernel else
                      SplitLinear.of(m, parts_for(m.out_features, threads)) for m in linears],
             "int8": [QuantizedLinear.from_linear(m, 8) for m in linears],
             "w8a8": list(w8a8), "w8a8 _int_mm": list(plain_w8a8),
-            "int4": [QuantizedLinear.from_linear(m, 4, group_size=64) for m in linears]}
+            "int4": [QuantizedLinear.from_linear(m, 4, group_size=64) for m in linears],
+            "w4a8": list(w4a8)}
 
 
 def main() -> None:

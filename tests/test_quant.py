@@ -19,9 +19,9 @@ from meshlm.quant.calibrate import targets
 from meshlm.quant.linear import dequantize, quantize_rows, quantize_weight
 
 BITS = [8, 4]
-# (bits, activations): weight-only int8 and int4, and int8 weights meeting int8 activations
+# (bits, activations): weight-only int8 and int4, and int8 or int4 weights meeting int8 activations
 KINDS = [pytest.param(8, "bf16", id="int8"), pytest.param(4, "bf16", id="int4"),
-         pytest.param(8, "int8", id="w8a8")]
+         pytest.param(8, "int8", id="w8a8"), pytest.param(4, "int8", id="w4a8")]
 
 
 @pytest.mark.parametrize("bits", BITS)
@@ -86,8 +86,8 @@ def test_int8_activations_compute_the_exact_integer_product_then_scale():
     difference = (layer._dequantized_product(x) - exact).abs().amax(1)
     assert (difference <= 1e-5 * exact.abs().amax(1)).all()  # fp32 rounding, per row
     assert "int8 activations" in repr(layer)
-    with pytest.raises(ValueError, match="int4 weights bf16"):
-        QuantizedLinear(64, 8, False, 4, 32, activations="int8")
+    with pytest.raises(ValueError, match="activations 'fp8': take bf16 or int8"):
+        QuantizedLinear(64, 8, False, 4, 32, activations="fp8")
 
 
 def test_int8_weights_take_int8_activations_unless_asked_for_weight_only():
@@ -154,7 +154,8 @@ def test_int8_activations_decode_exactly_through_the_weight_only_fallback(monkey
 @pytest.mark.parametrize("bits,activations,words", [
     (8, "bf16", "4 linear layers int8 weight-only"),
     (4, "bf16", "4 linear layers int4 in groups of 32"),
-    (8, "int8", "4 linear layers int8 with int8 activations")])
+    (8, "int8", "4 linear layers int8 with int8 activations"),
+    (4, "int8", "4 linear layers int4 in groups of 32 with int8 activations")])
 def test_decoding_names_the_quantized_layers(bits, activations, words):
     from meshlm.decoding import for_decoding
 

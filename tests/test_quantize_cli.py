@@ -26,7 +26,8 @@ def meshlm(*args: str, env: dict) -> subprocess.CompletedProcess:
 # (bits, --activations or None for the default, what it stores, the default output folder)
 @pytest.mark.parametrize("bits,flag,activations,name", [(8, "bf16", "bf16", "int8"),
                                                         (4, None, "bf16", "int4"),
-                                                        (8, None, "int8", "w8a8")])
+                                                        (8, None, "int8", "w8a8"),
+                                                        (4, "int8", "int8", "w4a8")])
 def test_quantize_then_generate_and_eval_in_fresh_processes(tmp_path, bits, flag, activations,
                                                             name):
     torch.manual_seed(0)
@@ -118,7 +119,7 @@ def test_quantizing_a_quantized_checkpoint_names_its_source(tmp_path, capsys):
                   "--no-report"]) == 0)
     # --bits 8 takes int8 activations by default, and the folder says so
     assert verify(source / "w8a8")["quantization"]["activations"] == "int8"
-    assert "int8 weights and activations" in capsys.readouterr().out
+    assert "int8 weights and int8 activations" in capsys.readouterr().out
     assert main(["quantize", str(source / "w8a8"), "--bits", "4", "--no-report"]) != 0
     assert f"pass the full-precision checkpoint it came from ({source}" in capsys.readouterr().err
     assert main(["quantize", str(source), "--bits", "8", "--parts", "cores,bogus"]) != 0

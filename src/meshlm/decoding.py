@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from meshlm.kernels import bf16_rows, fp32_rows
-from meshlm.quant import row_kernel
+from meshlm.quant import int4_kernel, row_kernel
 from meshlm.quant.calibrate import describe, structure_of
 from meshlm.runtime import bf16_linear, precision, split_linear
 from meshlm.runtime.precision import Precision
@@ -30,11 +30,13 @@ SPLIT_NOTE = "linear weights split per thread for one-token products"
 FP32_KERNEL_NOTE = ("linear weights in 128-column blocks, products of up to 64 rows by meshlm's "
                     "kernel compiled for this CPU")
 ROW_KERNEL_NOTE = "one-token int8 products by meshlm's kernel compiled for this CPU"
+INT4_KERNEL_NOTE = "int4 x int8 products by meshlm's kernel compiled for this CPU"
 BF16_KERNEL_NOTE = (f"bf16 products of up to {bf16_linear.KERNEL_ROWS} rows by meshlm's kernel "
                     "compiled for this CPU")
 # where a kernel could not be had (meshlm.kernels.build.why_not): named, never a silent fallback
 FP32_KERNEL_MISSING = "meshlm's fp32 kernel unavailable"
 ROW_KERNEL_MISSING = "meshlm's int8 kernel unavailable"
+INT4_KERNEL_MISSING = "meshlm's int4 x int8 kernel unavailable"
 BF16_KERNEL_MISSING = "meshlm's bf16 kernel unavailable"
 
 
@@ -49,6 +51,8 @@ class Prepared:
     row_missing: str | None = None  # why they could not (quant.row_kernel.unavailable)
     bf16_speedup: float = 0.0  # bf16 linears: the kernel's one-row speed over F.linear, if taken
     bf16_missing: str | None = None  # why the bf16 kernel could not be had (bf16_rows.unavailable)
+    int4_kernel: bool = False  # whether the w4a8 layers took their compiled kernel
+    int4_missing: str | None = None  # why they could not (quant.int4_kernel.unavailable)
 
 
 def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, Precision]:
@@ -62,7 +66,8 @@ def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, 
 def prepare(model: torch.nn.Module, chosen: Precision) -> Prepared:
     """Lay `model`'s weights out for decoding in `chosen`: in fp32 on CPU its linear layers where a
     probe found that faster (split_linear.lay_out_for_decoding), its int8-activation layers on CPU
-    given the compiled row kernel where it pays (quant.row_kernel.give_row_kernel), under bf16 its
+    given the compiled row kernel where it pays (quant.row_kernel.give_row_kernel), its w4a8 layers
+    on CPU their compiled kernel where this process has it (quant.int4_kernel.give), under bf16 its
     nn.Linear weights stored in bf16 (precision.store_weights) and, on CPU, multiplied by the
     compiled bf16 kernel at up to four rows where it pays (bf16_linear.lay_out_for_decoding).
     Returns what it did."""
@@ -73,12 +78,14 @@ def prepare(model: torch.nn.Module, chosen: Precision) -> Prepared:
     given = cpu and quantized is not None and row_kernel.give_row_kernel(model) > 0
     fp32_missing = fp32_rows.unavailable() if fp32 and layout != "kernel" else None
     row_missing = row_kernel.unavailable(model) if cpu and quantized and not given else None
+    int4_given = cpu and quantized is not None and int4_kernel.give(model) > 0
+    int4_missing = int4_kernel.unavailable(model) if cpu and quantized and not int4_given else None
     precision.store_weights(model, chosen)
     bf16 = cpu and chosen.dtype == torch.bfloat16
     swapped, bf16_speedup = bf16_linear.lay_out_for_decoding(model) if bf16 else (0, 0.0)
     bf16_missing = bf16_rows.unavailable() if bf16 else None
     return Prepared(layout, speedup, fp32_missing, quantized, given, row_missing,
-                    bf16_speedup if swapped else 0.0, bf16_missing)
+                    bf16_speedup if swapped else 0.0, bf16_missing, int4_given, int4_missing)
 
 
 def described(chosen: Precision, done: Prepared) -> Precision:
@@ -104,4 +111,9 @@ def described(chosen: Precision, done: Prepared) -> Precision:
         elif done.row_missing:
             notes.append(f"{ROW_KERNEL_MISSING} ({done.row_missing}), so one-token int8 products "
                          "by torch._int_mm")
+        if done.int4_kernel:
+            notes.append(INT4_KERNEL_NOTE)
+        elif done.int4_missing:
+            notes.append(f"{INT4_KERNEL_MISSING} ({done.int4_missing}), so int4 x int8 products by "
+                         "torch ops (many times slower)")
     return Precision(chosen.dtype, "; ".join(notes))

@@ -1,6 +1,6 @@
 """`meshlm quantize RUN --bits 8|4 [--activations int8|bf16]`: an int8 (per channel) or int4
 (grouped) checkpoint of RUN; int8 weights meet int8-rounded activation rows unless `--activations
-bf16` asks for weight-only.
+bf16` asks for weight-only, int4 weights bf16 ones unless `--activations int8` asks for w4a8.
 
 Calibrates on windows of the training split (every loop visit of a shared layer counted), quantizes
 the chosen parts (default: the looped cores; prelude, coda, head and routers stay fp32), prints and
@@ -29,8 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="int4 group (default 64)")
     p.add_argument("--activations", choices=ACTIVATIONS, default=None,
                    help="int8 (the default with --bits 8): each activation row rounded to int8 "
-                        "too, the fastest CPU kernels; bf16: weight-only (the only choice, and "
-                        "default, with --bits 4) (docs/quantize.md)")
+                        "too, the fastest CPU kernels (with --bits 4: w4a8); bf16: weight-only "
+                        "(the default with --bits 4) (docs/quantize.md)")
     p.add_argument("--parts", default=",".join(DEFAULT_PARTS),
                    help=f"what to quantize, comma-separated from {','.join(PARTS)} (default "
                         f"{','.join(DEFAULT_PARTS)})")
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
             spec["report"] = error_report(opened, quantized, args, seq_len)
     write(opened, quantized, spec, out)
     outputs.mark(out, "quantize")
-    kind = ("int8 weights and activations" if args.activations == "int8" else
+    kind = (f"int{args.bits} weights and int8 activations" if args.activations == "int8" else
             "int8 weight-only" if args.bits == 8 else "int4")
     print(f"wrote {out}: {kind} {', '.join(spec['parts'])} ({len(spec['layers'])} layers), "
           f"{megabytes(quantized):.1f} MB of weights (full precision {megabytes(opened.model):.1f} "
@@ -100,15 +100,11 @@ def check_inputs(args: argparse.Namespace):
     p.need(bool(parts) and not unknown,
            f"--parts {args.parts!r}: unknown {unknown or 'empty'}; choose from "
            f"{','.join(PARTS)}, e.g. --parts cores")
-    p.need(args.bits == 8 or args.activations == "bf16",
-           f"--activations int8 needs --bits 8 (int4 weights take bf16 activations); pass "
-           f"--bits 8 (int8 activations are its default), e.g. meshlm quantize "
-           f"{args.checkpoint} --bits 8")
     p.need(args.calibration >= 1, f"--calibration {args.calibration} must be >= 1 window")
     p.need(args.report_windows >= 1, f"--report-windows {args.report_windows} must be >= 1 window")
     p.need(Path(args.checkpoint).is_dir(),
            f"{args.checkpoint} is not a folder; pass a meshlm run or checkpoint")
-    name = "w8a8" if args.activations == "int8" else f"int{args.bits}"
+    name = f"w{args.bits}a8" if args.activations == "int8" else f"int{args.bits}"
     out = Path(args.out) if args.out else Path(args.checkpoint) / name
     # write_checkpoint replaces the whole folder: never a run's, a user's, or the source itself
     if p.check(outputs.claim, out, "quantize", args.overwrite, [args.checkpoint]):

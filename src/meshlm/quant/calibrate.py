@@ -127,9 +127,9 @@ def structure_of(model: nn.Module) -> dict | None:
 
 def describe(structure: dict) -> str:
     """A structure_of entry in words, e.g. "8 linear layers int8 with int8 activations"."""
-    kind = (f"int4 in groups of {structure['group_size']}" if structure["bits"] == 4 else
-            "int8 with int8 activations" if structure.get("activations") == "int8" else
-            "int8 weight-only")
+    int8 = structure.get("activations") == "int8"
+    kind = ((f"int4 in groups of {structure['group_size']}" if structure["bits"] == 4 else
+             "int8" if int8 else "int8 weight-only") + (" with int8 activations" if int8 else ""))
     return f"{len(structure['layers'])} linear layers {kind}"
 
 

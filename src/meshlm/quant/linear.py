@@ -9,7 +9,7 @@ ones computed with. How the activations meet the weight (`activations`):
 
     "bf16"  weight-only: `torch._weight_int8pack_mm` / `torch._weight_int4pack_mm_for_cpu` on bf16
             activations, fp32 accumulation
-    "int8"  (int8 weights only) each activation row rounded to int8 with its own scale,
+    "int8"  each activation row rounded to int8 with its own scale,
             x[m, k] ≈ s[m] · a[m, k], s[m] = max_k |x[m, k]| / 127; `torch._int_mm` sums a · q in
             int32 (exact) and y[m, n] = (sum · s[m]) · scale[n] in fp32: the int8 dot-product
             instructions, about 1.5× the weight-only kernel's speed per weight at one token (at
@@ -17,7 +17,10 @@ ones computed with. How the activations meet the weight (`activations`):
             meshlm.quant.row_kernel). On a CPU without them (no AVX512-VNNI, AVX-VNNI or AMX)
             oneDNN's int8 kernels saturate 16-bit pair sums, so a probe (exact_int8_products)
             sends the same rounded activations through the weight-only kernel instead: integers
-            up to 127 are exact in bf16, and it sums in fp32
+            up to 127 are exact in bf16, and it sums in fp32.
+            With int4 weights (w4a8) each group's exact integer sums are scaled in fp32, groups
+            added in order (int4_int8_products); on CPU decoding gives the layer the compiled
+            kernel with the same numbers (meshlm.quant.int4_kernel), at every row count
 
 Off CPU the weight is dequantized into the input's dtype and F.linear runs (on the rounded
 activations for "int8"). Every path computes each row on its own, so a row's output does not
@@ -100,6 +103,29 @@ def exact_int8_products() -> bool:
     return torch.equal(torch._int_mm(a, w.t()).long(), a.long() @ w.long().t())
 
 
+def int4_int8_products(rows: torch.Tensor, stored: dict[str, torch.Tensor],
+                       group_size: int) -> torch.Tensor:
+    """rows (M, K) fp32 times int4 weights (N, K) -> (M, N) fp32, the activations rounded to int8
+    (quantize_rows, x ≈ s · a): for each group g the exact sums P = Σ (q − 8) · a and A = Σ a,
+    then acc = acc + (scale · P + zero · A) over the groups in order (each product and sum
+    rounded in fp32, no fused multiply-add), y = acc · s. The numbers of meshlm/kernels/int4_rows.c,
+    which runs them fast; these torch ops are its reference and the path without it."""
+    a, s = quantize_rows(rows)
+    q = stored["qweight"]
+    n, (m, k) = q.shape[0], rows.shape
+    groups = k // group_size
+    values = torch.stack([q & 15, q >> 4], -1).reshape(n, k).float() - 8  # (N, K)
+    a = a.float().reshape(m, groups, group_size).transpose(0, 1)  # (G, M, g)
+    # integers below 2**24 throughout, so fp32 sums them exactly, in any order
+    sums = torch.bmm(a, values.reshape(n, groups, group_size).permute(1, 2, 0))  # (G, M, N)
+    totals = a.sum(-1, keepdim=True)  # (G, M, 1)
+    scales, zeros = stored["scales"].float().t(), stored["zeros"].float().t()  # (G, N)
+    acc = torch.zeros(m, n, dtype=torch.float32, device=rows.device)
+    for g in range(groups):
+        acc = acc + (scales[g] * sums[g] + zeros[g] * totals[g])
+    return acc * s
+
+
 def dequantize(stored: dict[str, torch.Tensor], group_size: int) -> torch.Tensor:
     """The (N, K) fp32 weight the stored tensors stand for."""
     q, scales = stored["qweight"], stored["scales"].float()
@@ -114,7 +140,7 @@ def dequantize(stored: dict[str, torch.Tensor], group_size: int) -> torch.Tensor
 
 class QuantizedLinear(nn.Module):
     """An nn.Linear(in_features, out_features) whose weight is int8 (per channel) or int4 (grouped),
-    meeting bf16 or (int8 only) int8-rounded activations (module docstring); the bias, if any,
+    meeting bf16 or int8-rounded activations (module docstring); the bias, if any,
     stays fp32. Build with `from_linear`, or empty (then load a state dict)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, bits: int,
@@ -125,9 +151,11 @@ class QuantizedLinear(nn.Module):
         if bits == 4 and in_features % group_size:
             raise ValueError(f"int4 needs in_features ({in_features}) divisible by the group size "
                              f"{group_size}")
-        if activations not in ACTIVATIONS or (bits == 4 and activations != "bf16"):
-            raise ValueError(f"activations {activations!r}: int8 weights take "
-                             f"{' or '.join(ACTIVATIONS)}, int4 weights bf16")
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations {activations!r}: take {' or '.join(ACTIVATIONS)}")
+        if bits == 4 and activations == "int8" and group_size % 8:
+            raise ValueError(f"int4 weights with int8 activations need a group size divisible by "
+                             f"8, not {group_size}")
         self.in_features, self.out_features, self.bits, self.group_size = (
             in_features, out_features, bits, group_size)
         self.activations = activations
@@ -144,8 +172,9 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         # the CPU kernels' operands, built on first use: kernel name -> tensors
         self._operands: dict[str, tuple] = {}
-        # int8 activations at one row: a drop-in for scaled_int8_products that decoding may give
-        # the layer (meshlm.quant.row_kernel: one compiled call, the same numbers); None: torch ops
+        # int8 activations: a compiled drop-in with the same numbers that decoding may give the
+        # layer, for int8 weights at one row (meshlm.quant.row_kernel: scaled_int8_products), for
+        # int4 at every row (meshlm.quant.int4_kernel: int4_int8_products); None: torch ops
         self.row_kernel = None
 
     @classmethod
@@ -194,6 +223,13 @@ class QuantizedLinear(nn.Module):
 
     def _int8_product(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out) fp32
         rows = rows if rows.dtype == torch.float32 else rows.float()
+        if self.bits == 4:
+            if self.row_kernel is not None:
+                packed, sz = self._cached("int4rows", self._int4_rows_operands)
+                y = self.row_kernel(rows, packed, sz, self.out_features, self.group_size)
+            else:
+                y = int4_int8_products(rows, self.stored(), self.group_size)
+            return y if self.bias is None else y + self.bias
         if exact_int8_products():
             weight, scales, bias = self._cached("int_mm", self._int_mm_operands)
             kernel = self.row_kernel if rows.shape[0] == 1 and self.row_kernel else \
@@ -250,8 +286,21 @@ class QuantizedLinear(nn.Module):
         scales_zeros = F.pad(torch.stack([self.scales.T, self.zeros.T], -1), (0, 0, 0, pad))
         return packed, scales_zeros.contiguous(), pad
 
+    def _int4_rows_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int4_rows.c's layout (its header): blocks of 16 outputs (zero rows past the end), k in
+        chunks of 8, each lane 4 bytes of two nibbles; fp32 scales and zeros per block and group."""
+        q = torch.stack([self.qweight & 15, self.qweight >> 4], -1).reshape(self.out_features, -1)
+        pad = -self.out_features % 16
+        q = F.pad(q, (0, 0, 0, pad)).reshape(-1, 16, self.in_features // 8, 8)  # (B, 16, K/8, 8)
+        packed = (q[..., :4] | (q[..., 4:] << 4)).permute(0, 2, 1, 3)  # (B, K/8, 16, 4)
+        packed = packed.contiguous()
+        groups = self.in_features // self.group_size
+        scales, zeros = (F.pad(t.float(), (0, 0, 0, pad)).reshape(-1, 16, groups).transpose(1, 2)
+                         for t in (self.scales, self.zeros))
+        return packed.reshape(-1), torch.stack([scales, zeros], 2).contiguous()  # (B, G, 2, 16)
+
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.bits == 4 else ""
-        activations = ", int8 activations" if self.activations == "int8" else ""
+        activations = ", int8 activations" if self.activations == "int8" else ""  # w8a8, w4a8
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"int{self.bits}{group}{activations}")

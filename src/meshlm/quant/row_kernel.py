@@ -105,7 +105,7 @@ def unavailable(model: nn.Module) -> str | None:
 
 
 def _cpu_int8_layers(model: nn.Module) -> list[QuantizedLinear]:
-    return [m for m in model.modules() if isinstance(m, QuantizedLinear)
+    return [m for m in model.modules() if isinstance(m, QuantizedLinear) and m.bits == 8
             and m.activations == "int8" and m.qweight.is_cpu]
 
 

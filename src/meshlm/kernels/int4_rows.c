@@ -1,0 +1,149 @@
+/* meshlm's int4-weight, int8-activation product (w4a8), compiled on the machine that runs it
+   (meshlm.quant.int4_kernel).
+
+   Weights are meshlm's grouped int4 (meshlm.quant.linear): W[n, j] ≈ scale[n, g] · (q[n, j] − 8)
+   + zero[n, g], g = j / group, q in 0 … 15. Each activation row x (k) is rounded to int8 as the
+   int8 kernels round it:
+       s    = max(max_j |x[j]| * (float)(1/127), 1e-30f)
+       a[j] = nearbyint(x[j] / s)                                  in [-127, 127]
+   and for every output n, with the exact integer sums of each group
+       P[g] = sum_{j in g} (q[n, j] − 8) · a[j],   A[g] = sum_{j in g} a[j]
+   the output is, in fp32 and in this order (each product and sum rounded on its own, no fused
+   multiply-add; groups added first to last):
+       acc  = 0;  for g: acc = acc + (scale[n, g] · P[g] + zero[n, g] · A[g])
+       y[n] = acc · s
+   meshlm.quant.linear.int4_int8_products computes the same numbers with torch ops; the kernel is
+   used only where a check finds them equal bit for bit.
+
+   The weights are repacked once (meshlm.quant.int4_kernel.pack) so that no sum needs a horizontal
+   reduction: outputs go in blocks of 16 (one per 32-bit lane of a 512-bit register), k in chunks
+   of 8. For block b and chunk c, lane l holds 4 bytes; byte t carries q[16b + l, 8c + t] in its
+   low nibble and q[16b + l, 8c + 4 + t] in its high one, so one 64-byte load holds 128 weights:
+       packed[((b * (k / 8) + c) * 16 + l) * 4 + t]
+   With AVX512-VNNI one vpdpbusd multiplies the 16 lanes' low nibbles by the broadcast activations
+   a[8c … 8c+3] and adds each lane's four products to its running sum, a second the high nibbles
+   by a[8c+4 … 8c+7]: unsigned weights times signed activations, the instruction's own pattern;
+   the −8 is taken out per group as 8 · A[g]. Scales and zeros are fp32, laid out per block and
+   group: sz[((b * G + g) * 2 + {0: scale, 1: zero}) * 16 + l].
+
+   Several rows reuse a block's weights while they are in cache, and every (row, output) is
+   computed the same way whatever the number of rows, so a row's outputs do not depend on the
+   batch. Blocks are split over `threads` OpenMP threads. Without AVX512-VNNI a plain C loop over
+   the same layout runs (the same integers, the same float steps). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+#define VNNI 1
+#endif
+
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+#define LANES 16
+#define CHUNK 8
+
+/* one row's rounding: a (k int8), A (G int32 group sums); returns s */
+static float quantize_row(const float *restrict x, int64_t k, int64_t group, int8_t *restrict a,
+                          int32_t *restrict sums) {
+    float amax = 0.0f;
+    for (int64_t j = 0; j < k; j++)
+        amax = fmaxf(amax, fabsf(x[j]));
+    float s = amax * (float)(1.0 / 127.0);
+    s = s < 1e-30f ? 1e-30f : s;
+    for (int64_t j = 0; j < k; j++)
+        a[j] = (int8_t)nearbyintf(x[j] / s);
+    for (int64_t g = 0; g < k / group; g++) {
+        int32_t total = 0;
+        for (int64_t j = g * group; j < (g + 1) * group; j++)
+            total += a[j];
+        sums[g] = total;
+    }
+    return s;
+}
+
+/* the 16 outputs of block b for one quantized row */
+static void block_row(const uint8_t *restrict w, const float *restrict sz, const int8_t *restrict a,
+                      const int32_t *restrict sums, float s, int64_t k, int64_t group,
+                      float *restrict out) {
+    const int64_t groups = k / group, chunks = group / CHUNK;
+#ifdef VNNI
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i p = _mm512_setzero_si512();
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t j = (g * chunks + c) * CHUNK;
+            __m512i packed = _mm512_loadu_si512((const void *)(w + j * LANES / 2));
+            __m512i lo = _mm512_and_si512(packed, low);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            int32_t a_lo, a_hi;
+            memcpy(&a_lo, a + j, 4);
+            memcpy(&a_hi, a + j + 4, 4);
+            p = _mm512_dpbusd_epi32(p, lo, _mm512_set1_epi32(a_lo));
+            p = _mm512_dpbusd_epi32(p, hi, _mm512_set1_epi32(a_hi));
+        }
+        p = _mm512_sub_epi32(p, _mm512_set1_epi32(8 * sums[g]));
+        const float *scale = sz + g * 2 * LANES, *zero = scale + LANES;
+        __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(scale), _mm512_cvtepi32_ps(p)),
+                                 _mm512_mul_ps(_mm512_loadu_ps(zero),
+                                               _mm512_set1_ps((float)sums[g])));
+        acc = _mm512_add_ps(acc, t);
+    }
+    _mm512_storeu_ps(out, _mm512_mul_ps(acc, _mm512_set1_ps(s)));
+#else
+    float acc[LANES] = {0};
+    for (int64_t g = 0; g < groups; g++) {
+        int32_t p[LANES] = {0};
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t j = (g * chunks + c) * CHUNK;
+            const uint8_t *chunk = w + j * LANES / 2;
+            for (int l = 0; l < LANES; l++)
+                for (int t = 0; t < 4; t++) {
+                    uint8_t byte = chunk[l * 4 + t];
+                    p[l] += (int32_t)(byte & 15) * a[j + t] + (int32_t)(byte >> 4) * a[j + 4 + t];
+                }
+        }
+        const float *scale = sz + g * 2 * LANES, *zero = scale + LANES;
+        for (int l = 0; l < LANES; l++) {
+            volatile float product = scale[l] * (float)(p[l] - 8 * sums[g]);
+            volatile float offset = zero[l] * (float)sums[g];
+            acc[l] = acc[l] + (product + offset);
+        }
+    }
+    for (int l = 0; l < LANES; l++)
+        out[l] = acc[l] * s;
+#endif
+}
+
+/* y (m, n_blocks * 16) = the rows of x (m, k) times the packed weights; 0, or 1 without memory */
+int int4_rows_product(const float *restrict x, const uint8_t *restrict w,
+                      const float *restrict sz, float *restrict y, int64_t m, int64_t k,
+                      int64_t n_blocks, int64_t group, int threads) {
+    const int64_t groups = k / group;
+    int8_t *a = malloc((size_t)(m * k > 0 ? m * k : 1));
+    int32_t *sums = malloc(sizeof(int32_t) * (size_t)(m * groups > 0 ? m * groups : 1));
+    float *scale = malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));
+    if (!a || !sums || !scale) {
+        free(a), free(sums), free(scale);
+        return 1;
+    }
+    for (int64_t r = 0; r < m; r++)
+        scale[r] = quantize_row(x + r * k, k, group, a + r * k, sums + r * groups);
+    const int64_t n = n_blocks * LANES;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < n_blocks; b++) {
+        const uint8_t *block = w + b * (k / CHUNK) * LANES * 4;
+        const float *block_sz = sz + b * groups * 2 * LANES;
+        for (int64_t r = 0; r < m; r++)
+            block_row(block, block_sz, a + r * k, sums + r * groups, scale[r], k, group,
+                      y + r * n + b * LANES);
+    }
+    free(a), free(sums), free(scale);
+    return 0;
+}

@@ -1,0 +1,107 @@
+"""int4 weights with int8 activations (w4a8) and the kernel compiled for them
+(meshlm.quant.int4_kernel): the torch ops are the exact group sums scaled in a fixed order, the
+dequantized product on the rounded activations to fp32 rounding; the kernel gives their numbers
+bit for bit at every row count, so decoding through it changes no token; where it cannot be built
+the layers keep the torch ops and the precision line says why."""
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import build, fresh_kernel, tiny
+from test_quant import assert_decodes_exactly
+
+from meshlm import decoding
+from meshlm.generate import Sampling, generate
+from meshlm.quant import QuantizedLinear, int4_kernel, quantize_model
+from meshlm.quant.linear import int4_int8_products, quantize_rows
+
+
+@pytest.fixture
+def fresh_build(monkeypatch, tmp_path):
+    """The kernel built into a cache of its own, none remembered from earlier in this process."""
+    with fresh_kernel(int4_kernel.KERNEL, monkeypatch, tmp_path):
+        yield tmp_path / "kernels"
+
+
+def w4a8(k: int, n: int, group: int, seed: int = 0) -> tuple[QuantizedLinear, torch.nn.Linear]:
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(k, n)
+    return QuantizedLinear.from_linear(linear, 4, group, activations="int8"), linear
+
+
+@pytest.mark.parametrize("k, n, group", [(64, 13, 32), (256, 48, 64), (768, 100, 256)])
+def test_the_torch_ops_are_the_dequantized_product_on_the_rounded_activations(k, n, group):
+    layer, _ = w4a8(k, n, group)
+    x = torch.randn(4, k) * torch.tensor([[1e-3], [1.0], [30.0], [0.0]])
+    q, s = quantize_rows(x)
+    exact = (q.double() * s.double()) @ layer.weight_fp32().double().t()
+    y = int4_int8_products(x, layer.stored(), group)
+    magnitude = (q.double().abs() * s.double()) @ layer.weight_fp32().double().abs().t()
+    bound = 1e-5 * magnitude + 1e-12
+    assert ((y.double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("k, n, group, rows", [(64, 13, 32, 1), (768, 2304, 64, 1),
+                                               (3072, 768, 128, 3), (256, 40, 256, 17)])
+def test_the_kernel_is_the_torch_ops_numbers_at_every_row_count(fresh_build, k, n, group, rows):
+    kernel = int4_kernel.int4_rows_kernel()
+    layer, _ = w4a8(k, n, group)
+    x = torch.randn(rows, k) * torch.logspace(-2, 2, rows)[:, None]
+    packed, sz = layer._int4_rows_operands()
+    y = kernel(x, packed, sz, n, group)
+    assert torch.equal(y, int4_int8_products(x, layer.stored(), group))
+    # a row alone is the row in the batch
+    assert torch.equal(torch.cat([kernel(x[i:i + 1], packed, sz, n, group) for i in range(rows)]),
+                       y)
+
+
+def test_decoding_takes_the_kernel_and_keeps_every_token(fresh_build):
+    torch.manual_seed(0)
+    model = build(tiny(spec="1+1R4+1", vocab_size=512, d_model=64))
+    quantized = quantize_model(model, 4, ("prelude", "cores", "coda"), group_size=32,
+                               activations="int8")[0]
+    prompt, s = [[5, 6, 7, 8]], Sampling(max_new_tokens=12, temperature=0, stop_at_eos=False)
+    with torch.no_grad():
+        plain = generate(quantized, prompt, s)
+        line = decoding.for_decoding("auto", quantized)[1].describe()
+        layers = [m for m in quantized.modules() if isinstance(m, QuantizedLinear)]
+        assert layers and all(m.row_kernel is int4_kernel.int4_rows_kernel() for m in layers)
+        assert decoding.INT4_KERNEL_NOTE in line
+        assert generate(quantized, prompt, s) == plain
+        assert_decodes_exactly(quantized)  # cached, uncached, speculation, batched
+
+
+def test_without_the_kernel_the_layers_keep_the_torch_ops_and_say_so(fresh_build, monkeypatch):
+    monkeypatch.setenv("MESHLM_NATIVE", "0")
+    int4_kernel.int4_rows_kernel.cache_clear()  # a process started with it set
+    model = build(tiny(spec="1+1R2+1", vocab_size=256))
+    quantized = quantize_model(model, 4, ("cores",), group_size=32, activations="int8")[0]
+    line = decoding.for_decoding("auto", quantized)[1].describe()
+    assert (f"{decoding.INT4_KERNEL_MISSING} (turned off by MESHLM_NATIVE=0; unset it to build "
+            "the kernel), so int4 x int8 products by torch ops") in line
+    assert all(m.row_kernel is None for m in quantized.modules()
+               if isinstance(m, QuantizedLinear))
+
+
+def test_weight_only_int4_gets_no_kernel(fresh_build):
+    model = build(tiny(spec="1+1R2+1", vocab_size=256))
+    quantized = quantize_model(model, 4, ("cores",), group_size=32)[0]
+    assert int4_kernel.give(quantized) == 0 and int4_kernel.unavailable(quantized) is None
+
+
+def test_a_compiled_step_calls_the_kernel_as_its_operator(fresh_build):
+    layer, _ = w4a8(128, 48, 32)
+    int4_kernel.give(torch.nn.ModuleList([layer]))
+    x = torch.randn(1, 128)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        assert torch.equal(compiled(x), layer(x))
+    assert torch.equal(layer(x), int4_int8_products(x, layer.stored(), 32) + layer.bias)
+
+
+def test_w4a8_is_int4_weight_only_to_int8_rounding_of_the_activations():
+    layer, linear = w4a8(256, 64, 64)
+    weight_only = QuantizedLinear.from_linear(linear, 4, 64)
+    x = torch.randn(3, 256)
+    reference = F.linear(x, weight_only.weight_fp32(), linear.bias)
+    error = (layer(x) - reference).abs().amax() / reference.abs().amax()
+    assert error < 0.02  # int8 rows: half a step in 127 per activation
