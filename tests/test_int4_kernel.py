@@ -105,3 +105,21 @@ def test_w4a8_is_int4_weight_only_to_int8_rounding_of_the_activations():
     reference = F.linear(x, weight_only.weight_fp32(), linear.bias)
     error = (layer(x) - reference).abs().amax() / reference.abs().amax()
     assert error < 0.02  # int8 rows: half a step in 127 per activation
+
+
+def test_the_portable_loop_gives_the_same_numbers_as_the_vector_one(tmp_path):
+    """Built without -march=native (no AVX512-VNNI: the plain C loop over the same layout), as on
+    a CPU without the instructions."""
+    import ctypes
+    import subprocess
+
+    from meshlm.kernels import build as kernel_build
+
+    cc = kernel_build.compiler()
+    assert cc is not None, "this machine has a C compiler (cc or gcc)"
+    target = tmp_path / "portable.so"
+    subprocess.run([cc, "-O3", "-shared", "-fPIC", str(int4_kernel.KERNEL.source), "-o",
+                    str(target)], check=True, capture_output=True, timeout=120)
+    function = ctypes.CDLL(str(target)).int4_rows_product
+    function.argtypes, function.restype = int4_kernel.KERNEL.argtypes, ctypes.c_int
+    assert int4_kernel._same_numbers(int4_kernel._product(function))

@@ -23,8 +23,10 @@
    With AVX512-VNNI one vpdpbusd multiplies the 16 lanes' low nibbles by the broadcast activations
    a[8c … 8c+3] and adds each lane's four products to its running sum, a second the high nibbles
    by a[8c+4 … 8c+7]: unsigned weights times signed activations, the instruction's own pattern;
-   the −8 is taken out per group as 8 · A[g]. Scales and zeros are fp32, laid out per block and
-   group: sz[((b * G + g) * 2 + {0: scale, 1: zero}) * 16 + l].
+   the −8 is taken out per group as 8 · A[g]. Scales and zeros are the stored bf16 (widened to
+   fp32 exactly, by a 16-bit shift), laid out per block and group:
+   sz[((b * G + g) * 2 + {0: scale, 1: zero}) * 16 + l]; as bf16 they add 4 bytes to a group of
+   64 weights' 32, where fp32 added 8.
 
    Several rows reuse a block's weights while they are in cache, and every (row, output) is
    computed the same way whatever the number of rows, so a row's outputs do not depend on the
@@ -67,32 +69,49 @@ static float quantize_row(const float *restrict x, int64_t k, int64_t group, int
     return s;
 }
 
+/* a bf16 value (its bits) as the fp32 it stands for, exactly */
+static inline float widen(uint16_t bits) {
+    uint32_t wide = (uint32_t)bits << 16;
+    float value;
+    memcpy(&value, &wide, 4);
+    return value;
+}
+
+#ifdef VNNI
+/* four activations (bytes) in every 32-bit lane */
+static inline __m512i broadcast4(const int8_t *a) {
+    int32_t four;
+    memcpy(&four, a, 4);
+    return _mm512_set1_epi32(four);
+}
+
+static inline __m512 widen16(const uint16_t *bits) {
+    __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bits));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#endif
+
 /* the 16 outputs of block b for one quantized row */
-static void block_row(const uint8_t *restrict w, const float *restrict sz, const int8_t *restrict a,
-                      const int32_t *restrict sums, float s, int64_t k, int64_t group,
-                      float *restrict out) {
+static void block_row(const uint8_t *restrict w, const uint16_t *restrict sz,
+                      const int8_t *restrict a, const int32_t *restrict sums, float s, int64_t k,
+                      int64_t group, float *restrict out) {
     const int64_t groups = k / group, chunks = group / CHUNK;
 #ifdef VNNI
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512i p = _mm512_setzero_si512();
+        __m512i total = _mm512_setzero_si512();
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t j = (g * chunks + c) * CHUNK;
             __m512i packed = _mm512_loadu_si512((const void *)(w + j * LANES / 2));
-            __m512i lo = _mm512_and_si512(packed, low);
-            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
-            int32_t a_lo, a_hi;
-            memcpy(&a_lo, a + j, 4);
-            memcpy(&a_hi, a + j + 4, 4);
-            p = _mm512_dpbusd_epi32(p, lo, _mm512_set1_epi32(a_lo));
-            p = _mm512_dpbusd_epi32(p, hi, _mm512_set1_epi32(a_hi));
+            total = _mm512_dpbusd_epi32(total, _mm512_and_si512(packed, low), broadcast4(a + j));
+            total = _mm512_dpbusd_epi32(total, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low),
+                                        broadcast4(a + j + 4));
         }
-        p = _mm512_sub_epi32(p, _mm512_set1_epi32(8 * sums[g]));
-        const float *scale = sz + g * 2 * LANES, *zero = scale + LANES;
-        __m512 t = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(scale), _mm512_cvtepi32_ps(p)),
-                                 _mm512_mul_ps(_mm512_loadu_ps(zero),
-                                               _mm512_set1_ps((float)sums[g])));
+        total = _mm512_sub_epi32(total, _mm512_set1_epi32(8 * sums[g]));
+        const uint16_t *scale = sz + g * 2 * LANES, *zero = scale + LANES;
+        __m512 t = _mm512_add_ps(_mm512_mul_ps(widen16(scale), _mm512_cvtepi32_ps(total)),
+                                 _mm512_mul_ps(widen16(zero), _mm512_set1_ps((float)sums[g])));
         acc = _mm512_add_ps(acc, t);
     }
     _mm512_storeu_ps(out, _mm512_mul_ps(acc, _mm512_set1_ps(s)));
@@ -109,10 +128,10 @@ static void block_row(const uint8_t *restrict w, const float *restrict sz, const
                     p[l] += (int32_t)(byte & 15) * a[j + t] + (int32_t)(byte >> 4) * a[j + 4 + t];
                 }
         }
-        const float *scale = sz + g * 2 * LANES, *zero = scale + LANES;
+        const uint16_t *scale = sz + g * 2 * LANES, *zero = scale + LANES;
         for (int l = 0; l < LANES; l++) {
-            volatile float product = scale[l] * (float)(p[l] - 8 * sums[g]);
-            volatile float offset = zero[l] * (float)sums[g];
+            volatile float product = widen(scale[l]) * (float)(p[l] - 8 * sums[g]);
+            volatile float offset = widen(zero[l]) * (float)sums[g];
             acc[l] = acc[l] + (product + offset);
         }
     }
@@ -123,7 +142,7 @@ static void block_row(const uint8_t *restrict w, const float *restrict sz, const
 
 /* y (m, n_blocks * 16) = the rows of x (m, k) times the packed weights; 0, or 1 without memory */
 int int4_rows_product(const float *restrict x, const uint8_t *restrict w,
-                      const float *restrict sz, float *restrict y, int64_t m, int64_t k,
+                      const uint16_t *restrict sz, float *restrict y, int64_t m, int64_t k,
                       int64_t n_blocks, int64_t group, int threads) {
     const int64_t groups = k / group;
     int8_t *a = malloc((size_t)(m * k > 0 ? m * k : 1));
@@ -139,7 +158,7 @@ int int4_rows_product(const float *restrict x, const uint8_t *restrict w,
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < n_blocks; b++) {
         const uint8_t *block = w + b * (k / CHUNK) * LANES * 4;
-        const float *block_sz = sz + b * groups * 2 * LANES;
+        const uint16_t *block_sz = sz + b * groups * 2 * LANES;
         for (int64_t r = 0; r < m; r++)
             block_row(block, block_sz, a + r * k, sums + r * groups, scale[r], k, group,
                       y + r * n + b * LANES);

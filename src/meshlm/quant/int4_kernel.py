@@ -26,7 +26,7 @@ from meshlm.quant.linear import QuantizedLinear, int4_int8_products, quantize_we
 
 CPU = torch.device("cpu")
 LANES = 16  # outputs per block (int4_rows.c's LANES)
-# (rows (M, K) fp32, packed weights, (B, G, 2, 16) fp32 scales and zeros, out features, group)
+# (rows (M, K) fp32, packed weights, (B, G, 2, 16) bf16 scales and zeros, out features, group)
 Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 
 

@@ -288,14 +288,15 @@ class QuantizedLinear(nn.Module):
 
     def _int4_rows_operands(self) -> tuple[torch.Tensor, torch.Tensor]:
         """int4_rows.c's layout (its header): blocks of 16 outputs (zero rows past the end), k in
-        chunks of 8, each lane 4 bytes of two nibbles; fp32 scales and zeros per block and group."""
+        chunks of 8, each lane 4 bytes of two nibbles; the bf16 scales and zeros per block and
+        group."""
         q = torch.stack([self.qweight & 15, self.qweight >> 4], -1).reshape(self.out_features, -1)
         pad = -self.out_features % 16
         q = F.pad(q, (0, 0, 0, pad)).reshape(-1, 16, self.in_features // 8, 8)  # (B, 16, K/8, 8)
         packed = (q[..., :4] | (q[..., 4:] << 4)).permute(0, 2, 1, 3)  # (B, K/8, 16, 4)
         packed = packed.contiguous()
         groups = self.in_features // self.group_size
-        scales, zeros = (F.pad(t.float(), (0, 0, 0, pad)).reshape(-1, 16, groups).transpose(1, 2)
+        scales, zeros = (F.pad(t, (0, 0, 0, pad)).reshape(-1, 16, groups).transpose(1, 2)
                          for t in (self.scales, self.zeros))
         return packed.reshape(-1), torch.stack([scales, zeros], 2).contiguous()  # (B, G, 2, 16)
 
