@@ -107,9 +107,15 @@ def test_w4a8_is_int4_weight_only_to_int8_rounding_of_the_activations():
     assert error < 0.02  # int8 rows: half a step in 127 per activation
 
 
-def test_the_portable_loop_gives_the_same_numbers_as_the_vector_one(tmp_path):
-    """Built without -march=native (no AVX512-VNNI: the plain C loop over the same layout), as on
-    a CPU without the instructions."""
+# the plain C loop, and the AVX2 one where this CPU runs AVX2 code
+OLDER_CPUS = [[]] + ([["-mavx2", "-mno-avx512f"]]
+                     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else [])
+
+
+@pytest.mark.parametrize("flags", OLDER_CPUS, ids=lambda flags: " ".join(flags) or "plain")
+def test_the_kernel_built_for_older_cpus_gives_the_same_numbers(tmp_path, flags):
+    """Built without -march=native: the plain C loop (no flags) and the AVX2 one, as on CPUs
+    without AVX512-VNNI."""
     import ctypes
     import subprocess
 
@@ -118,7 +124,7 @@ def test_the_portable_loop_gives_the_same_numbers_as_the_vector_one(tmp_path):
     cc = kernel_build.compiler()
     assert cc is not None, "this machine has a C compiler (cc or gcc)"
     target = tmp_path / "portable.so"
-    subprocess.run([cc, "-O3", "-shared", "-fPIC", str(int4_kernel.KERNEL.source), "-o",
+    subprocess.run([cc, "-O3", *flags, "-shared", "-fPIC", str(int4_kernel.KERNEL.source), "-o",
                     str(target)], check=True, capture_output=True, timeout=120)
     function = ctypes.CDLL(str(target)).int4_rows_product
     function.argtypes, function.restype = int4_kernel.KERNEL.argtypes, ctypes.c_int
