@@ -15,18 +15,18 @@
    meshlm.quant.linear.int4_int8_products computes the same numbers with torch ops; the kernel is
    used only where a check finds them equal bit for bit.
 
-   The weights are repacked once (meshlm.quant.int4_kernel.pack) so that no sum needs a horizontal
-   reduction: outputs go in blocks of 16 (one per 32-bit lane of a 512-bit register), k in chunks
-   of 8. For block b and chunk c, lane l holds 4 bytes; byte t carries q[16b + l, 8c + t] in its
-   low nibble and q[16b + l, 8c + 4 + t] in its high one, so one 64-byte load holds 128 weights:
+   The weights are repacked once (QuantizedLinear._int4_rows_operands) so that no sum needs a
+   horizontal reduction: outputs go in blocks of 16 (one per 32-bit lane of a 512-bit register), k
+   in chunks of 8. For block b and chunk c, lane l holds 4 bytes; byte t carries q[16b + l, 8c + t]
+   in its low nibble and q[16b + l, 8c + 4 + t] in its high one, so one 64-byte load holds 128
+   weights:
        packed[((b * (k / 8) + c) * 16 + l) * 4 + t]
    With AVX512-VNNI one vpdpbusd multiplies the 16 lanes' low nibbles by the broadcast activations
    a[8c … 8c+3] and adds each lane's four products to its running sum, a second the high nibbles
    by a[8c+4 … 8c+7]: unsigned weights times signed activations, the instruction's own pattern;
    the −8 is taken out per group as 8 · A[g]. Scales and zeros are the stored bf16 (widened to
    fp32 exactly, by a 16-bit shift), laid out per block and group:
-   sz[((b * G + g) * 2 + {0: scale, 1: zero}) * 16 + l]; as bf16 they add 4 bytes to a group of
-   64 weights' 32, where fp32 added 8.
+   sz[((b * G + g) * 2 + {0: scale, 1: zero}) * 16 + l]: 4 bytes to a group of 64 weights' 32.
 
    Several rows reuse a block's weights while they are in cache, and every (row, output) is
    computed the same way whatever the number of rows, so a row's outputs do not depend on the
