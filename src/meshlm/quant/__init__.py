@@ -4,7 +4,7 @@ docs/quantize.md).
     calibrate   the full-precision model over training windows; every visit of a shared core layer
                 recorded
     quantize    the chosen parts' nn.Linear layers -> QuantizedLinear (int8 per channel, int4
-                grouped; weight-only, or int8 with int8-rounded activation rows), each output
+                grouped; weight-only, or with int8-rounded activation rows), each output
                 row's clip chosen on the calibration inputs (meshlm.quant.calibrate)
     report      per loop step the state distance to the full-precision model, and the loss at each
                 loop count (meshlm.quant.report): how the error compounds over loops
@@ -34,7 +34,9 @@ DEFAULT_PARTS = ("cores",)
 def default_activations(bits: int) -> str:
     """int8 weights take int8 activations by default: as fast as weight-only where the CPU has no
     int8 dot-product instructions (the same kernel runs), 1.5-3.7x faster per layer where it has
-    them, at every row count, for ±0.0002 nats (docs/quantize.md); int4 weights take bf16."""
+    them, at every row count, for ±0.0002 nats (docs/quantize.md). int4 weights take bf16: int8
+    activations with them (w4a8) are fast only through the kernel meshlm compiles (without a C
+    compiler their torch ops are many times slower), so they are asked for."""
     return "int8" if bits == 8 else "bf16"
 
 
