@@ -101,6 +101,48 @@ static inline __m512 widen16(const uint16_t *bits) {
 }
 #endif
 
+#ifdef VNNI
+#define ROWS 4
+/* block_row for ROWS rows at once: each 64-byte load and its unpacking serve every row; the
+   operations of each (row, output) are block_row's, in its order */
+static void block_rows(const uint8_t *restrict w, const uint16_t *restrict sz,
+                       const int8_t *restrict a, const int32_t *restrict sums,
+                       const float *restrict s, int64_t k, int64_t group, float *restrict out,
+                       int64_t n) {
+    const int64_t groups = k / group, chunks = group / CHUNK;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[ROWS];
+    for (int r = 0; r < ROWS; r++)
+        acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i total[ROWS];
+        for (int r = 0; r < ROWS; r++)
+            total[r] = _mm512_setzero_si512();
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t j = (g * chunks + c) * CHUNK;
+            __m512i packed = _mm512_loadu_si512((const void *)(w + j * LANES / 2));
+            __m512i lo = _mm512_and_si512(packed, low);
+            __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
+            for (int r = 0; r < ROWS; r++) {
+                total[r] = _mm512_dpbusd_epi32(total[r], lo, broadcast4(a + r * k + j));
+                total[r] = _mm512_dpbusd_epi32(total[r], hi, broadcast4(a + r * k + j + 4));
+            }
+        }
+        const uint16_t *scale = sz + g * 2 * LANES, *zero = scale + LANES;
+        const __m512 sc = widen16(scale), ze = widen16(zero);
+        for (int r = 0; r < ROWS; r++) {
+            const int32_t sum = sums[r * groups + g];
+            __m512i exact = _mm512_sub_epi32(total[r], _mm512_set1_epi32(8 * sum));
+            __m512 t = _mm512_add_ps(_mm512_mul_ps(sc, _mm512_cvtepi32_ps(exact)),
+                                     _mm512_mul_ps(ze, _mm512_set1_ps((float)sum)));
+            acc[r] = _mm512_add_ps(acc[r], t);
+        }
+    }
+    for (int r = 0; r < ROWS; r++)
+        _mm512_storeu_ps(out + r * n, _mm512_mul_ps(acc[r], _mm512_set1_ps(s[r])));
+}
+#endif
+
 /* the 16 outputs of block b for one quantized row */
 static void block_row(const uint8_t *restrict w, const uint16_t *restrict sz,
                       const int8_t *restrict a, const int32_t *restrict sums, float s, int64_t k,
@@ -201,7 +243,13 @@ int int4_rows_product(const float *restrict x, const uint8_t *restrict w,
     for (int64_t b = 0; b < n_blocks; b++) {
         const uint8_t *block = w + b * (k / CHUNK) * LANES * 4;
         const uint16_t *block_sz = sz + b * groups * 2 * LANES;
-        for (int64_t r = 0; r < m; r++)
+        int64_t r = 0;
+#ifdef VNNI
+        for (; r + ROWS <= m; r += ROWS)
+            block_rows(block, block_sz, a + r * k, sums + r * groups, scale + r, k, group,
+                       y + r * n + b * LANES, n);
+#endif
+        for (; r < m; r++)
             block_row(block, block_sz, a + r * k, sums + r * groups, scale[r], k, group,
                       y + r * n + b * LANES);
     }
