@@ -28,9 +28,9 @@
    fp32 exactly, by a 16-bit shift), laid out per block and group:
    sz[((b * G + g) * 2 + {0: scale, 1: zero}) * 16 + l]: 4 bytes to a group of 64 weights' 32.
 
-   Several rows reuse a block's weights while they are in cache, and every (row, output) is
-   computed the same way whatever the number of rows, so a row's outputs do not depend on the
-   batch. Blocks are split over `threads` OpenMP threads. Without AVX512-VNNI, AVX2's vpmaddubsw
+   Several rows reuse a block's weights while they are in cache (with VNNI four rows share each
+   load and its unpacking), and every (row, output) is computed the same way whatever the number
+   of rows, so a row's outputs do not depend on the batch. Blocks are split over `threads` OpenMP threads. Without AVX512-VNNI, AVX2's vpmaddubsw
    and vpmaddwd take the same sums in two halves of 8 lanes, and without AVX2 a plain C loop runs
    over the same layout (the same integers, the same float steps). */
 #include <math.h>
