@@ -3,7 +3,9 @@ own `meshlm` process, `jobs` runs at a time on threads, SIGINT and SIGTERM passe
 running (meshlm.analysis.study makes the plan; meshlm.analysis.results_page writes the page after).
 
 A finished run (a complete eval.json and a probe.json) is skipped, so an interrupted study is simply
-run again; a half-trained run resumes from its newest good checkpoint (`meshlm train --resume`).
+run again; a half-trained run resumes from its newest good checkpoint (`meshlm train --resume`). A
+later stage (a run with a source, a variant's `from`) starts once its source has finished, and fails
+in one line if its source failed.
 """
 from __future__ import annotations
 
