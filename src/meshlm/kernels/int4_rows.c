@@ -236,6 +236,7 @@ int int4_rows_product(const float *restrict x, const uint8_t *restrict w,
         free(a), free(sums), free(scale);
         return 1;
     }
+#pragma omp parallel for num_threads(threads) schedule(static) if (m > 1)
     for (int64_t r = 0; r < m; r++)
         scale[r] = quantize_row(x + r * k, k, group, a + r * k, sums + r * groups);
     const int64_t n = n_blocks * LANES;
