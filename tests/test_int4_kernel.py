@@ -3,6 +3,8 @@
 dequantized product on the rounded activations to fp32 rounding; the kernel gives their numbers
 bit for bit at every row count, so decoding through it changes no token; where it cannot be built
 the layers keep the torch ops and the precision line says why."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,7 @@ from meshlm import decoding
 from meshlm.generate import Sampling, generate
 from meshlm.quant import QuantizedLinear, int4_kernel, quantize_model
 from meshlm.quant.linear import int4_int8_products, quantize_rows
+from meshlm.runtime import precision
 
 
 @pytest.fixture
@@ -38,6 +41,8 @@ def test_the_torch_ops_are_the_dequantized_product_on_the_rounded_activations(k,
     magnitude = (q.double().abs() * s.double()) @ layer.weight_fp32().double().abs().t()
     bound = 1e-5 * magnitude + 1e-12
     assert ((y.double() - exact).abs() <= bound).all()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 decoding: the sums stay exact
+        assert torch.equal(int4_int8_products(x, layer.stored(), group), y)
 
 
 @pytest.mark.parametrize("k, n, group, rows", [(64, 13, 32, 1), (768, 2304, 64, 1),
@@ -54,19 +59,27 @@ def test_the_kernel_is_the_torch_ops_numbers_at_every_row_count(fresh_build, k, 
                        y)
 
 
-def test_decoding_takes_the_kernel_and_keeps_every_token(fresh_build):
+@pytest.mark.parametrize("policy", ["auto", "bf16"])  # bf16 forced, as native-bf16 CPUs run it
+def test_decoding_takes_the_kernel_and_keeps_every_token(fresh_build, policy):
     torch.manual_seed(0)
     model = build(tiny(spec="1+1R4+1", vocab_size=512, d_model=64))
     quantized = quantize_model(model, 4, ("prelude", "cores", "coda"), group_size=32,
                                activations="int8")[0]
+    device, chosen = decoding.for_decoding(policy, quantized)
+    line = chosen.describe()
+    plain = copy.deepcopy(quantized)  # the same decoding layout, the torch ops in every layer
+    for layer in plain.modules():
+        if isinstance(layer, QuantizedLinear):
+            layer.row_kernel = None
+    layers = [m for m in quantized.modules() if isinstance(m, QuantizedLinear)]
+    assert layers and all(m.row_kernel is int4_kernel.int4_rows_kernel() for m in layers)
+    assert decoding.INT4_KERNEL_NOTE in line
     prompt, s = [[5, 6, 7, 8]], Sampling(max_new_tokens=12, temperature=0, stop_at_eos=False)
-    with torch.no_grad():
-        plain = generate(quantized, prompt, s)
-        line = decoding.for_decoding("auto", quantized)[1].describe()
-        layers = [m for m in quantized.modules() if isinstance(m, QuantizedLinear)]
-        assert layers and all(m.row_kernel is int4_kernel.int4_rows_kernel() for m in layers)
-        assert decoding.INT4_KERNEL_NOTE in line
-        assert generate(quantized, prompt, s) == plain
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad(), precision.autocast(device, chosen):
+        assert torch.equal(quantized(ids).logits, plain(ids).logits)
+        assert generate(quantized, prompt, s) == generate(plain, prompt, s)
+    if policy == "auto":  # fp32, where greedy output does not depend on batching or speculation
         assert_decodes_exactly(quantized)  # cached, uncached, speculation, batched
 
 

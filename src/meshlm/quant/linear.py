@@ -116,8 +116,10 @@ def int4_int8_products(rows: torch.Tensor, stored: dict[str, torch.Tensor],
     groups = k // group_size
     values = torch.stack([q & 15, q >> 4], -1).reshape(n, k).float() - 8  # (N, K)
     a = a.float().reshape(m, groups, group_size).transpose(0, 1)  # (G, M, g)
-    # integers below 2**24 throughout, so fp32 sums them exactly, in any order
-    sums = torch.bmm(a, values.reshape(n, groups, group_size).permute(1, 2, 0))  # (G, M, N)
+    # integers below 2**24 throughout, so fp32 sums them exactly, in any order; not under bf16
+    # autocast, whose bf16 product would round the sums
+    with torch.autocast(rows.device.type, enabled=False):
+        sums = torch.bmm(a, values.reshape(n, groups, group_size).permute(1, 2, 0))  # (G, M, N)
     totals = a.sum(-1, keepdim=True)  # (G, M, 1)
     scales, zeros = stored["scales"].float().t(), stored["zeros"].float().t()  # (G, N)
     acc = torch.zeros(m, n, dtype=torch.float32, device=rows.device)
