@@ -43,7 +43,7 @@ import torch
 from meshlm.data.shards import read_manifest
 from meshlm.data.tasks import data_folder, holds_tasks, window_length
 from meshlm.errors import ConfigError
-from meshlm.folders.integrity import list_checkpoints
+from meshlm.folders.integrity import holds_checkpoints
 from meshlm.model.accounting import describe
 from meshlm.runtime.peaks import device_peak
 from meshlm.runtime.precision import choose
@@ -234,13 +234,9 @@ def planned_model(study: Study, run: Run):
     """The model `run` trains: its config's, or init_from's; a later stage whose source has no
     checkpoint yet, its source's."""
     source = run
-    while source.source is not None and not has_checkpoint(source.source.dir):
+    while source.source is not None and not holds_checkpoints(source.source.dir):
         source = source.source
     return resolve_model(train_config(study, source))[0]
-
-
-def has_checkpoint(run_dir: Path) -> bool:
-    return (run_dir / "latest").is_file() or bool(list_checkpoints(run_dir))
 
 
 def duration(hours: float) -> str:

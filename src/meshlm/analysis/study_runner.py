@@ -93,12 +93,12 @@ class Queue:
                 self.failed.add(run.name)
 
     def take(self) -> tuple[int, Run] | None:
-        """The first run that can start now (None: each waits for a source); under `lock`."""
+        """The first run that can start now (None: each waits for a source); under `lock`. A run
+        whose source failed is taken too: _run_stages says why it cannot start."""
         for k, (_, run) in enumerate(self.pending):
-            if run.source is None or run.source.name not in self.unfinished:
+            source = run.source.name if run.source else None
+            if source is None or source not in self.unfinished or source in self.failed:
                 return self.pending.pop(k)
-            if run.source.name in self.failed:
-                return self.pending.pop(k)  # _run_stages says why it cannot start
         return None
 
 

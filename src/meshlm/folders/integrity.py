@@ -141,6 +141,12 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found, reverse=True)]
 
 
+def holds_checkpoints(run_dir: str | Path) -> bool:
+    """Whether `run_dir` is a run folder with a checkpoint to open: a `latest` pointer or a step-*
+    dir."""
+    return (Path(run_dir) / "latest").is_file() or bool(list_checkpoints(run_dir))
+
+
 def resolve(path: str | Path) -> Path:
     """A checkpoint dir, or a run dir (-> its `latest`, else its newest checkpoint)."""
     path = Path(path)

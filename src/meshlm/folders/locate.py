@@ -205,7 +205,7 @@ def _recognise(path: Path) -> ModelFolder:
     if config.is_file():
         raw, sha256 = formats.read_json_and_digest(config)
         return ModelFolder(path, format_of(raw, config), raw, config_sha256=sha256)
-    if (path / "latest").is_file() or integrity.list_checkpoints(path):
+    if integrity.holds_checkpoints(path):
         step = integrity.resolve(path)
         meta, sha256 = integrity.read_meta_and_digest(step)
         return ModelFolder(step, "meshlm", meta, config_sha256=sha256)
