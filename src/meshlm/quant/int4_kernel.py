@@ -22,7 +22,12 @@ import torch
 from torch import nn
 
 from meshlm.kernels.kernel import Kernel
-from meshlm.quant.linear import QuantizedLinear, int4_int8_products, quantize_weight
+from meshlm.quant.linear import (
+    QuantizedLinear,
+    cpu_int8_activation_layers,
+    int4_int8_products,
+    quantize_weight,
+)
 
 CPU = torch.device("cpu")
 LANES = 16  # outputs per block (int4_rows.c's LANES)
@@ -94,5 +99,4 @@ def unavailable(model: nn.Module) -> str | None:
 
 
 def _cpu_w4a8_layers(model: nn.Module) -> list[QuantizedLinear]:
-    return [m for m in model.modules() if isinstance(m, QuantizedLinear) and m.bits == 4
-            and m.activations == "int8" and m.qweight.is_cpu]
+    return cpu_int8_activation_layers(model, 4)

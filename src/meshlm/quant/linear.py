@@ -307,3 +307,10 @@ class QuantizedLinear(nn.Module):
         activations = ", int8 activations" if self.activations == "int8" else ""  # w8a8, w4a8
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"int{self.bits}{group}{activations}")
+
+
+def cpu_int8_activation_layers(model: nn.Module, bits: int) -> list[QuantizedLinear]:
+    """`model`'s QuantizedLinear layers on the CPU with `bits`-bit weights and int8 activations:
+    the layers a compiled kernel may be given (meshlm.quant.row_kernel and .int4_kernel)."""
+    return [m for m in model.modules() if isinstance(m, QuantizedLinear) and m.bits == bits
+            and m.activations == "int8" and m.qweight.is_cpu]

@@ -28,6 +28,7 @@ from meshlm import machine
 from meshlm.kernels.kernel import Kernel
 from meshlm.quant.linear import (
     QuantizedLinear,
+    cpu_int8_activation_layers,
     exact_int8_products,
     quantize_rows,
     scaled_int8_products,
@@ -105,8 +106,7 @@ def unavailable(model: nn.Module) -> str | None:
 
 
 def _cpu_int8_layers(model: nn.Module) -> list[QuantizedLinear]:
-    return [m for m in model.modules() if isinstance(m, QuantizedLinear) and m.bits == 8
-            and m.activations == "int8" and m.qweight.is_cpu]
+    return cpu_int8_activation_layers(model, 8)
 
 
 def kernel_speedup(kernel: Product) -> dict:
