@@ -79,11 +79,29 @@ def test_what_compile_cannot_do_is_refused_in_one_line(tmp_path, capsys):
     assert out == "" and "one column beyond the prompt and the new tokens" in err
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2)])
+def test_one_query_attention_is_sdpas(heads, kv_heads):
+    # what a compiled CPU step attends with (meshlm.model.layers.one_query): grouped-query heads,
+    # no mask, a per-row mask and one mask broadcast over the batch
+    from meshlm.model.layers import one_query
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, heads, 1, 16, generator=g)
+    k, v = (torch.randn(3, kv_heads, 37, 16, generator=g) for _ in range(2))
+    rows = torch.rand(3, 1, 1, 37, generator=g) > 0.4
+    rows[..., -1] = True  # the query's own column
+    for mask in (None, rows, rows[:1]):
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, enable_gqa=heads != kv_heads)
+        torch.testing.assert_close(one_query(q, k, v, mask), expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", [*SCHEMES, "vanilla"])
+@pytest.mark.parametrize("scheme", [*SCHEMES, "vanilla", "llama"])
 def test_compiled_greedy_tokens_are_the_eager_decoders(scheme):
     spec = "1+2+1" if scheme == "vanilla" else "1+2R3+1"
-    model = build(tiny(scheme=scheme, spec=spec, d_model=64, vocab_size=256, context_length=96))
+    # llama: grouped-query heads through the compiled step's one-query attention
+    extra = dict(backbone="llama", n_kv_heads=2) if scheme == "llama" else dict(scheme=scheme)
+    model = build(tiny(spec=spec, d_model=64, vocab_size=256, context_length=96, **extra))
     s = Sampling(max_new_tokens=12, temperature=0, stop_at_eos=False)
     eager = generate(model, PROMPTS, s)
     assert generate(model, PROMPTS, s, compile=True) == eager

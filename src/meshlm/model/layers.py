@@ -17,7 +17,8 @@ Parameter names follow Hugging Face (`attention.query_key_value`, `mlp.dense_4h_
 Llama `self_attn.q_proj`, `mlp.gate_proj`, …) so checkpoints map onto meshlm by renaming layer
 indices only. The fused QKV projection is laid out per head as (heads, [q|k|v], head_dim), like
 Pythia. Attention runs through `F.scaled_dot_product_attention`, which picks a
-flash/memory-efficient kernel on GPUs.
+flash/memory-efficient kernel on GPUs; a compiled decode step on a CPU attends with its one query
+through sums the compiler fuses (`one_query`).
 
 For incremental decoding a layer takes an optional `cache` (see meshlm.model.kv_cache) and the index
 of its *unrolled* slot in it: a looped core layer is called once per pass with a different slot.
@@ -113,10 +114,29 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     # no mask and several queries: no past (MeshLM.attention_inputs builds a mask after one), so
     # causal; one query attends to every key. (Not k's length against q's: under a compiled step's
     # symbolic lengths that comparison is no bool.)
+    if q.shape[-2] == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
+        return one_query(q, k, v, mask)
     is_causal = mask is None and q.shape[-2] > 1
     gqa = k.shape[1] != q.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                           enable_gqa=gqa)
+
+
+def one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA's attention of one query, q (B, H, 1, hd), over k, v (B, H_kv, C, hd), mask None or
+    (B, 1, 1, C), as sums of products that a compiled graph fuses into its own loops (a decode
+    step on a CPU: SDPA's kernel there costs ~25 µs a layer at one query, the fused sums a few).
+    Equal to SDPA to floating-point rounding."""
+    b, h, _, hd = q.shape
+    h_kv, c = k.shape[1], k.shape[2]
+    q = q.reshape(b, h_kv, h // h_kv, 1, hd)  # each key/value head's group of query heads
+    k, v = k.unsqueeze(2), v.unsqueeze(2)  # (B, H_kv, 1, C, hd)
+    scores = (q * k).sum(-1) * hd ** -0.5  # (B, H_kv, G, C)
+    if mask is not None:
+        scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, 1, c), float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return (weights.unsqueeze(-1) * v).sum(-2).reshape(b, h, 1, hd)
 
 
 class Layer(nn.Module, abc.ABC):
