@@ -113,3 +113,23 @@ def corpus_windows(tok, count: int, length: int) -> list[list[int]]:
     stride = max((len(ids) - length) // max(count, 1), 1)
     return [ids[i * stride:i * stride + length] for i in range(count)
             if i * stride + length <= len(ids)]
+
+
+def read_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
+    """Bytes/s of the best of `reps` sums over a `megabytes` tensor (reads only, with every torch
+    thread): the ceiling of batch-1 decoding, which reads every weight once per token and writes
+    next to nothing."""
+    from meshlm import machine
+
+    a = torch.ones(megabytes * 2**20 // 4)
+    return a.numel() * 4 / machine.best_seconds(a.sum, reps)
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decoded token reads: everything but the input embedding table (one row
+    of it)."""
+    # meshlm's "embed_in.weight", transformers' "gpt_neox.embed_in.weight"
+    state = model.state_dict()
+    table = next(t for name, t in state.items() if name.endswith("embed_in.weight"))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    return total - table.numel() * table.element_size() + table[0].nbytes

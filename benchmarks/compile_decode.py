@@ -3,8 +3,10 @@ the eager decoder, side by side in one run, at every precision `meshlm generate`
 under the default policy (its weight layout and kernel as this machine's probes chose), bf16 (its
 kernel where it pays; "bf16 F.linear" without it, what bf16 decoding was before), int8 with int8
 activations (w8a8), int4 and int4 with int8 activations (w4a8). Prints tokens/s, the ratio, the
-first compiled call's seconds (the compile, with whatever Inductor had cached on disk) and whether
-the greedy tokens are the eager ones.
+first compiled call's seconds (the compile, with whatever Inductor had cached on disk), the weights
+read eager and compiled as a share of this machine's read bandwidth (a step's weight bytes times
+steps/s; the bandwidth measured in the same rounds, step_ms) and whether the greedy tokens are the
+eager ones.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/compile_decode.py --threads 1
     .venv/bin/python benchmarks/compile_decode.py --spec 2+4R2+2 --scheme mesh --threads 2
@@ -18,8 +20,9 @@ compiled.
 
 A model of --spec at d = 768, 12 heads, a 50,304-word vocabulary (random weights), greedy, batch
 --batch, a 32-token prompt, --new-tokens new ones with EOS ignored; each round runs eager and
-compiled once per precision (interleaved), medians of --rounds (the time includes the prompt's
-prefill, eager in both).
+compiled once per precision (interleaved), medians of --rounds; a token's time is the difference
+of a --new-tokens and a one-token generation over the tokens between, so the prompt's prefill
+(eager in both) is not in it.
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ from benchkit import (
     decoding_copy,
     interleaved_medians,
     timing_setup,
+    weight_bytes_per_token,
 )
 
 
@@ -75,10 +79,16 @@ def without_products(model) -> torch.nn.Module:
     return model
 
 
-def split(model, prompts, s, args, clock) -> None:
-    """ms a decoded token (prefill excluded: a generation of --new-tokens against one of a single
-    token, the difference over the tokens between) of the fp32 model as decoded and of its copy
-    without weight products, eager and compiled, timed in interleaved rounds."""
+READ_MB = 256  # the sum over this many MB whose time, in the same rounds, gives the read bandwidth
+
+
+def step_ms(runs: dict, prompts, s, args, clock) -> tuple[dict, float]:
+    """(ms a decoded token, prefill excluded (a generation of --new-tokens against one of a single
+    token, the difference over the tokens between), per key of `runs` (key -> (the model as
+    decoded, its Precision, compile or not)); the read bandwidth in bytes/s, a sum over READ_MB
+    as benchkit.read_bandwidth takes it), all timed in the same interleaved rounds, so that the
+    bandwidth a step is compared with is the machine's at that time (on a shared VM it moved
+    between 45 and 77 GB/s within the hour)."""
     import dataclasses
 
     from meshlm.generate import generate
@@ -90,15 +100,23 @@ def split(model, prompts, s, args, clock) -> None:
         with torch.no_grad(), precision.autocast(torch.device("cpu"), chosen):
             return generate(m, prompts, sampling, compile=compile)
 
+    cases = {(key, n): (lambda r=r, sm=sm: run(*r, sm))
+             for key, r in runs.items() for n, sm in ((1, one), (args.new_tokens, s))}
+    read = torch.ones(READ_MB * 2**20 // 4)
+    cases["read"] = read.sum
+    t = interleaved_medians(cases, args.rounds, clock)
+    return ({key: 1e3 * (t[key, args.new_tokens] - t[key, 1]) / ((args.new_tokens - 1) * args.batch)
+             for key in runs}, read.numel() * 4 / t["read"])
+
+
+def split(model, prompts, s, args, clock) -> None:
+    """ms a decoded token (step_ms) of the fp32 model as decoded and of its copy without weight
+    products, eager and compiled."""
     full, chosen = decoding_copy(model, "auto")
     bare = without_products(model)
-    cases = {(what, mode, n): (lambda m=m, c=c, sm=sm: run(m, chosen, c, sm))
-             for what, m in (("whole", full), ("no-matmul", bare))
-             for mode, c in (("eager", False), ("compiled", True))
-             for n, sm in ((1, one), (args.new_tokens, s))}
-    t = interleaved_medians(cases, args.rounds, clock)
-    ms = {(what, mode): 1e3 * (t[what, mode, args.new_tokens] - t[what, mode, 1])
-          / ((args.new_tokens - 1) * args.batch) for what, mode, _ in t}
+    runs = {(what, mode): (m, chosen, c) for what, m in (("whole", full), ("no-matmul", bare))
+            for mode, c in (("eager", False), ("compiled", True))}
+    ms, _ = step_ms(runs, prompts, s, args, clock)
     for mode in ("eager", "compiled"):
         whole, bare_ms = ms["whole", mode], ms["no-matmul", mode]
         print(f"  {mode:9s} {whole:6.2f} ms a token; without weight products {bare_ms:5.2f} ms "
@@ -133,6 +151,8 @@ def main() -> None:
     if args.no_matmul:
         return split(model, prompts, s, args, clock)
     rates = {}
+    print("tokens/s of the decode steps (prefill excluded); weights read: a step's weight bytes "
+          "times steps/s, as a share of the read bandwidth measured in the same rounds")
     for name, (laid_out, chosen) in variants(model).items():
         def run(compile: bool, laid_out=laid_out, chosen=chosen):
             with torch.no_grad(), precision.autocast(torch.device("cpu"), chosen):
@@ -140,12 +160,15 @@ def main() -> None:
         start = time.perf_counter()
         same = run(True) == run(False)
         first = time.perf_counter() - start
-        t = interleaved_medians({"eager": lambda: run(False), "compiled": lambda: run(True)},
-                                args.rounds, clock)
-        rate = rates[name] = {k: args.new_tokens * args.batch / v for k, v in t.items()}
+        modes = {mode: (laid_out, chosen, mode == "compiled") for mode in ("eager", "compiled")}
+        ms, reading = step_ms(modes, prompts, s, args, clock)
+        rate = rates[name] = {k: 1e3 / v for k, v in ms.items()}
+        share = {k: weight_bytes_per_token(laid_out) * r / args.batch / reading
+                 for k, r in rate.items()}
         print(f"  {name:13s} eager {rate['eager']:6.1f} tokens/s, compiled {rate['compiled']:6.1f} "
-              f"({rate['compiled'] / rate['eager']:.2f}x); first compiled call {first:.0f} s; "
-              f"same greedy tokens: {same}", flush=True)
+              f"({rate['compiled'] / rate['eager']:.2f}x); weights read {share['eager']:.0%} / "
+              f"{share['compiled']:.0%} of {reading / 1e9:.1f} GB/s; first compiled call "
+              f"{first:.0f} s; same greedy tokens: {same}", flush=True)
     print(f"bf16 compiled, through its kernel / bf16 eager through F.linear: "
           f"{rates['bf16']['compiled'] / rates['bf16 F.linear']['eager']:.2f}x")
 
