@@ -77,12 +77,15 @@ def test_decoding_through_the_kernel_gives_the_same_numbers(fresh_build, monkeyp
             model_(ids, cache=cache)
         calls = []
         for layer in layers:  # count the kernel's calls in this step
-            layer.row_kernel = lambda x, w, kernel=layer.row_kernel: calls.append(1) or kernel(x, w)
+            layer.row_kernel = lambda *args, kernel=layer.row_kernel: calls.append(args) or \
+                kernel(*args)
         assert torch.equal(quantized(step, cache=caches[0]).logits,
                            plain(step, cache=caches[1]).logits)
         # every quantized layer once per visit: the core's three loop passes, prelude and coda one
         assert len(calls) == sum(3 if name.startswith("cores.") else 1 for name, m in
                                  quantized.named_modules() if isinstance(m, QuantizedLinear))
+        # each with the layer's own weight sums, taken once (not summed again by every call)
+        assert all(torch.equal(sums, weight.sum(0, dtype=torch.int32)) for _, weight, sums in calls)
 
 
 def fake_compiler(folder, exit_code: int) -> str:

@@ -90,6 +90,12 @@ def scaled_int8_products(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tens
     return torch._int_mm(q, weight) * scale
 
 
+def weight_sums(weight: torch.Tensor) -> torch.Tensor:
+    """(N,) int32: each output's sum of its int8 weights (weight (K, N)), which the one-row kernel
+    (meshlm.quant.row_kernel) takes from its caller, once per layer, not from every call."""
+    return weight.sum(0, dtype=torch.int32)
+
+
 @functools.cache
 @torch.compiler.assume_constant_result  # a compiled decode step takes its answer as a constant
 def exact_int8_products() -> bool:
@@ -233,11 +239,13 @@ class QuantizedLinear(nn.Module):
                 y = int4_int8_products(rows, self.stored(), self.group_size)
             return y if self.bias is None else y + self.bias
         if exact_int8_products():
-            weight, scales, bias = self._cached("int_mm", self._int_mm_operands)
-            kernel = self.row_kernel if rows.shape[0] == 1 and self.row_kernel else \
-                scaled_int8_products
+            weight, scales, bias, sums = self._cached("int_mm", self._int_mm_operands)
             # (M, out): each row's exact int32 sums times its scale, the same numbers either way
-            products, factor = kernel(rows, weight), scales
+            if rows.shape[0] == 1 and self.row_kernel is not None:
+                products = self.row_kernel(rows, weight, sums)
+            else:
+                products = scaled_int8_products(rows, weight)
+            factor = scales
         else:  # the rounded activations through the weight-only kernel (module docstring)
             q, row_scale = quantize_rows(rows)
             products, factor, bias = self._bf16_kernel(q.to(torch.bfloat16)), row_scale, self.bias
@@ -263,10 +271,14 @@ class QuantizedLinear(nn.Module):
             self._operands[kernel] = build()
         return self._operands[kernel]
 
-    def _int_mm_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def _int_mm_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                        torch.Tensor]:
         """(the (in, out) int8 view of qweight torch._int_mm multiplies by, (out,) fp32 scales,
-        the bias): one dict lookup a call instead of three module attribute lookups."""
-        return self.qweight.contiguous().t(), self.scales.float(), self.bias
+        the bias, the weights' own sums the one-row kernel takes): one dict lookup a call instead
+        of several module attribute lookups, built at the first call (a prompt's, eager: never
+        inside a compiled step's first trace, which would trace it twice)."""
+        weight = self.qweight.contiguous().t()
+        return weight, self.scales.float(), self.bias, weight_sums(weight)
 
     def _int8pack_operands(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(qweight with in_features padded to INT8PACK_K, scales, the padding), 64-byte aligned:

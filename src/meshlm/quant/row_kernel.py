@@ -32,6 +32,7 @@ from meshlm.quant.linear import (
     exact_int8_products,
     quantize_rows,
     scaled_int8_products,
+    weight_sums,
 )
 
 CPU = torch.device("cpu")
@@ -39,21 +40,25 @@ CPU = torch.device("cpu")
 PROBE_MB, PROBE_SHAPE = 64, (3072, 768)
 # the widest row whose sums int8_rows.c keeps exact in int32: k * 255 * 128 <= 2**31 - 1
 MAX_K = (2**31 - 1) // (255 * 128)
-# (x (1, K) fp32, weight (K, N) int8, the transposed view of a contiguous (N, K)) -> (1, N) fp32
-Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (x (1, K) fp32, weight (K, N) int8, the transposed view of a contiguous (N, K), and optionally
+# weight_sums(weight)) -> (1, N) fp32
+Product = Callable[..., torch.Tensor]
 
 
 def _product(function) -> Product:
-    """The bound C function as a drop-in for scaled_int8_products at one row, bit for bit."""
-    def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The bound C function as a drop-in for scaled_int8_products at one row, bit for bit;
+    `sums` (weight_sums(weight)) computed here where the caller has none."""
+    def product(x: torch.Tensor, weight: torch.Tensor,
+                sums: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[1] > MAX_K:  # its int32 sums could overflow: the torch ops' exact ones
             return scaled_int8_products(x, weight)
         rows = weight.t()  # (N, K): the stored qweight (QuantizedLinear's operands: contiguous)
         rows, x = rows.contiguous(), x.contiguous()  # no copies when they are, as C reads them
+        sums = (weight_sums(weight) if sums is None else sums).contiguous()
         # fp32 on the CPU, whatever torch's default dtype and device: C writes floats there
         y = torch.empty(1, rows.shape[0], dtype=torch.float32, device=CPU)
-        if function(x.data_ptr(), rows.data_ptr(), y.data_ptr(), rows.shape[0], rows.shape[1],
-                    torch.get_num_threads()):
+        if function(x.data_ptr(), rows.data_ptr(), sums.data_ptr(), y.data_ptr(), rows.shape[0],
+                    rows.shape[1], torch.get_num_threads()):
             raise MemoryError(f"int8 row product: no memory for {rows.shape[1]} int8 values")
         return y
 
@@ -78,9 +83,10 @@ def _same_numbers(product: Product) -> bool:
 
 
 KERNEL = Kernel("int8_rows.c", "int8_row_product",
-                [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int], _product,
-                _same_numbers, "exact integer sums", "int8_row(Tensor x, Tensor weight) -> Tensor",
-                lambda x, weight: x.new_empty(1, weight.shape[1], dtype=torch.float32))
+                [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int], _product,
+                _same_numbers, "exact integer sums",
+                "int8_row(Tensor x, Tensor weight, Tensor? sums=None) -> Tensor",
+                lambda x, weight, sums=None: x.new_empty(1, weight.shape[1], dtype=torch.float32))
 int8_row_kernel = KERNEL.product  # () -> Product | None, once per process (.cache_clear())
 
 
@@ -122,6 +128,8 @@ def _probe(kernel: Product, reps: int = 5) -> dict:
     count = max(1, PROBE_MB * 2**20 // (PROBE_SHAPE[0] * PROBE_SHAPE[1]))
     # the values do not matter to the speed: filled, not drawn, to be quick
     weights = [torch.full(PROBE_SHAPE, 3, dtype=torch.int8, device=CPU).t() for _ in range(count)]
+    sums = [weight_sums(w) for w in weights]  # the layers' operands (QuantizedLinear)
     x = torch.full((1, PROBE_SHAPE[1]), -0.5, dtype=torch.float32, device=CPU)
     return machine.race({"torch": lambda: [scaled_int8_products(x, w) for w in weights],
-                         "kernel": lambda: [kernel(x, w) for w in weights]}, reps, fastest="kernel")
+                         "kernel": lambda: [kernel(x, w, s) for w, s in zip(weights, sums)]},
+                        reps, fastest="kernel")
