@@ -93,6 +93,14 @@ def test_one_query_attention_is_sdpas(heads, kv_heads):
         expected = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, enable_gqa=heads != kv_heads)
         torch.testing.assert_close(one_query(q, k, v, mask), expected, rtol=1e-5, atol=1e-6)
+    # bf16 inputs: summed in fp32 as SDPA's CPU kernel sums them, so no further from fp32's result
+    low = [t.bfloat16() for t in (3 * q, 3 * k, v)]  # larger scores: rounding them shows
+    exact = torch.nn.functional.scaled_dot_product_attention(
+        *(t.float() for t in low), enable_gqa=heads != kv_heads)
+    ours = one_query(*low, None)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(*low, enable_gqa=heads != kv_heads)
+    assert ours.dtype == torch.bfloat16
+    assert (ours.float() - exact).abs().max() <= (sdpa.float() - exact).abs().max() + 2**-8
 
 
 @pytest.mark.slow

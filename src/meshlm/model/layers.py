@@ -127,16 +127,18 @@ def one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """SDPA's attention of one query, q (B, H, 1, hd), over k, v (B, H_kv, C, hd), mask None or
     (B, 1, 1, C), as sums of products that a compiled graph fuses into its own loops (a decode
     step on a CPU: SDPA's kernel there costs ~25 µs a layer at one query, the fused sums a few).
-    Equal to SDPA to floating-point rounding."""
+    Equal to SDPA to floating-point rounding: in fp32 whatever the inputs' dtype, as SDPA's CPU
+    kernel accumulates (bf16 scores and weights between the compiled sums doubled the error)."""
     b, h, _, hd = q.shape
     h_kv, c = k.shape[1], k.shape[2]
+    dtype, q, k, v = q.dtype, q.float(), k.float(), v.float()  # casts the compiler fuses
     q = q.reshape(b, h_kv, h // h_kv, 1, hd)  # each key/value head's group of query heads
     k, v = k.unsqueeze(2), v.unsqueeze(2)  # (B, H_kv, 1, C, hd)
     scores = (q * k).sum(-1) * hd ** -0.5  # (B, H_kv, G, C)
     if mask is not None:
         scores = scores.masked_fill(~mask.reshape(mask.shape[0], 1, 1, c), float("-inf"))
     weights = torch.softmax(scores, dim=-1)
-    return (weights.unsqueeze(-1) * v).sum(-2).reshape(b, h, 1, hd)
+    return (weights.unsqueeze(-1) * v).sum(-2).reshape(b, h, 1, hd).to(dtype)
 
 
 class Layer(nn.Module, abc.ABC):
