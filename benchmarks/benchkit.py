@@ -115,14 +115,20 @@ def corpus_windows(tok, count: int, length: int) -> list[list[int]]:
             if i * stride + length <= len(ids)]
 
 
+def read_sum(megabytes: int = 256) -> tuple[Callable[[], object], int]:
+    """(a sum over a `megabytes` tensor, the bytes it reads): its time gives the read bandwidth
+    (reads only, with every torch thread), the ceiling of batch-1 decoding, which reads every
+    weight once per token and writes next to nothing."""
+    a = torch.ones(megabytes * 2**20 // 4)
+    return a.sum, a.numel() * a.element_size()
+
+
 def read_bandwidth(megabytes: int = 256, reps: int = 5) -> float:
-    """Bytes/s of the best of `reps` sums over a `megabytes` tensor (reads only, with every torch
-    thread): the ceiling of batch-1 decoding, which reads every weight once per token and writes
-    next to nothing."""
+    """Bytes/s of the best of `reps` read_sum calls."""
     from meshlm import machine
 
-    a = torch.ones(megabytes * 2**20 // 4)
-    return a.numel() * 4 / machine.best_seconds(a.sum, reps)
+    read, size = read_sum(megabytes)
+    return size / machine.best_seconds(read, reps)
 
 
 def weight_bytes_per_token(model) -> int:

@@ -36,6 +36,7 @@ from benchkit import (
     bf16_without_kernel,
     decoding_copy,
     interleaved_medians,
+    read_sum,
     timing_setup,
     weight_bytes_per_token,
 )
@@ -79,14 +80,11 @@ def without_products(model) -> torch.nn.Module:
     return model
 
 
-READ_MB = 256  # the sum over this many MB whose time, in the same rounds, gives the read bandwidth
-
-
 def step_ms(runs: dict, prompts, s, args, clock) -> tuple[dict, float]:
     """(ms a decoded token, prefill excluded (a generation of --new-tokens against one of a single
     token, the difference over the tokens between), per key of `runs` (key -> (the model as
-    decoded, its Precision, compile or not)); the read bandwidth in bytes/s, a sum over READ_MB
-    as benchkit.read_bandwidth takes it), all timed in the same interleaved rounds, so that the
+    decoded, its Precision, compile or not)); the read bandwidth in bytes/s, from
+    benchkit.read_sum), all timed in the same interleaved rounds, so that the
     bandwidth a step is compared with is the machine's at that time (on a shared VM it moved
     between 45 and 77 GB/s within the hour)."""
     import dataclasses
@@ -102,11 +100,10 @@ def step_ms(runs: dict, prompts, s, args, clock) -> tuple[dict, float]:
 
     cases = {(key, n): (lambda r=r, sm=sm: run(*r, sm))
              for key, r in runs.items() for n, sm in ((1, one), (args.new_tokens, s))}
-    read = torch.ones(READ_MB * 2**20 // 4)
-    cases["read"] = read.sum
+    cases["read"], size = read_sum()
     t = interleaved_medians(cases, args.rounds, clock)
     return ({key: 1e3 * (t[key, args.new_tokens] - t[key, 1]) / ((args.new_tokens - 1) * args.batch)
-             for key in runs}, read.numel() * 4 / t["read"])
+             for key in runs}, size / t["read"])
 
 
 def split(model, prompts, s, args, clock) -> None:
