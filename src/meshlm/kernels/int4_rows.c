@@ -30,9 +30,10 @@
 
    Several rows reuse a block's weights while they are in cache (with VNNI four rows share each
    load and its unpacking), and every (row, output) is computed the same way whatever the number
-   of rows, so a row's outputs do not depend on the batch. Blocks are split over `threads` OpenMP threads. Without AVX512-VNNI, AVX2's vpmaddubsw
-   and vpmaddwd take the same sums in two halves of 8 lanes, and without AVX2 a plain C loop runs
-   over the same layout (the same integers, the same float steps). */
+   of rows, so a row's outputs do not depend on the batch. Blocks are split over `threads` OpenMP
+   threads. Without AVX512-VNNI, AVX2's vpmaddubsw and vpmaddwd take the same sums in two halves
+   of 8 lanes, and without AVX2 a plain C loop runs over the same layout (the same integers, the
+   same float steps). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
