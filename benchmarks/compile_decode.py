@@ -11,6 +11,7 @@ eager ones.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/compile_decode.py --threads 1
     .venv/bin/python benchmarks/compile_decode.py --spec 2+4R2+2 --scheme mesh --threads 2
     .venv/bin/python benchmarks/compile_decode.py --no-matmul --threads 2   # the per-token split
+    .venv/bin/python benchmarks/compile_decode.py --operators --threads 2   # C++ against Python
 
 --no-matmul splits a token's time: the fp32 model as decoded, and the same model with every weight
 product (each linear and the output layer) replaced by a slice of its input (a view the compiler
@@ -80,6 +81,57 @@ def without_products(model) -> torch.nn.Module:
     return model
 
 
+BENCH = torch.library.Library("meshlm_bench", "DEF")  # --operators' Python-implemented copies
+
+
+def python_operators(model) -> torch.nn.Module:
+    """A copy of `model` whose C kernels a compiled step reaches through copies of their operators
+    implemented in Python (meshlm_bench::<name>, the product by ctypes), as meshlm::<name> was
+    before its C++ implementation."""
+    from meshlm.kernels import bf16_rows, fp32_rows
+    from meshlm.quant import int4_kernel, row_kernel
+
+    swap = {}
+    for kernel in (fp32_rows.KERNEL, bf16_rows.KERNEL, row_kernel.KERNEL, int4_kernel.KERNEL):
+        product = kernel.product()
+        if product is not None and not hasattr(torch.ops.meshlm_bench, kernel.name):
+            BENCH.define(kernel.schema)
+            BENCH.impl(kernel.name, product, "CPU")  # outside a trace: the ctypes call
+            torch.library.register_fake(f"meshlm_bench::{kernel.name}", kernel.fake, lib=BENCH)
+        if product is not None:
+            op = getattr(torch.ops.meshlm_bench, kernel.name)
+            swap[id(product)] = (lambda *a, op=op, product=product:
+                                 op(*a) if torch.compiler.is_compiling() else product(*a))
+    model = copy.deepcopy(model)
+    for m in model.modules():
+        for attr in ("kernel", "row_kernel"):
+            if id(getattr(m, attr, None)) in swap:
+                setattr(m, attr, swap[id(getattr(m, attr))])
+    return model
+
+
+def operators(model, prompts, s, args, clock) -> None:
+    """ms a decoded token (step_ms) of the compiled step, the kernels' operators implemented in C++
+    against in Python, per precision with a kernel here."""
+    from meshlm.kernels import bf16_rows, fp32_rows
+    from meshlm.quant import int4_kernel, row_kernel
+
+    print("ms a compiled step, the kernels' operators in C++ / in Python (meshlm_bench copies)")
+    laid_out_variants = variants(model)
+    print("  implemented:", {k.name: k.implemented for k in (fp32_rows.KERNEL, bf16_rows.KERNEL,
+                                                            row_kernel.KERNEL, int4_kernel.KERNEL)})
+    for name, (laid_out, chosen) in laid_out_variants.items():
+        if name in ("bf16 F.linear", "int4"):  # no meshlm kernel in them
+            continue
+        runs = {"C++": (laid_out, chosen, True),
+                "Python": (python_operators(laid_out), chosen, True)}
+        ms, reading = step_ms(runs, prompts, s, args, clock)
+        share = {k: weight_bytes_per_token(laid_out) * 1e3 / v / reading for k, v in ms.items()}
+        cpp, py = ms["C++"], ms["Python"]
+        print(f"  {name:5s} C++ {cpp:6.2f} ms ({share['C++']:.0%} of {reading / 1e9:.1f} GB/s), "
+              f"Python {py:6.2f} ms ({share['Python']:.0%}): {py / cpp:.2f}x", flush=True)
+
+
 def step_ms(runs: dict, prompts, s, args, clock) -> tuple[dict, float]:
     """(ms a decoded token, prefill excluded (a generation of --new-tokens against one of a single
     token, the difference over the tokens between), per key of `runs` (key -> (the model as
@@ -131,6 +183,8 @@ def main() -> None:
     p.add_argument("--scheme", default="vanilla")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--operators", action="store_true",
+                   help="the compiled step with the kernels' operators in C++ against in Python")
     p.add_argument("--no-matmul", action="store_true",
                    help="fp32 only: the per-token time without weight products, eager and compiled")
     add_timing_arguments(p, rounds=3)
@@ -147,6 +201,8 @@ def main() -> None:
           f"tokens, {torch.get_num_threads()} threads, {args.rounds} rounds (medians)")
     if args.no_matmul:
         return split(model, prompts, s, args, clock)
+    if args.operators:
+        return operators(model, prompts, s, args, clock)
     rates = {}
     print("tokens/s of the decode steps (prefill excluded); weights read: a step's weight bytes "
           "times steps/s, as a share of the read bandwidth measured in the same rounds")

@@ -94,3 +94,20 @@ def fresh_kernel(kernel, monkeypatch, cache):
         yield built
     finally:
         kernel.product.cache_clear()
+
+
+@pytest.fixture
+def traced_only(monkeypatch):
+    """The compiled step through Dynamo's tracing and guards, run by the eager backend (no
+    Inductor: seconds, not a minute), counting graph breaks and compiles."""
+    from torch._dynamo.utils import counters
+
+    from meshlm.generate import steps
+
+    torch._dynamo.reset()
+    steps.compiled.cache_clear()
+    monkeypatch.setattr(steps, "BACKEND", "eager")
+    counters.clear()
+    yield counters
+    torch._dynamo.reset()
+    steps.compiled.cache_clear()

@@ -125,3 +125,19 @@ def test_meshlm_generate_compile_prints_the_eager_text(tmp_path, capsys):
                      *extra]) == 0
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1]
+
+
+def test_a_compiled_generation_names_kernels_reached_through_python_operators(
+        traced_only, tmp_path, capsys, monkeypatch):
+    """Where operators.cpp could not be had, the precision line says so and why, with --compile
+    only (eager decoding calls the kernels by ctypes either way)."""
+    from meshlm.kernels import operators
+
+    monkeypatch.setattr(operators, "unavailable", lambda: "no C++ compiler on PATH (…)")
+    save_model(build(tiny(vocab_size=8192)), tmp_path / "ckpt")
+    for extra in ([], ["--compile"]):
+        assert main(["generate", str(tmp_path / "ckpt"), "To be", "-t", "0", "-n", "2",
+                     *extra]) == 0
+        (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("generated in")]
+        assert line.endswith("; the compiled step calls its kernels through Python operators "
+                             "(no C++ compiler on PATH (…))") == bool(extra)

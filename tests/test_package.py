@@ -32,6 +32,8 @@ print(json.dumps({"package": meshlm.__file__,
                   "int8_rows": int8_rows.int8_row_kernel() is not None,
                   "int4_rows": int4_rows.int4_rows_kernel() is not None,
                   "exact_int8": int8_rows.exact_int8_products(),
+                  "operators": [k.KERNEL.implemented for k in (fp32_rows, bf16_rows, int8_rows,
+                                                               int4_rows)],
                   "why_not": [build.why_not(fp32_rows.KERNEL.source),
                               build.why_not(bf16_rows.KERNEL.source),
                               build.why_not(int8_rows.KERNEL.source),
@@ -49,9 +51,10 @@ def run(args: list[str], cwd: Path, env: dict[str, str]) -> str:
 
 
 def c_sources() -> list[str]:
-    """Every C source the checkout has under src/meshlm, as the package's paths name them."""
+    """Every C and C++ source the checkout has under src/meshlm, as the package's paths name
+    them."""
     return sorted(p.relative_to(ROOT / "src").as_posix()
-                  for p in (ROOT / "src" / "meshlm").rglob("*.c"))
+                  for pattern in ("*.c", "*.cpp") for p in (ROOT / "src" / "meshlm").rglob(pattern))
 
 
 def copy_checkout(folder: Path) -> Path:
@@ -146,7 +149,8 @@ def test_the_installed_wheel_ships_every_c_kernel_and_decodes_with_the_checkouts
                                                                                  tmp_path):
     sources = c_sources()
     assert {"meshlm/kernels/fp32_rows.c", "meshlm/kernels/bf16_rows.c",
-            "meshlm/kernels/int8_rows.c", "meshlm/kernels/int4_rows.c"} <= set(sources)
+            "meshlm/kernels/int8_rows.c", "meshlm/kernels/int4_rows.c",
+            "meshlm/kernels/operators.cpp"} <= set(sources)
     names = zipfile.ZipFile(installed.wheel).namelist()
     assert set(sources) <= set(names), "the wheel lacks C kernel sources (package-data)"
     assert all((installed.site / name).is_file() for name in sources)

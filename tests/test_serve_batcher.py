@@ -424,23 +424,6 @@ def _compiled_serving_decodes_as_eager_alone(scheme):
     assert batcher.stats.step_rows > batcher.stats.steps  # they did share batches
 
 
-@pytest.fixture
-def traced_only(monkeypatch):
-    """The compiled step through Dynamo's tracing and guards, run by the eager backend (no
-    Inductor: seconds, not a minute), counting graph breaks and compiles."""
-    from torch._dynamo.utils import counters
-
-    from meshlm.generate import steps
-
-    torch._dynamo.reset()
-    steps.compiled.cache_clear()
-    monkeypatch.setattr(steps, "BACKEND", "eager")
-    counters.clear()
-    yield counters
-    torch._dynamo.reset()
-    steps.compiled.cache_clear()
-
-
 def test_compiled_serving_joins_and_leaves_in_one_graph_and_decodes_as_alone(traced_only,
                                                                             monkeypatch):
     """`meshlm serve --compile`: rows joining and leaving a batch whose whole steps run as one

@@ -75,8 +75,17 @@ def run(args: argparse.Namespace) -> int:
         code = _generate(args, model, tok, s, texts, prompts)
     # after the text, on stderr: stdout holds only the text, and an error stays the only line on
     # stderr
-    print(f"generated in {chosen.describe()}", file=sys.stderr, flush=True)
+    print(f"generated in {chosen.describe()}{_operators_note(args)}", file=sys.stderr, flush=True)
     return code
+
+
+def _operators_note(args: argparse.Namespace) -> str:
+    """Where a compiled step reached its C kernels through their Python operators (no C++ ones
+    here, meshlm.kernels.operators): that, and why; else nothing."""
+    from meshlm.kernels import operators
+
+    why = operators.unavailable() if args.compile else None
+    return f"; the compiled step calls its kernels through Python operators ({why})" if why else ""
 
 
 def _generate(args: argparse.Namespace, model, tok, s, texts: list[str],

@@ -1,8 +1,10 @@
 """The builder of meshlm's C kernels: `library(source)` compiles one of meshlm's own C files once
 per machine with the C compiler ($CC, else cc or gcc; -O3 -march=native -fopenmp, with fewer flags
 where the compiler refuses those) into <cache>/kernels/<name>-<digest>.so (<cache> as
-meshlm.machine), keyed by the source, the compiler and the CPU, and loads it; None where that
-cannot be done (the source missing from the install, no compiler, a failed build) or
+meshlm.machine), keyed by the source, the compiler and the CPU, and loads it; a C++ file (.cpp:
+the kernels' torch operators, meshlm.kernels.operators) with the C++ compiler ($CXX, else c++ or
+g++) against the installed torch's headers and libraries, keyed by torch's version too; None where
+that cannot be done (the source missing from the install, no compiler, a failed build) or
 MESHLM_NATIVE=0, and then `why_not(source)` names the reason and its fix. A library is code this
 process runs: one that another user could have written (not owned by this user, or its file or
 folder writable by group or others) is not loaded. Delete the folder to rebuild. OpenMP comes from
@@ -19,11 +21,14 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
+
 from meshlm import machine
 from meshlm.data.cache_dir import cache_dir
 
 # tried in order: the first set this compiler accepts is built
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O3",))
+CXX_FLAG_SETS = (("-O2", "-std=c++20"), ("-O2", "-std=c++17"))  # torch's headers want C++17 or 20
 BUILD_SECONDS = 60
 # per source: why the latest library() call returned None (why_not)
 _WHY_NOT: dict[Path, str] = {}
@@ -34,10 +39,22 @@ def enabled() -> bool:
     return os.environ.get("MESHLM_NATIVE", "1") != "0"
 
 
-def compiler() -> str | None:
-    """The C compiler to build with: $CC, else cc, else gcc (None: none on PATH)."""
-    found = (shutil.which(name) for name in (os.environ.get("CC"), "cc", "gcc") if name)
+def compiler(cpp: bool = False) -> str | None:
+    """The C compiler to build with: $CC, else cc, else gcc; with `cpp` the C++ one: $CXX, else
+    c++, else g++ (None: none on PATH)."""
+    names = (os.environ.get("CXX"), "c++", "g++") if cpp else (os.environ.get("CC"), "cc", "gcc")
+    found = (shutil.which(name) for name in names if name)
     return next((path for path in found if path), None)
+
+
+def _torch_flags() -> tuple[str, ...]:
+    """What a C++ file needs to build against the installed torch: its ABI, headers and
+    libraries (found at run time through the ones this process has loaded, and the rpath)."""
+    root = Path(torch.__file__).parent
+    lib = root / "lib"
+    return (f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+            f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+            f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}")
 
 
 def library(source: Path) -> ctypes.CDLL | None:
@@ -65,17 +82,22 @@ def _load(source: Path) -> tuple[ctypes.CDLL | None, str]:
     if not source.is_file():
         return None, (f"its source {source.name} is missing from the install ({source.parent}); "
                       "reinstall meshlm from a wheel or sdist that ships it")
-    cc = compiler()
+    cpp = source.suffix == ".cpp"
+    cc = compiler(cpp)
     if cc is None:
-        return None, "no C compiler on PATH ($CC, cc or gcc); install one or set $CC to one"
+        return None, ("no C++ compiler on PATH ($CXX, c++ or g++); install one or set $CXX to one"
+                      if cpp else
+                      "no C compiler on PATH ($CC, cc or gcc); install one or set $CC to one")
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True,
                                  timeout=BUILD_SECONDS).stdout
     except (OSError, subprocess.SubprocessError) as err:
         return None, f"the C compiler {cc} did not run ({err}); set $CC to a working one"
-    key = hashlib.sha256("\n".join([source.read_text(), cc, version, machine.cpu_id()]).encode())
+    extra = [torch.__version__, *_torch_flags()] if cpp else []
+    key = hashlib.sha256("\n".join([source.read_text(), cc, version, machine.cpu_id(), *extra])
+                         .encode())
     target = cache_dir() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
-    failed = None if target.is_file() else _compile(cc, source, target)
+    failed = None if target.is_file() else _compile(cc, source, target, cpp)
     if failed:
         return None, failed
     if not (_private(target) and _private(target.parent)):
@@ -98,8 +120,9 @@ def _private(path: Path) -> bool:
     return st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
-def _compile(cc: str, source: Path, target: Path) -> str | None:
-    """Compile `source` into `target` with the first flag set `cc` accepts; written to a temp file
+def _compile(cc: str, source: Path, target: Path, cpp: bool = False) -> str | None:
+    """Compile `source` (C++ with `cpp`, against torch) into `target` with the first flag set `cc`
+    accepts; written to a temp file
     beside it and renamed, so a reader never loads half a library. None once built, else why not
     (one line naming the problem and its fix)."""
     try:
@@ -108,12 +131,13 @@ def _compile(cc: str, source: Path, target: Path) -> str | None:
         return (f"cannot create {target.parent} ({err.strerror or err}); set MESHLM_CACHE to a "
                 "folder you can write")
     detail = "no flag set tried"
-    for flags in FLAG_SETS:
+    for flags in (CXX_FLAG_SETS if cpp else FLAG_SETS):
         tmp = None
         try:
             fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
             os.close(fd)
-            done = subprocess.run([cc, *flags, "-shared", "-fPIC", str(source), "-o", tmp],
+            done = subprocess.run([cc, *flags, "-shared", "-fPIC", str(source), "-o", tmp,
+                                   *(_torch_flags() if cpp else ())],
                                   capture_output=True, text=True, errors="replace",
                                   timeout=BUILD_SECONDS)
             if done.returncode == 0:
@@ -125,8 +149,9 @@ def _compile(cc: str, source: Path, target: Path) -> str | None:
         finally:
             if tmp and os.path.exists(tmp):
                 os.unlink(tmp)
-    return (f"{cc} failed to build {source.name} ({detail}); set $CC to a C compiler that builds "
-            "it (gcc or clang)")
+    which = "$CXX to a C++ compiler that builds it (g++ or clang++)" if cpp else \
+        "$CC to a C compiler that builds it (gcc or clang)"
+    return f"{cc} failed to build {source.name} ({detail}); set {which}"
 
 
 def _first_error(text: str, limit: int = 160) -> str:

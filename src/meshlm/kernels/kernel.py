@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from meshlm.kernels import build
+from meshlm.kernels import build, operators
 
 # a kernel is used where its probe found it at least this many times as fast as every PyTorch
 # path it raced (meshlm.machine.race, cached by meshlm.machine.measured)
@@ -19,14 +19,16 @@ MIN_SPEEDUP = 1.05
 LIBRARY = torch.library.Library("meshlm", "DEF")
 
 
-def operator(schema: str, impl: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor]):
+def operator(schema: str, fake: Callable[..., torch.Tensor],
+             impl: Callable[..., torch.Tensor] | None = None):
     """The torch operator meshlm::<name> for `schema` ("<name>(Tensor x, …) -> Tensor"), run by
-    `impl` on CPU: torch.compile traces an operator, not a C function bound by ctypes or a layout
-    Inductor would lower worse; `fake` gives the output's shape and dtype from the inputs' while
-    tracing."""
+    `impl` on CPU (None: given one later, as Kernel does): torch.compile traces an operator, not
+    a C function bound by ctypes or a layout Inductor would lower worse; `fake` gives the
+    output's shape and dtype from the inputs' while tracing."""
     name = schema.split("(")[0]
     LIBRARY.define(schema)
-    LIBRARY.impl(name, impl, "CPU")
+    if impl is not None:
+        LIBRARY.impl(name, impl, "CPU")
     torch.library.register_fake(f"meshlm::{name}", fake, lib=LIBRARY)
     return getattr(torch.ops.meshlm, name)
 
@@ -55,8 +57,11 @@ class Kernel:
         self.symbol, self.argtypes, self.reference = symbol, argtypes, reference
         self.wrap, self.check = wrap, check
         self.product = functools.cache(self._product)
-        # the product as the torch operator meshlm::<name>, which a compiled graph calls
-        self.operator = operator(schema, lambda *args: self.product()(*args), fake)
+        # the product as the torch operator meshlm::<name>, which a compiled graph calls; its
+        # implementation ("c++" or "python") comes with the first product (implement)
+        self.name, self.schema, self.fake = schema.split("(")[0], schema, fake
+        self.implemented: str | None = None
+        self.operator = operator(schema, fake)
 
     def _product(self) -> Callable | None:
         library = build.library(self.source)
@@ -67,11 +72,22 @@ class Kernel:
         product = self.wrap(function)
         if not self.check(product):
             return None
+        self.implement(function)
 
         def traceable(*args):
             """The bound function; its operator inside a graph torch.compile is tracing."""
             return self.operator(*args) if torch.compiler.is_compiling() else product(*args)
         return traceable
+
+    def implement(self, function) -> None:
+        """Give meshlm::<name> its CPU implementation, once a process: in C++ bound to `function`
+        (meshlm.kernels.operators; rebound at every later call) where that builds, else in Python
+        (the product, by ctypes: the same numbers, ~4 us slower a call)."""
+        if self.implemented != "python" and operators.register(self.name, function):
+            self.implemented = "c++"
+        elif self.implemented is None:
+            LIBRARY.impl(self.name, lambda *args: self.product()(*args), "CPU")
+            self.implemented = "python"
 
     def probed_by(self, method: str) -> str:
         """`method` (a probe's description, meshlm.machine.measured) naming this kernel's source

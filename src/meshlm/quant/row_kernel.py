@@ -94,7 +94,8 @@ def give_row_kernel(model: nn.Module) -> int:
     """Give every int8-activation layer of `model` on the CPU the compiled kernel where this
     machine has it, torch._int_mm's sums are exact (the other rows take them) and the kernel is
     the faster (kernel_speedup). Returns how many layers got it."""
-    layers = _cpu_int8_layers(model)
+    # wider rows than MAX_K take the torch ops' exact sums (its operator refuses them)
+    layers = [m for m in _cpu_int8_layers(model) if m.in_features <= MAX_K]
     kernel = KERNEL.paying(kernel_speedup) if layers and exact_int8_products() else None
     for layer in layers if kernel else ():
         layer.row_kernel = kernel
