@@ -114,10 +114,12 @@ def operators(model, prompts, s, args, clock) -> None:
     """ms a decoded token (step_ms) of the compiled step, the kernels' operators implemented in C++
     against in Python, per precision with a kernel here."""
     from meshlm.kernels import bf16_rows, fp32_rows
+    from meshlm.kernels.kernel import compiled_operators
     from meshlm.quant import int4_kernel, row_kernel
 
     print("ms a compiled step, the kernels' operators in C++ / in Python (meshlm_bench copies)")
     laid_out_variants = variants(model)
+    compiled_operators()
     print("  implemented:", {k.name: k.implemented for k in (fp32_rows.KERNEL, bf16_rows.KERNEL,
                                                             row_kernel.KERNEL, int4_kernel.KERNEL)})
     for name, (laid_out, chosen) in laid_out_variants.items():

@@ -1,7 +1,9 @@
-"""The C kernels' torch operators implemented in C++ (meshlm.kernels.operators, operators.cpp):
-where a C++ compiler builds them, every kernel's meshlm::<name> runs in C++ and gives its product's
-numbers bit for bit; bad input is a ValueError naming the problem; where they cannot be had the
-Python implementation serves the same numbers and `unavailable` names why."""
+"""The C kernels' torch operators implemented in C++ (meshlm.kernels.operators, operators.cpp): once
+a process traces a graph through one (kernel.compiled_operators) and where a C++ compiler builds
+them, every kernel's meshlm::<name> runs in C++ and gives its product's numbers bit for bit; bad
+input is a ValueError naming the problem; a process that does not compile builds nothing; where
+they cannot be had the Python implementation serves the same numbers and `unavailable` names
+why."""
 import json
 import os
 import subprocess
@@ -14,6 +16,7 @@ from test_native import fake_compiler
 
 from meshlm.kernels import bf16_rows, fp32_rows, operators
 from meshlm.kernels import build as kernel_build
+from meshlm.kernels.kernel import compiled_operators
 from meshlm.quant import int4_kernel, quantize_model, row_kernel
 from meshlm.quant.linear import QuantizedLinear, quantize_weight, weight_sums
 
@@ -21,8 +24,10 @@ KERNELS = (fp32_rows.KERNEL, bf16_rows.KERNEL, row_kernel.KERNEL, int4_kernel.KE
 
 
 def products() -> list:
+    """Every kernel's product, its operator implemented as a compiled step's would be."""
     found = [kernel.product() for kernel in KERNELS]
     assert all(found), "this machine builds every C kernel (tests/test_native.py and others)"
+    compiled_operators()
     return found
 
 
@@ -98,7 +103,7 @@ def test_an_unknown_operator_is_refused_with_its_reason():
     assert operators.register("fp32_rows", function) and operators.unavailable() is None
 
 
-CHILD = """import json, torch
+CHILD = """import json, sys, torch
 from meshlm.kernels import operators
 from meshlm.quant import int4_kernel
 from meshlm.quant.linear import QuantizedLinear, quantize_weight
@@ -108,21 +113,44 @@ for name, value in quantize_weight(torch.randn(16, 64), 4, 32).items():
     getattr(layer, name).copy_(value)
 packed, sz = layer._int4_rows_operands()
 x = torch.randn(2, 64)
-print(json.dumps({"implemented": int4_kernel.KERNEL.implemented, "why": operators.unavailable(),
-                  "same": torch.equal(torch.ops.meshlm.int4_rows(x, packed, sz, 16, 32),
-                                      product(x, packed, sz, 16, 32))}))
+same = lambda: torch.equal(torch.ops.meshlm.int4_rows(x, packed, sz, 16, 32),
+                           product(x, packed, sz, 16, 32))
+eager = {"implemented": int4_kernel.KERNEL.implemented, "same": same(),
+         "built": sorted(p.name.split("-")[0] for p in (operators.build.cache_dir() /
+                                                      "kernels").glob("*.so"))}
+traced = torch.compile(lambda x: torch.ops.meshlm.int4_rows(x, packed, sz, 16, 32), backend="eager")
+assert torch.equal(traced(x), product(x, packed, sz, 16, 32))  # the first trace implements it
+print(json.dumps({"eager": eager, "implemented": int4_kernel.KERNEL.implemented,
+                  "why": operators.unavailable(), "same": same()}))
 """
 
 
-def test_without_a_cpp_compiler_the_operators_run_in_python_and_say_why(tmp_path):
-    """In a fresh process (one loads the library once): $CXX fails to build operators.cpp."""
-    (tmp_path / "bin").mkdir()
-    env = {**os.environ, "MESHLM_CACHE": str(tmp_path / "cache"),
-           "CXX": fake_compiler(tmp_path / "bin", 1)}
+def child(tmp_path, **env) -> dict:
+    """CHILD's report, run in a fresh process (one loads operators.cpp once) with a cache of its
+    own."""
+    env = {**os.environ, "MESHLM_CACHE": str(tmp_path / "cache"), **env}
     done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    child = json.loads(done.stdout)
-    assert child == {"implemented": "python", "same": True, "why": (
-        f"{tmp_path / 'bin' / 'cc'} failed to build operators.cpp (exit status 1); set $CXX to a "
-        "C++ compiler that builds it (g++ or clang++)")}
+    return json.loads(done.stdout)
+
+
+@pytest.mark.parametrize("cxx", ["found", "failing"])
+def test_only_a_process_that_compiles_builds_the_operators(tmp_path, cxx):
+    """Eager decoding calls the kernels by ctypes: operators.cpp is built (~5 s) only once a graph
+    is traced through a kernel's operator; where $CXX fails to build it, the operators stay in
+    Python (the same numbers) and unavailable() names why."""
+    if cxx == "failing":
+        (tmp_path / "bin").mkdir()
+        report = child(tmp_path, CXX=fake_compiler(tmp_path / "bin", 1))
+    elif kernel_build.compiler(cpp=True):
+        report = child(tmp_path)
+    else:
+        pytest.skip("no C++ compiler here: the failing case is the one to test")
+    assert report["eager"] == {"implemented": "python", "same": True, "built": ["int4_rows"]}
+    if cxx == "found":
+        assert report == {**report, "implemented": "c++", "why": None, "same": True}
+    else:
+        assert report == {**report, "implemented": "python", "same": True, "why": (
+            f"{tmp_path / 'bin' / 'cc'} failed to build operators.cpp (exit status 1); set $CXX "
+            "to a C++ compiler that builds it (g++ or clang++)")}

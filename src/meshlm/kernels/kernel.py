@@ -19,18 +19,44 @@ MIN_SPEEDUP = 1.05
 LIBRARY = torch.library.Library("meshlm", "DEF")
 
 
-def operator(schema: str, fake: Callable[..., torch.Tensor],
-             impl: Callable[..., torch.Tensor] | None = None):
+# the kernels defined in this process (compiled_operators gives them their C++ operators)
+_KERNELS: list[Kernel] = []
+_COMPILING: list[bool] = []  # whether compiled_operators() was called in this process
+
+
+def operator(schema: str, impl: Callable[..., torch.Tensor], fake: Callable[..., torch.Tensor],
+             key: str = "CPU"):
     """The torch operator meshlm::<name> for `schema` ("<name>(Tensor x, …) -> Tensor"), run by
-    `impl` on CPU (None: given one later, as Kernel does): torch.compile traces an operator, not
-    a C function bound by ctypes or a layout Inductor would lower worse; `fake` gives the
-    output's shape and dtype from the inputs' while tracing."""
+    `impl` (registered for dispatch `key`): torch.compile traces an operator, not a C function
+    bound by ctypes or a layout Inductor would lower worse; `fake` gives the output's shape and
+    dtype from the inputs' while tracing."""
     name = schema.split("(")[0]
     LIBRARY.define(schema)
-    if impl is not None:
-        LIBRARY.impl(name, impl, "CPU")
+    LIBRARY.impl(name, impl, key)
     torch.library.register_fake(f"meshlm::{name}", fake, lib=LIBRARY)
     return getattr(torch.ops.meshlm, name)
+
+
+def compiled_operators() -> None:
+    """Give every kernel's operator its C++ implementation (meshlm.kernels.operators), now for the
+    kernels this process has loaded and at load for later ones; once a process. Called the first
+    time torch.compile traces through a kernel's operator (its fake runs then, before any compiled
+    graph does), so only a process that compiles builds operators.cpp (~5 s, once per machine and
+    torch version); eager decoding calls the kernels by ctypes and needs none."""
+    if _COMPILING:
+        return
+    _COMPILING.append(True)
+    for kernel in _KERNELS:
+        if kernel.function is not None:
+            kernel.implement()
+
+
+def _tracing(fake: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fake`, after compiled_operators(): a graph traced through the operator will call it."""
+    def traced(*args):
+        compiled_operators()
+        return fake(*args)
+    return traced
 
 
 def close_to_float64(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
@@ -48,7 +74,9 @@ class Kernel:
     made into what its callers take (`wrap(function)`) and returned where `check(product)` passes
     (a comparison with `reference`, named in words), else None; once per process
     (`product.cache_clear()` forgets it). `unavailable()` says why it is None, `paying()` whether
-    its probe found it the faster."""
+    its probe found it the faster. `operator` is the torch operator meshlm::<name> (`schema`,
+    `fake`) a compiled graph calls it through: in Python, and in C++ once the process traces a graph
+    through it (compiled_operators; `implemented` says which)."""
 
     def __init__(self, source: str, symbol: str, argtypes: list, wrap: Callable[[Any], Callable],
                  check: Callable[[Callable], bool], reference: str, schema: str,
@@ -57,11 +85,14 @@ class Kernel:
         self.symbol, self.argtypes, self.reference = symbol, argtypes, reference
         self.wrap, self.check = wrap, check
         self.product = functools.cache(self._product)
-        # the product as the torch operator meshlm::<name>, which a compiled graph calls; its
-        # implementation ("c++" or "python") comes with the first product (implement)
+        # the product as the torch operator meshlm::<name>, which a compiled graph calls: in
+        # Python (for every dispatch key a backend kernel does not take), and in C++ for the CPU
+        # once a process compiles (compiled_operators): self.implemented
         self.name, self.schema, self.fake = schema.split("(")[0], schema, fake
-        self.implemented: str | None = None
-        self.operator = operator(schema, fake)
+        self.implemented, self.function = "python", None  # the C function, once loaded
+        self.operator = operator(schema, lambda *args: self.product()(*args), _tracing(fake),
+                                 "CompositeExplicitAutograd")
+        _KERNELS.append(self)
 
     def _product(self) -> Callable | None:
         library = build.library(self.source)
@@ -72,22 +103,21 @@ class Kernel:
         product = self.wrap(function)
         if not self.check(product):
             return None
-        self.implement(function)
+        self.function = function
+        if _COMPILING:
+            self.implement()
 
         def traceable(*args):
             """The bound function; its operator inside a graph torch.compile is tracing."""
             return self.operator(*args) if torch.compiler.is_compiling() else product(*args)
         return traceable
 
-    def implement(self, function) -> None:
-        """Give meshlm::<name> its CPU implementation, once a process: in C++ bound to `function`
-        (meshlm.kernels.operators; rebound at every later call) where that builds, else in Python
-        (the product, by ctypes: the same numbers, ~4 us slower a call)."""
-        if self.implemented != "python" and operators.register(self.name, function):
+    def implement(self) -> None:
+        """meshlm::<name> on the CPU in C++, bound to the C function as loaded now (rebound at every
+        later call) where operators.cpp builds; else it stays in Python (the product by ctypes:
+        the same numbers, ~4 us slower a call) and operators.unavailable() says why."""
+        if operators.register(self.name, self.function):
             self.implemented = "c++"
-        elif self.implemented is None:
-            LIBRARY.impl(self.name, lambda *args: self.product()(*args), "CPU")
-            self.implemented = "python"
 
     def probed_by(self, method: str) -> str:
         """`method` (a probe's description, meshlm.machine.measured) naming this kernel's source

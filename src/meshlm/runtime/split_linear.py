@@ -74,9 +74,9 @@ def _blocked(rows: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None
     return y.transpose(0, 1).reshape(rows.shape[0], -1)
 
 
-operator("blocked_product(Tensor rows, Tensor blocks, Tensor? bias) -> Tensor",
+operator("blocked_product(Tensor rows, Tensor blocks, Tensor? bias) -> Tensor", _blocked,
          lambda rows, blocks, bias: rows.new_empty(rows.shape[0],
-                                                   blocks.shape[0] * blocks.shape[2]), _blocked)
+                                                   blocks.shape[0] * blocks.shape[2]))
 
 
 class SplitLinear(nn.Module):
