@@ -2,6 +2,8 @@
 (meshlm.generate.compiled): the static cache computes what the growing one does, for every scheme
 and with left padding; compiled, the greedy tokens are the eager decoder's; what it cannot do is
 refused in one line."""
+from unittest.mock import patch
+
 import pytest
 import torch
 from conftest import build, tiny
@@ -13,6 +15,7 @@ from meshlm.errors import ConfigError
 from meshlm.generate import PlainDecoder, Sampling, decode, generate, left_pad, next_token
 from meshlm.generate.compiled import COLUMNS, CompiledDecoder, capacity_for
 from meshlm.model.exit import ExitRule
+from meshlm.model.kv_cache import StaticKVCache
 
 SCHEMES = ["mesh", "base", "anchor"]
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11]]  # left padding in the batch
@@ -51,6 +54,31 @@ def test_the_static_cache_computes_what_the_growing_one_does(scheme):
     for ours, theirs in zip(steps, eager[1:]):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert generate(model, PROMPTS, s) == [list(row) for row in zip(*tokens)]
+
+
+def test_a_step_attends_over_its_window_and_one_graph_serves_every_width(traced_only):
+    """The static cache's steps read the columns filled so far, rounded up to COLUMNS (with the
+    query's empty nominal column last), not the whole capacity: widths 64, 128 and 192 over a
+    generation of 150 tokens, through one traced graph, the eager decoder's tokens."""
+    model = build(tiny(spec="1+1R2+1", scheme="mesh", vocab_size=128, context_length=256))
+    s = Sampling(max_new_tokens=150, temperature=0, stop_at_eos=False)
+    assert generate(model, PROMPTS, s, compile=True) == generate(model, PROMPTS, s)
+    assert traced_only["stats"]["unique_graphs"] == 1
+    widths, update = set(), StaticKVCache.update
+
+    def spy(cache, key, value, layer_idx):  # the same step run eagerly, every width seen
+        keys, values = update(cache, key, value, layer_idx)
+        assert keys.shape[-2] == values.shape[-2] == cache.get_seq_length() + 1
+        assert cache.column + 2 <= keys.shape[-2] <= cache.capacity
+        widths.add(keys.shape[-2])
+        return keys, values
+    static = CompiledDecoder(model, model.schedule(), lambda logits: next_token(logits, s, None),
+                             s.max_new_tokens, compiled=False)
+    with patch.object(StaticKVCache, "update", spy), torch.no_grad():
+        logits_by_step(static, model, s)
+    assert widths == {COLUMNS, 2 * COLUMNS, 3 * COLUMNS} == {64, 128, 192}
+    assert static.cache.capacity == 3 * COLUMNS  # the last window is the whole capacity, and
+    assert static.cache.k0.shape[-2] == 3 * COLUMNS + 1  # the spare column is never attended
 
 
 def test_capacity_rounds_up_and_a_full_context_is_refused():

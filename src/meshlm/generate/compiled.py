@@ -68,9 +68,10 @@ class CompiledDecoder:
                        max(self.model.config.context_length, batch.cached + self.new_tokens + 1))
         self.cache = StaticKVCache.of(batch.kv, capacity)
         batch.kv = self.cache  # the eager cache is freed; only this decoder's steps use the batch
-        # the steps' (B, capacity) padding mask: the prompts' columns; each step marks its token's
-        # column real, and the batch's mask is a view of it
-        self.padding = batch.mask.new_zeros(len(batch), capacity)
+        # the steps' padding mask: the prompts' columns; each step marks its token's column real,
+        # and the batch's mask is a view of it; one spare column past the capacity, as the cache's
+        # (a window is never the whole row, whose contiguity would specialise the compiled step)
+        self.padding = batch.mask.new_zeros(len(batch), capacity + 1)
         self.padding[:, :batch.cached] = batch.mask
         return batch
 
@@ -80,7 +81,12 @@ class CompiledDecoder:
         """Feed every row's pending token through the compiled step; its next one."""
         cache, rows = self.cache, len(batch)
         self.padding[:, cache.column] = 1  # the step's token, which the step caches there
-        logits = self.forward(self.model, self.schedule, batch.pending[:, None], self.padding,
+        # the columns filled so far and an empty last one (the query's nominal column), rounded up
+        # to COLUMNS: one compiled step for every width (StaticKVCache.window)
+        width = min(cache.capacity, -(-(cache.column + 2) // COLUMNS) * COLUMNS)
+        cache.window = self.padding[:, :width]
+        torch._dynamo.mark_dynamic(cache.window, 1)
+        logits = self.forward(self.model, self.schedule, batch.pending[:, None], cache.window,
                               cache)
         cache.advance()
         batch.mask = self.padding[:, :cache.column]

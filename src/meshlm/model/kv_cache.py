@@ -212,7 +212,17 @@ class StaticKVCache(nn.Module):
     cache. `advance()`, after the step, moves `column` (and `at`) on: one small op a token, where
     writing the token at the last column and copying it to its own afterwards took two a slot (24
     at 12 layers, ~0.15 ms a token on a CPU). Built from an eager prefill's KVCache (`of`).
-    Buffers, so a compiled step updates them in place."""
+    Buffers, so a compiled step updates them in place.
+
+    `window`, where the caller sets one, is the step's (B, W) padding mask over the first W
+    columns (W > column + 1): the step then attends over those W columns alone, as if the
+    capacity were W (get_seq_length() = W − 1, its last column the query's nominal one), while the
+    token is still written into the full buffers. The caller marks W dynamic
+    (torch._dynamo.mark_dynamic), so one compiled step serves every width: a step reads the
+    columns filled so far (rounded up), not the whole capacity, which at a long generation's start
+    cost twice the weights' time (meshlm.generate.compiled). The buffers hold one spare column
+    past the capacity, never attended: a window is then never the whole buffer, whose contiguity
+    would specialise the compiled step to that width."""
 
     def __init__(self, keys: list[torch.Tensor], values: list[torch.Tensor], column: int):
         super().__init__()
@@ -221,6 +231,7 @@ class StaticKVCache(nn.Module):
             self.register_buffer(f"v{i}", v)
         self.register_buffer("at", torch.tensor([column], device=keys[0].device))
         self.column = column
+        self.window: torch.Tensor | None = None  # the step's padding window, if any
 
     @classmethod
     def of(cls, cache: KVCache, capacity: int) -> StaticKVCache:
@@ -232,24 +243,29 @@ class StaticKVCache(nn.Module):
         keys, values = [], []
         for i in range(len(cache)):
             for filled, out in zip(cache.slot(i), (keys, values)):
-                buffer = filled.new_zeros(*filled.shape[:2], capacity, filled.shape[-1])
+                buffer = filled.new_zeros(*filled.shape[:2], capacity + 1, filled.shape[-1])
                 buffer[..., :length, :] = filled
                 out.append(buffer)
         return cls(keys, values, length)
 
     @property
     def capacity(self) -> int:
-        return self.k0.shape[-2]
+        return self.k0.shape[-2] - 1  # the spare column past it (the class docstring)
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = getattr(self, f"k{layer_idx}"), getattr(self, f"v{layer_idx}")
         k.index_copy_(2, self.at, key)
         v.index_copy_(2, self.at, value)
-        return k, v
+        width = self._width()
+        return k[:, :, :width], v[:, :, :width]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.capacity - 1
+        return self._width() - 1
+
+    def _width(self) -> int:
+        """The columns a step attends over: the window's, else the capacity."""
+        return self.capacity if self.window is None else self.window.shape[-1]
 
     def advance(self) -> None:
         """After a step: its token is cached at `column`; the next goes one column on."""
