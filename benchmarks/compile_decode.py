@@ -185,6 +185,7 @@ def main() -> None:
     p.add_argument("--scheme", default="vanilla")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--context", type=int, default=256, help="the model's context length")
     p.add_argument("--operators", action="store_true",
                    help="the compiled step with the kernels' operators in C++ against in Python")
     p.add_argument("--no-matmul", action="store_true",
@@ -194,7 +195,7 @@ def main() -> None:
     clock = timing_setup(args)
     torch.manual_seed(0)
     cfg = ModelConfig(spec=args.spec, d_model=768, n_heads=12, vocab_size=50304,
-                      context_length=256, scheme=args.scheme, scale_embeddings=False)
+                      context_length=args.context, scheme=args.scheme, scale_embeddings=False)
     model = MeshLM(cfg).eval()
     prompts = torch.randint(2, 50304, (args.batch, 32),
                             generator=torch.Generator().manual_seed(0)).tolist()

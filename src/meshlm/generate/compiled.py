@@ -6,7 +6,9 @@ fifth of an int4 model's step. Compiled (torch.compile, Inductor) they fuse into
 that overhead goes. A compiled step needs shapes that do not change from token to token: the cache
 is a meshlm.model.kv_cache.StaticKVCache, preallocated to the generation's length (rounded up to
 COLUMNS, so that nearby lengths share one compiled step) and written in place, and the step takes a
-(B, capacity) padding mask over it.
+(B, W) padding mask over its first W columns: those filled so far and the query's empty nominal
+one, rounded up to COLUMNS, a width the compiled step takes as dynamic (StaticKVCache.window), so a
+step reads what has been decoded, not the whole capacity.
 
 `CompiledDecoder` is a Decoder (meshlm.generate.decoder): the prompts prefill eagerly, as a
 PlainDecoder does, into a KVCache that then becomes the static one; every step after is the compiled
