@@ -13,6 +13,7 @@ dispatcher, and the registrations live as long as the process.
 from __future__ import annotations
 
 import ctypes
+import threading
 from pathlib import Path
 
 from meshlm.kernels import build
@@ -20,6 +21,7 @@ from meshlm.kernels import build
 SOURCE = Path(__file__).with_name("operators.cpp")
 _LOADED: list[ctypes.CDLL] = []  # the library, once loaded
 _WHY_NOT: list[str] = []  # why the latest register() returned False
+_LOCK = threading.Lock()  # one registration at a time (a first one registers, the others rebind)
 
 
 def _library() -> ctypes.CDLL | None:
@@ -37,6 +39,11 @@ def _library() -> ctypes.CDLL | None:
 def register(name: str, function: ctypes._CFuncPtr) -> bool:
     """Whether meshlm::<name> now runs in C++ through `function` (a C kernel bound by ctypes):
     registered at the first call of a process, rebound at every later one."""
+    with _LOCK:
+        return _register(name, function)
+
+
+def _register(name: str, function: ctypes._CFuncPtr) -> bool:
     _WHY_NOT.clear()
     library = _library()
     if library is None:
