@@ -2,13 +2,14 @@
 
 Each C kernel is also the torch operator meshlm::<name> (meshlm.kernels.kernel), which a compiled
 decode step calls. Implemented in Python, a call goes from the dispatcher back into the interpreter
-and through ctypes; implemented in C++ it does not, and Inductor's C++ wrapper (the compiled step's,
-meshlm.generate.steps) then runs a whole step without Python. `register(name, function)` gives
-meshlm::<name> its C++ implementation bound to `function` (the C kernel as this process loaded it)
-and says whether it did; where not, the kernel's Python implementation serves (the same numbers,
-slower), and `unavailable()` names why in one line with its fix. The library is built once per
-machine and torch version (meshlm.kernels.build) and loaded once per process: a process has one
-dispatcher, and the registrations live as long as the process.
+and through ctypes; implemented in C++ it does not (docs/quantize.md has the measure).
+`register(name, function)` gives meshlm::<name> its C++ implementation bound to `function` (the C
+kernel as this process loaded it) and says whether it did; where not, the kernel's Python
+implementation serves (the same numbers, slower), and `unavailable()` names why in one line with
+its fix. It is called once a process traces a graph through an operator
+(meshlm.kernels.kernel.compiled_operators); the library is built then, once per machine and torch
+version (meshlm.kernels.build), and loaded once per process: a process has one dispatcher, and the
+registrations live as long as the process.
 """
 from __future__ import annotations
 
