@@ -88,11 +88,10 @@ def python_operators(model) -> torch.nn.Module:
     """A copy of `model` whose C kernels a compiled step reaches through copies of their operators
     implemented in Python (meshlm_bench::<name>, the product by ctypes), as meshlm::<name> was
     before its C++ implementation."""
-    from meshlm.kernels import bf16_rows, fp32_rows
-    from meshlm.quant import int4_kernel, row_kernel
+    from meshlm.kernels.kernel import KERNELS
 
     swap = {}
-    for kernel in (fp32_rows.KERNEL, bf16_rows.KERNEL, row_kernel.KERNEL, int4_kernel.KERNEL):
+    for kernel in KERNELS:
         product = kernel.product()
         if product is not None and not hasattr(torch.ops.meshlm_bench, kernel.name):
             BENCH.define(kernel.schema)
@@ -113,15 +112,12 @@ def python_operators(model) -> torch.nn.Module:
 def operators(model, prompts, s, args, clock) -> None:
     """ms a decoded token (step_ms) of the compiled step, the kernels' operators implemented in C++
     against in Python, per precision with a kernel here."""
-    from meshlm.kernels import bf16_rows, fp32_rows
-    from meshlm.kernels.kernel import compiled_operators
-    from meshlm.quant import int4_kernel, row_kernel
+    from meshlm.kernels.kernel import KERNELS, compiled_operators
 
     print("ms a compiled step, the kernels' operators in C++ / in Python (meshlm_bench copies)")
     laid_out_variants = variants(model)
     compiled_operators()
-    print("  implemented:", {k.name: k.implemented for k in (fp32_rows.KERNEL, bf16_rows.KERNEL,
-                                                            row_kernel.KERNEL, int4_kernel.KERNEL)})
+    print("  implemented:", {k.name: k.implemented for k in KERNELS})
     for name, (laid_out, chosen) in laid_out_variants.items():
         if name in ("bf16 F.linear", "int4"):  # no meshlm kernel in them
             continue

@@ -19,8 +19,8 @@ MIN_SPEEDUP = 1.05
 LIBRARY = torch.library.Library("meshlm", "DEF")
 
 
-# the kernels defined in this process (compiled_operators gives them their C++ operators)
-_KERNELS: list[Kernel] = []
+# every Kernel defined in this process (compiled_operators gives them their C++ operators)
+KERNELS: list[Kernel] = []
 _COMPILING: list[bool] = []  # whether compiled_operators() was called in this process
 
 
@@ -46,7 +46,7 @@ def compiled_operators() -> None:
     if _COMPILING:
         return
     _COMPILING.append(True)
-    for kernel in _KERNELS:
+    for kernel in KERNELS:
         if kernel.function is not None:
             kernel.implement()
 
@@ -92,7 +92,7 @@ class Kernel:
         self.implemented, self.function = "python", None  # the C function, once loaded
         self.operator = operator(schema, lambda *args: self.product()(*args), _tracing(fake),
                                  "CompositeExplicitAutograd")
-        _KERNELS.append(self)
+        KERNELS.append(self)
 
     def _product(self) -> Callable | None:
         library = build.library(self.source)

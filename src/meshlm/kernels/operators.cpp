@@ -4,9 +4,10 @@
    A compiled decode step calls each kernel through its operator. Implemented in Python, every call
    goes from the dispatcher back into the interpreter (~8 us on a 2-core Zen 5); here it stays in
    C++ (~4 us): 49 calls a token at d = 768 (and Inductor's C++ wrapper could call it without
-   Python at all; measured, not turned on: docs/quantize.md). Each implementation does what the kernel's Python product does around the C function
-   (meshlm.kernels.fp32_rows, .bf16_rows, meshlm.quant.row_kernel, .int4_kernel): the same checks,
-   the same output allocation, the same arguments, so the numbers are the same bit for bit.
+   Python at all; measured, not turned on: docs/quantize.md). Each implementation does what the
+   kernel's Python product does around the C function (meshlm.kernels.fp32_rows, .bf16_rows,
+   meshlm.quant.row_kernel, .int4_kernel): the same checks, the same output allocation, the same
+   arguments, so the numbers are the same bit for bit.
 
    meshlm_register(name, function, error, size) registers the CPU implementation of meshlm::<name>
    (its schema and fake are Python's, defined at import) the first time and (re)binds it to the C
