@@ -38,11 +38,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define VNNI 1
 #elif defined(__AVX2__)
-#include <immintrin.h>
 #define AVX2 1
 #endif
 
@@ -55,20 +56,39 @@
 #define LANES 16
 #define CHUNK 8
 
-/* one row's rounding: a (k int8), A (G int32 group sums); returns s */
+/* one row's rounding: a (k int8), A (G int32 group sums); returns s. With AVX512 16 values a
+   step: the maximum is exact in any order (a NaN is passed over, as fmaxf passes it), the division
+   is IEEE's and the rounding to nearest even is nearbyintf's, so the numbers are the plain loop's
+   (which called libm's fmaxf once a value: ~85 us a token at d = 768) */
 static float quantize_row(const float *restrict x, int64_t k, int64_t group, int8_t *restrict a,
                           int32_t *restrict sums) {
     float amax = 0.0f;
-    for (int64_t j = 0; j < k; j++)
+    int64_t j = 0;
+#ifdef __AVX512F__
+    __m512 top = _mm512_setzero_ps();
+    for (; j + 16 <= k; j += 16)
+        top = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + j)), top);
+    amax = _mm512_reduce_max_ps(top);
+#endif
+    for (; j < k; j++)
         amax = fmaxf(amax, fabsf(x[j]));
     float s = amax * (float)(1.0 / 127.0);
     s = s < 1e-30f ? 1e-30f : s;
-    for (int64_t j = 0; j < k; j++)
+    j = 0;
+#ifdef __AVX512F__
+    const __m512 scale = _mm512_set1_ps(s);
+    for (; j + 16 <= k; j += 16) {
+        __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + j), scale),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i *)(a + j), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
+    }
+#endif
+    for (; j < k; j++)
         a[j] = (int8_t)nearbyintf(x[j] / s);
     for (int64_t g = 0; g < k / group; g++) {
         int32_t total = 0;
-        for (int64_t j = g * group; j < (g + 1) * group; j++)
-            total += a[j];
+        for (int64_t i = g * group; i < (g + 1) * group; i++)
+            total += a[i];
         sums[g] = total;
     }
     return s;
@@ -103,6 +123,36 @@ static inline __m512 widen16(const uint16_t *bits) {
 #endif
 
 #ifdef VNNI
+/* one row's exact integer sums over `chunks` chunks of a block, per lane: four independent chains
+   of vpdpbusd (two chunks a step, low and high nibbles apart), added at the end: one chain was
+   bound by the instruction's latency, ~10 cycles a 64-byte load, not by the weights' streaming */
+static inline __m512i group_sums(const uint8_t *restrict w, const int8_t *restrict a,
+                                 int64_t chunks, __m512i low) {
+    __m512i t0 = _mm512_setzero_si512(), t1 = t0, t2 = t0, t3 = t0;
+    int64_t c = 0;
+    for (; c + 2 <= chunks; c += 2) {
+        const int64_t j = c * CHUNK;
+        __m512i p0 = _mm512_loadu_si512((const void *)(w + j * LANES / 2));
+        __m512i p1 = _mm512_loadu_si512((const void *)(w + (j + CHUNK) * LANES / 2));
+        t0 = _mm512_dpbusd_epi32(t0, _mm512_and_si512(p0, low), broadcast4(a + j));
+        t1 = _mm512_dpbusd_epi32(t1, _mm512_and_si512(_mm512_srli_epi16(p0, 4), low),
+                                 broadcast4(a + j + 4));
+        t2 = _mm512_dpbusd_epi32(t2, _mm512_and_si512(p1, low), broadcast4(a + j + 8));
+        t3 = _mm512_dpbusd_epi32(t3, _mm512_and_si512(_mm512_srli_epi16(p1, 4), low),
+                                 broadcast4(a + j + 12));
+    }
+    if (c < chunks) {
+        const int64_t j = c * CHUNK;
+        __m512i p0 = _mm512_loadu_si512((const void *)(w + j * LANES / 2));
+        t0 = _mm512_dpbusd_epi32(t0, _mm512_and_si512(p0, low), broadcast4(a + j));
+        t1 = _mm512_dpbusd_epi32(t1, _mm512_and_si512(_mm512_srli_epi16(p0, 4), low),
+                                 broadcast4(a + j + 4));
+    }
+    return _mm512_add_epi32(_mm512_add_epi32(t0, t1), _mm512_add_epi32(t2, t3));
+}
+#endif
+
+#ifdef VNNI
 #define ROWS 4
 /* block_row for ROWS rows at once: each 64-byte load and its unpacking serve every row; the
    operations of each (row, output) are block_row's, in its order */
@@ -116,9 +166,11 @@ static void block_rows(const uint8_t *restrict w, const uint16_t *restrict sz,
     for (int r = 0; r < ROWS; r++)
         acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512i total[ROWS];
+        /* the low and the high nibbles' sums in separate registers: two chains of vpdpbusd a row
+           (its latency, not the loads, bounded one chain); integers, so the split is exact */
+        __m512i total[ROWS], high[ROWS];
         for (int r = 0; r < ROWS; r++)
-            total[r] = _mm512_setzero_si512();
+            total[r] = high[r] = _mm512_setzero_si512();
         for (int64_t c = 0; c < chunks; c++) {
             const int64_t j = (g * chunks + c) * CHUNK;
             __m512i packed = _mm512_loadu_si512((const void *)(w + j * LANES / 2));
@@ -126,9 +178,11 @@ static void block_rows(const uint8_t *restrict w, const uint16_t *restrict sz,
             __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
             for (int r = 0; r < ROWS; r++) {
                 total[r] = _mm512_dpbusd_epi32(total[r], lo, broadcast4(a + r * k + j));
-                total[r] = _mm512_dpbusd_epi32(total[r], hi, broadcast4(a + r * k + j + 4));
+                high[r] = _mm512_dpbusd_epi32(high[r], hi, broadcast4(a + r * k + j + 4));
             }
         }
+        for (int r = 0; r < ROWS; r++)
+            total[r] = _mm512_add_epi32(total[r], high[r]);
         const uint16_t *scale = sz + g * 2 * LANES, *zero = scale + LANES;
         const __m512 sc = widen16(scale), ze = widen16(zero);
         for (int r = 0; r < ROWS; r++) {
@@ -153,14 +207,8 @@ static void block_row(const uint8_t *restrict w, const uint16_t *restrict sz,
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512i total = _mm512_setzero_si512();
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t j = (g * chunks + c) * CHUNK;
-            __m512i packed = _mm512_loadu_si512((const void *)(w + j * LANES / 2));
-            total = _mm512_dpbusd_epi32(total, _mm512_and_si512(packed, low), broadcast4(a + j));
-            total = _mm512_dpbusd_epi32(total, _mm512_and_si512(_mm512_srli_epi16(packed, 4), low),
-                                        broadcast4(a + j + 4));
-        }
+        __m512i total = group_sums(w + g * chunks * CHUNK * LANES / 2, a + g * chunks * CHUNK,
+                                   chunks, low);
         total = _mm512_sub_epi32(total, _mm512_set1_epi32(8 * sums[g]));
         const uint16_t *scale = sz + g * 2 * LANES, *zero = scale + LANES;
         __m512 t = _mm512_add_ps(_mm512_mul_ps(widen16(scale), _mm512_cvtepi32_ps(total)),

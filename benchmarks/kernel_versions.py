@@ -1,0 +1,113 @@
+"""One of meshlm's C kernels at two code versions, side by side in one process: the source as
+committed at --base (a git revision) and as it is in the working tree, each built for this CPU
+(meshlm.kernels.build, the flags decoding builds with) and called through the same layers and
+Python as eager decoding calls it (the layers' `row_kernel` swapped between the two builds).
+Prints each version's ms per pass over the stack's layers at one row, the weights' read rate, the
+ratio, and whether the two give the same numbers bit for bit.
+
+    .venv/bin/python benchmarks/kernel_versions.py --kernel int4_rows --threads 2
+    .venv/bin/python benchmarks/kernel_versions.py --kernel int8_row --layers 2 --vocab 768 --hot
+
+Cross-process timings of two code versions drift with a shared VM's read bandwidth (it moved
+between 22 and 77 GB/s within an hour on a 2-core Zen 5); here both builds run in the same rounds.
+By default every pass first reads a 64 MB tensor, so the weights come from memory as a decoded
+token's do; --hot leaves them in the caches (a stack smaller than the L3: `--layers 2 --vocab
+768`), which times what a call costs beyond streaming its weights (the rounding of the row, the
+threads' start, the Python around the C function).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from benchkit import add_timing_arguments, interleaved_medians, stack_shapes, timing_setup
+
+from meshlm.kernels import build
+from meshlm.quant import QuantizedLinear
+from meshlm.quant.int4_kernel import KERNEL as INT4
+from meshlm.quant.int4_kernel import give as give_int4
+from meshlm.quant.row_kernel import KERNEL as INT8
+from meshlm.quant.row_kernel import give_row_kernel
+
+# kernel name -> (its Kernel, the QuantizedLinear arguments of its layers, how layers are given it)
+KERNELS = {"int4_rows": (INT4, {"bits": 4, "group_size": 64, "activations": "int8"}, give_int4),
+           "int8_row": (INT8, {"bits": 8, "activations": "int8"}, give_row_kernel)}
+
+
+def product_at(kernel, revision: str | None, folder: Path):
+    """The kernel's product (what its layers call) built from its source at `revision` (None: the
+    working tree's file)."""
+    source = kernel.source
+    if revision is not None:
+        relative = source.relative_to(Path(__file__).resolve().parents[1])
+        text = subprocess.run(["git", "show", f"{revision}:{relative.as_posix()}"],
+                              capture_output=True, text=True, check=True).stdout
+        source = folder / source.name
+        source.write_text(text)
+    library = build.library(source)
+    if library is None:
+        raise SystemExit(f"{source}: {build.why_not(source)}")
+    function = getattr(library, kernel.symbol)
+    function.argtypes, function.restype = kernel.argtypes, ctypes.c_int
+    return kernel.wrap(function)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kernel", choices=sorted(KERNELS), default="int4_rows")
+    p.add_argument("--base", default="HEAD", help="the git revision to compare the tree with")
+    p.add_argument("--d-model", type=int, default=768)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=50304)
+    p.add_argument("--hot", action="store_true", help="no read between passes (module docstring)")
+    add_timing_arguments(p, rounds=15)
+    args = p.parse_args()
+    clock = timing_setup(args)
+    kernel, quantized, give = KERNELS[args.kernel]
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(
+        QuantizedLinear.from_linear(torch.nn.Linear(i, o), **quantized)
+        for o, i in stack_shapes(args.d_model, args.layers, args.vocab))
+    if not give(layers):
+        raise SystemExit(f"{args.kernel}: no kernel here ({kernel.unavailable()})")
+    with tempfile.TemporaryDirectory() as folder:
+        products = {args.base: product_at(kernel, args.base, Path(folder)),
+                    "tree": product_at(kernel, None, Path(folder))}
+    inputs = {m.in_features: torch.randn(1, m.in_features) for m in layers}
+    flush = torch.ones(16 * 2**20)  # 64 MB, more than the L3s meshlm is measured on
+
+    def run(product, out=None):
+        def go():
+            if not args.hot:
+                flush.sum()
+            for m in layers:
+                m.row_kernel = product
+            ys = [m(inputs[m.in_features]) for m in layers]
+            if out is not None:
+                out.extend(ys)
+        return go
+
+    outs = {name: [] for name in products}
+    with torch.no_grad():
+        for name, product in products.items():
+            run(product, outs[name])()
+        flushed = {} if args.hot else {"read 64 MB": flush.sum}
+        t = interleaved_medians({**{name: run(pr) for name, pr in products.items()}, **flushed},
+                                args.rounds, clock)
+    size = sum(t.numel() * t.element_size() for t in layers.state_dict().values())  # stored
+    same = all(torch.equal(a, b) for a, b in zip(*outs.values()))
+    base, tree = (t[name] - t.get("read 64 MB", 0.0) for name in products)
+    print(f"{args.kernel}: {len(layers)} layers (d = {args.d_model}, {args.layers} layers, "
+          f"vocab {args.vocab}), {torch.get_num_threads()} threads, {args.rounds} rounds, "
+          f"{'weights in the caches' if args.hot else 'caches flushed by a 64 MB read'}")
+    for name, sec in ((args.base, base), ("tree", tree)):
+        print(f"  {name:8s} {sec * 1e3:7.3f} ms a pass, {size / sec / 1e9:5.1f} GB/s")
+    print(f"  tree / {args.base}: {base / tree:.3f}x; same numbers: {same}")
+
+
+if __name__ == "__main__":
+    main()
