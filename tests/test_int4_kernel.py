@@ -141,4 +141,4 @@ def test_the_kernel_built_for_older_cpus_gives_the_same_numbers(tmp_path, flags)
                     str(target)], check=True, capture_output=True, timeout=120)
     function = ctypes.CDLL(str(target)).int4_rows_product
     function.argtypes, function.restype = int4_kernel.KERNEL.argtypes, ctypes.c_int
-    assert int4_kernel._same_numbers(int4_kernel._product(function))
+    assert int4_kernel._same_numbers(int4_kernel.packed_product(function))

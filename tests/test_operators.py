@@ -17,10 +17,11 @@ from test_native import fake_compiler
 from meshlm.kernels import bf16_rows, fp32_rows, operators
 from meshlm.kernels import build as kernel_build
 from meshlm.kernels.kernel import compiled_operators
-from meshlm.quant import int4_kernel, quantize_model, row_kernel
+from meshlm.quant import int4_bf16_kernel, int4_kernel, quantize_model, row_kernel
 from meshlm.quant.linear import QuantizedLinear, quantize_weight, weight_sums
 
-KERNELS = (fp32_rows.KERNEL, bf16_rows.KERNEL, row_kernel.KERNEL, int4_kernel.KERNEL)
+KERNELS = (fp32_rows.KERNEL, bf16_rows.KERNEL, row_kernel.KERNEL, int4_kernel.KERNEL,
+           int4_bf16_kernel.KERNEL)
 
 
 def products() -> list:
@@ -34,13 +35,13 @@ def products() -> list:
 def test_with_a_cpp_compiler_every_kernels_operator_runs_in_cpp():
     products()
     expected = "c++" if kernel_build.compiler(cpp=True) else "python"
-    assert [kernel.implemented for kernel in KERNELS] == [expected] * 4
+    assert [kernel.implemented for kernel in KERNELS] == [expected] * len(KERNELS)
     if expected == "python":
         assert "C++ compiler" in operators.unavailable()
 
 
 def test_each_operator_gives_its_products_numbers_bit_for_bit():
-    fp32, bf16, int8, int4 = products()
+    fp32, bf16, int8, int4, int4_bf16 = products()
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(300, 64, generator=g), torch.randn(300, generator=g)
     blocks, x = fp32_rows.as_blocks(weight, 128), torch.randn(5, 64, generator=g)
@@ -60,6 +61,9 @@ def test_each_operator_gives_its_products_numbers_bit_for_bit():
     x = torch.randn(3, 256, generator=g)
     assert torch.equal(torch.ops.meshlm.int4_rows(x, packed, sz, 37, 64),
                        int4(x, packed, sz, 37, 64))  # 37 of 48 outputs: cut in C++ as in Python
+    for rows in (x, x.bfloat16()):  # fp32 rows rounded to bf16 by the operator as by the product
+        assert torch.equal(torch.ops.meshlm.int4_bf16_rows(rows, packed, sz, 37, 64),
+                           int4_bf16(rows, packed, sz, 37, 64))
 
 
 @pytest.mark.parametrize("call, named", [

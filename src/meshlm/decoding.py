@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from meshlm.kernels import bf16_rows, fp32_rows
-from meshlm.quant import int4_kernel, row_kernel
+from meshlm.quant import int4_bf16_kernel, int4_kernel, row_kernel
 from meshlm.quant.calibrate import describe, structure_of
 from meshlm.runtime import bf16_linear, precision, split_linear
 from meshlm.runtime.precision import Precision
@@ -31,12 +31,14 @@ FP32_KERNEL_NOTE = ("linear weights in 128-column blocks, products of up to 64 r
                     "kernel compiled for this CPU")
 ROW_KERNEL_NOTE = "one-token int8 products by meshlm's kernel compiled for this CPU"
 INT4_KERNEL_NOTE = "int4 x int8 products by meshlm's kernel compiled for this CPU"
+INT4_BF16_KERNEL_NOTE = "int4 weight-only products by meshlm's kernel compiled for this CPU"
 BF16_KERNEL_NOTE = (f"bf16 products of up to {bf16_linear.KERNEL_ROWS} rows by meshlm's kernel "
                     "compiled for this CPU")
 # where a kernel could not be had (meshlm.kernels.build.why_not): named, never a silent fallback
 FP32_KERNEL_MISSING = "meshlm's fp32 kernel unavailable"
 ROW_KERNEL_MISSING = "meshlm's int8 kernel unavailable"
 INT4_KERNEL_MISSING = "meshlm's int4 x int8 kernel unavailable"
+INT4_BF16_KERNEL_MISSING = "meshlm's int4 weight-only kernel unavailable"
 BF16_KERNEL_MISSING = "meshlm's bf16 kernel unavailable"
 
 
@@ -53,6 +55,10 @@ class Prepared:
     bf16_missing: str | None = None  # why the bf16 kernel could not be had (bf16_rows.unavailable)
     int4_kernel: bool = False  # whether the w4a8 layers took their compiled kernel
     int4_missing: str | None = None  # why they could not (quant.int4_kernel.unavailable)
+    # int4 weight-only layers: their compiled kernel's one-row speed over torch's, if taken; why
+    # it could not be had (quant.int4_bf16_kernel.unavailable)
+    int4_bf16_speedup: float = 0.0
+    int4_bf16_missing: str | None = None
 
 
 def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, Precision]:
@@ -67,7 +73,8 @@ def prepare(model: torch.nn.Module, chosen: Precision) -> Prepared:
     """Lay `model`'s weights out for decoding in `chosen`: in fp32 on CPU its linear layers where a
     probe found that faster (split_linear.lay_out_for_decoding), its int8-activation layers on CPU
     given the compiled row kernel where it pays (quant.row_kernel.give_row_kernel), its w4a8 layers
-    on CPU their compiled kernel where this process has it (quant.int4_kernel.give), under bf16 its
+    on CPU their compiled kernel where this process has it (quant.int4_kernel.give), its int4
+    weight-only layers on CPU theirs where it pays (quant.int4_bf16_kernel.give), under bf16 its
     nn.Linear weights stored in bf16 (precision.store_weights) and, on CPU, multiplied by the
     compiled bf16 kernel at up to four rows where it pays (bf16_linear.lay_out_for_decoding).
     Returns what it did."""
@@ -80,12 +87,15 @@ def prepare(model: torch.nn.Module, chosen: Precision) -> Prepared:
     row_missing = row_kernel.unavailable(model) if cpu and quantized and not given else None
     int4_given = cpu and quantized is not None and int4_kernel.give(model) > 0
     int4_missing = int4_kernel.unavailable(model) if cpu and quantized and not int4_given else None
+    int4_bf16 = int4_bf16_kernel.give(model) if cpu and quantized is not None else 0.0
+    int4_bf16_missing = int4_bf16_kernel.unavailable(model) if cpu and quantized else None
     precision.store_weights(model, chosen)
     bf16 = cpu and chosen.dtype == torch.bfloat16
     swapped, bf16_speedup = bf16_linear.lay_out_for_decoding(model) if bf16 else (0, 0.0)
     bf16_missing = bf16_rows.unavailable() if bf16 else None
     return Prepared(layout, speedup, fp32_missing, quantized, given, row_missing,
-                    bf16_speedup if swapped else 0.0, bf16_missing, int4_given, int4_missing)
+                    bf16_speedup if swapped else 0.0, bf16_missing, int4_given, int4_missing,
+                    int4_bf16, int4_bf16_missing)
 
 
 def described(chosen: Precision, done: Prepared) -> Precision:
@@ -116,4 +126,10 @@ def described(chosen: Precision, done: Prepared) -> Precision:
         elif done.int4_missing:
             notes.append(f"{INT4_KERNEL_MISSING} ({done.int4_missing}), so int4 x int8 products by "
                          "torch ops (many times slower)")
+        if done.int4_bf16_speedup:
+            notes.append(f"{INT4_BF16_KERNEL_NOTE} ({done.int4_bf16_speedup:.1f}x torch's one-row "
+                         "speed here, measured once)")
+        elif done.int4_bf16_missing:
+            notes.append(f"{INT4_BF16_KERNEL_MISSING} ({done.int4_bf16_missing}), so int4 "
+                         "weight-only products by torch's kernel")
     return Precision(chosen.dtype, "; ".join(notes))

@@ -6,7 +6,7 @@
    C++ (~4 us): 49 calls a token at d = 768 (and Inductor's C++ wrapper could call it without
    Python at all; measured, not turned on: docs/quantize.md). Each implementation does what the
    kernel's Python product does around the C function (meshlm.kernels.fp32_rows, .bf16_rows,
-   meshlm.quant.row_kernel, .int4_kernel): the same checks, the same output allocation, the same
+   meshlm.quant.row_kernel, .int4_kernel, .int4_bf16_kernel): the same checks, the same output allocation, the same
    arguments, so the numbers are the same bit for bit.
 
    meshlm_register(name, function, error, size) registers the CPU implementation of meshlm::<name>
@@ -41,6 +41,7 @@ Fp32Rows fp32_rows_function = nullptr;
 Bf16Rows bf16_rows_function = nullptr;
 Int8Row int8_row_function = nullptr;
 Int4Rows int4_rows_function = nullptr;
+Int4Rows int4_bf16_rows_function = nullptr;  // int4_bf16_rows.c: int4_rows.c's arguments
 
 constexpr int64_t LANES = 16;                           // int4_rows.c's outputs per block
 constexpr int64_t MAX_K = (2147483647LL) / (255 * 128);  // int8_rows.c's widest exact row
@@ -93,15 +94,24 @@ at::Tensor int8_row(const at::Tensor &x_in, const at::Tensor &weight,
     return y;
 }
 
-at::Tensor int4_rows(const at::Tensor &x_in, const at::Tensor &packed, const at::Tensor &sz,
-                     int64_t n, int64_t group) {
-    const at::Tensor x = x_in.contiguous();
+// the int4 kernels' product: the rows (x, in the kernel's dtype) times the packed weights
+at::Tensor int4_product(Int4Rows function, const at::Tensor &x, const at::Tensor &packed,
+                        const at::Tensor &sz, int64_t n, int64_t group) {
     const int64_t blocks = sz.size(0);
     at::Tensor y = fp32_out(x.size(0), blocks * LANES);
-    if (int4_rows_function(x.data_ptr(), packed.data_ptr(), sz.data_ptr(), y.data_ptr(), x.size(0),
-                           x.size(1), blocks, group, at::get_num_threads()))
+    if (function(x.data_ptr(), packed.data_ptr(), sz.data_ptr(), y.data_ptr(), x.size(0),
+                 x.size(1), blocks, group, at::get_num_threads()))
         throw std::bad_alloc();
     return n == blocks * LANES ? y : y.slice(1, 0, n).contiguous();
+}
+at::Tensor int4_rows(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &sz,
+                     int64_t n, int64_t group) {
+    return int4_product(int4_rows_function, x.contiguous(), packed, sz, n, group);
+}
+at::Tensor int4_bf16_rows(const at::Tensor &x, const at::Tensor &packed, const at::Tensor &sz,
+                          int64_t n, int64_t group) {
+    return int4_product(int4_bf16_rows_function, x.to(at::kBFloat16).contiguous(), packed, sz, n,
+                        group);
 }
 
 // the registrations made (each kept alive: a Library's destruction removes them)
@@ -131,6 +141,8 @@ extern "C" int meshlm_register(const char *name, void *function, char *error, si
             bind(name, int8_row_function, function, TORCH_FN(int8_row));
         else if (!std::strcmp(name, "int4_rows"))
             bind(name, int4_rows_function, function, TORCH_FN(int4_rows));
+        else if (!std::strcmp(name, "int4_bf16_rows"))
+            bind(name, int4_bf16_rows_function, function, TORCH_FN(int4_bf16_rows));
         else
             throw std::invalid_argument(std::string("no operator meshlm::") + name + " here");
         return 0;

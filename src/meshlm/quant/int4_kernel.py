@@ -35,20 +35,32 @@ LANES = 16  # outputs per block (int4_rows.c's LANES)
 Product = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 
 
-def _product(function) -> Product:
-    """The bound C function as a drop-in for int4_int8_products, on the layer's packed operands
-    (QuantizedLinear._int4_rows_operands)."""
+# the C functions of both int4 kernels (this and meshlm.quant.int4_bf16_kernel): (x, packed, sz,
+# y, rows, k, blocks, group, threads) -> 0, or 1 without memory
+ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+
+
+def packed_product(function, dtype: torch.dtype = torch.float32) -> Product:
+    """A bound int4 C function on a layer's packed operands (QuantizedLinear._int4_rows_operands),
+    the rows in `dtype` (fp32 for this kernel, which rounds them to int8 itself), fp32 out: here a
+    drop-in for int4_int8_products."""
     def product(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, n: int,
                 group: int) -> torch.Tensor:
-        x = x.contiguous()
+        x = x.to(dtype).contiguous()
         blocks = sz.shape[0]
         y = torch.empty(x.shape[0], blocks * LANES, dtype=torch.float32, device=CPU)
         if function(x.data_ptr(), packed.data_ptr(), sz.data_ptr(), y.data_ptr(), x.shape[0],
                     x.shape[1], blocks, group, torch.get_num_threads()):
-            raise MemoryError(f"int4 product: no memory to round {x.shape[0]} rows")
+            raise MemoryError(f"int4 product: no memory for {x.shape[0]} rows")
         return y if n == blocks * LANES else y[:, :n].contiguous()
 
     return product
+
+
+def fake(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, n: int,
+         group: int) -> torch.Tensor:
+    """An int4 operator's output as a compiled graph traces it."""
+    return x.new_empty(x.shape[0], n, dtype=torch.float32)
 
 
 def _same_numbers(product: Product) -> bool:
@@ -75,11 +87,9 @@ def _same_numbers(product: Product) -> bool:
     return True
 
 
-KERNEL = Kernel("int4_rows.c", "int4_rows_product",
-                [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4 + [ctypes.c_int], _product,
-                _same_numbers, "int4_int8_products",
-                "int4_rows(Tensor x, Tensor packed, Tensor sz, int n, int group) -> Tensor",
-                lambda x, packed, sz, n, group: x.new_empty(x.shape[0], n, dtype=torch.float32))
+KERNEL = Kernel("int4_rows.c", "int4_rows_product", ARGTYPES, packed_product, _same_numbers,
+                "int4_int8_products",
+                "int4_rows(Tensor x, Tensor packed, Tensor sz, int n, int group) -> Tensor", fake)
 int4_rows_kernel = KERNEL.product  # () -> Product | None, once per process (.cache_clear())
 
 
