@@ -104,32 +104,35 @@ def described(chosen: Precision, done: Prepared) -> Precision:
     notes = [chosen.reason]
     missing = f"{FP32_KERNEL_MISSING} ({done.fp32_missing}), so " if done.fp32_missing else ""
     if done.layout:
-        notes.append(f"{missing}{FP32_KERNEL_NOTE if done.layout == 'kernel' else SPLIT_NOTE} "
-                     f"({done.speedup:.1f}x F.linear's one-row speed here, measured once)")
+        notes.append(missing + _measured(FP32_KERNEL_NOTE if done.layout == "kernel" else
+                                         SPLIT_NOTE, done.speedup, "F.linear's"))
     elif missing:
         notes.append(f"{missing}linear layers keep F.linear")
-    if done.bf16_speedup:
-        notes.append(f"{BF16_KERNEL_NOTE} ({done.bf16_speedup:.1f}x F.linear's one-row speed here, "
-                     "measured once)")
-    elif done.bf16_missing:
-        notes.append(f"{BF16_KERNEL_MISSING} ({done.bf16_missing}), so linear layers keep "
-                     "F.linear")
+    bf16 = done.bf16_speedup and _measured(BF16_KERNEL_NOTE, done.bf16_speedup, "F.linear's")
+    notes += _kernel(bf16 or None, BF16_KERNEL_MISSING, done.bf16_missing,
+                     "linear layers keep F.linear")
     if done.quantized:  # those layers run their own kernels whatever the precision
         notes.append(describe(done.quantized))
-        if done.row_kernel:
-            notes.append(ROW_KERNEL_NOTE)
-        elif done.row_missing:
-            notes.append(f"{ROW_KERNEL_MISSING} ({done.row_missing}), so one-token int8 products "
-                         "by torch._int_mm")
-        if done.int4_kernel:
-            notes.append(INT4_KERNEL_NOTE)
-        elif done.int4_missing:
-            notes.append(f"{INT4_KERNEL_MISSING} ({done.int4_missing}), so int4 x int8 products by "
-                         "torch ops (many times slower)")
-        if done.int4_bf16_speedup:
-            notes.append(f"{INT4_BF16_KERNEL_NOTE} ({done.int4_bf16_speedup:.1f}x torch's one-row "
-                         "speed here, measured once)")
-        elif done.int4_bf16_missing:
-            notes.append(f"{INT4_BF16_KERNEL_MISSING} ({done.int4_bf16_missing}), so int4 "
-                         "weight-only products by torch's kernel")
+        notes += _kernel(ROW_KERNEL_NOTE if done.row_kernel else None, ROW_KERNEL_MISSING,
+                         done.row_missing, "one-token int8 products by torch._int_mm")
+        notes += _kernel(INT4_KERNEL_NOTE if done.int4_kernel else None, INT4_KERNEL_MISSING,
+                         done.int4_missing,
+                         "int4 x int8 products by torch ops (many times slower)")
+        int4_bf16 = done.int4_bf16_speedup and _measured(INT4_BF16_KERNEL_NOTE,
+                                                         done.int4_bf16_speedup, "torch's")
+        notes += _kernel(int4_bf16 or None, INT4_BF16_KERNEL_MISSING, done.int4_bf16_missing,
+                         "int4 weight-only products by torch's kernel")
     return Precision(chosen.dtype, "; ".join(notes))
+
+
+def _measured(note: str, ratio: float, against: str) -> str:
+    """A kernel's note with its probe's figure."""
+    return f"{note} ({ratio:.1f}x {against} one-row speed here, measured once)"
+
+
+def _kernel(taken: str | None, missing: str, why: str | None, fallback: str) -> list[str]:
+    """The notes for one kernel: `taken` where its layers took it; else, where it could not be
+    had, `missing` with the reason `why` and what runs instead (`fallback`); else none."""
+    if taken:
+        return [taken]
+    return [f"{missing} ({why}), so {fallback}"] if why else []
