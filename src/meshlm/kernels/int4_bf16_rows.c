@@ -17,12 +17,12 @@
    nibbles, a byte shuffle (vpshufb) takes byte t of every lane out zero-extended, one conversion
    makes it a float, one fused multiply-add adds its product with the broadcast x[8c + t] to the
    running sum (with a shift and a mask for each value instead, 1.13-1.18x slower at one row on
-   a 2-core Zen 5; at 16 rows the multiply-adds bound it either way). Four sums a row (t = 0 … 3, the low and the high
-   nibble of byte t to the same one) keep four chains of multiply-adds apart, and every row takes
-   exactly these steps whether it runs alone or among four that share each load and its
-   unpacking: a row's outputs do not depend on the batch. Blocks are split over `threads` OpenMP
-   threads. Without AVX512 a plain C loop runs over the same layout (its own rounding: its sums
-   are not fused; a machine runs one of the two for every row). */
+   a 2-core Zen 5; at 16 rows the multiply-adds bound it either way). Four sums a row (t = 0 …
+   3, the low and the high nibble of byte t to the same one) keep four chains of multiply-adds
+   apart, and every row takes exactly these steps whether it runs alone or among four that share
+   each load and its unpacking: a row's outputs do not depend on the batch. Blocks are split over
+   `threads` OpenMP threads. Without AVX512 a plain C loop runs over the same layout (its own
+   rounding: its sums are not fused; a machine runs one of the two for every row). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>

@@ -138,13 +138,16 @@ class Kernel:
             f"the kernel built from {self.source.name} failed its check against "
             f"{self.reference}; set $CC to another C compiler (gcc or clang)")
 
-    def paying(self, speedup: Callable[[Callable], dict]) -> Callable | None:
+    def paying(self, speedup: Callable[[Callable], dict],
+               floors: dict[str, float] | None = None) -> Callable | None:
         """product() where its probe's figures (`speedup(product)`: meshlm.machine.race's, cached
-        in machine.json) have it at least MIN_SPEEDUP times as fast as every path it raced, else
-        None."""
+        in machine.json) have it at least MIN_SPEEDUP times as fast as every path it raced, and
+        each figure named in `floors` at least its floor, else None."""
         kernel = self.product()
         if kernel is None:
             return None
         figures = speedup(kernel)
         ratios = [figures[name] for name in figures if name.startswith("kernel_over_")]
-        return kernel if min(ratios) >= MIN_SPEEDUP else None
+        floors = floors or {}
+        met = all(figures.get(name, 0.0) >= floor for name, floor in floors.items())
+        return kernel if min(ratios) >= MIN_SPEEDUP and met else None

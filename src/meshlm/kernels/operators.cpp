@@ -6,8 +6,8 @@
    C++ (~4 us): 49 calls a token at d = 768 (and Inductor's C++ wrapper could call it without
    Python at all; measured, not turned on: docs/quantize.md). Each implementation does what the
    kernel's Python product does around the C function (meshlm.kernels.fp32_rows, .bf16_rows,
-   meshlm.quant.row_kernel, .int4_kernel, .int4_bf16_kernel): the same checks, the same output allocation, the same
-   arguments, so the numbers are the same bit for bit.
+   meshlm.quant.row_kernel, .int4_kernel, .int4_bf16_kernel): the same checks, the same output
+   allocation, the same arguments, so the numbers are the same bit for bit.
 
    meshlm_register(name, function, error, size) registers the CPU implementation of meshlm::<name>
    (its schema and fake are Python's, defined at import) the first time and (re)binds it to the C

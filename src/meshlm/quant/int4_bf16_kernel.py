@@ -69,13 +69,11 @@ def give(model: nn.Module) -> float:
     process has it and its probe found it the faster (kernel_speedup). Returns its speed over
     torch's kernel where given, else 0.0."""
     layers = _cpu_layers(model)
-    kernel = KERNEL.paying(kernel_speedup) if layers else None
-    figures = kernel_speedup(kernel) if kernel else {}
-    if figures.get("batch_kernel_over_torch", 0.0) < BATCH_FLOOR:
-        return 0.0
-    for layer in layers:
+    floors = {"batch_kernel_over_torch": BATCH_FLOOR}
+    kernel = KERNEL.paying(kernel_speedup, floors) if layers else None
+    for layer in layers if kernel else ():
         layer.row_kernel = kernel
-    return figures["kernel_over_torch"]
+    return kernel_speedup(kernel)["kernel_over_torch"] if kernel else 0.0
 
 
 def unavailable(model: nn.Module) -> str | None:
