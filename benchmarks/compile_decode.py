@@ -12,6 +12,7 @@ eager ones.
     .venv/bin/python benchmarks/compile_decode.py --spec 2+4R2+2 --scheme mesh --threads 2
     .venv/bin/python benchmarks/compile_decode.py --no-matmul --threads 2   # the per-token split
     .venv/bin/python benchmarks/compile_decode.py --operators --threads 2   # C++ against Python
+    .venv/bin/python benchmarks/compile_decode.py --aot --threads 2   # AOTInductor against jit
 
 --no-matmul splits a token's time: the fp32 model as decoded, and the same model with every weight
 product (each linear and the output layer) replaced by a slice of its input (a view the compiler
@@ -130,6 +131,31 @@ def operators(model, prompts, s, args, clock) -> None:
               f"Python {py:6.2f} ms ({share['Python']:.0%}): {py / cpp:.2f}x", flush=True)
 
 
+def ahead(model, prompts, s, args, clock) -> None:
+    """ms a decoded token (step_ms) of the step compiled ahead of time (AOTInductor,
+    meshlm.generate.ahead) against torch.compile's, per precision; whether the greedy tokens are
+    the same, and the first AOT generation's seconds (export, then compile or load)."""
+    from meshlm.generate import generate
+    from meshlm.runtime import precision
+
+    print("ms a compiled step, AOTInductor / torch.compile")
+    for name, (laid_out, chosen) in variants(model).items():
+        if name == "bf16 F.linear":
+            continue
+        with torch.no_grad(), precision.autocast(torch.device("cpu"), chosen):
+            start = time.perf_counter()
+            tokens = generate(laid_out, prompts, s, compile="aot")
+            first = time.perf_counter() - start
+            same = tokens == generate(laid_out, prompts, s, compile=True)
+        runs = {"aot": (laid_out, chosen, "aot"), "jit": (laid_out, chosen, True)}
+        ms, reading = step_ms(runs, prompts, s, args, clock)
+        share = {k: weight_bytes_per_token(laid_out) * 1e3 / v / reading for k, v in ms.items()}
+        print(f"  {name:5s} AOT {ms['aot']:6.2f} ms ({share['aot']:.0%} of {reading / 1e9:.1f} "
+              f"GB/s), torch.compile {ms['jit']:6.2f} ms ({share['jit']:.0%}): "
+              f"{ms['jit'] / ms['aot']:.2f}x; same greedy tokens: {same}; first AOT "
+              f"generation {first:.0f} s", flush=True)
+
+
 def step_ms(runs: dict, prompts, s, args, clock) -> tuple[dict, float]:
     """(ms a decoded token, prefill excluded (a generation of --new-tokens against one of a single
     token, the difference over the tokens between), per key of `runs` (key -> (the model as
@@ -184,6 +210,8 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256, help="the model's context length")
     p.add_argument("--operators", action="store_true",
                    help="the compiled step with the kernels' operators in C++ against in Python")
+    p.add_argument("--aot", action="store_true",
+                   help="the step compiled ahead of time (AOTInductor) against torch.compile's")
     p.add_argument("--no-matmul", action="store_true",
                    help="fp32 only: the per-token time without weight products, eager and compiled")
     add_timing_arguments(p, rounds=3)
@@ -202,6 +230,8 @@ def main() -> None:
         return split(model, prompts, s, args, clock)
     if args.operators:
         return operators(model, prompts, s, args, clock)
+    if args.aot:
+        return ahead(model, prompts, s, args, clock)
     rates = {}
     print("tokens/s of the decode steps (prefill excluded); weights read: a step's weight bytes "
           "times steps/s, as a share of the read bandwidth measured in the same rounds")

@@ -97,8 +97,9 @@ def test_what_compile_cannot_do_is_refused_in_one_line(tmp_path, capsys):
     with pytest.raises(ConfigError, match="--compile decodes plainly"):
         generate(model, [[5]], s, exit=ExitRule.parse("state:0.1"), compile=True)
     save_model(model, tmp_path / "ckpt")
-    for extra in (["--exit", "state:0.1"], ["--speculate", "auto"], ["--no-cache"]):
-        assert main(["generate", str(tmp_path / "ckpt"), "To be", "--compile", *extra]) == 2
+    refused = (["--exit", "state:0.1"], ["--speculate", "auto"], ["--no-cache"])
+    for flag, extra in [(f, e) for f in ("--compile", "--aot") for e in refused]:
+        assert main(["generate", str(tmp_path / "ckpt"), "To be", flag, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "--compile decodes plainly" in err[0]
     # the prompt and -n fill the context exactly: eager decoding fits, the compiled step's extra

@@ -49,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", action="store_true",
                    help="decode through one step compiled by torch.compile over a static KV cache "
                         "(plain decoding at the full depth; the first call compiles for seconds)")
+    p.add_argument("--aot", action="store_true",
+                   help="--compile with the step compiled ahead of time by AOTInductor: no "
+                        "per-token guards or Python (~20 s the first time a model's shape is "
+                        "seen, then kept on disk)")
     p.hints = {"required": 'pass the text to continue, e.g. meshlm generate runs/small-mesh "To '
                            'be, or not to be"',
                "argument": 'a prompt that starts with "-" goes after --, e.g. meshlm generate RUN '
@@ -158,6 +162,7 @@ def check_inputs(args: argparse.Namespace):
         args.exit = p.check(ExitRule.parse, args.exit)
     if args.speculate is not None:
         args.speculate = p.check(Speculation.parse, args.speculate)
+    args.compile = "aot" if args.aot else args.compile  # --aot is --compile, ahead of time
     p.need(not args.compile or (args.exit is None and args.speculate is None and not args.no_cache),
            "--compile decodes plainly at the full depth with the KV cache; drop --exit, "
            "--speculate and --no-cache (or --compile)")

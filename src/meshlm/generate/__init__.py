@@ -75,7 +75,7 @@ def check_loops(model: MeshLM, loops: int | None, max_loops: int | None = None) 
 def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0, pad_id: int = 1,
            cache: bool = True, loops: int | None = None, exit: ExitRule | None = None,
            speculate: Speculation | None = None, stats=None,
-           observe=None, compile: bool = False) -> Iterator[torch.Tensor]:
+           observe=None, compile: bool | str = False) -> Iterator[torch.Tensor]:
     """Yield the (B,) next tokens step by step: a PlainDecoder (or, with `speculate`, a
     SpeculativeDecoder) run by `decode`. Rows that reached EOS keep yielding `pad_id`.
 
@@ -88,7 +88,8 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
     tokens/s and the chosen setting.
 
     `compile` decodes through one compiled step over a static cache (meshlm.generate.compiled:
-    plain decoding at the full depth, the same tokens to floating-point rounding)."""
+    plain decoding at the full depth, the same tokens to floating-point rounding): True or "jit"
+    by torch.compile, "aot" compiled ahead of time by AOTInductor (meshlm.generate.ahead)."""
     if compile and (speculate is not None or exit is not None or not cache or observe):
         raise ConfigError("--compile decodes plainly at the full depth with the KV cache; drop "
                           "--speculate, --exit and --no-cache (or --compile)")
@@ -111,7 +112,8 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
         yield from _recomputed(model, ids, mask, s, eos_id, pad_id, loops, exit, choose, observe)
         return
     schedule = model.schedule(loops)
-    decoder = CompiledDecoder(model, schedule, choose, s.max_new_tokens) if compile else \
+    decoder = CompiledDecoder(model, schedule, choose, s.max_new_tokens,
+                              ahead=compile == "aot") if compile else \
         PlainDecoder(model, schedule, choose, exit, observe)
     yield from decode(decoder, decoder.prefill(ids, mask), s, eos_id, pad_id)
 
@@ -138,7 +140,7 @@ def _recomputed(model: MeshLM, ids: torch.Tensor, mask: torch.Tensor, s: Samplin
 def generate(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0, pad_id: int = 1,
              cache: bool = True, loops: int | None = None, exit: ExitRule | None = None,
              speculate: Speculation | None = None, stats=None,
-             observe=None, compile: bool = False) -> list[list[int]]:
+             observe=None, compile: bool | str = False) -> list[list[int]]:
     """The new tokens of every row, up to and including EOS (when stop_at_eos). `speculate`,
     `stats`, `observe`, `compile`: see `stream`."""
     out: list[list[int]] = [[] for _ in prompts]

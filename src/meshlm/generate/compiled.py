@@ -26,6 +26,7 @@ import torch
 
 from meshlm.errors import ConfigError
 from meshlm.generate import steps
+from meshlm.generate.ahead import step_for
 from meshlm.generate.batch import Batch
 from meshlm.generate.decoder import Choose, PlainDecoder, Step
 from meshlm.model import MeshLM
@@ -53,15 +54,18 @@ def check_room(model: MeshLM, prompts: list[list[int]], new_tokens: int) -> None
 class CompiledDecoder:
     """Plain decoding at the full depth with a compiled step (module docstring). `new_tokens`: the
     most tokens a row will decode (the static cache's room). `compiled=False` runs the same step
-    eagerly over the static cache (what the compiled one computes, to rounding)."""
+    eagerly over the static cache (what the compiled one computes, to rounding); `ahead=True`
+    steps through the same forward compiled ahead of time (meshlm.generate.ahead), built or loaded
+    at the prefill."""
 
     def __init__(self, model: MeshLM, schedule: tuple[int, ...], choose: Choose,
-                 new_tokens: int, compiled: bool = True):
+                 new_tokens: int, compiled: bool = True, ahead: bool = False):
         self.model, self.schedule, self.choose = model, schedule, choose
-        self.new_tokens = new_tokens
+        self.new_tokens, self.ahead = new_tokens, ahead
         self.forward = steps.compiled(dynamic=False) if compiled else steps.forward
         self.cache: StaticKVCache | None = None
         self.padding: torch.Tensor | None = None
+        self.built = None  # with `ahead`: the AOT-compiled step (meshlm.generate.ahead.AheadStep)
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> Batch:
         batch = PlainDecoder(self.model, self.schedule, self.choose).prefill(ids, mask)
@@ -75,6 +79,10 @@ class CompiledDecoder:
         # (a window is never the whole row, whose contiguity would specialise the compiled step)
         self.padding = batch.mask.new_zeros(len(batch), capacity + 1)
         self.padding[:, :batch.cached] = batch.mask
+        if self.ahead:
+            self.built = step_for(self.model, self.schedule, self.cache,
+                                  batch.pending[:, None],
+                                  self.padding[:, :min(capacity, COLUMNS)])
         return batch
 
     @torch.no_grad()
@@ -87,9 +95,12 @@ class CompiledDecoder:
         # to COLUMNS: one compiled step for every width (StaticKVCache.window)
         width = min(cache.capacity, -(-(cache.column + 2) // COLUMNS) * COLUMNS)
         cache.window = self.padding[:, :width]
-        torch._dynamo.mark_dynamic(cache.window, 1)
-        logits = self.forward(self.model, self.schedule, batch.pending[:, None], cache.window,
-                              cache)
+        if self.built is not None:
+            logits = self.built(batch.pending[:, None], cache.window, cache.at)
+        else:
+            torch._dynamo.mark_dynamic(cache.window, 1)
+            logits = self.forward(self.model, self.schedule, batch.pending[:, None],
+                                  cache.window, cache)
         cache.advance()
         batch.mask = self.padding[:, :cache.column]
         batch.pending = self.choose(logits)

@@ -16,7 +16,6 @@ import ctypes
 import hashlib
 import os
 import shutil
-import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 from meshlm import machine
-from meshlm.data.cache_dir import cache_dir
+from meshlm.data.cache_dir import cache_dir, private
 
 # tried in order: the first set this compiler accepts is built
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O3",))
@@ -100,24 +99,13 @@ def _load(source: Path) -> tuple[ctypes.CDLL | None, str]:
     failed = None if target.is_file() else _compile(cc, source, target, cpp)
     if failed:
         return None, failed
-    if not (_private(target) and _private(target.parent)):
+    if not (private(target) and private(target.parent)):
         return None, (f"{target} or its folder could have been written by another user (not "
                       "yours, or writable by group or others); delete the folder to rebuild")
     try:
         return ctypes.CDLL(str(target)), ""
     except OSError as err:
         return None, f"{target} did not load ({err}); delete it to rebuild"
-
-
-def _private(path: Path) -> bool:
-    """Whether only this user could have written `path`: owned by them, not writable by group or
-    others. A library is code this process runs, and $MESHLM_CACHE may be a folder others share;
-    one that someone else could have replaced is not loaded (as ssh treats its keys)."""
-    try:
-        st = path.stat()
-    except OSError:
-        return False
-    return st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
 
 
 def _compile(cc: str, source: Path, target: Path, cpp: bool = False) -> str | None:
