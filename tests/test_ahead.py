@@ -1,12 +1,16 @@
 """The decode step compiled ahead of time (meshlm.generate.ahead, `meshlm generate --aot`): its
 greedy tokens are the eager decoder's, with left padding, through a second generation (a new cache
-bound to the same library) and from the library kept on disk; it holds no weights of its own (the
-model's tensors are read in place); the CLI prints the eager text."""
+bound to the same library) and from the library kept on disk (refused where another user could
+have written it); it holds no weights of its own (the model's tensors are read in place); the CLI
+prints the eager text."""
+import stat
+
 import pytest
 from conftest import build, tiny
 
 from meshlm.checkpoint import save_model
 from meshlm.cli import main
+from meshlm.errors import ConfigError
 from meshlm.generate import Sampling, ahead, generate
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11]]  # left padding in the batch
@@ -31,6 +35,13 @@ def test_aot_greedy_tokens_are_the_eager_decoders_fresh_and_from_disk(tmp_path, 
     ahead._STEPS.clear()
     assert generate(model, PROMPTS, s, compile="aot") == eager
     assert ahead._STEPS[model][next(iter(ahead._STEPS[model]))].loaded  # from the disk
+    # a library another user could have replaced is refused, not loaded
+    (library,) = (tmp_path / "cache" / "aot").glob("step-*.pt2")
+    library.chmod(library.stat().st_mode | stat.S_IWOTH)
+    ahead._STEPS.clear()
+    with pytest.raises(ConfigError, match="could have been written by another user"):
+        generate(model, PROMPTS, s, compile="aot")
+    library.chmod(library.stat().st_mode & ~stat.S_IWOTH)
     # the CLI: the text eager decoding prints
     save_model(build(tiny(vocab_size=8192)), tmp_path / "ckpt")
     outputs = []

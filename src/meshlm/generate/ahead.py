@@ -20,7 +20,9 @@ Contract of `step_for(model, schedule, cache, tokens, window)`, a callable
   for the process per model, and on disk under <cache>/aot (<cache> as meshlm.data.cache_dir),
   keyed by the exported program (its graph, shapes and dtypes), torch's version, the CPU's vector
   capability and the threads, so a later run of the same architecture exports (~2 s) and loads
-  instead of compiling (~20 s). A library this user could not have written alone is not loaded.
+  instead of compiling (~20 s). A library this user could not have written alone is not loaded,
+  and a build that fails is a ConfigError naming why (a C++ compiler is needed, as for
+  torch.compile).
 - Tensors the step reads that no module holds (a quantized layer's packed operands, computed at
   its first call) AOTInductor renames, so they cannot be bound: the library holds its own copy of
   them, and its key includes their bytes.
@@ -41,6 +43,7 @@ import torch
 from torch import nn
 
 from meshlm.data.cache_dir import cache_dir, private
+from meshlm.errors import ConfigError
 from meshlm.generate import steps
 
 # Inductor's options for the library: the compiled step's, and no weights inside it (bound from
@@ -117,9 +120,12 @@ def _build(model: nn.Module, schedule: tuple[int, ...], cache: nn.Module, tokens
     lifted = {n: t for n, t in program.constants.items() if n not in buffers}
     options = {**OPTIONS, "aot_inductor.package_constants_in_so": bool(lifted)}
     target = cache_dir() / "aot" / f"step-{_digest(program, options, lifted)}.pt2"
-    loaded = target.is_file() and private(target) and private(target.parent)
+    loaded = target.is_file()
     if not loaded:
         _compile(program, target, options)
+    if not (private(target) and private(target.parent)):
+        raise ConfigError(f"{target} or its folder could have been written by another user (not "
+                          "yours, or writable by group or others); delete the folder to rebuild")
     runner = torch._inductor.aoti_load_package(str(target))
     constants = {**program.state_dict, **program.constants}
     return AheadStep(runner, constants, time.perf_counter() - start, loaded)
@@ -150,6 +156,10 @@ def _compile(program, target: Path, options: dict) -> None:
         torch._inductor.aoti_compile_and_package(program, package_path=tmp,
                                                  inductor_configs=options)
         os.replace(tmp, target)
+    except Exception as err:  # Inductor's C++ build: a missing or failing compiler, no room
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+        raise ConfigError(f"AOTInductor could not build the decode step ({first}); decode with "
+                          "--compile instead, or install a C++ compiler (g++) and retry") from err
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
