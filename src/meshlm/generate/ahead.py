@@ -106,14 +106,13 @@ def step_for(model: nn.Module, schedule: tuple[int, ...], cache: nn.Module,
 def _build(model: nn.Module, schedule: tuple[int, ...], cache: nn.Module, tokens: torch.Tensor,
            window: torch.Tensor) -> AheadStep:
     start = time.perf_counter()
-    width = torch.export.Dim("width", min=2, max=cache.capacity)
+    width, at = torch.export.Dim("width", min=2, max=cache.capacity), cache.at
     try:
-        program = torch.export.export(_Forward(model, schedule, cache),
-                                      (tokens, window, cache.at), strict=False,
-                                      dynamic_shapes={"tokens": None, "window": {1: width},
-                                                      "at": None})
-    finally:
-        cache.window = None
+        program = torch.export.export(_Forward(model, schedule, cache), (tokens, window, at),
+                                      strict=False, dynamic_shapes={
+                                          "tokens": None, "window": {1: width}, "at": None})
+    finally:  # the cache as it was: its own column, the decoder sets the window
+        cache.window, cache._buffers["at"] = None, at
     # tensors the step reads that no module holds (a quantized layer's packed operands):
     # AOTInductor renames them, so the library keeps its own copy, and its key their bytes
     buffers = dict(_Forward(model, schedule, cache).named_buffers())
