@@ -235,11 +235,8 @@ class QuantizedLinear(nn.Module):
     def _int8_product(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out) fp32
         rows = rows if rows.dtype == torch.float32 else rows.float()
         if self.bits == 4:
-            if self.row_kernel is not None:
-                packed, sz = self._cached("int4rows", self._int4_rows_operands)
-                y = self.row_kernel(rows, packed, sz, self.out_features, self.group_size)
-            else:
-                y = int4_int8_products(rows, self.stored(), self.group_size)
+            y = self._packed_int4_product(rows) if self.row_kernel is not None else \
+                int4_int8_products(rows, self.stored(), self.group_size)
             return y if self.bias is None else y + self.bias
         if exact_int8_products():
             weight, scales, bias, sums = self._cached("int_mm", self._int_mm_operands)
@@ -258,11 +255,16 @@ class QuantizedLinear(nn.Module):
 
     def _weight_only_product(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
         if self.row_kernel is not None:  # int4: the rows in bf16, fp32 sums (module docstring)
-            packed, sz = self._cached("int4rows", self._int4_rows_operands)
-            y = self.row_kernel(rows, packed, sz, self.out_features, self.group_size)
+            y = self._packed_int4_product(rows)
             return y if self.bias is None else y + self.bias
         y = self._bf16_kernel(rows.to(torch.bfloat16)).to(rows.dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _packed_int4_product(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
+        """An int4 layer's rows through the kernel decoding gave it (`row_kernel`, w4a8 or
+        weight-only), on the packed operands both kernels read; fp32, no bias."""
+        packed, sz = self._cached("int4rows", self._int4_rows_operands)
+        return self.row_kernel(rows, packed, sz, self.out_features, self.group_size)
 
     def _bf16_kernel(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) bf16 -> (M, out) bf16
         if self.bits == 8:
