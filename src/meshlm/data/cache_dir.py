@@ -24,3 +24,12 @@ def private(path: Path) -> bool:
     except OSError:
         return False
     return st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
+def untrusted(target: Path) -> str | None:
+    """Why the library at `target` is not loaded (it or its folder not `private`), in one line
+    with the fix; None where it may be."""
+    if private(target) and private(target.parent):
+        return None
+    return (f"{target} or its folder could have been written by another user (not yours, or "
+            "writable by group or others); delete the folder to rebuild")

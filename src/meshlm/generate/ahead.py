@@ -42,13 +42,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from meshlm.data.cache_dir import cache_dir, private
+from meshlm.data.cache_dir import cache_dir, untrusted
 from meshlm.errors import ConfigError
 from meshlm.generate import steps
 
-# Inductor's options for the library: the compiled step's, and no weights inside it (bound from
-# this process instead: module docstring)
-OPTIONS = {**steps.INDUCTOR_OPTIONS, "aot_inductor.package_constants_in_so": False}
 # per model: (schedule, batch, capacity, threads, dtypes) -> its step; dropped with the model
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -107,35 +104,38 @@ def _build(model: nn.Module, schedule: tuple[int, ...], cache: nn.Module, tokens
            window: torch.Tensor) -> AheadStep:
     start = time.perf_counter()
     width, at = torch.export.Dim("width", min=2, max=cache.capacity), cache.at
+    forward = _Forward(model, schedule, cache)
     try:
-        program = torch.export.export(_Forward(model, schedule, cache), (tokens, window, at),
+        program = torch.export.export(forward, (tokens, window, at),
                                       strict=False, dynamic_shapes={
                                           "tokens": None, "window": {1: width}, "at": None})
     finally:  # the cache as it was: its own column, the decoder sets the window
         cache.window, cache._buffers["at"] = None, at
     # tensors the step reads that no module holds (a quantized layer's packed operands):
     # AOTInductor renames them, so the library keeps its own copy, and its key their bytes
-    buffers = dict(_Forward(model, schedule, cache).named_buffers())
+    buffers = dict(forward.named_buffers())
     lifted = {n: t for n, t in program.constants.items() if n not in buffers}
-    options = {**OPTIONS, "aot_inductor.package_constants_in_so": bool(lifted)}
-    target = cache_dir() / "aot" / f"step-{_digest(program, options, lifted)}.pt2"
+    # Inductor's options: the compiled step's; no weights in the library but those copies
+    options = {**steps.INDUCTOR_OPTIONS, "aot_inductor.package_constants_in_so": bool(lifted)}
+    constants = {**program.state_dict, **program.constants}
+    target = cache_dir() / "aot" / f"step-{_digest(program, constants, options, lifted)}.pt2"
     loaded = target.is_file()
     if not loaded:
         _compile(program, target, options)
-    if not (private(target) and private(target.parent)):
-        raise ConfigError(f"{target} or its folder could have been written by another user (not "
-                          "yours, or writable by group or others); delete the folder to rebuild")
+    refused = untrusted(target)
+    if refused:
+        raise ConfigError(refused)
     runner = torch._inductor.aoti_load_package(str(target))
-    constants = {**program.state_dict, **program.constants}
     return AheadStep(runner, constants, time.perf_counter() - start, loaded)
 
 
-def _digest(program, options: dict, lifted: dict[str, torch.Tensor]) -> str:
+def _digest(program, constants: dict[str, torch.Tensor], options: dict,
+            lifted: dict[str, torch.Tensor]) -> str:
     """What the library depends on: the exported graph with its shapes and dtypes, the constants'
     layout, the bytes of those it holds, torch, the CPU's vector capability, the threads and the
     options."""
     layout = sorted((name, tuple(t.shape), tuple(t.stride()), str(t.dtype))
-                    for name, t in {**program.state_dict, **program.constants}.items())
+                    for name, t in constants.items())
     key = hashlib.sha256("\n".join([
         program.graph_module.print_readable(print_output=False), repr(layout), torch.__version__,
         torch.backends.cpu.get_cpu_capability(), platform.machine(),

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from meshlm import machine
-from meshlm.data.cache_dir import cache_dir, private
+from meshlm.data.cache_dir import cache_dir, untrusted
 
 # tried in order: the first set this compiler accepts is built
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O3",))
@@ -99,9 +99,9 @@ def _load(source: Path) -> tuple[ctypes.CDLL | None, str]:
     failed = None if target.is_file() else _compile(cc, source, target, cpp)
     if failed:
         return None, failed
-    if not (private(target) and private(target.parent)):
-        return None, (f"{target} or its folder could have been written by another user (not "
-                      "yours, or writable by group or others); delete the folder to rebuild")
+    refused = untrusted(target)
+    if refused:
+        return None, refused
     try:
         return ctypes.CDLL(str(target)), ""
     except OSError as err:
