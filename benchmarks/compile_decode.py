@@ -125,7 +125,7 @@ def operators(model, prompts, s, args, clock) -> None:
         runs = {"C++": (laid_out, chosen, True),
                 "Python": (python_operators(laid_out), chosen, True)}
         ms, reading = step_ms(runs, prompts, s, args, clock)
-        share = {k: weight_bytes_per_token(laid_out) * 1e3 / v / reading for k, v in ms.items()}
+        share = read_shares(laid_out, ms, reading, args.batch)
         cpp, py = ms["C++"], ms["Python"]
         print(f"  {name:5s} C++ {cpp:6.2f} ms ({share['C++']:.0%} of {reading / 1e9:.1f} GB/s), "
               f"Python {py:6.2f} ms ({share['Python']:.0%}): {py / cpp:.2f}x", flush=True)
@@ -149,11 +149,18 @@ def ahead(model, prompts, s, args, clock) -> None:
             same = tokens == generate(laid_out, prompts, s, compile=True)
         runs = {"aot": (laid_out, chosen, "aot"), "jit": (laid_out, chosen, True)}
         ms, reading = step_ms(runs, prompts, s, args, clock)
-        share = {k: weight_bytes_per_token(laid_out) * 1e3 / v / reading for k, v in ms.items()}
+        share = read_shares(laid_out, ms, reading, args.batch)
         print(f"  {name:5s} AOT {ms['aot']:6.2f} ms ({share['aot']:.0%} of {reading / 1e9:.1f} "
               f"GB/s), torch.compile {ms['jit']:6.2f} ms ({share['jit']:.0%}): "
               f"{ms['jit'] / ms['aot']:.2f}x; same greedy tokens: {same}; first AOT "
               f"generation {first:.0f} s", flush=True)
+
+
+def read_shares(laid_out, ms: dict, reading: float, batch: int) -> dict:
+    """Per key of `ms` (ms a decoded token, step_ms): the weights a step reads (one step decodes
+    `batch` tokens) over its time, as a share of the read bandwidth `reading` (bytes/s)."""
+    return {k: weight_bytes_per_token(laid_out) * 1e3 / (v * batch) / reading
+            for k, v in ms.items()}
 
 
 def step_ms(runs: dict, prompts, s, args, clock) -> tuple[dict, float]:
@@ -245,8 +252,7 @@ def main() -> None:
         modes = {mode: (laid_out, chosen, mode == "compiled") for mode in ("eager", "compiled")}
         ms, reading = step_ms(modes, prompts, s, args, clock)
         rate = rates[name] = {k: 1e3 / v for k, v in ms.items()}
-        share = {k: weight_bytes_per_token(laid_out) * r / args.batch / reading
-                 for k, r in rate.items()}
+        share = read_shares(laid_out, ms, reading, args.batch)
         print(f"  {name:13s} eager {rate['eager']:6.1f} tokens/s, compiled {rate['compiled']:6.1f} "
               f"({rate['compiled'] / rate['eager']:.2f}x); weights read {share['eager']:.0%} / "
               f"{share['compiled']:.0%} of {reading / 1e9:.1f} GB/s; first compiled call "
