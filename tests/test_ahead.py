@@ -1,15 +1,13 @@
 """The decode step compiled ahead of time (meshlm.generate.ahead, `meshlm generate --aot`): its
 greedy tokens are the eager decoder's, with left padding, through a second generation (a new cache
 bound to the same library) and from the library kept on disk (refused where another user could
-have written it); it holds no weights of its own (the model's tensors are read in place); the CLI
-prints the eager text."""
+have written it); it holds no weights of its own (the model's tensors are read in place). The
+CLI's --aot: tests/test_compiled.py."""
 import stat
 
 import pytest
 from conftest import build, tiny
 
-from meshlm.checkpoint import save_model
-from meshlm.cli import main
 from meshlm.errors import ConfigError
 from meshlm.generate import Sampling, ahead, generate
 
@@ -17,8 +15,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11]]  # left padding in the batch
 
 
 @pytest.mark.slow
-def test_aot_greedy_tokens_are_the_eager_decoders_fresh_and_from_disk(tmp_path, monkeypatch,
-                                                                       capsys):
+def test_aot_greedy_tokens_are_the_eager_decoders_fresh_and_from_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(ahead, "cache_dir", lambda: tmp_path / "cache")
     model = build(tiny(spec="1+2R3+1", d_model=64, vocab_size=256, context_length=96,
                        scheme="mesh"))
@@ -42,11 +39,3 @@ def test_aot_greedy_tokens_are_the_eager_decoders_fresh_and_from_disk(tmp_path, 
     with pytest.raises(ConfigError, match="could have been written by another user"):
         generate(model, PROMPTS, s, compile="aot")
     library.chmod(library.stat().st_mode & ~stat.S_IWOTH)
-    # the CLI: the text eager decoding prints
-    save_model(build(tiny(vocab_size=8192)), tmp_path / "ckpt")
-    outputs = []
-    for extra in ([], ["--aot"]):
-        assert main(["generate", str(tmp_path / "ckpt"), "To be, or not", "-t", "0", "-n", "8",
-                     *extra]) == 0
-        outputs.append(capsys.readouterr().out)
-    assert outputs[0] == outputs[1]

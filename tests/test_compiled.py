@@ -148,10 +148,14 @@ def test_compiled_greedy_tokens_are_the_eager_decoders(scheme):
 
 
 @pytest.mark.slow
-def test_meshlm_generate_compile_prints_the_eager_text(tmp_path, capsys):
+@pytest.mark.parametrize("flag", ["--compile", "--aot"])  # --aot: meshlm.generate.ahead
+def test_meshlm_generate_compile_prints_the_eager_text(flag, tmp_path, capsys, monkeypatch):
+    from meshlm.generate import ahead
+
+    monkeypatch.setattr(ahead, "cache_dir", lambda: tmp_path / "cache")  # its libraries
     save_model(build(tiny(vocab_size=8192)), tmp_path / "ckpt")
     outputs = []
-    for extra in ([], ["--compile"]):
+    for extra in ([], [flag]):
         assert main(["generate", str(tmp_path / "ckpt"), "To be, or not", "-t", "0", "-n", "8",
                      *extra]) == 0
         outputs.append(capsys.readouterr().out)
