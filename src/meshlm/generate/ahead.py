@@ -9,10 +9,11 @@ compiled ahead of time").
 
 Contract of `step_for(model, schedule, cache, tokens, window)`, a callable
 `(tokens (B, 1), window (B, W), at (1,)) -> (B, V)` logits:
-- The library holds no weights. The model's parameters and buffers, the tensors its layers
-  computed from them (a quantized layer's packed operands) and the cache's buffers are bound as
-  user-managed constants: the library reads and writes this process's tensors, none is copied, and
-  a new cache (each generation's) is bound in their place (`bind`).
+- The library holds no weights. The model's parameters and buffers (a quantized layer's packed
+  operands among them: QuantizedLinear keeps them as non-persistent buffers) and the cache's
+  buffers are bound as user-managed constants: the library reads and writes this process's
+  tensors, none is copied, and a new cache (each generation's) is bound in their place (`bind`).
+  So one library serves every checkpoint of an architecture, quantized or not (~2.5 MB each).
 - The cache's column `at` is an input, not a constant: AOTInductor folds a buffer the graph does
   not write, and the decoder moves it on between steps (StaticKVCache.advance).
 - The window's width is dynamic, as in the compiled step; the batch size, the capacity and the
@@ -20,12 +21,12 @@ Contract of `step_for(model, schedule, cache, tokens, window)`, a callable
   for the process per model, and on disk under <cache>/aot (<cache> as meshlm.data.cache_dir),
   keyed by the exported program (its graph, shapes and dtypes), torch's version, the CPU's vector
   capability and the threads, so a later run of the same architecture exports (~2 s) and loads
-  instead of compiling (~20 s). A library this user could not have written alone is not loaded,
+  instead of compiling (~20 s); the least recently used go once the folder holds more than
+  KEEP_BYTES (`prune`). A library this user could not have written alone is not loaded,
   and a build that fails is a ConfigError naming why (a C++ compiler is needed, as for
   torch.compile).
-- Tensors the step reads that no module holds (a quantized layer's packed operands, computed at
-  its first call) AOTInductor renames, so they cannot be bound: the library holds its own copy of
-  them, and its key includes their bytes.
+- A tensor the step reads that no module holds AOTInductor renames, so it cannot be bound: the
+  library holds its own copy, and its key includes its bytes (no meshlm layer has one today).
 - The numbers are the eager step's to floating-point rounding, as the compiled step's (Inductor
   fuses what eager ops round apart); tests/test_ahead.py checks greedy tokens in fp32.
 """
@@ -36,6 +37,7 @@ import os
 import platform
 import tempfile
 import time
+import warnings
 import weakref
 from pathlib import Path
 
@@ -46,6 +48,9 @@ from meshlm.data.cache_dir import cache_dir, untrusted
 from meshlm.errors import ConfigError
 from meshlm.generate import steps
 
+# the libraries on disk: at most this many bytes (~2.5 MB each at d = 768; the least recently
+# used go first); a build's temp file older than an hour was left by a killed process
+KEEP_BYTES, STALE_SECONDS = 1 << 30, 3600.0
 # per model: (schedule, batch, capacity, threads, dtypes) -> its step; dropped with the model
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -106,13 +111,15 @@ def _build(model: nn.Module, schedule: tuple[int, ...], cache: nn.Module, tokens
     width, at = torch.export.Dim("width", min=2, max=cache.capacity), cache.at
     forward = _Forward(model, schedule, cache)
     try:
-        program = torch.export.export(forward, (tokens, window, at),
-                                      strict=False, dynamic_shapes={
-                                          "tokens": None, "window": {1: width}, "at": None})
+        with warnings.catch_warnings():  # the window is the forward's input, set back below
+            warnings.filterwarnings("ignore", "The tensor attribute self.cache.window")
+            program = torch.export.export(forward, (tokens, window, at),
+                                          strict=False, dynamic_shapes={
+                                              "tokens": None, "window": {1: width}, "at": None})
     finally:  # the cache as it was: its own column, the decoder sets the window
         cache.window, cache._buffers["at"] = None, at
-    # tensors the step reads that no module holds (a quantized layer's packed operands):
-    # AOTInductor renames them, so the library keeps its own copy, and its key their bytes
+    # tensors the step reads that no module holds: AOTInductor renames them, so the library
+    # keeps its own copy, and its key their bytes
     buffers = dict(forward.named_buffers())
     lifted = {n: t for n, t in program.constants.items() if n not in buffers}
     # Inductor's options: the compiled step's; no weights in the library but those copies
@@ -120,8 +127,11 @@ def _build(model: nn.Module, schedule: tuple[int, ...], cache: nn.Module, tokens
     constants = {**program.state_dict, **program.constants}
     target = cache_dir() / "aot" / f"step-{_digest(program, constants, options, lifted)}.pt2"
     loaded = target.is_file()
-    if not loaded:
+    if loaded:
+        _touch(target)  # the most recently used: the last a prune would remove
+    else:
         _compile(program, target, options)
+        prune(target.parent, keep=target)
     refused = untrusted(target)
     if refused:
         raise ConfigError(refused)
@@ -145,6 +155,45 @@ def _digest(program, constants: dict[str, torch.Tensor], options: dict,
     return key.hexdigest()[:16]
 
 
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:  # removed by another process's prune since: loading it says so
+        pass
+
+
+def prune(folder: Path, keep: Path | None = None, budget: int = KEEP_BYTES,
+          stale: float = STALE_SECONDS) -> list[Path]:
+    """Remove the least recently used libraries in `folder` (by modification time, which a load
+    renews) until the rest hold at most `budget` bytes, never `keep` (the one just built), and
+    the partial files of builds that stopped more than `stale` seconds ago (a killed process
+    leaves its temp file). Returns what it removed; a file another process removed first is
+    skipped."""
+    now, removed = time.time(), []
+    libraries = []
+    for path in folder.glob("*.pt2"):
+        try:
+            st = path.stat()
+        except OSError:
+            continue
+        if path.name.startswith(".partial-"):
+            if now - st.st_mtime > stale:
+                removed.append(path)
+        elif path.name.startswith("step-"):
+            libraries.append((st.st_mtime, st.st_size, path))
+    held = 0
+    for _, size, path in sorted(libraries, reverse=True):  # newest first
+        held += size
+        if held > budget and path != keep:
+            removed.append(path)
+    for path in removed:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def _compile(program, target: Path, options: dict) -> None:
     """AOTInductor's library for `program` at `target`, written beside it and renamed (a reader
     never loads half a package)."""
@@ -152,8 +201,10 @@ def _compile(program, target: Path, options: dict) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".partial-", suffix=".pt2")
     os.close(fd)
     try:
-        torch._inductor.aoti_compile_and_package(program, package_path=tmp,
-                                                 inductor_configs=options)
+        with warnings.catch_warnings():  # torch's own deprecation, nothing a user can change
+            warnings.filterwarnings("ignore", ".*LeafSpec", FutureWarning)
+            torch._inductor.aoti_compile_and_package(program, package_path=tmp,
+                                                     inductor_configs=options)
         os.replace(tmp, target)
     except Exception as err:  # Inductor's C++ build: a missing or failing compiler, no room
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]

@@ -179,8 +179,8 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales", torch.ones(out_features, groups, dtype=torch.bfloat16))
             self.register_buffer("zeros", torch.zeros(out_features, groups, dtype=torch.bfloat16))
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        # the CPU kernels' operands, built on first use: kernel name -> tensors
-        self._operands: dict[str, tuple] = {}
+        # the CPU kernels' operands, built on first use: kernel name -> (tensors, their names)
+        self._operands: dict[str, tuple[tuple, tuple]] = {}
         # int8 activations: a compiled drop-in with the same numbers that decoding may give the
         # layer, for int8 weights at one row (meshlm.quant.row_kernel: scaled_int8_products), for
         # int4 at every row (meshlm.quant.int4_kernel: int4_int8_products); bf16 activations
@@ -208,7 +208,11 @@ class QuantizedLinear(nn.Module):
         return dequantize(self.stored(), self.group_size)
 
     def _load_from_state_dict(self, *args, **kwargs):
-        self._operands = {}  # new weights: repack on the next call
+        for _, names in self._operands.values():  # new weights: repack on the next call
+            for name in names:
+                if name is not None and name.startswith("_"):
+                    del self._buffers[name]
+        self._operands = {}
         super()._load_from_state_dict(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (…, in) -> (…, out), in x's dtype
@@ -275,10 +279,36 @@ class QuantizedLinear(nn.Module):
         y = torch._weight_int4pack_mm_for_cpu(rows, packed, self.group_size, scales_zeros)
         return y[:, :self.out_features].contiguous() if pad else y
 
-    def _cached(self, kernel: str, build):
-        if kernel not in self._operands:
-            self._operands[kernel] = build()
-        return self._operands[kernel]
+    def _cached(self, kernel: str, build) -> tuple:
+        """`build()`'s operands for `kernel`, built at the first call. Each tensor among them is
+        the layer's under a name: its own weight or bias, or a non-persistent buffer
+        `_{kernel}_{i}` (not in the state dict). Traced (torch.compile, torch.export), they are
+        read through those names, so a graph exported from the layer (meshlm.generate.ahead)
+        takes them as the layer's tensors and reads them in place rather than keeping a copy;
+        eager, the built tuple (one dict lookup a call)."""
+        operands = self._operands.get(kernel)
+        if operands is None:
+            operands = self._operands[kernel] = self._hold(kernel, build())
+        values, names = operands
+        if not torch.compiler.is_compiling():
+            return values
+        held = {**self._parameters, **self._buffers}
+        return tuple(v if n is None else held[n] for v, n in zip(values, names))
+
+    def _hold(self, kernel: str, values: tuple) -> tuple[tuple, tuple]:
+        """(`values`, the name each tensor among them has in the layer, None for the rest): the
+        layer's own tensors keep theirs, new ones become non-persistent buffers."""
+        own = {id(t): n for n, t in [*self._parameters.items(), *self._buffers.items()]
+               if t is not None}
+        names = []
+        for i, value in enumerate(values):
+            name = None
+            if isinstance(value, torch.Tensor):
+                name = own.get(id(value), f"_{kernel}_{i}")
+                if name not in own.values():
+                    self.register_buffer(name, value, persistent=False)
+            names.append(name)
+        return tuple(values), tuple(names)
 
     def _int_mm_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                         torch.Tensor]:
