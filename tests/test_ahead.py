@@ -28,7 +28,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11]]  # left padding in the batch
 @pytest.mark.slow
 def test_aot_greedy_tokens_are_the_eager_decoders_fresh_and_from_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(ahead, "cache_dir", lambda: tmp_path / "cache")
-    model = build(tiny(spec="1+2R3+1", d_model=64, vocab_size=256, context_length=96,
+    model = build(tiny(spec="1+1R2+1", d_model=64, vocab_size=256, context_length=96,
                        scheme="mesh"))
     s = Sampling(max_new_tokens=12, temperature=0, stop_at_eos=False)
     eager = generate(model, PROMPTS, s)
@@ -97,7 +97,7 @@ def test_a_w4a8_model_in_bf16_ahead_of_time_reads_every_tensor_in_place(tmp_path
     through theirs: the library binds every tensor it names to this process's (the w4a8 layers'
     packed operands too), holds none of its own, and gives the eager static step's logits to bf16
     rounding."""
-    model, _ = quantize_model(build(tiny(spec="1+2R3+1", d_model=64, vocab_size=256,
+    model, _ = quantize_model(build(tiny(spec="1+1R2+1", d_model=64, vocab_size=256,
                                          context_length=96, scheme="mesh")),
                               4, parts=("prelude", "cores", "coda"), activations="int8")
     with fresh_kernel(bf16_rows.KERNEL, monkeypatch, tmp_path / "cache"):
