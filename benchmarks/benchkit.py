@@ -64,16 +64,18 @@ def stack_shapes(d: int, layers: int, vocab: int) -> list[tuple[int, int]]:
     return [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)] * layers + [(vocab, d)]
 
 
-def decoding_copy(model: torch.nn.Module, dtype: str) -> tuple[torch.nn.Module, object]:
+def decoding_copy(model: torch.nn.Module, dtype: str,
+                  huge: bool = False) -> tuple[torch.nn.Module, object]:
     """(a copy of `model` with the weights `meshlm generate --dtype DTYPE` decodes with, the
     precision it decodes in): meshlm.decoding.for_decoding's (fp32 split for one-token products
-    where that pays, bf16 stored in bf16)."""
+    where that pays, bf16 stored in bf16; `huge`: on 2 MB pages where Linux can, as a server's
+    and a long generation's are)."""
     import copy
 
     from meshlm.decoding import for_decoding
 
     model = copy.deepcopy(model)
-    return model, for_decoding(dtype, model)[1]
+    return model, for_decoding(dtype, model, huge)[1]
 
 
 def bf16_without_kernel(model: torch.nn.Module) -> tuple[torch.nn.Module, object]:

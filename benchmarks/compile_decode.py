@@ -43,18 +43,26 @@ from benchkit import (
     weight_bytes_per_token,
 )
 
+PRECISIONS = ("fp32", "bf16", "bf16 F.linear", "w8a8", "int4", "w4a8")
+
+
+def variant(model, name: str, huge: bool = False) -> tuple:
+    """(`model` laid out as meshlm generate decodes it at precision `name`, its Precision);
+    `huge`: its weights on 2 MB pages where Linux can (decoding.prepare)."""
+    from meshlm.quant import PARTS, quantize_model
+
+    if name == "bf16 F.linear":
+        return bf16_without_kernel(model)
+    if name in ("fp32", "bf16"):
+        return decoding_copy(model, "auto" if name == "fp32" else "bf16", huge)
+    bits, activations = {"w8a8": (8, "int8"), "int4": (4, "bf16"), "w4a8": (4, "int8")}[name]
+    quantized = quantize_model(copy.deepcopy(model), bits, PARTS, activations=activations)[0]
+    return decoding_copy(quantized, "auto", huge)
+
 
 def variants(model) -> dict:
     """precision -> (model laid out as meshlm generate decodes it, its Precision)."""
-    from meshlm.quant import PARTS, quantize_model
-
-    out = {"fp32": decoding_copy(model, "auto"), "bf16": decoding_copy(model, "bf16"),
-           "bf16 F.linear": bf16_without_kernel(model)}
-    out["w8a8"] = decoding_copy(quantize_model(copy.deepcopy(model), 8, PARTS)[0], "auto")
-    out["int4"] = decoding_copy(quantize_model(copy.deepcopy(model), 4, PARTS)[0], "auto")
-    out["w4a8"] = decoding_copy(quantize_model(copy.deepcopy(model), 4, PARTS,
-                                               activations="int8")[0], "auto")
-    return out
+    return {name: variant(model, name) for name in PRECISIONS}
 
 
 class NoProduct(torch.nn.Module):

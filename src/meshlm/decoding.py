@@ -23,7 +23,8 @@ import torch
 from meshlm.kernels import bf16_rows, fp32_rows
 from meshlm.quant import int4_bf16_kernel, int4_kernel, row_kernel
 from meshlm.quant.calibrate import describe, structure_of
-from meshlm.runtime import bf16_linear, precision, split_linear
+from meshlm.quant.linear import QuantizedLinear
+from meshlm.runtime import bf16_linear, huge_pages, precision, split_linear
 from meshlm.runtime.precision import Precision
 
 SPLIT_NOTE = "linear weights split per thread for one-token products"
@@ -40,6 +41,10 @@ ROW_KERNEL_MISSING = "meshlm's int8 kernel unavailable"
 INT4_KERNEL_MISSING = "meshlm's int4 x int8 kernel unavailable"
 INT4_BF16_KERNEL_MISSING = "meshlm's int4 weight-only kernel unavailable"
 BF16_KERNEL_MISSING = "meshlm's bf16 kernel unavailable"
+# decode steps from which collapsing the weights into 2 MB pages pays back its time: at d = 768
+# in fp32 on a 2-core Zen 5 the collapse took 0.9-1.5 s and saved 0.8-1.0 ms a step, so ~1,000-
+# 1,900 steps; about the same at any size, as both scale with the weights' bytes (quantize.md)
+HUGE_PAGES_STEPS = 2048
 
 
 @dataclass(frozen=True)
@@ -59,25 +64,29 @@ class Prepared:
     # it could not be had (quant.int4_bf16_kernel.unavailable)
     int4_bf16_speedup: float = 0.0
     int4_bf16_missing: str | None = None
+    huge: huge_pages.Backed | None = None  # the weights' memory on 2 MB pages (CPU only)
 
 
-def for_decoding(requested: str, model: torch.nn.Module) -> tuple[torch.device, Precision]:
+def for_decoding(requested: str, model: torch.nn.Module,
+                 huge: bool = False) -> tuple[torch.device, Precision]:
     """(the model's device, the precision to decode in, its reason naming what prepare did). For
     inference only: the model's plain nn.Linear layers are replaced."""
     device = next(model.parameters()).device
     chosen = precision.choose_for_decoding(requested, device)
-    return device, described(chosen, prepare(model, chosen))
+    return device, described(chosen, prepare(model, chosen, huge))
 
 
-def prepare(model: torch.nn.Module, chosen: Precision) -> Prepared:
+def prepare(model: torch.nn.Module, chosen: Precision, huge: bool = False) -> Prepared:
     """Lay `model`'s weights out for decoding in `chosen`: in fp32 on CPU its linear layers where a
     probe found that faster (split_linear.lay_out_for_decoding), its int8-activation layers on CPU
     given the compiled row kernel where it pays (quant.row_kernel.give_row_kernel), its w4a8 layers
     on CPU their compiled kernel where this process has it (quant.int4_kernel.give), its int4
     weight-only layers on CPU theirs where it pays (quant.int4_bf16_kernel.give), under bf16 its
     nn.Linear weights stored in bf16 (precision.store_weights) and, on CPU, multiplied by the
-    compiled bf16 kernel at up to four rows where it pays (bf16_linear.lay_out_for_decoding).
-    Returns what it did."""
+    compiled bf16 kernel at up to four rows where it pays (bf16_linear.lay_out_for_decoding);
+    with `huge`, on CPU, the memory of every tensor a step streams on 2 MB pages where Linux can
+    (runtime.huge_pages: ~2-3 s a GB once, for 1.03-1.07x a step in fp32 and bf16, so asked for
+    by a server and by a generation of HUGE_PAGES_STEPS steps or more). Returns what it did."""
     cpu = next(model.parameters()).device.type == "cpu"
     fp32 = cpu and chosen.dtype is None
     layout, speedup = split_linear.lay_out_for_decoding(model) if fp32 else (None, 0.0)
@@ -93,9 +102,23 @@ def prepare(model: torch.nn.Module, chosen: Precision) -> Prepared:
     bf16 = cpu and chosen.dtype == torch.bfloat16
     swapped, bf16_speedup = bf16_linear.lay_out_for_decoding(model) if bf16 else (0, 0.0)
     bf16_missing = bf16_rows.unavailable() if bf16 else None
+    backed = _back_weights(model) if cpu and huge else None
     return Prepared(layout, speedup, fp32_missing, quantized, given, row_missing,
                     bf16_speedup if swapped else 0.0, bf16_missing, int4_given, int4_missing,
-                    int4_bf16, int4_bf16_missing)
+                    int4_bf16, int4_bf16_missing, backed)
+
+
+@torch.no_grad()
+def _back_weights(model: torch.nn.Module) -> huge_pages.Backed:
+    """Every tensor a decode step streams on 2 MB pages where Linux can (meshlm.runtime.
+    huge_pages): the quantized layers' kernel operands built first (one zero row each: they are
+    built at a layer's first call, and are its buffers from then on); not an embedding table's,
+    of which a step reads one row a token (a head tied to it streams it, and holds it too)."""
+    for layer in model.modules():
+        if isinstance(layer, QuantizedLinear) and layer.qweight.is_cpu:
+            layer(torch.zeros(1, layer.in_features))
+    return huge_pages.back([t for m in model.modules() if not isinstance(m, torch.nn.Embedding)
+                            for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]])
 
 
 def described(chosen: Precision, done: Prepared) -> Precision:
@@ -122,6 +145,10 @@ def described(chosen: Precision, done: Prepared) -> Precision:
                                                          done.int4_bf16_speedup, "torch's")
         notes += _kernel(int4_bf16 or None, INT4_BF16_KERNEL_MISSING, done.int4_bf16_missing,
                          "int4 weight-only products by torch's kernel")
+    if done.huge is not None and done.huge.regions:
+        backed = done.huge.bytes / 2**20
+        notes.append(f"weights' memory on 2 MB pages ({backed:.0f} MB)" if backed
+                     else f"weights on 4 KB pages ({done.huge.why_not})")
     return Precision(chosen.dtype, "; ".join(notes))
 
 

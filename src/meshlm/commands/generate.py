@@ -60,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from meshlm.decoding import for_decoding
+    from meshlm.decoding import HUGE_PAGES_STEPS, for_decoding
     from meshlm.generate import check_loops, check_room, compiled
     from meshlm.loading import open_model
     from meshlm.runtime import precision
@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     if args.compile:
         compiled.check_room(model, prompts, s.max_new_tokens)
     check_loops(model, args.loops, args.max_loops)
-    device, chosen = for_decoding(args.dtype, model)
+    # the weights on 2 MB pages where a generation is long enough to pay for it
+    device, chosen = for_decoding(args.dtype, model, s.max_new_tokens >= HUGE_PAGES_STEPS)
     with precision.autocast(device, chosen):
         code = _generate(args, model, tok, s, texts, prompts)
     # after the text, on stderr: stdout holds only the text, and an error stays the only line on

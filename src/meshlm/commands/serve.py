@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     opened = open_model(args.checkpoint, args.device, tokenizer=args.tokenizer)
     model, tok = opened.model, opened.tokenizer
-    device, chosen = for_decoding(args.dtype, model)
+    device, chosen = for_decoding(args.dtype, model, huge=True)  # a server decodes for long
     template, own = chat_template(opened.folder.chat_template)  # a fine-tuned run's: its own
     cfg = model.config
     name = args.name or opened.run_dir.resolve().name
