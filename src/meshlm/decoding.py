@@ -111,12 +111,12 @@ def prepare(model: torch.nn.Module, chosen: Precision, huge: bool = False) -> Pr
 @torch.no_grad()
 def _back_weights(model: torch.nn.Module) -> huge_pages.Backed:
     """Every tensor a decode step streams on 2 MB pages where Linux can (meshlm.runtime.
-    huge_pages): the quantized layers' kernel operands built first (one zero row each: they are
-    built at a layer's first call, and are its buffers from then on); not an embedding table's,
+    huge_pages): the quantized layers' kernel operands built first (one row of ones each: they
+    are built at a layer's first call, and are its buffers from then on); not an embedding table's,
     of which a step reads one row a token (a head tied to it streams it, and holds it too)."""
     for layer in model.modules():
         if isinstance(layer, QuantizedLinear) and layer.qweight.is_cpu:
-            layer(torch.zeros(1, layer.in_features))
+            layer(torch.ones(1, layer.in_features))  # not zeros: an int8 row's scale of 0
     return huge_pages.back([t for m in model.modules() if not isinstance(m, torch.nn.Embedding)
                             for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]])
 
