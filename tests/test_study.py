@@ -236,11 +236,12 @@ STEPS = 600
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("jobs", [1, 2])
-def test_ctrl_c_stops_the_study_with_the_running_training_saved_and_a_rerun_finishes(tmp_path,
-                                                                                     jobs):
+def test_ctrl_c_stops_the_study_with_the_running_training_saved_and_a_rerun_finishes(tmp_path):
     """SIGINT to `meshlm reproduce` reaches every running training once: each saves its step; the
-    study exits 130 and says to run it again, which resumes those runs and finishes the study."""
+    study exits 130 and says to run it again, which resumes those runs and finishes the study.
+    Two at a time (--jobs 2): the one-at-a-time study runs the same worker and signal
+    forwarding with one slot (study_runner.execute)."""
+    jobs = 2
     import json
     import os
     import re
