@@ -75,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
         compiled.check_room(model, prompts, s.max_new_tokens)
     check_loops(model, args.loops, args.max_loops)
     # the weights on 2 MB pages where a generation is long enough to pay for it
-    device, chosen = for_decoding(args.dtype, model, s.max_new_tokens >= HUGE_PAGES_STEPS)
+    device, chosen = for_decoding(args.dtype, model,
+                                  huge=s.max_new_tokens >= HUGE_PAGES_STEPS)
     with precision.autocast(device, chosen):
         code = _generate(args, model, tok, s, texts, prompts)
     # after the text, on stderr: stdout holds only the text, and an error stays the only line on

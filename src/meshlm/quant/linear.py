@@ -304,8 +304,9 @@ class QuantizedLinear(nn.Module):
         for i, value in enumerate(values):
             name = None
             if isinstance(value, torch.Tensor):
-                name = own.get(id(value), f"_{kernel}_{i}")
-                if name not in own.values():
+                name = own.get(id(value))
+                if name is None:  # built here: the layer's buffer from now on
+                    name = f"_{kernel}_{i}"
                     self.register_buffer(name, value, persistent=False)
             names.append(name)
         return tuple(values), tuple(names)

@@ -49,14 +49,21 @@ def back(tensors: Iterable[torch.Tensor]) -> Backed:
     if madvise is None:
         return Backed(0, len(ranges), f"no transparent huge pages on {sys.platform}")
     done, error = 0, 0
-    for outer, inner in ranges:
-        for lo, hi in (outer, *inner):  # the whole region; failing that, each storage's own part
-            if hi > lo and madvise(lo, hi - lo, MADV_COLLAPSE) == 0:
-                done += hi - lo
-                if (lo, hi) == outer:
-                    break
-            elif hi > lo:
-                error = error or ctypes.get_errno()
+
+    def collapse(span: Span) -> bool:
+        nonlocal done, error
+        lo, hi = span
+        if hi > lo and madvise(lo, hi - lo, MADV_COLLAPSE) == 0:
+            done += hi - lo
+            return True
+        if hi > lo:
+            error = error or ctypes.get_errno()
+        return False
+
+    for outer, inner in ranges:  # the whole region; failing that, each storage's own part
+        if not collapse(outer):
+            for span in inner:
+                collapse(span)
     if done:
         return Backed(done, len(ranges))
     why = f"madvise(MADV_COLLAPSE): {os.strerror(error) if error else 'no whole 2 MB page'}"
