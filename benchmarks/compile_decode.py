@@ -13,6 +13,8 @@ eager ones.
     .venv/bin/python benchmarks/compile_decode.py --no-matmul --threads 2   # the per-token split
     .venv/bin/python benchmarks/compile_decode.py --operators --threads 2   # C++ against Python
     .venv/bin/python benchmarks/compile_decode.py --aot --threads 2   # AOTInductor against jit
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/compile_decode.py --aot --threads 1 \
+        --precisions int4,w4a8   # --precisions: those alone (with --aot)
 
 --no-matmul splits a token's time: the fp32 model as decoded, and the same model with every weight
 product (each linear and the output layer) replaced by a slice of its input (a view the compiler
@@ -60,9 +62,9 @@ def variant(model, name: str, huge: bool = False) -> tuple:
     return decoding_copy(quantized, "auto", huge)
 
 
-def variants(model) -> dict:
-    """precision -> (model laid out as meshlm generate decodes it, its Precision)."""
-    return {name: variant(model, name) for name in PRECISIONS}
+def variants(model, names: tuple[str, ...] = PRECISIONS) -> dict:
+    """precision -> (model laid out as meshlm generate decodes it, its Precision), for `names`."""
+    return {name: variant(model, name) for name in names}
 
 
 class NoProduct(torch.nn.Module):
@@ -147,9 +149,8 @@ def ahead(model, prompts, s, args, clock) -> None:
     from meshlm.runtime import precision
 
     print("ms a compiled step, AOTInductor / torch.compile")
-    for name, (laid_out, chosen) in variants(model).items():
-        if name == "bf16 F.linear":
-            continue
+    names = tuple(n for n in args.precisions.split(",") if n != "bf16 F.linear")
+    for name, (laid_out, chosen) in variants(model, names).items():
         with torch.no_grad(), precision.autocast(torch.device("cpu"), chosen):
             start = time.perf_counter()
             tokens = generate(laid_out, prompts, s, compile="aot")
@@ -229,8 +230,14 @@ def main() -> None:
                    help="the step compiled ahead of time (AOTInductor) against torch.compile's")
     p.add_argument("--no-matmul", action="store_true",
                    help="fp32 only: the per-token time without weight products, eager and compiled")
+    p.add_argument("--precisions", default=",".join(PRECISIONS),
+                   help="with --aot: these precisions only (comma-separated)")
     add_timing_arguments(p, rounds=3)
     args = p.parse_args()
+    unknown = set(args.precisions.split(",")) - set(PRECISIONS)
+    if unknown:
+        raise SystemExit(f"--precisions: {', '.join(sorted(unknown))} not among "
+                         f"{', '.join(PRECISIONS)}")
     clock = timing_setup(args)
     torch.manual_seed(0)
     cfg = ModelConfig(spec=args.spec, d_model=768, n_heads=12, vocab_size=50304,

@@ -6,6 +6,8 @@ Prints each version's ms per pass over the stack's layers at one row, the weight
 ratio, and whether the two give the same numbers bit for bit.
 
     .venv/bin/python benchmarks/kernel_versions.py --kernel int4_rows --threads 2
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/kernel_versions.py --kernel int4_bf16_rows \
+        --threads 1
     .venv/bin/python benchmarks/kernel_versions.py --kernel int8_row --layers 2 --vocab 768 --hot
 
 Cross-process timings of two code versions drift with a shared VM's read bandwidth (it moved
@@ -28,13 +30,26 @@ from benchkit import add_timing_arguments, interleaved_medians, stack_shapes, ti
 
 from meshlm.kernels import build
 from meshlm.quant import QuantizedLinear
+from meshlm.quant.int4_bf16_kernel import KERNEL as INT4_BF16
 from meshlm.quant.int4_kernel import KERNEL as INT4
 from meshlm.quant.int4_kernel import give as give_int4
 from meshlm.quant.row_kernel import KERNEL as INT8
 from meshlm.quant.row_kernel import give_row_kernel
 
+
+def give_int4_bf16(layers) -> bool:
+    """The int4 weight-only kernel to every layer, whether or not its probe finds it faster than
+    torch's here (int4_bf16_kernel.give asks that): the versions are what is compared."""
+    product = INT4_BF16.product()
+    for m in layers if product else ():
+        m.row_kernel = product
+    return product is not None
+
+
 # kernel name -> (its Kernel, the QuantizedLinear arguments of its layers, how layers are given it)
 KERNELS = {"int4_rows": (INT4, {"bits": 4, "group_size": 64, "activations": "int8"}, give_int4),
+           "int4_bf16_rows": (INT4_BF16, {"bits": 4, "group_size": 64, "activations": "bf16"},
+                              give_int4_bf16),
            "int8_row": (INT8, {"bits": 8, "activations": "int8"}, give_row_kernel)}
 
 

@@ -141,13 +141,17 @@ def test_the_probe_races_the_kernel_against_torchs(kernel, monkeypatch):
             figures[f"{prefix}torch_ms"] / figures[f"{prefix}kernel_ms"])
 
 
-def test_the_kernel_built_for_older_cpus_is_the_float64_product(tmp_path):
-    """Built without -march=native: the plain C loop, as on CPUs without AVX512."""
+@pytest.mark.parametrize("flags", [(), ("-march=native", "-mno-avx512bf16")],
+                         ids=["plain-loop", "without-avx512-bf16"])
+def test_the_kernel_built_for_older_cpus_is_the_float64_product(tmp_path, flags):
+    """Built without -march=native: the plain C loop, as on CPUs without AVX512; built for this CPU
+    less AVX512_BF16: the fused multiply-adds, as on AVX512 CPUs without vdpbf16ps (where this CPU
+    has no AVX512 either, the plain loop again)."""
     cc = kernel_build.compiler()
     assert cc is not None, "this machine has a C compiler (cc or gcc)"
     target = tmp_path / "portable.so"
-    subprocess.run([cc, "-O3", "-shared", "-fPIC", str(int4_bf16_kernel.KERNEL.source), "-o",
-                    str(target)], check=True, capture_output=True, timeout=120)
+    subprocess.run([cc, "-O3", *flags, "-shared", "-fPIC", str(int4_bf16_kernel.KERNEL.source),
+                    "-o", str(target)], check=True, capture_output=True, timeout=120)
     function = ctypes.CDLL(str(target)).int4_bf16_rows_product
     function.argtypes, function.restype = int4_bf16_kernel.KERNEL.argtypes, ctypes.c_int
     product = int4_bf16_kernel.KERNEL.wrap(function)
