@@ -82,10 +82,21 @@ def _deterministic():
     yield
 
 
+def forget_kernels() -> None:
+    """Every kernel's product forgotten (Kernel.product caches it per process). A test that makes
+    kernels unbuildable (MESHLM_NATIVE=0, no compiler, a failing build) and decodes has every
+    kernel asked, and none of those Nones may reach a later test of the same worker."""
+    from meshlm import decoding  # noqa: F401 - imports every kernel's module
+    from meshlm.kernels.kernel import KERNELS
+
+    for kernel in KERNELS:
+        kernel.product.cache_clear()
+
+
 @contextlib.contextmanager
 def fresh_kernel(kernel, monkeypatch, cache):
     """`kernel` (a meshlm.kernels.kernel.Kernel) built into the cache folder `cache`, none
-    remembered from earlier in this process; forgotten again after."""
+    remembered from earlier in this process; after, every kernel forgotten (forget_kernels)."""
     monkeypatch.setenv("MESHLM_CACHE", str(cache))
     kernel.product.cache_clear()
     built = kernel.product()
@@ -93,7 +104,17 @@ def fresh_kernel(kernel, monkeypatch, cache):
     try:
         yield built
     finally:
-        kernel.product.cache_clear()
+        forget_kernels()
+
+
+@pytest.fixture
+def native_off(monkeypatch):
+    """MESHLM_NATIVE=0 as a process started with it: every kernel unbuilt, and forgotten after,
+    so later tests in this process build theirs again."""
+    monkeypatch.setenv("MESHLM_NATIVE", "0")
+    forget_kernels()
+    yield
+    forget_kernels()
 
 
 @pytest.fixture

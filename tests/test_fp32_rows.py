@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build, fresh_kernel, tiny
+from conftest import build, forget_kernels, fresh_kernel, tiny
 from test_quant import assert_decodes_exactly
 
 from meshlm import decoding
@@ -192,7 +192,7 @@ def test_the_probe_times_all_three_and_is_cached(kernel, tmp_path):
 def test_without_the_kernel_decoding_keeps_torchs_ops(monkeypatch, tmp_path):
     monkeypatch.setenv("MESHLM_CACHE", str(tmp_path))
     monkeypatch.setenv("MESHLM_NATIVE", "0")
-    fp32_rows.fp32_rows_kernel.cache_clear()
+    forget_kernels()
     try:
         assert fp32_rows.fp32_rows_kernel() is None and split_linear.paying_kernel() is None
         model = build(tiny(spec="1+1R2+1", vocab_size=256))
@@ -201,16 +201,16 @@ def test_without_the_kernel_decoding_keeps_torchs_ops(monkeypatch, tmp_path):
         assert f"{decoding.FP32_KERNEL_MISSING} (turned off by MESHLM_NATIVE=0" in chosen.reason
         assert not any(getattr(m, "kernel", None) for m in model.modules())
     finally:
-        fp32_rows.fp32_rows_kernel.cache_clear()
+        forget_kernels()
 
 
 @pytest.fixture
 def no_kernel(monkeypatch, tmp_path):
     """A cache of its own (the user's is neither read nor written), no kernel remembered."""
     monkeypatch.setenv("MESHLM_CACHE", str(tmp_path / "cache"))
-    fp32_rows.fp32_rows_kernel.cache_clear()
+    forget_kernels()
     yield tmp_path / "cache" / "kernels"
-    fp32_rows.fp32_rows_kernel.cache_clear()
+    forget_kernels()
 
 
 @pytest.mark.parametrize("how, named", [

@@ -14,7 +14,7 @@ from test_quant import assert_decodes_exactly
 
 from meshlm import decoding
 from meshlm.kernels import build as kernel_build
-from meshlm.kernels.kernel import KERNELS, close_to_float64
+from meshlm.kernels.kernel import close_to_float64
 from meshlm.quant import QuantizedLinear, int4_bf16_kernel, quantize_model
 from meshlm.runtime import precision
 
@@ -88,18 +88,6 @@ def test_where_torchs_kernel_is_faster_the_layers_keep_it(kernel, monkeypatch, o
     assert all(m.row_kernel is None for m in quantized.modules()
                if isinstance(m, QuantizedLinear))
     assert "int4 weight-only" not in line  # nothing missing: the probe chose torch's kernel
-
-
-@pytest.fixture
-def native_off(monkeypatch):
-    """MESHLM_NATIVE=0 as a process started with it: every kernel unbuilt, and forgotten after,
-    so later tests in this process build theirs again."""
-    monkeypatch.setenv("MESHLM_NATIVE", "0")
-    for each in KERNELS:
-        each.product.cache_clear()
-    yield
-    for each in KERNELS:
-        each.product.cache_clear()
 
 
 def test_without_the_kernel_the_layers_keep_torchs_and_say_so(kernel, native_off):

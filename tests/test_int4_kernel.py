@@ -83,9 +83,7 @@ def test_decoding_takes_the_kernel_and_keeps_every_token(fresh_build, policy):
         assert_decodes_exactly(quantized)  # cached, uncached, speculation, batched
 
 
-def test_without_the_kernel_the_layers_keep_the_torch_ops_and_say_so(fresh_build, monkeypatch):
-    monkeypatch.setenv("MESHLM_NATIVE", "0")
-    int4_kernel.int4_rows_kernel.cache_clear()  # a process started with it set
+def test_without_the_kernel_the_layers_keep_the_torch_ops_and_say_so(fresh_build, native_off):
     model = build(tiny(spec="1+1R2+1", vocab_size=256))
     quantized = quantize_model(model, 4, ("cores",), group_size=32, activations="int8")[0]
     line = decoding.for_decoding("auto", quantized)[1].describe()
