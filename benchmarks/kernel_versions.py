@@ -9,6 +9,17 @@ ratio, and whether the two give the same numbers bit for bit.
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/kernel_versions.py --kernel int4_bf16_rows \
         --threads 1
     .venv/bin/python benchmarks/kernel_versions.py --kernel int8_row --layers 2 --vocab 768 --hot
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/kernel_versions.py --kernel int4_rows \
+        --threads 1 --aot
+
+--aot times the versions where decoding spends most of its time: inside the decode step compiled
+ahead of time (`meshlm generate --aot`), which calls the kernel through its C++ operator without
+Python, so a version's cost per call counts as it does there. A vanilla model of --layers layers
+at --d-model with --vocab words, quantized as the kernel's precision decodes (w4a8, int4 or
+w8a8), generates --new-tokens tokens after a 32-token prompt with the operator bound to each
+version in turn (meshlm.kernels.operators.register rebinds it); a token's time is the difference
+of that and a one-token generation, and the weights it reads are given as a share of the read
+bandwidth measured in the same rounds.
 
 Cross-process timings of two code versions drift with a shared VM's read bandwidth (it moved
 between 22 and 77 GB/s within an hour on a 2-core Zen 5); here both builds run in the same rounds.
@@ -26,7 +37,14 @@ import tempfile
 from pathlib import Path
 
 import torch
-from benchkit import add_timing_arguments, interleaved_medians, stack_shapes, timing_setup
+from benchkit import (
+    add_timing_arguments,
+    interleaved_medians,
+    read_sum,
+    stack_shapes,
+    timing_setup,
+    weight_bytes_per_token,
+)
 
 from meshlm.kernels import build
 from meshlm.quant import QuantizedLinear
@@ -53,8 +71,8 @@ KERNELS = {"int4_rows": (INT4, {"bits": 4, "group_size": 64, "activations": "int
            "int8_row": (INT8, {"bits": 8, "activations": "int8"}, give_row_kernel)}
 
 
-def product_at(kernel, revision: str | None, folder: Path):
-    """The kernel's product (what its layers call) built from its source at `revision` (None: the
+def function_at(kernel, revision: str | None, folder: Path):
+    """The kernel's C function (bound by ctypes) built from its source at `revision` (None: the
     working tree's file)."""
     source = kernel.source
     if revision is not None:
@@ -68,7 +86,61 @@ def product_at(kernel, revision: str | None, folder: Path):
         raise SystemExit(f"{source}: {build.why_not(source)}")
     function = getattr(library, kernel.symbol)
     function.argtypes, function.restype = kernel.argtypes, ctypes.c_int
-    return kernel.wrap(function)
+    return function
+
+
+# kernel name -> the precision (compile_decode.variant) whose layers call it
+PRECISION = {"int4_rows": "w4a8", "int4_bf16_rows": "int4", "int8_row": "w8a8"}
+
+
+def ahead(kernel, functions: dict, args, clock) -> None:
+    """ms a decoded token of the AOT-compiled step with meshlm::<kernel> bound to each version of
+    `functions` (name -> C function), and the weights' share of the read bandwidth (--aot)."""
+    from compile_decode import variant
+
+    from meshlm.config import ModelConfig
+    from meshlm.generate import Sampling, generate
+    from meshlm.kernels import operators
+    from meshlm.model import MeshLM
+    from meshlm.runtime import precision
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(spec=str(args.layers), d_model=args.d_model, n_heads=args.d_model // 64,
+                      vocab_size=args.vocab, context_length=256, scheme="vanilla",
+                      scale_embeddings=False)
+    model, chosen = variant(MeshLM(cfg).eval(), PRECISION[args.kernel])
+    if not any(getattr(m, "row_kernel", None) for m in model.modules()):
+        raise SystemExit(f"{args.kernel}: decoding does not give it to the layers here (its "
+                         "probe found torch's kernel faster)")
+    prompts = torch.randint(2, args.vocab, (1, 32),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+    lengths = {n: Sampling(max_new_tokens=n, temperature=0, stop_at_eos=False)
+               for n in (1, args.new_tokens)}
+
+    def run(name: str, n: int):
+        def go():
+            if not operators.register(kernel.name, functions[name]):
+                raise SystemExit(f"meshlm::{kernel.name}: {operators.unavailable()}")
+            with torch.no_grad(), precision.autocast(torch.device("cpu"), chosen):
+                return generate(model, prompts, lengths[n], compile="aot")
+        return go
+
+    tokens = {name: run(name, args.new_tokens)() for name in functions}  # the first builds it
+    cases = {(name, n): run(name, n) for name in functions for n in lengths}
+    cases["read"], size = read_sum()
+    t = interleaved_medians(cases, args.rounds, clock)
+    ms = {name: 1e3 * (t[name, args.new_tokens] - t[name, 1]) / (args.new_tokens - 1)
+          for name in functions}
+    reading = size / t["read"]
+    print(f"{args.kernel} in the AOT step of a {args.layers}-layer d = {args.d_model} "
+          f"{PRECISION[args.kernel]} model, {torch.get_num_threads()} threads, {args.rounds} "
+          f"rounds, {args.new_tokens} tokens; read bandwidth {reading / 1e9:.1f} GB/s")
+    for name, value in ms.items():
+        share = weight_bytes_per_token(model) * 1e3 / value / reading
+        print(f"  {name:8s} {value:6.3f} ms a token, weights read at {share:.0%} of it")
+    base, tree = ms.values()
+    print(f"  tree / {args.base}: {base / tree:.3f}x; same greedy tokens: "
+          f"{len(set(map(str, tokens.values()))) == 1}")
 
 
 def main() -> None:
@@ -79,6 +151,9 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--vocab", type=int, default=50304)
     p.add_argument("--hot", action="store_true", help="no read between passes (module docstring)")
+    p.add_argument("--aot", action="store_true",
+                   help="inside the AOT-compiled decode step (module docstring)")
+    p.add_argument("--new-tokens", type=int, default=64, help="with --aot")
     add_timing_arguments(p, rounds=15)
     args = p.parse_args()
     clock = timing_setup(args)
@@ -90,8 +165,11 @@ def main() -> None:
     if not give(layers):
         raise SystemExit(f"{args.kernel}: no kernel here ({kernel.unavailable()})")
     with tempfile.TemporaryDirectory() as folder:
-        products = {args.base: product_at(kernel, args.base, Path(folder)),
-                    "tree": product_at(kernel, None, Path(folder))}
+        functions = {args.base: function_at(kernel, args.base, Path(folder)),
+                     "tree": function_at(kernel, None, Path(folder))}
+    if args.aot:
+        return ahead(kernel, functions, args, clock)
+    products = {name: kernel.wrap(f) for name, f in functions.items()}
     inputs = {m.in_features: torch.randn(1, m.in_features) for m in layers}
     flush = torch.ones(16 * 2**20)  # 64 MB, more than the L3s meshlm is measured on
 
