@@ -4,8 +4,9 @@
 An int4 layer with bf16 activations multiplies by torch._weight_int4pack_mm_for_cpu; at one row
 (a decoded token) that kernel read a 12-layer d = 768 stack's weights at ~2/3 of the speed of
 meshlm's own (docs/quantize.md). meshlm's reads the packed layout the w4a8 kernel reads
-(QuantizedLinear._int4_rows_operands: one packed copy serves both), unpacks each 4-bit weight into
-a float in registers and sums in fp32 with fused multiply-adds. Its sums are in its own order, not
+(QuantizedLinear._int4_rows_operands: one packed copy serves both), looks each 4-bit weight up as
+a bf16 number and sums pairs of products into fp32 with vdpbf16ps where the CPU has AVX512_BF16,
+else unpacks it into a float and sums with fused multiply-adds. Its sums are in its own order, not
 torch's: it is checked against the float64 product (kernel.close_to_float64), like the fp32 and
 bf16 kernels, and a row takes exactly the same steps alone or in a batch, at every row count, so a
 row's outputs do not depend on the batch.
@@ -32,7 +33,8 @@ from meshlm.quant.linear import QuantizedLinear
 PROBE_MB, PROBE_SHAPE, PROBE_GROUP = 64, (3072, 768), 64
 # the kernel serves every row count (a row's bits must not depend on the batch), so besides its
 # one-row gain (kernel.MIN_SPEEDUP) it must not lose much at BATCH_ROWS rows, a served batch
-BATCH_ROWS, BATCH_FLOOR = 16, 0.85  # 0.88-0.94 measured on a 2-core Zen 5: docs/quantize.md
+BATCH_ROWS, BATCH_FLOOR = 16, 0.85  # a 2-core Zen 5: 0.88-0.94 multiply-adding, 2.0-2.1 with
+# vdpbf16ps (docs/quantize.md)
 
 
 def _close(product: Product) -> bool:
