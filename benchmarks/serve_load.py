@@ -17,9 +17,16 @@ fairness ratio (`--loop-slice` is passed to the server: 0 turns slicing off). Ea
 and printed. A level stops starting requests after `--seconds`. Every mode runs at every level once
 per round, rounds alternating the order, and the figures are the medians over rounds. `--compile`
 adds a mode: the same plain requests to a second server started with `--compile` (its warm-up
-compile done before the first level). On a shared machine, read the ratios (concurrency c over
-one at a time; exit, speculation and the compiled server over plain at the same concurrency)
+compile done before the first level). `--versus SRC` adds another: the same plain requests to a
+server whose meshlm is imported from SRC/src (a git worktree of an earlier commit, say), so that
+code versions are compared in the same rounds: the compiled (or plain) server over it is the
+speed-up since that commit. On a shared machine, read the ratios (concurrency c over one at a
+time; exit, speculation, the compiled server and --versus over plain at the same concurrency)
 rather than the absolute tokens/s.
+
+    git worktree add /tmp/before <commit>
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/serve_load.py RUN --compile --versus /tmp/before \
+        --concurrency 16 --rounds 3
 """
 from __future__ import annotations
 
@@ -147,7 +154,12 @@ def modes(args) -> dict[str, dict]:
         out[f"+ loops={args.deep} client"] = {"deep": args.deep}
     if args.compile:
         out["plain, compiled"] = {"server": "compiled"}
+    if args.versus:
+        out[VERSUS] = {"server": "versus"}
     return out
+
+
+VERSUS = "plain, --versus code"
 
 
 def report(name: str, c: int, runs: list[dict], base: float | None) -> float:
@@ -193,6 +205,8 @@ def main() -> None:
                    help="the server's --loop-slice (default: its own; 0: never slice)")
     p.add_argument("--compile", action="store_true",
                    help="add a mode: plain requests to a second server run with --compile")
+    p.add_argument("--versus", type=Path, default=None, metavar="SRC",
+                   help="add a mode: plain requests to a server of the meshlm in SRC/src")
     p.add_argument("--server-threads", type=int, default=1)
     p.add_argument("--max-batch", type=int, default=16)
     args = p.parse_args()
@@ -207,6 +221,9 @@ def main() -> None:
     if args.compile:  # the compiled step's warm-up precedes /health
         servers["compiled"] = Server(Path(args.checkpoint), *options, "--compile", name="bench",
                                      ready_within=600)
+    if args.versus:
+        servers["versus"] = Server(Path(args.checkpoint), *options, name="bench",
+                                   src=args.versus.resolve() / "src")
     try:
         results: dict[tuple[str, int], list[dict]] = {}
         plan = [(m, c) for c in levels for m in modes(args)]
@@ -224,6 +241,12 @@ def main() -> None:
         for c in levels[1:]:
             print(f"plain: concurrency {c} / one at a time: {plain[c] / plain[levels[0]]:.2f}x "
                   "tokens/s")
+        for c in levels if args.versus else ():
+            before = statistics.median(r["tokens/s"] for r in results[(VERSUS, c)])
+            best = max(plain[c], *(statistics.median(r["tokens/s"] for r in results[(m, c)])
+                                   for m in modes(args) if m == "plain, compiled"))
+            print(f"concurrency {c}: this tree's best server over {args.versus}'s: "
+                  f"{best / before:.2f}x tokens/s (plain {plain[c] / before:.2f}x)")
     finally:
         for server in servers.values():
             server.stop()

@@ -22,21 +22,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def clean_env() -> dict[str, str]:
+def clean_env(src: Path = ROOT / "src") -> dict[str, str]:
     """Only what the interpreter needs: no proxies, no MESHLM_* or torch settings of the
-    caller's."""
+    caller's; meshlm imported from `src`."""
     keep = {k: os.environ[k] for k in ("PATH", "HOME", "LANG", "TMPDIR") if k in os.environ}
-    return {**keep, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    return {**keep, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
 
 
 class Server:
-    def __init__(self, folder: Path, *options: str, name: str = "tiny", ready_within: float = 60):
+    def __init__(self, folder: Path, *options: str, name: str = "tiny", ready_within: float = 60,
+                 src: Path = ROOT / "src"):
+        """`meshlm serve folder *options` on a free port, meshlm imported from `src` (another
+        checkout's, to compare code versions)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "meshlm.cli", "serve", str(folder), "--port", str(self.port),
                "--name", name,
                "--threads", "1", *options]
-        self.proc = subprocess.Popen(cmd, env=clean_env(), cwd=ROOT, stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen(cmd, env=clean_env(src), cwd=ROOT, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE,
                                      text=True)
         self._wait_ready(ready_within)
