@@ -243,8 +243,8 @@ def main() -> None:
                   "tokens/s")
         for c in levels if args.versus else ():
             before = statistics.median(r["tokens/s"] for r in results[(VERSUS, c)])
-            best = max(plain[c], *(statistics.median(r["tokens/s"] for r in results[(m, c)])
-                                   for m in modes(args) if m == "plain, compiled"))
+            best = max([plain[c]] + [statistics.median(r["tokens/s"] for r in results[(m, c)])
+                                     for m in modes(args) if m == "plain, compiled"])
             print(f"concurrency {c}: this tree's best server over {args.versus}'s: "
                   f"{best / before:.2f}x tokens/s (plain {plain[c] / before:.2f}x)")
     finally:
