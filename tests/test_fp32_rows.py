@@ -189,19 +189,14 @@ def test_the_probe_times_all_three_and_is_cached(kernel, tmp_path):
     assert split_linear.kernel_speedup(kernel) == first  # measured once, then read
 
 
-def test_without_the_kernel_decoding_keeps_torchs_ops(monkeypatch, tmp_path):
+def test_without_the_kernel_decoding_keeps_torchs_ops(monkeypatch, tmp_path, native_off):
     monkeypatch.setenv("MESHLM_CACHE", str(tmp_path))
-    monkeypatch.setenv("MESHLM_NATIVE", "0")
-    forget_kernels()
-    try:
-        assert fp32_rows.fp32_rows_kernel() is None and split_linear.paying_kernel() is None
-        model = build(tiny(spec="1+1R2+1", vocab_size=256))
-        _, chosen = decoding.for_decoding("auto", model)
-        assert decoding.FP32_KERNEL_NOTE not in chosen.reason
-        assert f"{decoding.FP32_KERNEL_MISSING} (turned off by MESHLM_NATIVE=0" in chosen.reason
-        assert not any(getattr(m, "kernel", None) for m in model.modules())
-    finally:
-        forget_kernels()
+    assert fp32_rows.fp32_rows_kernel() is None and split_linear.paying_kernel() is None
+    model = build(tiny(spec="1+1R2+1", vocab_size=256))
+    _, chosen = decoding.for_decoding("auto", model)
+    assert decoding.FP32_KERNEL_NOTE not in chosen.reason
+    assert f"{decoding.FP32_KERNEL_MISSING} (turned off by MESHLM_NATIVE=0" in chosen.reason
+    assert not any(getattr(m, "kernel", None) for m in model.modules())
 
 
 @pytest.fixture
