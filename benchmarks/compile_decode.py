@@ -62,6 +62,16 @@ def variant(model, name: str, huge: bool = False) -> tuple:
     return decoding_copy(quantized, "auto", huge)
 
 
+def precisions(text: str) -> tuple[str, ...]:
+    """A --precisions argument's names (comma-separated), each one of PRECISIONS."""
+    names = tuple(text.split(","))
+    unknown = set(names) - set(PRECISIONS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{', '.join(sorted(unknown))} not among "
+                                         f"{', '.join(PRECISIONS)}")
+    return names
+
+
 def variants(model, names: tuple[str, ...] = PRECISIONS) -> dict:
     """precision -> (model laid out as meshlm generate decodes it, its Precision), for `names`."""
     return {name: variant(model, name) for name in names}
@@ -149,7 +159,7 @@ def ahead(model, prompts, s, args, clock) -> None:
     from meshlm.runtime import precision
 
     print("ms a compiled step, AOTInductor / torch.compile")
-    names = tuple(n for n in args.precisions.split(",") if n != "bf16 F.linear")
+    names = tuple(n for n in args.precisions if n != "bf16 F.linear")
     for name, (laid_out, chosen) in variants(model, names).items():
         with torch.no_grad(), precision.autocast(torch.device("cpu"), chosen):
             start = time.perf_counter()
@@ -175,7 +185,8 @@ def read_shares(laid_out, ms: dict, reading: float, batch: int) -> dict:
 def step_ms(runs: dict, prompts, s, args, clock) -> tuple[dict, float]:
     """(ms a decoded token, prefill excluded (a generation of --new-tokens against one of a single
     token, the difference over the tokens between), per key of `runs` (key -> (the model as
-    decoded, its Precision, compile or not)); the read bandwidth in bytes/s, from
+    decoded, its Precision, compile or not[, a callable run before each of its generations]));
+    the read bandwidth in bytes/s, from
     benchkit.read_sum), all timed in the same interleaved rounds, so that the
     bandwidth a step is compared with is the machine's at that time (on a shared VM it moved
     between 45 and 77 GB/s within the hour)."""
@@ -186,11 +197,13 @@ def step_ms(runs: dict, prompts, s, args, clock) -> tuple[dict, float]:
 
     one = dataclasses.replace(s, max_new_tokens=1)
 
-    def run(m, chosen, compile, sampling):
+    def run(sampling, m, chosen, compile, before=None):
+        if before is not None:
+            before()
         with torch.no_grad(), precision.autocast(torch.device("cpu"), chosen):
             return generate(m, prompts, sampling, compile=compile)
 
-    cases = {(key, n): (lambda r=r, sm=sm: run(*r, sm))
+    cases = {(key, n): (lambda r=r, sm=sm: run(sm, *r))
              for key, r in runs.items() for n, sm in ((1, one), (args.new_tokens, s))}
     cases["read"], size = read_sum()
     t = interleaved_medians(cases, args.rounds, clock)
@@ -230,14 +243,10 @@ def main() -> None:
                    help="the step compiled ahead of time (AOTInductor) against torch.compile's")
     p.add_argument("--no-matmul", action="store_true",
                    help="fp32 only: the per-token time without weight products, eager and compiled")
-    p.add_argument("--precisions", default=",".join(PRECISIONS),
+    p.add_argument("--precisions", type=precisions, default=PRECISIONS,
                    help="with --aot: these precisions only (comma-separated)")
     add_timing_arguments(p, rounds=3)
     args = p.parse_args()
-    unknown = set(args.precisions.split(",")) - set(PRECISIONS)
-    if unknown:
-        raise SystemExit(f"--precisions: {', '.join(sorted(unknown))} not among "
-                         f"{', '.join(PRECISIONS)}")
     clock = timing_setup(args)
     torch.manual_seed(0)
     cfg = ModelConfig(spec=args.spec, d_model=768, n_heads=12, vocab_size=50304,

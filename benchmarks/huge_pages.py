@@ -20,7 +20,7 @@ import time
 
 import torch
 from benchkit import add_timing_arguments, timing_setup
-from compile_decode import PRECISIONS, step_ms, variant
+from compile_decode import precisions, step_ms, variant
 
 
 def main() -> None:
@@ -29,7 +29,7 @@ def main() -> None:
     from meshlm.model import MeshLM
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--precisions", default="fp32,bf16,w8a8,int4,w4a8")
+    p.add_argument("--precisions", type=precisions, default="fp32,bf16,w8a8,int4,w4a8")
     p.add_argument("--compile", choices=("eager", "jit", "aot"), default="eager")
     p.add_argument("--new-tokens", type=int, default=64)
     add_timing_arguments(p, rounds=5)
@@ -45,9 +45,7 @@ def main() -> None:
     compile = {"eager": False, "jit": True, "aot": "aot"}[args.compile]
     print(f"12 vanilla, d_model 768, batch 1, {args.new_tokens} new tokens, "
           f"{torch.get_num_threads()} threads, {args.compile}, {args.rounds} rounds (medians)")
-    for name in args.precisions.split(","):
-        if name not in PRECISIONS:
-            raise SystemExit(f"--precisions: {name!r} is not one of {', '.join(PRECISIONS)}")
+    for name in args.precisions:
         runs, seconds = {}, {}
         for pages in ("4 KB", "2 MB"):
             start = time.perf_counter()

@@ -37,14 +37,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from benchkit import (
-    add_timing_arguments,
-    interleaved_medians,
-    read_sum,
-    stack_shapes,
-    timing_setup,
-    weight_bytes_per_token,
-)
+from benchkit import add_timing_arguments, interleaved_medians, stack_shapes, timing_setup
 
 from meshlm.kernels import build
 from meshlm.quant import QuantizedLinear
@@ -96,7 +89,7 @@ PRECISION = {"int4_rows": "w4a8", "int4_bf16_rows": "int4", "int8_row": "w8a8"}
 def ahead(kernel, functions: dict, args, clock) -> None:
     """ms a decoded token of the AOT-compiled step with meshlm::<kernel> bound to each version of
     `functions` (name -> C function), and the weights' share of the read bandwidth (--aot)."""
-    from compile_decode import variant
+    from compile_decode import read_shares, step_ms, variant
 
     from meshlm.config import ModelConfig
     from meshlm.generate import Sampling, generate
@@ -114,30 +107,27 @@ def ahead(kernel, functions: dict, args, clock) -> None:
                          "probe found torch's kernel faster)")
     prompts = torch.randint(2, args.vocab, (1, 32),
                             generator=torch.Generator().manual_seed(0)).tolist()
-    lengths = {n: Sampling(max_new_tokens=n, temperature=0, stop_at_eos=False)
-               for n in (1, args.new_tokens)}
+    s = Sampling(max_new_tokens=args.new_tokens, temperature=0, stop_at_eos=False)
 
-    def run(name: str, n: int):
-        def go():
-            if not operators.register(kernel.name, functions[name]):
-                raise SystemExit(f"meshlm::{kernel.name}: {operators.unavailable()}")
-            with torch.no_grad(), precision.autocast(torch.device("cpu"), chosen):
-                return generate(model, prompts, lengths[n], compile="aot")
-        return go
+    def bind(function) -> None:
+        if not operators.register(kernel.name, function):
+            raise SystemExit(f"meshlm::{kernel.name}: {operators.unavailable()}")
 
-    tokens = {name: run(name, args.new_tokens)() for name in functions}  # the first builds it
-    cases = {(name, n): run(name, n) for name in functions for n in lengths}
-    cases["read"], size = read_sum()
-    t = interleaved_medians(cases, args.rounds, clock)
-    ms = {name: 1e3 * (t[name, args.new_tokens] - t[name, 1]) / (args.new_tokens - 1)
-          for name in functions}
-    reading = size / t["read"]
+    def tokens_of(function) -> list:
+        bind(function)
+        with torch.no_grad(), precision.autocast(torch.device("cpu"), chosen):
+            return generate(model, prompts, s, compile="aot")
+
+    tokens = {name: tokens_of(f) for name, f in functions.items()}  # the first builds the step
+    args.batch = 1
+    ms, reading = step_ms({name: (model, chosen, "aot", lambda f=f: bind(f))
+                           for name, f in functions.items()}, prompts, s, args, clock)
+    shares = read_shares(model, ms, reading, args.batch)
     print(f"{args.kernel} in the AOT step of a {args.layers}-layer d = {args.d_model} "
           f"{PRECISION[args.kernel]} model, {torch.get_num_threads()} threads, {args.rounds} "
           f"rounds, {args.new_tokens} tokens; read bandwidth {reading / 1e9:.1f} GB/s")
     for name, value in ms.items():
-        share = weight_bytes_per_token(model) * 1e3 / value / reading
-        print(f"  {name:8s} {value:6.3f} ms a token, weights read at {share:.0%} of it")
+        print(f"  {name:8s} {value:6.3f} ms a token, weights read at {shares[name]:.0%} of it")
     base, tree = ms.values()
     print(f"  tree / {args.base}: {base / tree:.3f}x; same greedy tokens: "
           f"{len(set(map(str, tokens.values()))) == 1}")
@@ -158,17 +148,17 @@ def main() -> None:
     args = p.parse_args()
     clock = timing_setup(args)
     kernel, quantized, give = KERNELS[args.kernel]
+    with tempfile.TemporaryDirectory() as folder:
+        functions = {args.base: function_at(kernel, args.base, Path(folder)),
+                     "tree": function_at(kernel, None, Path(folder))}
+    if args.aot:  # its own model, laid out as decoding lays it out
+        return ahead(kernel, functions, args, clock)
     torch.manual_seed(0)
     layers = torch.nn.ModuleList(
         QuantizedLinear.from_linear(torch.nn.Linear(i, o), **quantized)
         for o, i in stack_shapes(args.d_model, args.layers, args.vocab))
     if not give(layers):
         raise SystemExit(f"{args.kernel}: no kernel here ({kernel.unavailable()})")
-    with tempfile.TemporaryDirectory() as folder:
-        functions = {args.base: function_at(kernel, args.base, Path(folder)),
-                     "tree": function_at(kernel, None, Path(folder))}
-    if args.aot:
-        return ahead(kernel, functions, args, clock)
     products = {name: kernel.wrap(f) for name, f in functions.items()}
     inputs = {m.in_features: torch.randn(1, m.in_features) for m in layers}
     flush = torch.ones(16 * 2**20)  # 64 MB, more than the L3s meshlm is measured on
