@@ -107,6 +107,30 @@ def fresh_kernel(kernel, monkeypatch, cache):
         forget_kernels()
 
 
+# C flag sets that build a kernel's other paths on this CPU, as the CPUs that lack an instruction
+# set build it: each path falls back to the next where this CPU lacks its instructions too
+OLDER_CPUS = {"plain-loop": (), "without-avx512-bf16": ("-march=native", "-mno-avx512bf16"),
+              "avx2": ("-march=native", "-mno-avx512f")}
+
+
+def built_for(kernel, flags: tuple[str, ...], folder):
+    """`kernel` (a meshlm.kernels.kernel.Kernel) compiled with the C flags `flags` (OLDER_CPUS)
+    into `folder`, bound and wrapped as its callers take it, its check not yet run."""
+    import ctypes
+    import subprocess
+
+    from meshlm.kernels import build as kernel_build
+
+    cc = kernel_build.compiler()
+    assert cc is not None, "this machine has a C compiler (cc or gcc)"
+    target = folder / f"{kernel.source.stem}-older.so"
+    subprocess.run([cc, "-O3", *flags, "-shared", "-fPIC", str(kernel.source), "-o", str(target)],
+                   check=True, capture_output=True, timeout=120)
+    function = getattr(ctypes.CDLL(str(target)), kernel.symbol)
+    function.argtypes, function.restype = kernel.argtypes, ctypes.c_int
+    return kernel.wrap(function)
+
+
 @pytest.fixture
 def native_off(monkeypatch):
     """MESHLM_NATIVE=0 as a process started with it: every kernel unbuilt, and forgotten after,

@@ -7,12 +7,13 @@ import copy
 
 import pytest
 import torch
-from conftest import build, fresh_kernel, tiny
+from conftest import OLDER_CPUS, build, built_for, fresh_kernel, tiny
 
 from meshlm import decoding
 from meshlm.generate import Sampling, generate
 from meshlm.kernels import bf16_rows
 from meshlm.kernels.fp32_rows import rows_apart
+from meshlm.kernels.kernel import close_to_float64
 from meshlm.runtime import bf16_linear, precision
 from meshlm.runtime.bf16_linear import KERNEL_ROWS, Bf16Linear
 
@@ -159,3 +160,17 @@ def test_the_probe_is_measured_again_when_the_kernel_source_changes(kernel, tmp_
     assert bf16_linear.kernel_speedup(kernel) == first == {"n": 1}  # cached
     source.write_text(source.read_text() + "\n/* a new version */\n")
     assert bf16_linear.kernel_speedup(kernel) == {"n": 2} and len(calls) == 2
+
+
+@pytest.mark.parametrize("flags", OLDER_CPUS.values(), ids=OLDER_CPUS.keys())
+def test_the_kernel_built_for_older_cpus_passes_its_check(tmp_path, flags):
+    """The paths this CPU does not run (conftest.OLDER_CPUS: the plain loop, AVX512 without
+    vdpbf16ps, AVX2) give F.linear's product to fp32 rounding, each row alone what it gives in a
+    batch, at every row count up to a tile and past it."""
+    product = built_for(bf16_rows.KERNEL, flags, tmp_path)
+    assert bf16_rows.KERNEL.check(product)
+    weight = torch.randn(40, 96).bfloat16()
+    x = torch.randn(7, 96).bfloat16()
+    assert close_to_float64(product(x, weight, None), x, weight, None)
+    for rows in range(1, 8):
+        assert rows_apart(lambda r: product(r, weight, None), x[:rows])

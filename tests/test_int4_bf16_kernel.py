@@ -4,16 +4,12 @@ in a batch at every row count, so decoding through it keeps cached, uncached, sp
 batched tokens equal; given where its probe finds it faster than torch's kernel, named on the
 precision line, and where it cannot be built the layers keep torch's kernel and the line says
 why."""
-import ctypes
-import subprocess
-
 import pytest
 import torch
-from conftest import build, fresh_kernel, tiny
+from conftest import OLDER_CPUS, build, built_for, fresh_kernel, tiny
 from test_quant import assert_decodes_exactly
 
 from meshlm import decoding
-from meshlm.kernels import build as kernel_build
 from meshlm.kernels.kernel import close_to_float64
 from meshlm.quant import QuantizedLinear, int4_bf16_kernel, quantize_model
 from meshlm.runtime import precision
@@ -129,20 +125,12 @@ def test_the_probe_races_the_kernel_against_torchs(kernel, monkeypatch):
             figures[f"{prefix}torch_ms"] / figures[f"{prefix}kernel_ms"])
 
 
-@pytest.mark.parametrize("flags", [(), ("-march=native", "-mno-avx512bf16")],
-                         ids=["plain-loop", "without-avx512-bf16"])
+@pytest.mark.parametrize("flags", OLDER_CPUS.values(), ids=OLDER_CPUS.keys())
 def test_the_kernel_built_for_older_cpus_is_the_float64_product(tmp_path, flags):
-    """Built without -march=native: the plain C loop, as on CPUs without AVX512; built for this CPU
-    less AVX512_BF16: the fused multiply-adds, as on AVX512 CPUs without vdpbf16ps (where this CPU
-    has no AVX512 either, the plain loop again)."""
-    cc = kernel_build.compiler()
-    assert cc is not None, "this machine has a C compiler (cc or gcc)"
-    target = tmp_path / "portable.so"
-    subprocess.run([cc, "-O3", *flags, "-shared", "-fPIC", str(int4_bf16_kernel.KERNEL.source),
-                    "-o", str(target)], check=True, capture_output=True, timeout=120)
-    function = ctypes.CDLL(str(target)).int4_bf16_rows_product
-    function.argtypes, function.restype = int4_bf16_kernel.KERNEL.argtypes, ctypes.c_int
-    product = int4_bf16_kernel.KERNEL.wrap(function)
+    """Built without -march=native: the plain C loop, as on CPUs without AVX2; built for this CPU
+    less AVX512_BF16: the fused multiply-adds, as on AVX512 CPUs without vdpbf16ps; less AVX512:
+    the multiply-adds eight outputs at a time, as on AVX2 CPUs."""
+    product = built_for(int4_bf16_kernel.KERNEL, flags, tmp_path)
     assert int4_bf16_kernel._close(product)
     layer = int4(256, 40, 64, bias=False)
     packed, sz = layer._int4_rows_operands()

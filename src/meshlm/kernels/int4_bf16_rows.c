@@ -31,13 +31,16 @@
    sums a row (one per pair, or per byte t with the low and the high nibble of byte t to the
    same one) keep four chains apart, and every row takes exactly these steps whether it runs
    alone or among four that share each load and its unpacking: a row's outputs do not depend on
-   the batch. Blocks are split over `threads` OpenMP threads. Without AVX512 a plain C loop runs
-   over the same layout (its own rounding: its sums are not fused; a machine runs one of the
-   three for every row). */
+   the batch. With AVX2 (no AVX512) the same multiply-adds run eight outputs at a time, a block
+   in two passes over its chunks (the second reads them from the cache), two rows sharing each
+   load: at one row 2.4x torch's kernel held to AVX2 on a 2-core Zen 5, where that converts
+   every weight too. Blocks are split over `threads` OpenMP threads. Without AVX2 a plain C loop
+   runs over the same layout (its own rounding: its sums are not fused; a machine runs one of the
+   four for every row). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -49,7 +52,6 @@
 
 #define LANES 16
 #define CHUNK 8
-#define ROWS 4
 /* bytes ahead of the chunk being read that its loop asks the cache for (prefetcht0): one thread's
    hardware prefetch alone left the weights' stream ~10% slower (a 2-core Zen 5; 4-12 KB alike) */
 #define PREFETCH 8192
@@ -75,11 +77,58 @@ static void widen_row(const uint16_t *restrict bits, int64_t k, int64_t group,
     }
 }
 
+/* the vectors the block skeleton and the multiply-add path work in: V holds VLANES floats of a
+   block's outputs (all 16 with AVX512; with AVX2 a half, so a block is two passes over its chunks,
+   the second from the cache), VI their 32-bit words, ROWS the rows that share each load */
 #if defined(__AVX512F__)
-static inline __m512 widen16(const uint16_t *bits) {
+#define VECTOR 1
+#define VLANES 16
+#define ROWS 4
+typedef __m512 V;
+typedef __m512i VI;
+#define v_zero _mm512_setzero_ps
+#define v_add _mm512_add_ps
+#define v_sub _mm512_sub_ps
+#define v_mul _mm512_mul_ps
+#define v_fmadd _mm512_fmadd_ps
+#define v_set1 _mm512_set1_ps
+#define v_store _mm512_storeu_ps
+#define v_of_int _mm512_cvtepi32_ps
+#define vi_load(p) _mm512_loadu_si512((const void *)(p))
+#define vi_and _mm512_and_si512
+#define vi_srli _mm512_srli_epi32
+#define vi_shuffle _mm512_shuffle_epi8
+#define vi_set1_8 _mm512_set1_epi8
+/* VLANES bf16 (their bits) as fp32, exactly */
+static inline V widen_v(const uint16_t *bits) {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bits));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VECTOR 1
+#define VLANES 8
+#define ROWS 2 /* 16 registers: two rows' four sums each (four rows' spill: 0.9x at 16 rows) */
+typedef __m256 V;
+typedef __m256i VI;
+#define v_zero _mm256_setzero_ps
+#define v_add _mm256_add_ps
+#define v_sub _mm256_sub_ps
+#define v_mul _mm256_mul_ps
+#define v_fmadd _mm256_fmadd_ps
+#define v_set1 _mm256_set1_ps
+#define v_store _mm256_storeu_ps
+#define v_of_int _mm256_cvtepi32_ps
+#define vi_load(p) _mm256_loadu_si256((const __m256i *)(p))
+#define vi_and _mm256_and_si256
+#define vi_srli _mm256_srli_epi32
+#define vi_shuffle _mm256_shuffle_epi8
+#define vi_set1_8 _mm256_set1_epi8
+static inline V widen_v(const uint16_t *bits) {
+    __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)bits));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#else
+#define ROWS 1
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -110,7 +159,7 @@ static inline Unpack unpack_init(void) {
 
 /* chunk c's (at w, k index j) products added to p[r][t], R rows (x: their pairs, pair_row) */
 static inline __attribute__((always_inline)) void chunk(
-        __m512 p[ROWS][4], const Unpack *u, const uint8_t *restrict w, const uint32_t *restrict x,
+        V p[ROWS][4], const Unpack *u, const uint8_t *restrict w, const uint32_t *restrict x,
         int64_t j, int64_t k, const int R) {
     _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
     const __m512i packed = _mm512_loadu_si512((const void *)w);
@@ -125,74 +174,78 @@ static inline __attribute__((always_inline)) void chunk(
                 (int)x[(r * (k / CHUNK) + j / CHUNK) * 4 + t]));
 }
 typedef uint32_t Row; /* what a row's activations are to chunk(): bf16 pairs */
-#elif defined(__AVX512F__)
+#elif defined(VECTOR)
 /* the unpacking's constants: the nibble mask, and spread[t] taking byte t of every 32-bit lane
    out zero-extended (vpshufb, within each 128 bits) */
-typedef struct { __m512i low, spread[4]; } Unpack;
+typedef struct { VI low, spread[4]; } Unpack;
 static inline Unpack unpack_init(void) {
-    Unpack u = {.low = _mm512_set1_epi8(0x0F)};
-    const __m512i dword = _mm512_set_epi32(12, 8, 4, 0, 12, 8, 4, 0, 12, 8, 4, 0, 12, 8, 4, 0);
-    for (int t = 0; t < 4; t++)
-        u.spread[t] = _mm512_add_epi32(_mm512_set1_epi32((int)(0x80808000u | (uint32_t)t)),
-                                       dword);
+    Unpack u = {.low = vi_set1_8(0x0F)};
+    for (int t = 0; t < 4; t++) {
+        uint32_t words[VLANES];
+        for (int i = 0; i < VLANES; i++)
+            words[i] = 0x80808000u | (uint32_t)(4 * (i % 4) + t);
+        u.spread[t] = vi_load(words);
+    }
     return u;
 }
 
-/* chunk c's (at w, k index j) products added to p[r][t], R rows (x: them widened) */
+/* chunk c's (at w, k index j; VLANES outputs) products added to p[r][t], R rows (x: them
+   widened) */
 static inline __attribute__((always_inline)) void chunk(
-        __m512 p[ROWS][4], const Unpack *u, const uint8_t *restrict w, const float *restrict x,
+        V p[ROWS][4], const Unpack *u, const uint8_t *restrict w, const float *restrict x,
         int64_t j, int64_t k, const int R) {
-    const __m512i packed = _mm512_loadu_si512((const void *)w);
-    const __m512i lows = _mm512_and_si512(packed, u->low);
-    const __m512i highs = _mm512_and_si512(_mm512_srli_epi32(packed, 4), u->low);
+    _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
+    const VI packed = vi_load(w);
+    const VI lows = vi_and(packed, u->low), highs = vi_and(vi_srli(packed, 4), u->low);
     for (int t = 0; t < 4; t++) {
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(lows, u->spread[t]));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(highs, u->spread[t]));
+        const V lo = v_of_int(vi_shuffle(lows, u->spread[t]));
+        const V hi = v_of_int(vi_shuffle(highs, u->spread[t]));
         for (int r = 0; r < R; r++) {
-            p[r][t] = _mm512_fmadd_ps(lo, _mm512_set1_ps(x[r * k + j + t]), p[r][t]);
-            p[r][t] = _mm512_fmadd_ps(hi, _mm512_set1_ps(x[r * k + j + 4 + t]), p[r][t]);
+            p[r][t] = v_fmadd(lo, v_set1(x[r * k + j + t]), p[r][t]);
+            p[r][t] = v_fmadd(hi, v_set1(x[r * k + j + 4 + t]), p[r][t]);
         }
     }
 }
 typedef float Row; /* what a row's activations are to chunk(): fp32 */
 #endif
 
-#if defined(__AVX512F__)
-/* the 16 outputs of a block for R rows (R = 1 or ROWS once inlined): each chunk's 64 bytes are
-   loaded and unpacked once for the R rows; every row's steps are the same for either R */
+#if defined(VECTOR)
+/* the 16 outputs of a block for R rows (R = 1 or ROWS once inlined), VLANES at a time: each
+   chunk's bytes are loaded and unpacked once for the R rows; every row's steps are the same for
+   either R */
 static inline __attribute__((always_inline)) void block(
         const uint8_t *restrict w, const uint16_t *restrict sz, const Row *restrict x,
         const float *restrict sums, int64_t k, int64_t group, float *restrict out, int64_t n,
         const int R) {
     const int64_t groups = k / group, chunks = group / CHUNK;
     const Unpack u = unpack_init();
-    __m512 acc[ROWS];
-    for (int r = 0; r < R; r++)
-        acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m512 p[ROWS][4];
+    for (int h = 0; h < LANES / VLANES; h++) {
+        V acc[ROWS];
         for (int r = 0; r < R; r++)
-            for (int t = 0; t < 4; t++)
-                p[r][t] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t j = (g * chunks + c) * CHUNK;
-            chunk(p, &u, w + j * LANES / 2, x, j, k, R);
-        }
-        const uint16_t *scale = sz + g * 2 * LANES, *zero = scale + LANES;
-        const __m512 sc = widen16(scale), ze = widen16(zero);
-        for (int r = 0; r < R; r++) {
-            const float sum = sums[r * groups + g];
-            __m512 total = _mm512_add_ps(_mm512_add_ps(p[r][0], p[r][1]),
-                                         _mm512_add_ps(p[r][2], p[r][3]));
+            acc[r] = v_zero();
+        for (int64_t g = 0; g < groups; g++) {
+            V p[ROWS][4];
+            for (int r = 0; r < R; r++)
+                for (int t = 0; t < 4; t++)
+                    p[r][t] = v_zero();
+            for (int64_t c = 0; c < chunks; c++) {
+                const int64_t j = (g * chunks + c) * CHUNK;
+                chunk(p, &u, w + j * LANES / 2 + h * VLANES * 4, x, j, k, R);
+            }
+            const uint16_t *scale = sz + g * 2 * LANES + h * VLANES, *zero = scale + LANES;
+            const V sc = widen_v(scale), ze = widen_v(zero);
+            for (int r = 0; r < R; r++) {
+                const float sum = sums[r * groups + g];
+                V total = v_add(v_add(p[r][0], p[r][1]), v_add(p[r][2], p[r][3]));
 #ifndef DOT  /* P[g] − 8 · X[g]; vdpbf16ps summed q − 8 already */
-            total = _mm512_sub_ps(total, _mm512_set1_ps(8.0f * sum));
+                total = v_sub(total, v_set1(8.0f * sum));
 #endif
-            acc[r] = _mm512_add_ps(acc[r], _mm512_add_ps(_mm512_mul_ps(sc, total),
-                                                         _mm512_mul_ps(ze, _mm512_set1_ps(sum))));
+                acc[r] = v_add(acc[r], v_add(v_mul(sc, total), v_mul(ze, v_set1(sum))));
+            }
         }
+        for (int r = 0; r < R; r++)
+            v_store(out + r * n + h * VLANES, acc[r]);
     }
-    for (int r = 0; r < R; r++)
-        _mm512_storeu_ps(out + r * n, acc[r]);
 }
 #else
 typedef float Row;
@@ -258,7 +311,7 @@ int int4_bf16_rows_product(const uint16_t *restrict x, const uint8_t *restrict w
         const uint8_t *packed = w + b * (k / CHUNK) * LANES * 4;
         const uint16_t *block_sz = sz + b * groups * 2 * LANES;
         int64_t r = 0;
-#if defined(__AVX512F__)
+#if defined(VECTOR)
         for (; r + ROWS <= m; r += ROWS)
             block(packed, block_sz, rows_in + r * stride, sums + r * groups, k, group,
                   y + r * n + b * LANES, n, ROWS);
