@@ -252,3 +252,30 @@ def test_cache_keys_tell_cpus_of_one_model_name_apart_by_their_flags(monkeypatch
                             lambda flags=flags: {"model": "AMD EPYC", "flags": frozenset(flags)})
         ids.append(machine.cpu_id())
     assert ids[0] != ids[1] == ids[2] and all(i.startswith("AMD EPYC #") for i in ids)
+
+
+def test_a_race_takes_turns_and_keeps_each_steps_fastest_call(monkeypatch):
+    calls, times = [], iter([0.0, 3.0, 3.0, 4.0, 10.0, 11.0, 11.0, 15.0])  # a: 3, 1; b: 1, 4
+    monkeypatch.setattr(machine.time, "perf_counter", lambda: next(times))
+    steps = {name: (lambda name=name: calls.append(name)) for name in ("a", "b")}
+    raced = machine.race(steps, reps=2, fastest="a")
+    assert calls == ["a", "b"] + ["a", "b"] * 2  # one untimed call each, then rounds in turn
+    assert raced == {"a_ms": 1000.0, "b_ms": 1000.0, "a_over_b": 1.0}
+
+
+def test_a_cold_race_reads_past_the_caches_before_every_timed_call(monkeypatch):
+    reads = []
+    monkeypatch.setattr(machine, "flush_bytes", lambda: 4096)
+    monkeypatch.setattr(machine.torch.Tensor, "sum", lambda self: reads.append(self.numel()))
+    machine.race({"a": lambda: None, "b": lambda: None}, reps=3, fastest="a", cold=True)
+    assert reads == [1024] * 6
+
+
+@pytest.mark.parametrize("sizes, expected", [({"index0": "48K", "index3": "32768K"}, 64 << 20),
+                                             ({"index2": "2048K", "index3": "105M"}, 210 << 20),
+                                             ({}, 256 << 20), ({"index3": "odd"}, 256 << 20)])
+def test_the_flush_covers_twice_the_largest_cache(tmp_path, sizes, expected):
+    for index, size in sizes.items():
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert machine.flush_bytes(tmp_path) == expected

@@ -95,7 +95,7 @@ def kernel_speedup(kernel: Product) -> dict:
     (kernel_over_torch) and at BATCH_ROWS (batch_kernel_over_torch), from the cache or measured
     now."""
     method = (f"best of 5 passes of 1 and of {BATCH_ROWS} rows over {PROBE_MB} MB of "
-              f"{PROBE_SHAPE} int4 weights in groups of {PROBE_GROUP}")
+              f"{PROBE_SHAPE} int4 weights in groups of {PROBE_GROUP}, {machine.COLD}")
     return machine.measured("int4-bf16-kernel", KERNEL.probed_by(method),
                             lambda threads: _probe(kernel))["value"]
 
@@ -114,6 +114,6 @@ def _probe(kernel: Product, reps: int = 5) -> dict:
             {"torch": lambda x=x: [torch._weight_int4pack_mm_for_cpu(x, p, PROBE_GROUP, s)
                                    for p, s in theirs],
              "kernel": lambda x=x: [kernel(x, p, s, out, PROBE_GROUP) for p, s in ours]},
-            reps, fastest="kernel")
+            reps, fastest="kernel", cold=True)
         figures.update({prefix + name: value for name, value in race.items()})
     return figures

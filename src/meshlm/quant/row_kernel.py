@@ -120,7 +120,7 @@ def kernel_speedup(kernel: Product) -> dict:
     """This machine's one-row speed of `kernel` over scaled_int8_products (torch._int_mm), from
     the cache or measured now."""
     method = (f"best of 5 one-row passes over {PROBE_MB} MB of {PROBE_SHAPE} int8 weights, "
-              "rounding included")
+              f"rounding included, {machine.COLD}")
     return machine.measured("int8-row-kernel", KERNEL.probed_by(method),
                             lambda threads: _probe(kernel))["value"]
 
@@ -133,4 +133,4 @@ def _probe(kernel: Product, reps: int = 5) -> dict:
     x = torch.full((1, PROBE_SHAPE[1]), -0.5, dtype=torch.float32, device=CPU)
     return machine.race({"torch": lambda: [scaled_int8_products(x, w) for w in weights],
                          "kernel": lambda: [kernel(x, w, s) for w, s in zip(weights, sums)]},
-                        reps, fastest="kernel")
+                        reps, fastest="kernel", cold=True)

@@ -87,7 +87,7 @@ def kernel_speedup(kernel: bf16_rows.Product) -> dict:
     """This machine's one-row speed of `kernel` over bf16 F.linear, from the cache or measured
     now."""
     method = (f"best of 5 one-row passes over the bf16 weights of {KERNEL_PROBE_LAYERS} decoder "
-              f"layers of width {KERNEL_PROBE_D}")
+              f"layers of width {KERNEL_PROBE_D}, {machine.COLD}")
     return machine.measured("bf16-rows-kernel", bf16_rows.KERNEL.probed_by(method),
                             lambda threads: _probe(kernel))["value"]
 
@@ -98,4 +98,4 @@ def _probe(kernel: bf16_rows.Product, reps: int = 5) -> dict:
     x = {w.shape[1]: torch.full((1, w.shape[1]), 0.5, dtype=torch.bfloat16) for w in weights}
     return machine.race({"linear": lambda: [F.linear(x[w.shape[1]], w) for w in weights],
                          "kernel": lambda: [kernel(x[w.shape[1]], w, None) for w in weights]},
-                        reps, fastest="kernel")
+                        reps, fastest="kernel", cold=True)

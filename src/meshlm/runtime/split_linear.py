@@ -208,7 +208,8 @@ def split_tied_head(model: nn.Module, threads: int | None = None) -> bool:
 
 def split_speedup() -> float:
     """This machine's one-row speed split over F.linear, from the cache or measured now."""
-    method = f"best of 5 one-row passes over {PROBE_MB} MB of {PROBE_SHAPE} fp32 weights"
+    method = (f"best of 5 one-row passes over {PROBE_MB} MB of {PROBE_SHAPE} fp32 weights, "
+              f"{machine.COLD}")
     return machine.measured("split-linear", method, _probe)["value"]["split_over_linear"]
 
 
@@ -220,7 +221,8 @@ def _probe(threads: int, reps: int = 5) -> dict:
     split = [SplitLinear(w, None, width_for(out_features, threads)) for w in weights]
     x = torch.full((1, in_features), 0.5)
     return machine.race({"linear": lambda: [F.linear(x, w) for w in weights],
-                         "split": lambda: [m(x) for m in split]}, reps, fastest="split")
+                         "split": lambda: [m(x) for m in split]}, reps, fastest="split",
+                        cold=True)
 
 
 def lay_out_for_decoding(model: nn.Module) -> tuple[str | None, float]:
@@ -248,7 +250,7 @@ def kernel_speedup(kernel: fp32_rows.Product) -> dict:
     """This machine's one-row speed of `kernel` over the split layout's bmm and over F.linear,
     from the cache or measured now."""
     method = (f"best of 5 one-row passes over the fp32 weights of {KERNEL_PROBE_LAYERS} decoder "
-              f"layers of width {KERNEL_PROBE_D}")
+              f"layers of width {KERNEL_PROBE_D}, {machine.COLD}")
     return machine.measured("fp32-rows-kernel", fp32_rows.KERNEL.probed_by(method),
                             lambda threads: _kernel_probe(kernel, threads))["value"]
 
@@ -263,4 +265,4 @@ def _kernel_probe(kernel: fp32_rows.Product, threads: int, reps: int = 5) -> dic
         "linear": lambda: [F.linear(x[w.shape[1]], w) for w in weights],
         "split": lambda: [m(x[m.in_features]) for m in split],
         "kernel": lambda: [kernel(x[b.shape[1]], b, None, len(w)) for b, w in zip(tiled, weights)]},
-        reps, fastest="kernel")
+        reps, fastest="kernel", cold=True)
