@@ -17,6 +17,7 @@ from meshlm import decoding
 from meshlm.generate import Sampling, generate
 from meshlm.model.kv_cache import KVCache
 from meshlm.quant import QuantizedLinear, quantize_model, row_kernel
+from meshlm.quant import linear as linear_module
 from meshlm.quant.linear import exact_int8_products, quantize_rows, scaled_int8_products
 
 
@@ -50,9 +51,23 @@ def test_the_compiled_product_is_the_torch_ops_numbers_bit_for_bit(fresh_build, 
     assert [p.name for p in fresh_build.iterdir()] == [p.name for p in fresh_build.glob("*.so")]
 
 
-def test_decoding_through_the_kernel_gives_the_same_numbers(fresh_build, monkeypatch):
+def without_exact_int_mm(monkeypatch) -> None:
+    """As on a CPU without int8 dot-product instructions, whose torch._int_mm saturates."""
+    for module in (linear_module, row_kernel, decoding):
+        monkeypatch.setattr(module, "exact_int8_products", lambda: False)
+
+
+@pytest.mark.parametrize("int_mm", ["this CPU's", "inexact"])
+def test_decoding_through_the_kernel_gives_the_same_numbers(fresh_build, monkeypatch, int_mm):
+    """Where torch._int_mm's sums are exact the kernel takes one row and _int_mm the others; where
+    they are not (forced: a CPU without VNNI) it takes every row, so a row's numbers still do not
+    depend on the batch, and they are the exact sums' either way."""
+    exact = exact_int8_products()  # this CPU's, for the layers without the kernel below
     # whether this CPU's probe finds it faster is the next tests' matter: here it is used
-    monkeypatch.setattr(row_kernel, "_probe", lambda kernel: {"kernel_over_torch": 2.0})
+    monkeypatch.setattr(row_kernel, "_probe", lambda kernel, exact: {
+        "kernel_over_torch": 2.0, "batch_kernel_over_torch": 2.0})
+    if int_mm == "inexact":
+        without_exact_int_mm(monkeypatch)
     model = build(tiny(spec="1+1R3+1", vocab_size=512, d_model=64))
     quantized = quantize_model(model, 8, ("prelude", "cores", "coda"), activations="int8")[0]
     _, chosen = decoding.for_decoding("auto", quantized)
@@ -61,16 +76,19 @@ def test_decoding_through_the_kernel_gives_the_same_numbers(fresh_build, monkeyp
         if isinstance(layer, QuantizedLinear):
             layer.row_kernel = None
     layers = [m for m in quantized.modules() if isinstance(m, QuantizedLinear)]
-    if not exact_int8_products():  # a CPU whose torch._int_mm saturates: nothing to pair with
-        assert all(m.row_kernel is None for m in layers)
-        return
     assert layers and all(m.row_kernel is row_kernel.int8_row_kernel() for m in layers)
-    assert decoding.ROW_KERNEL_NOTE in chosen.reason
+    assert (decoding.ROW_KERNEL_NOTE if int_mm == "this CPU's" and exact else
+            decoding.ROWS_KERNEL_NOTE) in chosen.reason
+    assert_decodes_exactly(quantized)  # cached, uncached, speculation, batched
     s = Sampling(max_new_tokens=10, temperature=0, stop_at_eos=False)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
-    assert [generate(quantized, [p], s)[0] for p in prompts] == \
-        [generate(plain, [p], s)[0] for p in prompts]
-    assert_decodes_exactly(quantized)
+    ours = [generate(quantized, [p], s)[0] for p in prompts]
+    if not exact:  # this CPU's torch._int_mm saturates: no exact torch path to compare with
+        return
+    monkeypatch.setattr(linear_module, "exact_int8_products", lambda: True)  # plain: _int_mm
+    assert ours == [generate(plain, [p], s)[0] for p in prompts]
+    if int_mm == "inexact":
+        return
     ids, step = torch.tensor([[5, 6, 7]]), torch.tensor([[9]])
     caches = KVCache(), KVCache()
     with torch.no_grad():  # one token after a cached past: one row per layer, the kernel's case
@@ -118,10 +136,12 @@ def test_without_the_kernel_the_layers_keep_torchs(fresh_build, monkeypatch, tmp
     quantized = quantize_model(model, 8, ("cores",), activations="int8")[0]
     _, chosen = decoding.for_decoding("auto", quantized)
     assert decoding.ROW_KERNEL_NOTE not in chosen.reason
-    if exact_int8_products():  # the kernel would have been used: its absence is named, never silent
-        assert f"{decoding.ROW_KERNEL_MISSING} ({row_kernel.unavailable(quantized)}), so " \
-            "one-token int8 products by torch._int_mm" in chosen.reason
-        assert named in row_kernel.unavailable(quantized)
+    fallback = "one-token int8 products by torch._int_mm" if exact_int8_products() else \
+        "int8 products by torch's weight-only kernel"
+    # the kernel would have been used: its absence is named, never silent
+    assert f"{decoding.ROW_KERNEL_MISSING} ({row_kernel.unavailable(quantized)}), so " \
+        f"{fallback}" in chosen.reason
+    assert named in row_kernel.unavailable(quantized)
     assert all(m.row_kernel is None for m in quantized.modules()
                if isinstance(m, QuantizedLinear))
     assert_decodes_exactly(quantized)
@@ -149,28 +169,42 @@ def test_weight_only_layers_get_no_kernel(fresh_build):
     assert os.environ["MESHLM_CACHE"] == str(fresh_build.parent)
 
 
-@pytest.mark.parametrize("speedup, used", [(1.4, True), (0.9, False)])
+@pytest.mark.parametrize("int_mm, speedup, batch, used", [
+    ("this CPU's", 1.4, None, True), ("this CPU's", 0.9, None, False),
+    ("inexact", 1.4, 1.2, True), ("inexact", 1.4, 0.8, False), ("inexact", 0.9, 1.2, False)])
 def test_layers_get_the_kernel_only_where_this_machines_probe_found_it_faster(
-        fresh_build, monkeypatch, speedup, used):
-    """Measured once per machine (cached with its figures in machine.json), as the split layout."""
-    if not exact_int8_products():
-        return  # no torch._int_mm to pair with: no kernel whatever the probe
+        fresh_build, monkeypatch, int_mm, speedup, batch, used):
+    """Measured once per machine (cached with its figures in machine.json), as the split layout;
+    where torch._int_mm is not exact the kernel takes every row, so it must not lose much at a
+    served batch's rows either."""
+    if int_mm == "inexact":
+        without_exact_int_mm(monkeypatch)
     probes = []
+    figures = {"kernel_over_torch": speedup, **({} if batch is None else
+                                                {"batch_kernel_over_torch": batch})}
     monkeypatch.setattr(row_kernel, "_probe",
-                        lambda kernel: probes.append(1) or {"kernel_over_torch": speedup})
+                        lambda kernel, exact: probes.append(exact) or figures)
     for _ in range(2):
         quantized = quantize_model(build(tiny(spec="1+1R2+1", vocab_size=256)), 8, ("cores",),
                                    activations="int8")[0]
         assert (row_kernel.give_row_kernel(quantized) > 0) == used
-    assert len(probes) == 1
+    assert probes == [row_kernel.exact_int8_products()]
     assert "int8-row-kernel" in (fresh_build.parent / "machine.json").read_text()
 
 
-def test_the_probe_times_both_kernels(fresh_build):
-    figures = row_kernel._probe(row_kernel.int8_row_kernel(), reps=1)
-    assert figures["torch_ms"] > 0 and figures["kernel_ms"] > 0
-    assert figures["kernel_over_torch"] == pytest.approx(figures["torch_ms"] /
-                                                          figures["kernel_ms"])
+@pytest.mark.parametrize("exact", [True, False])
+def test_the_probe_times_the_layers_with_and_without_the_kernel(fresh_build, monkeypatch, exact):
+    """One row; where torch._int_mm is not exact (the layers' other path then the weight-only
+    kernel) a served batch's rows too."""
+    monkeypatch.setattr(row_kernel, "PROBE_MB", 2)  # a quick race: the figures' shape
+    if not exact:
+        without_exact_int_mm(monkeypatch)
+    figures = row_kernel._probe(row_kernel.int8_row_kernel(), exact, reps=1)
+    for prefix in ("",) if exact else ("", "batch_"):
+        assert figures[f"{prefix}torch_ms"] > 0 and figures[f"{prefix}kernel_ms"] > 0
+        assert figures[f"{prefix}kernel_over_torch"] == pytest.approx(
+            figures[f"{prefix}torch_ms"] / figures[f"{prefix}kernel_ms"])
+    assert ("batch_kernel_ms" in figures) == (not exact)
 
 
 @pytest.mark.parametrize("opened_up", ["file", "folder"])

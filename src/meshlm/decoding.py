@@ -25,7 +25,7 @@ import torch
 from meshlm.kernels import bf16_rows, fp32_rows
 from meshlm.quant import int4_bf16_kernel, int4_kernel, row_kernel
 from meshlm.quant.calibrate import describe, structure_of
-from meshlm.quant.linear import QuantizedLinear
+from meshlm.quant.linear import QuantizedLinear, exact_int8_products
 from meshlm.runtime import bf16_linear, huge_pages, precision, split_linear
 from meshlm.runtime.precision import Precision
 
@@ -33,6 +33,9 @@ SPLIT_NOTE = "linear weights split per thread for one-token products"
 FP32_KERNEL_NOTE = ("linear weights in 128-column blocks, products of up to 64 rows by meshlm's "
                     "kernel compiled for this CPU")
 ROW_KERNEL_NOTE = "one-token int8 products by meshlm's kernel compiled for this CPU"
+# where torch._int_mm's sums are not exact the kernel takes every row (meshlm.quant.row_kernel)
+ROWS_KERNEL_NOTE = ("int8 products by meshlm's kernel compiled for this CPU (exact sums, which "
+                    "torch._int_mm lacks here)")
 INT4_KERNEL_NOTE = "int4 x int8 products by meshlm's kernel compiled for this CPU"
 INT4_BF16_KERNEL_NOTE = "int4 weight-only products by meshlm's kernel compiled for this CPU"
 BF16_KERNEL_NOTE = (f"bf16 products of up to {bf16_linear.KERNEL_ROWS} rows by meshlm's kernel "
@@ -139,8 +142,11 @@ def described(chosen: Precision, done: Prepared) -> Precision:
                      "linear layers keep F.linear")
     if done.quantized:  # those layers run their own kernels whatever the precision
         notes.append(describe(done.quantized))
-        notes += _kernel(ROW_KERNEL_NOTE if done.row_kernel else None, ROW_KERNEL_MISSING,
-                         done.row_missing, "one-token int8 products by torch._int_mm")
+        exact = exact_int8_products()
+        notes += _kernel((ROW_KERNEL_NOTE if exact else ROWS_KERNEL_NOTE) if done.row_kernel
+                         else None, ROW_KERNEL_MISSING, done.row_missing,
+                         "one-token int8 products by torch._int_mm" if exact else
+                         "int8 products by torch's weight-only kernel")
         notes += _kernel(INT4_KERNEL_NOTE if done.int4_kernel else None, INT4_KERNEL_MISSING,
                          done.int4_missing,
                          "int4 x int8 products by torch ops (many times slower)")

@@ -1,7 +1,7 @@
-/* meshlm's one-row int8-activation product, compiled on the machine that runs it
+/* meshlm's int8-activation product for decoding, compiled on the machine that runs it
    (meshlm.quant.row_kernel).
 
-   For one fp32 activation row x (k) and int8 weights w (n, k), row-major:
+   For each fp32 activation row x (m rows of k) and int8 weights w (n, k), row-major:
        s    = max(max_j |x[j]| * (float)(1/127), 1e-30f)        the row's scale
        q[j] = nearbyint(x[j] / s)                                in [-127, 127]
        y[i] = (float)(sum_j w[i*k + j] * q[j]) * s               the exact int32 sum, scaled
@@ -18,7 +18,10 @@
    rows go through the torch ops). On a 2-core Zen 5 this ran 1.2-1.4x the plain signed loop.
 
    The rows of w are split over `threads` OpenMP threads (the runtime torch's own kernels use);
-   within a row the compiler vectorises the loop for this CPU (-march=native). A decoded token is
+   within a row the compiler vectorises the loop for this CPU (-march=native). Every activation
+   row meets a weight row while it is in the cache, each with the same steps whatever m is, so a
+   row's outputs do not depend on the batch; the sums are exact on every CPU, where oneDNN's
+   int8 kernels saturate without VNNI (on those the layers take this at every row count). A decoded token is
    a matrix-vector product bound by streaming w: this reads it at ~80% of a core's bandwidth on a
    Zen 5, where oneDNN's int8 kernel at one row reads ~60% (docs/quantize.md); and one call does
    what took eight tensor ops. Each thread prefetches the weight row AHEAD rows on: on a 2-core
@@ -32,29 +35,38 @@
 #define AHEAD 2
 
 int int8_row_product(const float *restrict x, const int8_t *restrict w,
-                     const int32_t *restrict wsum, float *restrict y, int64_t n, int64_t k,
-                     int threads) {
-    float amax = 0.0f;
-    for (int64_t j = 0; j < k; j++)
-        amax = fmaxf(amax, fabsf(x[j]));
-    float s = amax * (float)(1.0 / 127.0);
-    s = s < 1e-30f ? 1e-30f : s;
-    uint8_t *q = malloc(k > 0 ? k : 1);  /* q + 128 */
-    if (!q)
+                     const int32_t *restrict wsum, float *restrict y, int64_t m, int64_t n,
+                     int64_t k, int threads) {
+    float *scales = malloc(sizeof(float) * (size_t)(m > 0 ? m : 1));
+    uint8_t *q = malloc((size_t)(m * k > 0 ? m * k : 1));  /* each row's q + 128 */
+    if (!q || !scales) {
+        free(q), free(scales);
         return 1;
-    for (int64_t j = 0; j < k; j++)
-        q[j] = (uint8_t)((int32_t)nearbyintf(x[j] / s) + 128);
+    }
+    for (int64_t r = 0; r < m; r++) {
+        const float *row = x + r * k;
+        float amax = 0.0f;
+        for (int64_t j = 0; j < k; j++)
+            amax = fmaxf(amax, fabsf(row[j]));
+        float s = amax * (float)(1.0 / 127.0);
+        scales[r] = s < 1e-30f ? 1e-30f : s;
+        for (int64_t j = 0; j < k; j++)
+            q[r * k + j] = (uint8_t)((int32_t)nearbyintf(row[j] / scales[r]) + 128);
+    }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t i = 0; i < n; i++) {
         const int8_t *row = w + i * k;
         if (i + AHEAD < n)  /* the hardware's prefetch does not run this far ahead of short rows */
             for (int64_t j = 0; j < k; j += 64)
                 __builtin_prefetch(row + AHEAD * k + j);
-        int32_t shifted = 0;
-        for (int64_t j = 0; j < k; j++)
-            shifted += (int32_t)q[j] * (int32_t)row[j];
-        y[i] = (float)(shifted - 128 * wsum[i]) * s;
+        for (int64_t r = 0; r < m; r++) {  /* the weight row from the cache after the first */
+            const uint8_t *qr = q + r * k;
+            int32_t shifted = 0;
+            for (int64_t j = 0; j < k; j++)
+                shifted += (int32_t)qr[j] * (int32_t)row[j];
+            y[r * n + i] = (float)(shifted - 128 * wsum[i]) * scales[r];
+        }
     }
-    free(q);
+    free(q), free(scales);
     return 0;
 }

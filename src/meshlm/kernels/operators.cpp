@@ -33,7 +33,8 @@ using Fp32Rows = int (*)(const void *, const void *, const void *, void *, int64
                          int64_t, int64_t, int64_t, int);
 using Bf16Rows = int (*)(const void *, const void *, const void *, void *, int64_t, int64_t,
                          int64_t, int);
-using Int8Row = int (*)(const void *, const void *, const void *, void *, int64_t, int64_t, int);
+using Int8Row = int (*)(const void *, const void *, const void *, void *, int64_t, int64_t,
+                        int64_t, int);
 using Int4Rows = int (*)(const void *, const void *, const void *, void *, int64_t, int64_t,
                          int64_t, int64_t, int);
 
@@ -87,9 +88,9 @@ at::Tensor int8_row(const at::Tensor &x_in, const at::Tensor &weight,
                                     " inputs overflow its int32 sums; use the torch ops");
     const at::Tensor sums =
         (sums_in.has_value() ? *sums_in : weight.sum(0, false, at::kInt)).contiguous();
-    at::Tensor y = fp32_out(1, rows.size(0));
+    at::Tensor y = fp32_out(x.size(0), rows.size(0));
     if (int8_row_function(x.data_ptr(), rows.data_ptr(), sums.data_ptr(), y.data_ptr(),
-                          rows.size(0), rows.size(1), at::get_num_threads()))
+                          x.size(0), rows.size(0), rows.size(1), at::get_num_threads()))
         throw std::bad_alloc();
     return y;
 }

@@ -18,7 +18,8 @@ ones computed with. How the activations meet the weight (`activations`):
             meshlm.quant.row_kernel). On a CPU without them (no AVX512-VNNI, AVX-VNNI or AMX)
             oneDNN's int8 kernels saturate 16-bit pair sums, so a probe (exact_int8_products)
             sends the same rounded activations through the weight-only kernel instead: integers
-            up to 127 are exact in bf16, and it sums in fp32.
+            up to 127 are exact in bf16, and it sums in fp32; decoding there may give the layer
+            the compiled kernel for every row (exact sums: the numbers of the CPUs with them).
             With int4 weights (w4a8) each group's exact integer sums are scaled in fp32, groups
             added in order (int4_int8_products); on CPU decoding gives the layer the compiled
             kernel with the same numbers (meshlm.quant.int4_kernel), at every row count
@@ -242,10 +243,12 @@ class QuantizedLinear(nn.Module):
             y = self._packed_int4_product(rows) if self.row_kernel is not None else \
                 int4_int8_products(rows, self.stored(), self.group_size)
             return y if self.bias is None else y + self.bias
-        if exact_int8_products():
+        exact = exact_int8_products()
+        if exact or self.row_kernel is not None:
             weight, scales, bias, sums = self._cached("int_mm", self._int_mm_operands)
-            # (M, out): each row's exact int32 sums times its scale, the same numbers either way
-            if rows.shape[0] == 1 and self.row_kernel is not None:
+            # (M, out): each row's exact int32 sums times its scale, the same numbers either way;
+            # where torch._int_mm's are not exact the kernel takes every row
+            if self.row_kernel is not None and (rows.shape[0] == 1 or not exact):
                 products = self.row_kernel(rows, weight, sums)
             else:
                 products = scaled_int8_products(rows, weight)

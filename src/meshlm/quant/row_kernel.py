@@ -1,4 +1,4 @@
-"""The one-row int8-activation product compiled on this machine (meshlm/kernels/int8_rows.c), for
+"""The int8-activation product compiled on this machine (meshlm/kernels/int8_rows.c), for
 decoding, and the int8-activation layers given it.
 
 A decoded token rounds one activation row to int8 and multiplies it by every int8 weight: a
@@ -9,12 +9,16 @@ call also does the row's rounding and scaling, eight tensor ops in meshlm.quant.
 are the exact int32 integers and every other step the same IEEE fp32 operation, so a layer can
 take either path at any row and its outputs stay the same numbers bit for bit.
 
-KERNEL is it, checked against scaled_int8_products with exact integer sums. `give_row_kernel`
-gives it to the layers where torch._int_mm's sums are exact (the other rows take them) and a probe
-over PROBE_MB of weights found it the faster: that depends on the CPU (oneDNN may have a better
-kernel for it, AMX for one) and on the OpenMP runtime torch was built with; `unavailable` names
-why a layer goes without it. Defined here, beside the arithmetic it repeats: meshlm.quant.linear,
-which a Hugging Face export carries (meshlm.hf.remote), imports no kernel code.
+KERNEL is it, checked against scaled_int8_products with exact integer sums, a row alone the same
+as in a batch. `give_row_kernel` gives it to the layers where a probe over PROBE_MB of weights
+found them faster with it: that depends on the CPU (oneDNN may have a better kernel for it, AMX
+for one) and on the OpenMP runtime torch was built with. Where torch._int_mm's sums are exact the
+kernel takes one row and _int_mm the others (the same numbers); where they are not (no VNNI: the
+AVX2-only CPUs) it takes every row, in place of the weight-only kernel the layers fall back to
+there, so those CPUs get the exact sums too (on a 2-core Zen 5 held to AVX2: 1.8x the fallback at
+one row, 1.9x at 16, 1.7x at 512). `unavailable` names why a layer goes without it. Defined
+here, beside the arithmetic it repeats: meshlm.quant.linear, which a Hugging Face export carries
+(meshlm.hf.remote), imports no kernel code.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import torch
 from torch import nn
 
 from meshlm import machine
+from meshlm.kernels.fp32_rows import rows_apart
 from meshlm.kernels.kernel import Kernel
 from meshlm.quant.linear import (
     QuantizedLinear,
@@ -40,14 +45,17 @@ CPU = torch.device("cpu")
 PROBE_MB, PROBE_SHAPE = 64, (3072, 768)
 # the widest row whose sums int8_rows.c keeps exact in int32: k * 255 * 128 <= 2**31 - 1
 MAX_K = (2**31 - 1) // (255 * 128)
-# (x (1, K) fp32, weight (K, N) int8, the transposed view of a contiguous (N, K), and optionally
-# weight_sums(weight)) -> (1, N) fp32
+# a served batch's rows: where the layers take the kernel at every row count (torch._int_mm's
+# sums not exact), it must not lose much there to the weight-only kernel it replaces
+BATCH_ROWS, BATCH_FLOOR = 16, 0.85
+# (x (M, K) fp32, weight (K, N) int8, the transposed view of a contiguous (N, K), and optionally
+# weight_sums(weight)) -> (M, N) fp32
 Product = Callable[..., torch.Tensor]
 
 
 def _product(function) -> Product:
-    """The bound C function as a drop-in for scaled_int8_products at one row, bit for bit;
-    `sums` (weight_sums(weight)) computed here where the caller has none."""
+    """The bound C function as a drop-in for scaled_int8_products where its sums are exact, bit for
+    bit; `sums` (weight_sums(weight)) computed here where the caller has none."""
     def product(x: torch.Tensor, weight: torch.Tensor,
                 sums: torch.Tensor | None = None) -> torch.Tensor:
         if x.shape[1] > MAX_K:  # its int32 sums could overflow: the torch ops' exact ones
@@ -56,9 +64,9 @@ def _product(function) -> Product:
         rows, x = rows.contiguous(), x.contiguous()  # no copies when they are, as C reads them
         sums = (weight_sums(weight) if sums is None else sums).contiguous()
         # fp32 on the CPU, whatever torch's default dtype and device: C writes floats there
-        y = torch.empty(1, rows.shape[0], dtype=torch.float32, device=CPU)
-        if function(x.data_ptr(), rows.data_ptr(), sums.data_ptr(), y.data_ptr(), rows.shape[0],
-                    rows.shape[1], torch.get_num_threads()):
+        y = torch.empty(x.shape[0], rows.shape[0], dtype=torch.float32, device=CPU)
+        if function(x.data_ptr(), rows.data_ptr(), sums.data_ptr(), y.data_ptr(), x.shape[0],
+                    rows.shape[0], rows.shape[1], torch.get_num_threads()):
             raise MemoryError(f"int8 row product: no memory for {rows.shape[1]} int8 values")
         return y
 
@@ -66,37 +74,44 @@ def _product(function) -> Product:
 
 
 def _same_numbers(product: Product) -> bool:
-    """Whether `product` gives scaled_int8_products' numbers bit for bit, on ragged shapes, rows of
-    very different scales, an all-zero row and the extreme weights."""
+    """Whether `product` gives scaled_int8_products' numbers with exact sums, bit for bit, on
+    ragged shapes, rows of very different scales, all-zero rows and the extreme weights, three
+    rows at once and each alone."""
     g = torch.Generator(device=CPU).manual_seed(0)
+    spread = torch.tensor([[1.0], [1e-2], [30.0]], device=CPU)  # three rows' magnitudes
     for (n, k), size in zip(((37, 200), (64, 768), (5, 1), (16, 64)), (1.0, 1e-3, 50.0, 0.0)):
-        x = torch.randn(1, k, generator=g, dtype=torch.float32, device=CPU) * size
+        x = torch.randn(3, k, generator=g, dtype=torch.float32, device=CPU) * size * spread
         if k >= 8:  # max 127: the scale is 1.0 exactly, so x/s = 2.5 etc. are ties (to even)
             x[0, :8] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5], device=CPU)
         weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g, device=CPU)
         weight[0] = 127  # the largest sums
         q, scale = quantize_rows(x)
         exact = (q.long() @ weight.long().t()).float() * scale  # the sums without torch._int_mm
-        if not torch.equal(product(x, weight.t()), exact):
+        if not torch.equal(product(x, weight.t()), exact) or \
+                not rows_apart(lambda rows, w=weight: product(rows, w.t()), x):
             return False
     return True
 
 
 KERNEL = Kernel("int8_rows.c", "int8_row_product",
-                [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int], _product,
+                [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int], _product,
                 _same_numbers, "exact integer sums",
                 "int8_row(Tensor x, Tensor weight, Tensor? sums=None) -> Tensor",
-                lambda x, weight, sums=None: x.new_empty(1, weight.shape[1], dtype=torch.float32))
+                lambda x, weight, sums=None: x.new_empty(x.shape[0], weight.shape[1],
+                                                         dtype=torch.float32))
 int8_row_kernel = KERNEL.product  # () -> Product | None, once per process (.cache_clear())
 
 
 def give_row_kernel(model: nn.Module) -> int:
     """Give every int8-activation layer of `model` on the CPU the compiled kernel where this
-    machine has it, torch._int_mm's sums are exact (the other rows take them) and the kernel is
-    the faster (kernel_speedup). Returns how many layers got it."""
+    machine has it and its probe found it the faster (kernel_speedup): at one row where
+    torch._int_mm's sums are exact (the other rows take them, the same numbers), at every row
+    count where they are not (it replaces the weight-only kernel the layers take there, so it
+    must not lose much at BATCH_ROWS). Returns how many layers got it."""
     # wider rows than MAX_K take the torch ops' exact sums (its operator refuses them)
     layers = [m for m in _cpu_int8_layers(model) if m.in_features <= MAX_K]
-    kernel = KERNEL.paying(kernel_speedup) if layers and exact_int8_products() else None
+    floors = None if exact_int8_products() else {"batch_kernel_over_torch": BATCH_FLOOR}
+    kernel = KERNEL.paying(kernel_speedup, floors) if layers else None
     for layer in layers if kernel else ():
         layer.row_kernel = kernel
     return len(layers) if kernel else 0
@@ -105,11 +120,8 @@ def give_row_kernel(model: nn.Module) -> int:
 def unavailable(model: nn.Module) -> str | None:
     """Why `model`'s int8-activation layers on the CPU go without the compiled kernel because this
     process could not have it (KERNEL.unavailable: the reason and its fix, in one line); None
-    where it has it or would not use it anyway (no such layer, or torch._int_mm's sums not
-    exact)."""
-    if not _cpu_int8_layers(model) or not exact_int8_products():
-        return None
-    return KERNEL.unavailable()
+    where it has it or has no such layer."""
+    return KERNEL.unavailable() if _cpu_int8_layers(model) else None
 
 
 def _cpu_int8_layers(model: nn.Module) -> list[QuantizedLinear]:
@@ -117,20 +129,35 @@ def _cpu_int8_layers(model: nn.Module) -> list[QuantizedLinear]:
 
 
 def kernel_speedup(kernel: Product) -> dict:
-    """This machine's one-row speed of `kernel` over scaled_int8_products (torch._int_mm), from
-    the cache or measured now."""
-    method = (f"best of 5 one-row passes over {PROBE_MB} MB of {PROBE_SHAPE} int8 weights, "
-              f"rounding included, {machine.COLD}")
+    """This machine's speed of int8-activation layers with `kernel` over the same layers without
+    it (torch._int_mm where its sums are exact, else the weight-only kernel) at one row
+    (kernel_over_torch) and, where they are not exact, at BATCH_ROWS (batch_kernel_over_torch),
+    from the cache or measured now."""
+    exact = exact_int8_products()
+    method = (f"best of 5 passes of 1{'' if exact else f' and of {BATCH_ROWS}'} rows through "
+              f"{PROBE_MB} MB of {PROBE_SHAPE} int8 layers against "
+              f"{'torch._int_mm' if exact else 'the weight-only kernel'}, {machine.COLD}")
     return machine.measured("int8-row-kernel", KERNEL.probed_by(method),
-                            lambda threads: _probe(kernel))["value"]
+                            lambda threads: _probe(kernel, exact))["value"]
 
 
-def _probe(kernel: Product, reps: int = 5) -> dict:
-    count = max(1, PROBE_MB * 2**20 // (PROBE_SHAPE[0] * PROBE_SHAPE[1]))
-    # the values do not matter to the speed: filled, not drawn, to be quick
-    weights = [torch.full(PROBE_SHAPE, 3, dtype=torch.int8, device=CPU).t() for _ in range(count)]
-    sums = [weight_sums(w) for w in weights]  # the layers' operands (QuantizedLinear)
-    x = torch.full((1, PROBE_SHAPE[1]), -0.5, dtype=torch.float32, device=CPU)
-    return machine.race({"torch": lambda: [scaled_int8_products(x, w) for w in weights],
-                         "kernel": lambda: [kernel(x, w, s) for w, s in zip(weights, sums)]},
-                        reps, fastest="kernel", cold=True)
+def _probe(kernel: Product, exact: bool, reps: int = 5) -> dict:
+    out, k = PROBE_SHAPE
+    count = max(1, PROBE_MB * 2**20 // (out * k))
+    # the values do not matter to the speed: the layers' zeros
+    layers = [QuantizedLinear(k, out, False, 8, activations="int8").to(CPU) for _ in range(count)]
+
+    def through(product: Product | None, x: torch.Tensor):
+        def passes() -> list[torch.Tensor]:
+            for layer in layers:
+                layer.row_kernel = product
+            return [layer(x) for layer in layers]
+        return passes
+
+    figures = {}
+    for rows, prefix in ((1, ""),) + (() if exact else ((BATCH_ROWS, "batch_"),)):
+        x = torch.full((rows, k), -0.5, dtype=torch.float32, device=CPU)
+        race = machine.race({"torch": through(None, x), "kernel": through(kernel, x)}, reps,
+                            fastest="kernel", cold=True)
+        figures.update({prefix + name: value for name, value in race.items()})
+    return figures
