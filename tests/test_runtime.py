@@ -273,8 +273,9 @@ def test_a_cold_race_reads_past_the_caches_before_every_timed_call(monkeypatch):
 
 @pytest.mark.parametrize("sizes, expected", [({"index0": "48K", "index3": "32768K"}, 64 << 20),
                                              ({"index2": "2048K", "index3": "105M"}, 210 << 20),
+                                             ({"index3": "1179648K"}, 1 << 30),
                                              ({}, 256 << 20), ({"index3": "odd"}, 256 << 20)])
-def test_the_flush_covers_twice_the_largest_cache(tmp_path, sizes, expected):
+def test_the_flush_covers_twice_the_largest_cache_within_bounds(tmp_path, sizes, expected):
     for index, size in sizes.items():
         (tmp_path / index).mkdir()
         (tmp_path / index / "size").write_text(size + "\n")

@@ -78,8 +78,8 @@ def best_seconds(step: Callable[[], Any], reps: int) -> float:
 
 def flush_bytes(caches: Path = CACHES) -> int:
     """Bytes a read must cover to leave nothing of what was read before in the caches: twice this
-    CPU's largest cache (`caches`: Linux's sysfs folder of them), at least 64 MB; 256 MB where it
-    is not known."""
+    CPU's largest cache (`caches`: Linux's sysfs folder of them), from 64 MB to 1 GiB (a probe's
+    memory); 256 MB where it is not known."""
     sizes = []
     for entry in caches.glob("index*/size"):
         try:
@@ -88,7 +88,7 @@ def flush_bytes(caches: Path = CACHES) -> int:
                          else int(text))
         except (OSError, ValueError, IndexError):
             continue
-    return max(64 << 20, 2 * max(sizes)) if sizes else 256 << 20
+    return min(max(64 << 20, 2 * max(sizes)), 1 << 30) if sizes else 256 << 20
 
 
 def race(steps: dict[str, Callable[[], Any]], reps: int, fastest: str,
