@@ -72,6 +72,9 @@ def function_at(kernel, revision: str | None, folder: Path):
         relative = source.relative_to(Path(__file__).resolve().parents[1])
         text = subprocess.run(["git", "show", f"{revision}:{relative.as_posix()}"],
                               capture_output=True, text=True, check=True).stdout
+        if kernel is INT8 and "int64_t m," not in text:  # before 6fc3f37: one row, no m
+            raise SystemExit(f"int8_row at {revision} takes one row (no m argument): compare "
+                             "builds from 6fc3f37 on")
         source = folder / source.name
         source.write_text(text)
     library = build.library(source)

@@ -58,7 +58,8 @@ def _product(function) -> Product:
     bit; `sums` (weight_sums(weight)) computed here where the caller has none."""
     def product(x: torch.Tensor, weight: torch.Tensor,
                 sums: torch.Tensor | None = None) -> torch.Tensor:
-        if x.shape[1] > MAX_K:  # its int32 sums could overflow: the torch ops' exact ones
+        if x.shape[1] > MAX_K:  # its int32 sums could overflow: the torch ops' (no layer that
+            # wide gets the kernel, give_row_kernel)
             return scaled_int8_products(x, weight)
         rows = weight.t()  # (N, K): the stored qweight (QuantizedLinear's operands: contiguous)
         rows, x = rows.contiguous(), x.contiguous()  # no copies when they are, as C reads them
@@ -108,7 +109,7 @@ def give_row_kernel(model: nn.Module) -> int:
     torch._int_mm's sums are exact (the other rows take them, the same numbers), at every row
     count where they are not (it replaces the weight-only kernel the layers take there, so it
     must not lose much at BATCH_ROWS). Returns how many layers got it."""
-    # wider rows than MAX_K take the torch ops' exact sums (its operator refuses them)
+    # wider rows than MAX_K keep the layers' own path (its int32 sums could overflow)
     layers = [m for m in _cpu_int8_layers(model) if m.in_features <= MAX_K]
     floors = None if exact_int8_products() else {"batch_kernel_over_torch": BATCH_FLOOR}
     kernel = KERNEL.paying(kernel_speedup, floors) if layers else None
