@@ -31,7 +31,6 @@ threads' start, the Python around the C function).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import subprocess
 import tempfile
 from pathlib import Path
@@ -80,9 +79,7 @@ def function_at(kernel, revision: str | None, folder: Path):
     library = build.library(source)
     if library is None:
         raise SystemExit(f"{source}: {build.why_not(source)}")
-    function = getattr(library, kernel.symbol)
-    function.argtypes, function.restype = kernel.argtypes, ctypes.c_int
-    return function
+    return kernel.bound(library)
 
 
 # kernel name -> the precision (compile_decode.variant) whose layers call it

@@ -126,9 +126,7 @@ def built_for(kernel, flags: tuple[str, ...], folder):
     target = folder / f"{kernel.source.stem}-older.so"
     subprocess.run([cc, "-O3", *flags, "-shared", "-fPIC", str(kernel.source), "-o", str(target)],
                    check=True, capture_output=True, timeout=120)
-    function = getattr(ctypes.CDLL(str(target)), kernel.symbol)
-    function.argtypes, function.restype = kernel.argtypes, ctypes.c_int
-    return kernel.wrap(function)
+    return kernel.wrap(kernel.bound(ctypes.CDLL(str(target))))
 
 
 @pytest.fixture

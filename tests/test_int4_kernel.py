@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import build, fresh_kernel, tiny
+from conftest import OLDER_CPUS, build, built_for, fresh_kernel, tiny
 from test_quant import assert_decodes_exactly
 
 from meshlm import decoding
@@ -118,25 +118,8 @@ def test_w4a8_is_int4_weight_only_to_int8_rounding_of_the_activations():
     assert error < 0.02  # int8 rows: half a step in 127 per activation
 
 
-# the plain C loop, and the AVX2 one where this CPU runs AVX2 code
-OLDER_CPUS = [[]] + ([["-mavx2", "-mno-avx512f"]]
-                     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else [])
-
-
-@pytest.mark.parametrize("flags", OLDER_CPUS, ids=lambda flags: " ".join(flags) or "plain")
+@pytest.mark.parametrize("flags", OLDER_CPUS.values(), ids=OLDER_CPUS.keys())
 def test_the_kernel_built_for_older_cpus_gives_the_same_numbers(tmp_path, flags):
-    """Built without -march=native: the plain C loop (no flags) and the AVX2 one, as on CPUs
-    without AVX512-VNNI."""
-    import ctypes
-    import subprocess
-
-    from meshlm.kernels import build as kernel_build
-
-    cc = kernel_build.compiler()
-    assert cc is not None, "this machine has a C compiler (cc or gcc)"
-    target = tmp_path / "portable.so"
-    subprocess.run([cc, "-O3", *flags, "-shared", "-fPIC", str(int4_kernel.KERNEL.source), "-o",
-                    str(target)], check=True, capture_output=True, timeout=120)
-    function = ctypes.CDLL(str(target)).int4_rows_product
-    function.argtypes, function.restype = int4_kernel.KERNEL.argtypes, ctypes.c_int
-    assert int4_kernel._same_numbers(int4_kernel.packed_product(function))
+    """Built without -march=native: the plain C loop; for this CPU less AVX512: the AVX2 one, as
+    on CPUs without AVX512-VNNI (less AVX512_BF16 alone: this CPU's own path again)."""
+    assert int4_kernel._same_numbers(built_for(int4_kernel.KERNEL, flags, tmp_path))

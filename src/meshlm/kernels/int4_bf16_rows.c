@@ -127,8 +127,6 @@ static inline V widen_v(const uint16_t *bits) {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)bits));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
-#else
-#define ROWS 1
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)

@@ -98,8 +98,7 @@ class Kernel:
         library = build.library(self.source)
         if library is None:
             return None
-        function = getattr(library, self.symbol)
-        function.argtypes, function.restype = self.argtypes, ctypes.c_int
+        function = self.bound(library)
         product = self.wrap(function)
         if not self.check(product):
             return None
@@ -111,6 +110,13 @@ class Kernel:
             """The bound function; its operator inside a graph torch.compile is tracing."""
             return self.operator(*args) if torch.compiler.is_compiling() else product(*args)
         return traceable
+
+    def bound(self, library: ctypes.CDLL):
+        """The C function `symbol` of a loaded build of `source` (this one's, or another's: a
+        benchmark's older revision, a test's build for another CPU), typed for ctypes."""
+        function = getattr(library, self.symbol)
+        function.argtypes, function.restype = self.argtypes, ctypes.c_int
+        return function
 
     def implement(self) -> None:
         """meshlm::<name> on the CPU in C++, bound to the C function as loaded now (rebound at every
