@@ -13,6 +13,8 @@ eager ones.
     .venv/bin/python benchmarks/compile_decode.py --no-matmul --threads 2   # the per-token split
     .venv/bin/python benchmarks/compile_decode.py --operators --threads 2   # C++ against Python
     .venv/bin/python benchmarks/compile_decode.py --aot --threads 2   # AOTInductor against jit
+    .venv/bin/python benchmarks/compile_decode.py --spec 1+2R4+1 --scheme mesh --exit state:0.4 \
+        --precisions fp32,int4 --threads 2   # per-token exit, eager and compiled
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/compile_decode.py --aot --threads 1 \
         --precisions int4,w4a8   # --precisions: those alone (with --aot)
 
@@ -201,7 +203,7 @@ def step_ms(runs: dict, prompts, s, args, clock) -> tuple[dict, float]:
         if before is not None:
             before()
         with torch.no_grad(), precision.autocast(torch.device("cpu"), chosen):
-            return generate(m, prompts, sampling, compile=compile)
+            return generate(m, prompts, sampling, compile=compile, exit=args.exit)
 
     cases = {(key, n): (lambda r=r, sm=sm: run(sm, *r))
              for key, r in runs.items() for n, sm in ((1, one), (args.new_tokens, s))}
@@ -229,6 +231,7 @@ def main() -> None:
     from meshlm.config import ModelConfig
     from meshlm.generate import Sampling, generate
     from meshlm.model import MeshLM
+    from meshlm.model.exit import ExitRule
     from meshlm.runtime import precision
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -244,9 +247,13 @@ def main() -> None:
     p.add_argument("--no-matmul", action="store_true",
                    help="fp32 only: the per-token time without weight products, eager and compiled")
     p.add_argument("--precisions", type=precisions, default=PRECISIONS,
-                   help="with --aot: these precisions only (comma-separated)")
+                   help="these precisions only (comma-separated)")
+    p.add_argument("--exit", type=ExitRule.parse, default=None, metavar="RULE",
+                   help="decode with per-token exit (e.g. state:0.05), eager and compiled")
     add_timing_arguments(p, rounds=3)
     args = p.parse_args()
+    if args.exit is not None and (args.aot or args.operators):
+        p.error("--exit compares eager and torch.compile's steps; drop --aot and --operators")
     clock = timing_setup(args)
     torch.manual_seed(0)
     cfg = ModelConfig(spec=args.spec, d_model=768, n_heads=12, vocab_size=50304,
@@ -266,10 +273,10 @@ def main() -> None:
     rates = {}
     print("tokens/s of the decode steps (prefill excluded); weights read: a step's weight bytes "
           "times steps/s, as a share of the read bandwidth measured in the same rounds")
-    for name, (laid_out, chosen) in variants(model).items():
+    for name, (laid_out, chosen) in variants(model, args.precisions).items():
         def run(compile: bool, laid_out=laid_out, chosen=chosen):
             with torch.no_grad(), precision.autocast(torch.device("cpu"), chosen):
-                return generate(laid_out, prompts, s, compile=compile)
+                return generate(laid_out, prompts, s, compile=compile, exit=args.exit)
         start = time.perf_counter()
         same = run(True) == run(False)
         first = time.perf_counter() - start
@@ -281,8 +288,9 @@ def main() -> None:
               f"({rate['compiled'] / rate['eager']:.2f}x); weights read {share['eager']:.0%} / "
               f"{share['compiled']:.0%} of {reading / 1e9:.1f} GB/s; first compiled call "
               f"{first:.0f} s; same greedy tokens: {same}", flush=True)
-    print(f"bf16 compiled, through its kernel / bf16 eager through F.linear: "
-          f"{rates['bf16']['compiled'] / rates['bf16 F.linear']['eager']:.2f}x")
+    if {"bf16", "bf16 F.linear"} <= rates.keys():
+        print(f"bf16 compiled, through its kernel / bf16 eager through F.linear: "
+              f"{rates['bf16']['compiled'] / rates['bf16 F.linear']['eager']:.2f}x")
 
 
 if __name__ == "__main__":

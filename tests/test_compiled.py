@@ -7,6 +7,8 @@ from unittest.mock import patch
 import pytest
 import torch
 from conftest import build, tiny
+from test_exit import mid_threshold, x_batch
+from test_memory import randomise_routers
 
 from meshlm.checkpoint import save_model
 from meshlm.cli import main
@@ -14,6 +16,7 @@ from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import ConfigError
 from meshlm.generate import PlainDecoder, Sampling, decode, generate, left_pad, next_token
 from meshlm.generate.compiled import COLUMNS, CompiledDecoder, capacity_for
+from meshlm.generate.speculative import Speculation
 from meshlm.model.exit import ExitRule
 from meshlm.model.kv_cache import StaticKVCache
 
@@ -26,8 +29,9 @@ def logits_by_step(decoder, model, s, prompts=PROMPTS):
     seen, inner = [], decoder.forward
 
     def spy(*args):
-        seen.append(inner(*args))
-        return seen[-1]
+        out = inner(*args)  # (logits, loop steps)
+        seen.append(out[0])
+        return out
     decoder.forward = spy
     ids, mask = left_pad(prompts, 1, torch.device("cpu"))
     list(decode(decoder, decoder.prefill(ids, mask), s))
@@ -54,6 +58,66 @@ def test_the_static_cache_computes_what_the_growing_one_does(scheme):
     for ours, theirs in zip(steps, eager[1:]):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert generate(model, PROMPTS, s) == [list(row) for row in zip(*tokens)]
+
+
+class Loops:
+    """What `decode` records of every step (its `stats`): the loop steps its tokens ran."""
+
+    tokens = seconds = 0
+    loop_steps = 0
+
+    def record(self, step):
+        self.loop_steps += step.loop_steps
+
+
+def exiting(scheme: str, criterion: str):
+    """A tiny looped model of `scheme` and an exit rule of `criterion` that splits its tokens after
+    the first loop step (tests/test_exit.py's threshold)."""
+    model = build(tiny(scheme=scheme, spec="1+1R4+1", vocab_size=128, context_length=96))
+    if scheme == "mesh":
+        randomise_routers(model)  # far from uniform: tokens converge at different steps
+    return model, ExitRule.parse(f"{criterion}:{mid_threshold(model, x_batch(t=12), criterion)}")
+
+
+# kl on the anchor scheme is left out: its tiny model's step-to-step KL is ~1e-7, where the static
+# cache's attention (rounded apart from the growing cache's) can move a token across τ
+@pytest.mark.parametrize("scheme,criterion", [(scheme, "state") for scheme in SCHEMES] +
+                         [("mesh", "kl"), ("base", "kl")])
+def test_the_static_cache_decodes_exit_as_the_growing_one(scheme, criterion):
+    """Per-token exit over the static cache (run eagerly): the growing cache's tokens and loop
+    steps, alone and with left padding in a batch, and tokens did exit early."""
+    model, rule = exiting(scheme, criterion)
+    s = Sampling(max_new_tokens=10, temperature=0, stop_at_eos=False)
+
+    def choose(logits):
+        return next_token(logits, s, None)
+    for prompts in (PROMPTS[:1], PROMPTS):
+        ran = {}
+        for name, decoder in (("static", CompiledDecoder(model, model.schedule(), choose, 10,
+                                                         compiled=False, exit=rule)),
+                              ("growing", PlainDecoder(model, model.schedule(), choose, rule))):
+            ids, mask = left_pad(prompts, 1, torch.device("cpu"))
+            loops = Loops()
+            with torch.no_grad():
+                tokens = [t.tolist() for t in decode(decoder, decoder.prefill(ids, mask), s,
+                                                     stats=loops)]
+            ran[name] = tokens, loops.loop_steps
+        assert ran["static"] == ran["growing"]
+        assert ran["static"][1] < 4 * 9 * len(prompts)  # some of the 9 steps' tokens exited
+
+
+@pytest.mark.parametrize("criterion", ["state", "kl"])
+def test_exit_compiles_in_pieces_and_decodes_the_eager_tokens(traced_only, criterion):
+    """`generate --compile --exit`: the step's decisions break it into traced pieces, none of
+    which falls back to eager decoding for hitting the recompile limit (which here raises); the
+    eager exit's tokens, alone and in a batch."""
+    model, rule = exiting("mesh", criterion)
+    s = Sampling(max_new_tokens=10, temperature=0, stop_at_eos=False)
+    for prompts in (PROMPTS[:1], PROMPTS):
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            compiled_tokens = generate(model, prompts, s, exit=rule, compile=True)
+        assert compiled_tokens == generate(model, prompts, s, exit=rule)
+    assert traced_only["graph_break"] and traced_only["stats"]["unique_graphs"] > 1
 
 
 def test_a_step_attends_over_its_window_and_one_graph_serves_every_width(traced_only):
@@ -95,13 +159,16 @@ def test_what_compile_cannot_do_is_refused_in_one_line(tmp_path, capsys):
     model = build(tiny(vocab_size=8192))
     s = Sampling(max_new_tokens=2, temperature=0)
     with pytest.raises(ConfigError, match="--compile decodes plainly"):
-        generate(model, [[5]], s, exit=ExitRule.parse("state:0.1"), compile=True)
+        generate(model, [[5]], s, speculate=Speculation.parse("auto"), compile=True)
+    with pytest.raises(ConfigError, match="use --compile with --exit"):
+        generate(model, [[5]], s, exit=ExitRule.parse("state:0.1"), compile="aot")
     save_model(model, tmp_path / "ckpt")
-    refused = (["--exit", "state:0.1"], ["--speculate", "auto"], ["--no-cache"])
-    for flag, extra in [(f, e) for f in ("--compile", "--aot") for e in refused]:
+    refused = [(flag, extra, "--compile decodes plainly") for flag in ("--compile", "--aot")
+               for extra in (["--speculate", "auto"], ["--no-cache"])]
+    for flag, extra, why in [*refused, ("--aot", ["--exit", "state:0.1"], "use --compile with")]:
         assert main(["generate", str(tmp_path / "ckpt"), "To be", flag, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "--compile decodes plainly" in err[0]
+        assert len(err) == 1 and why in err[0]
     # the prompt and -n fill the context exactly: eager decoding fits, the compiled step's extra
     # column does not; refused before anything is printed
     n = model.config.context_length - len(load_tokenizer("default").encode("To be"))
@@ -148,6 +215,16 @@ def test_compiled_greedy_tokens_are_the_eager_decoders(scheme):
 
 
 @pytest.mark.slow
+def test_compiled_exit_decodes_the_eager_tokens():
+    """The same through Inductor: greedy tokens equal eager exit's, alone and in a batch."""
+    model, rule = exiting("mesh", "state")
+    s = Sampling(max_new_tokens=10, temperature=0, stop_at_eos=False)
+    for prompts in (PROMPTS[:1], PROMPTS):
+        assert generate(model, prompts, s, exit=rule, compile=True) == \
+            generate(model, prompts, s, exit=rule)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--compile", "--aot"])  # --aot: meshlm.generate.ahead
 def test_meshlm_generate_compile_prints_the_eager_text(flag, tmp_path, capsys, monkeypatch):
     from meshlm.generate import ahead
@@ -160,6 +237,30 @@ def test_meshlm_generate_compile_prints_the_eager_text(flag, tmp_path, capsys, m
                      *extra]) == 0
         outputs.append(capsys.readouterr().out)
     assert outputs[0] == outputs[1]
+
+
+def test_meshlm_generate_compile_exit_prints_the_eager_text_and_no_warning(traced_only, tmp_path,
+                                                                          capfd):
+    """`meshlm generate --compile --exit`: the eager text; stderr holds the precision line alone
+    (not torch's warning about the graph breaks exit's decisions make)."""
+    import logging
+
+    save_model(build(tiny(vocab_size=8192, spec="1+1R3+1")), tmp_path / "ckpt")
+    outputs, warned = [], []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = warned.append
+    torch_warnings = logging.getLogger("torch._dynamo.variables.tensor")
+    torch_warnings.addHandler(handler)
+    try:
+        for extra in ([], ["--compile"]):
+            assert main(["generate", str(tmp_path / "ckpt"), "To be", "-t", "0", "-n", "6",
+                         "--exit", "state:0.3", *extra]) == 0
+            out, err = capfd.readouterr()
+            outputs.append(out)
+            assert [line[:13] for line in err.strip().splitlines()] == ["generated in "]
+    finally:
+        torch_warnings.removeHandler(handler)
+    assert outputs[0] == outputs[1] and traced_only["graph_break"] and not warned
 
 
 def test_a_compiled_generation_names_kernels_reached_through_python_operators(

@@ -448,6 +448,23 @@ def test_compiled_serving_joins_and_leaves_in_one_graph_and_decodes_as_alone(tra
     assert traced_only["stats"]["unique_graphs"] == graphs  # and compiled nothing new
 
 
+def test_compiled_serving_decodes_exit_requests_eagerly(traced_only):
+    """`meshlm serve --compile` keeps exit requests' steps eager (PlainDecoder: compiled, their
+    pieces would compile while serving, for no faster a step): nothing is traced after the warm-up,
+    and each request's tokens are eager meshlm.generate's, tokens exiting early in the batch."""
+    model = build(tiny(scheme="mesh", spec=f"1+1R{LOOPS}+1"))
+    rule = E(f"state:{mid_threshold(model, x_batch(), 'state')}")
+    batcher = Batcher(model, eos_id=0, pad_id=1, max_batch=4, compile=True)
+    batcher.warm()
+    batcher.compile = True  # whatever the timing chose
+    graphs = traced_only["stats"]["unique_graphs"]
+    rs = requests(exit=rule)
+    staggered(batcher, rs, every=1)
+    assert [r.tokens for r in rs] == [reference(model, r) for r in rs]
+    assert traced_only["stats"]["unique_graphs"] == graphs
+    assert batcher.stats.loop_steps < LOOPS * batcher.stats.decoded
+
+
 @pytest.mark.parametrize("compiled_ms, keeps", [(2.0, True), (5.0, False)])
 def test_the_compiled_step_is_kept_only_where_the_warm_up_times_it_faster(monkeypatch, compiled_ms,
                                                                           keeps):

@@ -48,7 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "it would not pay); prints acceptance and tokens/s on stderr")
     p.add_argument("--compile", action="store_true",
                    help="decode through one step compiled by torch.compile over a static KV cache "
-                        "(plain decoding at the full depth; the first call compiles for seconds)")
+                        "(plain decoding, at the full depth or with --exit; the first call "
+                        "compiles for seconds)")
     p.add_argument("--aot", action="store_true",
                    help="--compile with the step compiled ahead of time by AOTInductor: no "
                         "per-token guards or Python (~20 s the first time a model's shape is "
@@ -147,6 +148,7 @@ def check_inputs(args: argparse.Namespace):
     from meshlm.errors import Problems
     from meshlm.folders import hub
     from meshlm.generate import Sampling
+    from meshlm.generate.compiled import AHEAD_EXIT
     from meshlm.generate.speculative import Speculation
     from meshlm.model.exit import ExitRule
     from meshlm.runtime.devices import resolve_device
@@ -165,9 +167,10 @@ def check_inputs(args: argparse.Namespace):
     if args.speculate is not None:
         args.speculate = p.check(Speculation.parse, args.speculate)
     args.compile = "aot" if args.aot else args.compile  # --aot is --compile, ahead of time
-    p.need(not args.compile or (args.exit is None and args.speculate is None and not args.no_cache),
-           "--compile decodes plainly at the full depth with the KV cache; drop --exit, "
+    p.need(not args.compile or (args.speculate is None and not args.no_cache),
+           "--compile decodes plainly (at the full depth or with --exit) with the KV cache; drop "
            "--speculate and --no-cache (or --compile)")
+    p.need(args.compile != "aot" or args.exit is None, AHEAD_EXIT)
     p.check(resolve_device, args.device)
     p.need(Path(args.checkpoint).is_dir() or hub.is_hub_name(args.checkpoint),
            f"{args.checkpoint} is not a folder; pass a meshlm run or step-NNNNNN folder, a Hugging "

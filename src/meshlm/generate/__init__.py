@@ -88,11 +88,14 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
     tokens/s and the chosen setting.
 
     `compile` decodes through one compiled step over a static cache (meshlm.generate.compiled:
-    plain decoding at the full depth, the same tokens to floating-point rounding): True or "jit"
-    by torch.compile, "aot" compiled ahead of time by AOTInductor (meshlm.generate.ahead)."""
-    if compile and (speculate is not None or exit is not None or not cache or observe):
-        raise ConfigError("--compile decodes plainly at the full depth with the KV cache; drop "
-                          "--speculate, --exit and --no-cache (or --compile)")
+    plain decoding at the full depth or with `exit`, the same tokens to floating-point rounding):
+    True or "jit" by torch.compile, "aot" compiled ahead of time by AOTInductor
+    (meshlm.generate.ahead; not with `exit`)."""
+    if compile and (speculate is not None or not cache or observe):
+        raise ConfigError("--compile decodes plainly (at the full depth or with --exit) with the "
+                          "KV cache; drop --speculate and --no-cache (or --compile)")
+    if compile == "aot" and exit is not None:
+        raise ConfigError(compiled.AHEAD_EXIT)
     if speculate is not None:
         if not cache or exit is not None:
             raise ConfigError("speculative decoding needs the KV cache and the full depth; drop "
@@ -113,7 +116,7 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
         return
     schedule = model.schedule(loops)
     decoder = CompiledDecoder(model, schedule, choose, s.max_new_tokens,
-                              ahead=compile == "aot") if compile else \
+                              ahead=compile == "aot", exit=exit) if compile else \
         PlainDecoder(model, schedule, choose, exit, observe)
     yield from decode(decoder, decoder.prefill(ids, mask), s, eos_id, pad_id)
 

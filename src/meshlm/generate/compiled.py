@@ -12,10 +12,12 @@ step reads what has been decoded, not the whole capacity.
 
 `CompiledDecoder` is a Decoder (meshlm.generate.decoder): the prompts prefill eagerly, as a
 PlainDecoder does, into a KVCache that then becomes the static one; every step after is the compiled
-forward — the prelude, the loop of every scheme and the coda, at the full depth — with the sampling
-outside it. Per-token exit (data-dependent control flow) and speculation (a cache that rolls back)
-keep the eager decoders. The tokens are the eager path's to floating-point rounding (Inductor fuses
-what the eager ops round separately); tests/test_compiled.py checks greedy tokens against it.
+forward — the prelude, the loop of every scheme and the coda, at the full depth or with per-token
+exit — with the sampling outside it. Under exit the step's decisions (which tokens loop on, whether
+the loop ends) stay in Python between compiled pieces (meshlm.generate.steps), so exit is compiled
+by torch.compile only, not ahead of time. Speculation (a cache that rolls back) keeps the eager
+decoders. The tokens are the eager path's to floating-point rounding (Inductor fuses what the eager
+ops round separately); tests/test_compiled.py checks greedy tokens against it.
 
 Compiling costs seconds (torch.compile caches its work per process and, for Inductor's kernels, on
 disk); a compiled step is reused for every call with the same model, batch size and capacity.
@@ -30,9 +32,12 @@ from meshlm.generate.ahead import step_for
 from meshlm.generate.batch import Batch
 from meshlm.generate.decoder import Choose, PlainDecoder, Step
 from meshlm.model import MeshLM
+from meshlm.model.exit import ExitRule
 from meshlm.model.kv_cache import StaticKVCache
 
 COLUMNS = 64  # a static cache's capacity is a multiple of this: fewer distinct compiled shapes
+AHEAD_EXIT = ("--aot compiles the plain step into one library, and exit decides per token in "
+              "Python; use --compile with --exit")
 
 
 def capacity_for(cached: int, new_tokens: int) -> int:
@@ -52,23 +57,26 @@ def check_room(model: MeshLM, prompts: list[list[int]], new_tokens: int) -> None
 
 
 class CompiledDecoder:
-    """Plain decoding at the full depth with a compiled step (module docstring). `new_tokens`: the
-    most tokens a row will decode (the static cache's room). `compiled=False` runs the same step
-    eagerly over the static cache (what the compiled one computes, to rounding); `ahead=True`
-    steps through the same forward compiled ahead of time (meshlm.generate.ahead), built or loaded
-    at the prefill."""
+    """Plain decoding at the full depth, or with per-token `exit` (an ExitRule), with a compiled
+    step (module docstring). `new_tokens`: the most tokens a row will decode (the static cache's
+    room). `compiled=False` runs the same step eagerly over the static cache (what the compiled one
+    computes, to rounding); `ahead=True` steps through the same forward compiled ahead of time
+    (meshlm.generate.ahead), built or loaded at the prefill (not under exit: ConfigError)."""
 
     def __init__(self, model: MeshLM, schedule: tuple[int, ...], choose: Choose,
-                 new_tokens: int, compiled: bool = True, ahead: bool = False):
+                 new_tokens: int, compiled: bool = True, ahead: bool = False,
+                 exit: ExitRule | None = None):
+        if ahead and exit is not None:
+            raise ConfigError(AHEAD_EXIT)
         self.model, self.schedule, self.choose = model, schedule, choose
-        self.new_tokens, self.ahead = new_tokens, ahead
-        self.forward = steps.compiled(dynamic=False) if compiled else steps.forward
+        self.new_tokens, self.ahead, self.exit = new_tokens, ahead, exit
+        self.forward = steps.compiled(dynamic=False) if compiled else steps.step
         self.cache: StaticKVCache | None = None
         self.padding: torch.Tensor | None = None
         self.built = None  # with `ahead`: the AOT-compiled step (meshlm.generate.ahead.AheadStep)
 
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> Batch:
-        batch = PlainDecoder(self.model, self.schedule, self.choose).prefill(ids, mask)
+        batch = PlainDecoder(self.model, self.schedule, self.choose, self.exit).prefill(ids, mask)
         # rounded up where the context allows (check_room: the exact need always fits)
         capacity = min(capacity_for(batch.cached, self.new_tokens),
                        max(self.model.config.context_length, batch.cached + self.new_tokens + 1))
@@ -95,14 +103,19 @@ class CompiledDecoder:
         # to COLUMNS: one compiled step for every width (StaticKVCache.window)
         width = min(cache.capacity, -(-(cache.column + 2) // COLUMNS) * COLUMNS)
         cache.window = self.padding[:, :width]
+        loops = None
         if self.built is not None:
             logits = self.built(batch.pending[:, None], cache.window, cache.at)
         else:
-            torch._dynamo.mark_dynamic(cache.window, 1)
-            logits = self.forward(self.model, self.schedule, batch.pending[:, None],
-                                  cache.window, cache)
+            # under exit the pieces after a decision may specialise to the width (the tracker
+            # keeps it as a number): one piece per width there, no error
+            mark = torch._dynamo.mark_dynamic if self.exit is None else \
+                torch._dynamo.maybe_mark_dynamic
+            mark(cache.window, 1)
+            logits, loops = self.forward(self.model, self.schedule, batch.pending[:, None],
+                                         cache.window, cache, self.exit)
         cache.advance()
         batch.mask = self.padding[:, :cache.column]
         batch.pending = self.choose(logits)
-        return Step(batch.pending[:, None].tolist(), [1] * rows,
-                    loop_steps=rows * len(self.schedule))
+        ran = rows * len(self.schedule) if loops is None else int(loops.sum())
+        return Step(batch.pending[:, None].tolist(), [1] * rows, loop_steps=ran)

@@ -6,8 +6,8 @@
                         a step (a prefill's forward too) resumable a few loop steps at a time, so
                         continuous batching spreads a deep request's step over boundaries
     SpeculativeDecoder  (meshlm.generate.speculative) a plain step or a draft-verify round
-    CompiledDecoder     (meshlm.generate.compiled) a plain full-depth step compiled once over a
-                        static KV cache (`meshlm generate --compile`)
+    CompiledDecoder     (meshlm.generate.compiled) a plain step (full depth or per-token exit)
+                        compiled once over a static KV cache (`meshlm generate --compile`)
     decode              the loop over a decoder: meshlm.generate.stream and speculative.stream
 
 Each row's token is the decoder's `choose(logits)`: one rule and generator for the batch
@@ -96,8 +96,11 @@ class PlainDecoder:
     `pad_done`: a step turns the new positions of rows done (keep 0) into padding, which compaction
     frees (speculation, whose rollback holes need a mask anyway); else they stay real, so that a
     batch without padding attends with no mask. `compiled`: every whole step (not sliced) without
-    exit or `observe` runs through meshlm.generate.steps' compiled forward with symbolic shapes,
-    over the same growing cache, so rows may join and leave between steps; prefill stays eager."""
+    exit or `observe` runs through meshlm.generate.steps' compiled step with symbolic shapes, over
+    the same growing cache, so rows may join and leave between steps; prefill stays eager. (Exit
+    steps stay eager here: compiled, the exit tracker's bookkeeping specialised ~60 pieces of a
+    tiny model's step while rows came and went, each compiled during serving, for a step no faster
+    than eager at d = 768: meshlm.generate.compiled.)"""
 
     def __init__(self, model, schedule: tuple[int, ...], choose: Choose,
                  exit: ExitRule | None = None, observe=None, pad_done: bool = False,
@@ -150,9 +153,10 @@ class PlainDecoder:
                 # a buffer is never the whole buffer), a mask even without padding
                 batch.kv.reserve(2)
                 with torch.no_grad():
-                    logits = steps.compiled(dynamic=True)(self.model, self.schedule,
-                                                          batch.pending[:, None], mask, batch.kv)
-                return self._next(batch, keep, mask, logits, None)
+                    logits, loops = steps.compiled(dynamic=True)(
+                        self.model, self.schedule, batch.pending[:, None], mask, batch.kv,
+                        self.exit)
+                return self._next(batch, keep, mask, logits, loops)
             self.flight = self.start(batch.pending[:, None], mask, batch.kv)
         forward = self.flight
         logits = self.finish(forward, loop_slice)

@@ -201,6 +201,10 @@ class ExitTracker:
         self.criterion = rule.build()
         self.probing = self.criterion.probes
         self.active = torch.ones(b, t, dtype=torch.bool, device=h0.device)
+        # how many are active, counted once a step when it changes (`advance`): the one read of
+        # the tokens' state a step makes (a compiled step breaks its graph there, meshlm.generate.
+        # steps; reading it per layer broke it at every layer)
+        self.count = b * t
         self.loops = torch.zeros(b, t, dtype=torch.long, device=h0.device)  # steps run per token
         self.probes = torch.zeros(b, t, dtype=torch.long, device=h0.device)  # coda + head runs
         self.kv = ExitKV(cache, self.active)
@@ -217,7 +221,8 @@ class ExitTracker:
         """Choose how this step computes: all tokens (sel None) or the active ones gathered."""
         self.sel = None
         b, t = self.active.shape
-        if bool(self.active.all()) or int(self.active.sum()) >= GATHER_BELOW * b * t:
+        self.kv.everyone = self.count == b * t
+        if self.kv.everyone or self.count >= GATHER_BELOW * b * t:
             return
         self.sel = Gathered.of(self.active)
         # the step's core pass and probe read these: gathered once
@@ -270,7 +275,7 @@ class ExitTracker:
     def _merge(self, computed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """Computed tokens' outputs placed into a (B, T, …) tensor; exited tokens keep `like`'s."""
         if self.sel is None:
-            if bool(self.active.all()):
+            if self.kv.everyone:
                 return computed
             return torch.where(_expand(self.active, like), computed, like)
         return self.sel.put(like.clone(memory_format=torch.contiguous_format), computed)
@@ -305,8 +310,9 @@ class ExitTracker:
         h = h_new if h_new is self._merged else self._merge(self.view(h_new), h_old)
         self._merged = None
         self.active &= ~converged  # in place: ExitKV shares this tensor
+        self.count = int(self.active.sum())
         return h
 
     @property
     def finished(self) -> bool:
-        return not bool(self.active.any())
+        return self.count == 0

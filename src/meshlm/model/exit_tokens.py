@@ -76,6 +76,7 @@ class ExitKV:
 
     def __init__(self, inner: LayerCache | None, active: torch.Tensor):
         self.inner, self.active = inner, active  # active: (B, T) bool, shared with the tracker
+        self.everyone = True  # every token active this step (set by the tracker: its `count`)
         self.latest: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.owned: set[tuple[str, int]] = set()  # latest entries that are copies of our own
         self.group, self.first, self.sel = "core", 0, None
@@ -106,7 +107,7 @@ class ExitKV:
         old = self.latest.get(name)
         mine = name in self.owned and not torch.is_grad_enabled()
         self.owned.discard(name)
-        if old is None or (self.sel is None and bool(self.active.all())):
+        if old is None or (self.sel is None and self.everyone):
             new = key, value  # every token computed and kept: exactly the model without exit
         elif self.sel is None:  # masked: keep the computed ones of active tokens only
             keep = self.active[:, None, :, None]
