@@ -263,6 +263,39 @@ def test_meshlm_generate_compile_exit_prints_the_eager_text_and_no_warning(trace
     assert outputs[0] == outputs[1] and traced_only["graph_break"] and not warned
 
 
+@pytest.mark.parametrize("compiled_ms, kept", [(0.5, True), (2.0, False)])
+def test_generate_compile_decodes_compiled_only_where_the_race_finds_it_faster(
+        traced_only, tmp_path, capsys, monkeypatch, compiled_ms, kept):
+    """`meshlm generate --compile` races the compiled step against the eager one (compiled.race)
+    and decodes compiled only where it was faster; the text is the same either way, and the
+    precision line gives both figures and the choice."""
+    from meshlm.generate import compiled
+
+    real_race, raced = compiled.race, []
+
+    def race(*args, **kwargs):  # the real race (its throwaway steps), then the figures given
+        raced.append(real_race(*args, **kwargs))
+        return {**raced[-1], "compiled_ms": compiled_ms, "eager_ms": 1.0}
+    monkeypatch.setattr(compiled, "race", race)
+    stepped, step = [], CompiledDecoder.step
+    monkeypatch.setattr(CompiledDecoder, "step",
+                        lambda *a, **k: (stepped.append(1), step(*a, **k))[1])
+    save_model(build(tiny(vocab_size=8192)), tmp_path / "ckpt")
+    outputs = []
+    for extra in ([], ["--compile"]):
+        assert main(["generate", str(tmp_path / "ckpt"), "To be", "-t", "0", "-n", "12",
+                     *extra]) == 0
+        out, err = capsys.readouterr()
+        outputs.append(out)
+    assert outputs[0] == outputs[1]
+    (line,) = [x for x in err.splitlines() if x.startswith("generated in")]
+    assert f": {compiled_ms:.2f} ms a step against 1.00 eager, so decoded " in line
+    assert line.endswith("compiled" if kept else "eagerly (compiling does not pay here)")
+    race_steps = (1 + compiled.RACE_ROUNDS) * compiled.RACE_STEPS
+    assert len(raced) == 1 and raced[0]["compiled_ms"] > 0 and raced[0]["eager_ms"] > 0
+    assert len(stepped) == race_steps + (11 if kept else 0)  # the 11 steps after the prefill's
+
+
 def test_a_compiled_generation_names_kernels_reached_through_python_operators(
         traced_only, tmp_path, capsys, monkeypatch):
     """Where operators.cpp could not be had, the precision line says so and why, with --compile

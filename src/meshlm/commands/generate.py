@@ -48,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "it would not pay); prints acceptance and tokens/s on stderr")
     p.add_argument("--compile", action="store_true",
                    help="decode through one step compiled by torch.compile over a static KV cache "
-                        "(plain decoding, at the full depth or with --exit; the first call "
-                        "compiles for seconds)")
+                        "where a race against the eager step finds it faster (plain decoding, at "
+                        "the full depth or with --exit; the first call compiles for seconds)")
     p.add_argument("--aot", action="store_true",
                    help="--compile with the step compiled ahead of time by AOTInductor: no "
                         "per-token guards or Python (~20 s the first time a model's shape is "
@@ -79,11 +79,38 @@ def run(args: argparse.Namespace) -> int:
     device, chosen = for_decoding(args.dtype, model,
                                   huge=s.max_new_tokens >= HUGE_PAGES_STEPS)
     with precision.autocast(device, chosen):
+        raced = _race(args, model, tok.pad_id, prompts, s.max_new_tokens) if args.compile else None
         code = _generate(args, model, tok, s, texts, prompts)
     # after the text, on stderr: stdout holds only the text, and an error stays the only line on
     # stderr
-    print(f"generated in {chosen.describe()}{_operators_note(args)}", file=sys.stderr, flush=True)
+    print(f"generated in {chosen.describe()}{_raced_note(raced)}{_operators_note(args)}",
+          file=sys.stderr, flush=True)
     return code
+
+
+def _race(args: argparse.Namespace, model, pad_id: int, prompts: list[list[int]],
+          new_tokens: int) -> dict | None:
+    """--compile/--aot: the compiled step raced against the eager one for this generation's
+    shapes (meshlm.generate.compiled.race); where it is not faster, args.compile turns off and
+    the generation decodes eagerly. The race's figures, or None where it did not run."""
+    from meshlm.generate import compiled, left_pad
+
+    ids, mask = left_pad(prompts, pad_id, next(model.parameters()).device)
+    raced = compiled.race(model, model.schedule(args.loops), ids, mask, new_tokens,
+                          ahead=args.compile == "aot", exit=args.exit)
+    if raced is not None and raced["compiled_ms"] >= raced["eager_ms"]:
+        args.compile = False
+    return raced
+
+
+def _raced_note(raced: dict | None) -> str:
+    """What the race found, for the precision line."""
+    if raced is None:
+        return ""
+    kept = raced["compiled_ms"] < raced["eager_ms"]
+    return (f"; decode step compiled in {raced['seconds']:.0f} s: {raced['compiled_ms']:.2f} ms "
+            f"a step against {raced['eager_ms']:.2f} eager, so decoded "
+            + ("compiled" if kept else "eagerly (compiling does not pay here)"))
 
 
 def _operators_note(args: argparse.Namespace) -> str:

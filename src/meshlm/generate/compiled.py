@@ -21,11 +21,17 @@ ops round separately); tests/test_compiled.py checks greedy tokens against it.
 
 Compiling costs seconds (torch.compile caches its work per process and, for Inductor's kernels, on
 disk); a compiled step is reused for every call with the same model, batch size and capacity.
+`race` compiles it for a generation's shapes and times it against the eager step, so that
+`meshlm generate --compile` decodes compiled only where that is faster (as `meshlm serve --compile`
+and the kernels' probes choose).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
+from meshlm import machine
 from meshlm.errors import ConfigError
 from meshlm.generate import steps
 from meshlm.generate.ahead import step_for
@@ -36,6 +42,7 @@ from meshlm.model.exit import ExitRule
 from meshlm.model.kv_cache import StaticKVCache
 
 COLUMNS = 64  # a static cache's capacity is a multiple of this: fewer distinct compiled shapes
+RACE_STEPS, RACE_ROUNDS = 2, 3  # a timed call's steps; the turns each way after an untimed one
 AHEAD_EXIT = ("--aot compiles the plain step into one library, and exit decides per token in "
               "Python; use --compile with --exit")
 
@@ -119,3 +126,32 @@ class CompiledDecoder:
         batch.pending = self.choose(logits)
         ran = rows * len(self.schedule) if loops is None else int(loops.sum())
         return Step(batch.pending[:, None].tolist(), [1] * rows, loop_steps=ran)
+
+
+def race(model: MeshLM, schedule: tuple[int, ...], ids: torch.Tensor, mask: torch.Tensor,
+         new_tokens: int, ahead: bool = False, exit: ExitRule | None = None) -> dict | None:
+    """Compile the step for a generation of `new_tokens` after prompts ids (B, T) with padding
+    mask (B, T) (greedy throwaway copies with the same rows, capacity and `exit`, so that the
+    generation then reuses what was compiled), then time it against the eager step as the
+    kernels' probes time (machine.race: an untimed call each, then RACE_ROUNDS turns of RACE_STEPS
+    steps). Returns machine.race's figures per step ("compiled_ms", "eager_ms",
+    "compiled_over_eager") and the "seconds" it all took; None where the generation is too short
+    for the throwaway steps (then it would not pay either way)."""
+    calls = 1 + RACE_ROUNDS
+    if new_tokens < calls * RACE_STEPS:
+        return None
+    start = time.perf_counter()
+
+    def greedy(logits: torch.Tensor) -> torch.Tensor:  # the generation's sampler is left alone
+        return logits.argmax(-1)
+    fast = CompiledDecoder(model, schedule, greedy, new_tokens, ahead=ahead, exit=exit)
+    slow = PlainDecoder(model, schedule, greedy, exit)
+    with torch.no_grad():
+        racing = {"compiled": (fast, fast.prefill(ids, mask)),
+                  "eager": (slow, slow.prefill(ids, mask))}
+    raced = machine.race({name: lambda d=d, b=b: [d.step(b) for _ in range(RACE_STEPS)]
+                          for name, (d, b) in racing.items()}, RACE_ROUNDS, fastest="compiled")
+    return {"compiled_ms": raced["compiled_ms"] / RACE_STEPS,
+            "eager_ms": raced["eager_ms"] / RACE_STEPS,
+            "compiled_over_eager": raced["compiled_over_eager"],
+            "seconds": time.perf_counter() - start}
