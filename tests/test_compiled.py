@@ -216,12 +216,12 @@ def test_compiled_greedy_tokens_are_the_eager_decoders(scheme):
 
 @pytest.mark.slow
 def test_compiled_exit_decodes_the_eager_tokens():
-    """The same through Inductor: greedy tokens equal eager exit's, alone and in a batch."""
+    """The same through Inductor: greedy tokens equal eager exit's, in a left-padded batch (the
+    masked rows; a batch of one compiled cold costs another 30 s, and the traced test has it)."""
     model, rule = exiting("mesh", "state")
     s = Sampling(max_new_tokens=10, temperature=0, stop_at_eos=False)
-    for prompts in (PROMPTS[:1], PROMPTS):
-        assert generate(model, prompts, s, exit=rule, compile=True) == \
-            generate(model, prompts, s, exit=rule)
+    assert generate(model, PROMPTS, s, exit=rule, compile=True) == \
+        generate(model, PROMPTS, s, exit=rule)
 
 
 @pytest.mark.slow
