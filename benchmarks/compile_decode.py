@@ -15,6 +15,8 @@ eager ones.
     .venv/bin/python benchmarks/compile_decode.py --aot --threads 2   # AOTInductor against jit
     .venv/bin/python benchmarks/compile_decode.py --spec 1+2R4+1 --scheme mesh --exit state:0.4 \
         --precisions fp32,int4 --threads 2   # per-token exit, eager and compiled
+    .venv/bin/python benchmarks/compile_decode.py --spec 1+2R4+1 --scheme mesh --speculate 2:3 \
+        --precisions fp32,int4 --threads 2   # self-speculation, eager and compiled stages
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/compile_decode.py --aot --threads 1 \
         --precisions int4,w4a8   # --precisions: those alone (with --aot)
 
@@ -203,7 +205,8 @@ def step_ms(runs: dict, prompts, s, args, clock) -> tuple[dict, float]:
         if before is not None:
             before()
         with torch.no_grad(), precision.autocast(torch.device("cpu"), chosen):
-            return generate(m, prompts, sampling, compile=compile, exit=args.exit)
+            return generate(m, prompts, sampling, compile=compile, exit=args.exit,
+                            speculate=args.speculate)
 
     cases = {(key, n): (lambda r=r, sm=sm: run(sm, *r))
              for key, r in runs.items() for n, sm in ((1, one), (args.new_tokens, s))}
@@ -230,6 +233,7 @@ def split(model, prompts, s, args, clock) -> None:
 def main() -> None:
     from meshlm.config import ModelConfig
     from meshlm.generate import Sampling, generate
+    from meshlm.generate.speculative import Speculation
     from meshlm.model import MeshLM
     from meshlm.model.exit import ExitRule
     from meshlm.runtime import precision
@@ -250,10 +254,13 @@ def main() -> None:
                    help="these precisions only (comma-separated)")
     p.add_argument("--exit", type=ExitRule.parse, default=None, metavar="RULE",
                    help="decode with per-token exit (e.g. state:0.05), eager and compiled")
+    p.add_argument("--speculate", type=Speculation.parse, default=None, metavar="K_d:γ",
+                   help="decode by self-speculation (e.g. 1:3), eager and compiled stages")
     add_timing_arguments(p, rounds=3)
     args = p.parse_args()
-    if args.exit is not None and (args.aot or args.operators):
-        p.error("--exit compares eager and torch.compile's steps; drop --aot and --operators")
+    if (args.exit or args.speculate) is not None and (args.aot or args.operators):
+        p.error("--exit and --speculate compare eager and torch.compile's steps; drop --aot and "
+                "--operators")
     clock = timing_setup(args)
     torch.manual_seed(0)
     cfg = ModelConfig(spec=args.spec, d_model=768, n_heads=12, vocab_size=50304,
@@ -276,7 +283,8 @@ def main() -> None:
     for name, (laid_out, chosen) in variants(model, args.precisions).items():
         def run(compile: bool, laid_out=laid_out, chosen=chosen):
             with torch.no_grad(), precision.autocast(torch.device("cpu"), chosen):
-                return generate(laid_out, prompts, s, compile=compile, exit=args.exit)
+                return generate(laid_out, prompts, s, compile=compile, exit=args.exit,
+                                speculate=args.speculate)
         start = time.perf_counter()
         same = run(True) == run(False)
         first = time.perf_counter() - start

@@ -148,9 +148,9 @@ def traced_only(monkeypatch):
     from meshlm.generate import steps
 
     torch._dynamo.reset()
-    steps.compiled.cache_clear()
+    steps.forget()
     monkeypatch.setattr(steps, "BACKEND", "eager")
     counters.clear()
     yield counters
     torch._dynamo.reset()
-    steps.compiled.cache_clear()
+    steps.forget()

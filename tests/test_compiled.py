@@ -16,7 +16,7 @@ from meshlm.data.tokenizer import load_tokenizer
 from meshlm.errors import ConfigError
 from meshlm.generate import PlainDecoder, Sampling, decode, generate, left_pad, next_token
 from meshlm.generate.compiled import COLUMNS, CompiledDecoder, capacity_for
-from meshlm.generate.speculative import Speculation
+from meshlm.generate.speculative import Speculation, SpeculationStats
 from meshlm.model.exit import ExitRule
 from meshlm.model.kv_cache import StaticKVCache
 
@@ -158,14 +158,18 @@ def test_capacity_rounds_up_and_a_full_context_is_refused():
 def test_what_compile_cannot_do_is_refused_in_one_line(tmp_path, capsys):
     model = build(tiny(vocab_size=8192))
     s = Sampling(max_new_tokens=2, temperature=0)
-    with pytest.raises(ConfigError, match="--compile decodes plainly"):
-        generate(model, [[5]], s, speculate=Speculation.parse("auto"), compile=True)
-    with pytest.raises(ConfigError, match="use --compile with --exit"):
-        generate(model, [[5]], s, exit=ExitRule.parse("state:0.1"), compile="aot")
+    with pytest.raises(ConfigError, match="--compile decodes with the KV cache"):
+        generate(model, [[5]], s, cache=False, compile=True)
+    for plain_only in (dict(exit=ExitRule.parse("state:0.1")),
+                       dict(speculate=Speculation.parse("auto"))):
+        with pytest.raises(ConfigError, match="use --compile with --exit or --speculate"):
+            generate(model, [[5]], s, compile="aot", **plain_only)
     save_model(model, tmp_path / "ckpt")
-    refused = [(flag, extra, "--compile decodes plainly") for flag in ("--compile", "--aot")
-               for extra in (["--speculate", "auto"], ["--no-cache"])]
-    for flag, extra, why in [*refused, ("--aot", ["--exit", "state:0.1"], "use --compile with")]:
+    refused = [(flag, ["--no-cache"], "--compile decodes with the KV cache")
+               for flag in ("--compile", "--aot")]
+    refused += [("--aot", extra, "use --compile with --exit or --speculate")
+                for extra in (["--exit", "state:0.1"], ["--speculate", "auto"])]
+    for flag, extra, why in refused:
         assert main(["generate", str(tmp_path / "ckpt"), "To be", flag, *extra]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and why in err[0]
@@ -212,6 +216,26 @@ def test_compiled_greedy_tokens_are_the_eager_decoders(scheme):
     eager = generate(model, PROMPTS, s)
     assert generate(model, PROMPTS, s, compile=True) == eager
     assert generate(model, PROMPTS, s, compile=True) == eager  # the compiled step reused
+
+
+@pytest.mark.parametrize("speculate", ["1:3", "auto"])
+def test_speculation_through_compiled_stages_decodes_plain_greedy(traced_only, speculate):
+    """`generate --compile --speculate`: the rounds' stages (and plain steps) run traced, the
+    prefill eagerly; the tokens are plain greedy decoding's and no frame hits the recompile limit;
+    with a fixed setting rounds did run and a second generation traces nothing new (auto's
+    choices follow measured costs, so a second run may take another path)."""
+    model = build(tiny(scheme="mesh", spec="1+1R3+1", vocab_size=128, context_length=96))
+    s = Sampling(max_new_tokens=12, temperature=0, stop_at_eos=False)
+    stats = SpeculationStats()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        tokens = generate(model, PROMPTS, s, speculate=Speculation.parse(speculate), stats=stats,
+                          compile=True)
+        graphs = traced_only["stats"]["unique_graphs"]
+        again = generate(model, PROMPTS, s, speculate=Speculation.parse(speculate), compile=True)
+    assert tokens == again == generate(model, PROMPTS, s)
+    assert graphs > 0
+    if speculate != "auto":
+        assert stats.rounds > 0 and traced_only["stats"]["unique_graphs"] == graphs
 
 
 @pytest.mark.slow
@@ -261,6 +285,20 @@ def test_meshlm_generate_compile_exit_prints_the_eager_text_and_no_warning(trace
     finally:
         torch_warnings.removeHandler(handler)
     assert outputs[0] == outputs[1] and traced_only["graph_break"] and not warned
+
+
+def test_meshlm_generate_compile_speculate_prints_the_eager_text(traced_only, tmp_path, capsys):
+    """`meshlm generate --compile --speculate 1:3`: the text of eager plain decoding, the
+    speculation line on stderr, and no race (the planner times the compiled stages itself)."""
+    save_model(build(tiny(vocab_size=8192, spec="1+1R3+1")), tmp_path / "ckpt")
+    outputs = []
+    for extra in ([], ["--speculate", "1:3", "--compile"]):
+        assert main(["generate", str(tmp_path / "ckpt"), "To be", "-t", "0", "-n", "10",
+                     *extra]) == 0
+        out, err = capsys.readouterr()
+        outputs.append(out)
+    assert outputs[0] == outputs[1] and traced_only["stats"]["unique_graphs"] > 0
+    assert err.startswith("speculate: K_d=1 γ=3; ") and "decode step compiled" not in err
 
 
 @pytest.mark.parametrize("compiled_ms, kept", [(0.5, True), (2.0, False)])

@@ -48,8 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "it would not pay); prints acceptance and tokens/s on stderr")
     p.add_argument("--compile", action="store_true",
                    help="decode through one step compiled by torch.compile over a static KV cache "
-                        "where a race against the eager step finds it faster (plain decoding, at "
-                        "the full depth or with --exit; the first call compiles for seconds)")
+                        "where a race against the eager step finds it faster (at the full depth "
+                        "or with --exit; with --speculate its rounds through compiled stages; the "
+                        "first call compiles for seconds)")
     p.add_argument("--aot", action="store_true",
                    help="--compile with the step compiled ahead of time by AOTInductor: no "
                         "per-token guards or Python (~20 s the first time a model's shape is "
@@ -79,7 +80,9 @@ def run(args: argparse.Namespace) -> int:
     device, chosen = for_decoding(args.dtype, model,
                                   huge=s.max_new_tokens >= HUGE_PAGES_STEPS)
     with precision.autocast(device, chosen):
-        raced = _race(args, model, tok.pad_id, prompts, s.max_new_tokens) if args.compile else None
+        # with --speculate the planner times the compiled stages as it plans (not raced)
+        raced = _race(args, model, tok.pad_id, prompts, s.max_new_tokens) \
+            if args.compile and args.speculate is None else None
         code = _generate(args, model, tok, s, texts, prompts)
     # after the text, on stderr: stdout holds only the text, and an error stays the only line on
     # stderr
@@ -175,7 +178,7 @@ def check_inputs(args: argparse.Namespace):
     from meshlm.errors import Problems
     from meshlm.folders import hub
     from meshlm.generate import Sampling
-    from meshlm.generate.compiled import AHEAD_EXIT
+    from meshlm.generate.compiled import AHEAD_PLAIN
     from meshlm.generate.speculative import Speculation
     from meshlm.model.exit import ExitRule
     from meshlm.runtime.devices import resolve_device
@@ -194,10 +197,9 @@ def check_inputs(args: argparse.Namespace):
     if args.speculate is not None:
         args.speculate = p.check(Speculation.parse, args.speculate)
     args.compile = "aot" if args.aot else args.compile  # --aot is --compile, ahead of time
-    p.need(not args.compile or (args.speculate is None and not args.no_cache),
-           "--compile decodes plainly (at the full depth or with --exit) with the KV cache; drop "
-           "--speculate and --no-cache (or --compile)")
-    p.need(args.compile != "aot" or args.exit is None, AHEAD_EXIT)
+    p.need(not args.compile or not args.no_cache,
+           "--compile decodes with the KV cache; drop --no-cache (or --compile)")
+    p.need(args.compile != "aot" or (args.exit is None and args.speculate is None), AHEAD_PLAIN)
     p.check(resolve_device, args.device)
     p.need(Path(args.checkpoint).is_dir() or hub.is_hub_name(args.checkpoint),
            f"{args.checkpoint} is not a folder; pass a meshlm run or step-NNNNNN folder, a Hugging "

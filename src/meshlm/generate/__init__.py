@@ -90,17 +90,18 @@ def stream(model: MeshLM, prompts: list[list[int]], s: Sampling, eos_id: int = 0
     `compile` decodes through one compiled step over a static cache (meshlm.generate.compiled:
     plain decoding at the full depth or with `exit`, the same tokens to floating-point rounding):
     True or "jit" by torch.compile, "aot" compiled ahead of time by AOTInductor
-    (meshlm.generate.ahead; not with `exit`)."""
-    if compile and (speculate is not None or not cache or observe):
-        raise ConfigError("--compile decodes plainly (at the full depth or with --exit) with the "
-                          "KV cache; drop --speculate and --no-cache (or --compile)")
-    if compile == "aot" and exit is not None:
-        raise ConfigError(compiled.AHEAD_EXIT)
+    (meshlm.generate.ahead; not with `exit` or `speculate`); with `speculate`, the rounds run
+    through the model's compiled stages (meshlm.generate.speculative)."""
+    if compile and (not cache or observe):
+        raise ConfigError("--compile decodes with the KV cache; drop --no-cache (or --compile)")
+    if compile == "aot" and (exit is not None or speculate is not None):
+        raise ConfigError(compiled.AHEAD_PLAIN)
     if speculate is not None:
         if not cache or exit is not None:
             raise ConfigError("speculative decoding needs the KV cache and the full depth; drop "
                               "--no-cache (cache=False) and --exit")
-        yield from speculative.stream(model, prompts, s, speculate, eos_id, pad_id, loops, stats)
+        yield from speculative.stream(model, prompts, s, speculate, eos_id, pad_id, loops, stats,
+                                      bool(compile))
         return
     device = next(model.parameters()).device
     check_room(model, prompts, s)

@@ -15,9 +15,10 @@ PlainDecoder does, into a KVCache that then becomes the static one; every step a
 forward — the prelude, the loop of every scheme and the coda, at the full depth or with per-token
 exit — with the sampling outside it. Under exit the step's decisions (which tokens loop on, whether
 the loop ends) stay in Python between compiled pieces (meshlm.generate.steps), so exit is compiled
-by torch.compile only, not ahead of time. Speculation (a cache that rolls back) keeps the eager
-decoders. The tokens are the eager path's to floating-point rounding (Inductor fuses what the eager
-ops round separately); tests/test_compiled.py checks greedy tokens against it.
+by torch.compile only, not ahead of time. Speculation (a cache that rolls back) runs its rounds
+through the model's compiled stages instead (meshlm.generate.speculative, steps.CompiledStages).
+The tokens are the eager path's to floating-point rounding (Inductor fuses what the eager ops round
+separately); tests/test_compiled.py checks greedy tokens against it.
 
 Compiling costs seconds (torch.compile caches its work per process and, for Inductor's kernels, on
 disk); a compiled step is reused for every call with the same model, batch size and capacity.
@@ -43,8 +44,8 @@ from meshlm.model.kv_cache import StaticKVCache
 
 COLUMNS = 64  # a static cache's capacity is a multiple of this: fewer distinct compiled shapes
 RACE_STEPS, RACE_ROUNDS = 2, 3  # a timed call's steps; the turns each way after an untimed one
-AHEAD_EXIT = ("--aot compiles the plain step into one library, and exit decides per token in "
-              "Python; use --compile with --exit")
+AHEAD_PLAIN = ("--aot compiles the plain full-depth step into one library, and exit and "
+               "speculation decide per token in Python; use --compile with --exit or --speculate")
 
 
 def capacity_for(cached: int, new_tokens: int) -> int:
@@ -74,7 +75,7 @@ class CompiledDecoder:
                  new_tokens: int, compiled: bool = True, ahead: bool = False,
                  exit: ExitRule | None = None):
         if ahead and exit is not None:
-            raise ConfigError(AHEAD_EXIT)
+            raise ConfigError(AHEAD_PLAIN)
         self.model, self.schedule, self.choose = model, schedule, choose
         self.new_tokens, self.ahead, self.exit = new_tokens, ahead, exit
         self.forward = steps.compiled(dynamic=False) if compiled else steps.step

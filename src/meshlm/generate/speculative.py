@@ -32,6 +32,7 @@ from meshlm.generate.decoder import PlainDecoder, Step, check_room, decode
 from meshlm.generate.planner import PRIOR_TOKENS, Planner, Speculation
 from meshlm.generate.rounds import Rounds
 from meshlm.generate.sampling import Sampling, left_pad, next_token
+from meshlm.generate.steps import CompiledStages
 from meshlm.generate.timing import Timed
 from meshlm.model import MeshLM
 
@@ -90,15 +91,18 @@ class SpeculativeDecoder:
     planner decodes plainly for good (then untimed, exactly meshlm.generate's step)."""
 
     def __init__(self, model: MeshLM, schedule: tuple[int, ...], spec: Speculation, s: Sampling,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, compiled: bool = False):
         spec.check(model, schedule)
         self.planner = Planner(spec, model.config.layout, schedule, s.max_new_tokens)
-        self.timed = Timed(model, self.planner.costs)
+        self.compiled = compiled  # rounds and plain steps through compiled stages; prefill eager
+        self.timed = Timed(CompiledStages(model) if compiled else model, self.planner.costs)
         self.rounds = Rounds(model, schedule, s, generator, self.timed)
+        self.prefilling = Rounds(model, schedule, s, generator, Timed(model, self.planner.costs)) \
+            if compiled else self.rounds
 
         def choose(logits: torch.Tensor) -> torch.Tensor:
             return next_token(logits, s, generator)
-        self.plain = PlainDecoder(model, schedule, choose)  # untimed
+        self.plain = PlainDecoder(model, schedule, choose, compiled=compiled)  # untimed
         self.timed_plain = PlainDecoder(self.timed, schedule, choose, pad_done=True)
         self.context = model.config.context_length
         self.calibrated = False
@@ -107,7 +111,7 @@ class SpeculativeDecoder:
     def prefill(self, ids: torch.Tensor, mask: torch.Tensor) -> Batch:
         """Prefill prompts (B, T) with padding mask (B, T); the first batch calibrates."""
         depths = [] if self.calibrated else self.planner.calibrates
-        batch, agreement, positions = self.rounds.prefill(ids, mask, depths, PRIOR_TOKENS)
+        batch, agreement, positions = self.prefilling.prefill(ids, mask, depths, PRIOR_TOKENS)
         if not self.calibrated:
             self.planner.calibrate(agreement, positions)
             self.calibrated = True
@@ -122,6 +126,8 @@ class SpeculativeDecoder:
         if batch.cached + gamma + 1 > self.context:  # rollback holes took the room: squeeze out
             batch.compact()
             gamma = max(min(gamma, self.context - batch.cached - 1), 0)
+        if self.compiled:  # the cache grows outside the compiled stages (PlainDecoder's reason)
+            batch.kv.reserve(gamma + 2)
         keep = keep.to(batch.mask.device)
         if gamma < 1:
             return self._plain_step(batch, keep)
@@ -145,19 +151,21 @@ class SpeculativeDecoder:
 @torch.no_grad()
 def stream(model: MeshLM, prompts: list[list[int]], s: Sampling,
            speculate: Speculation = AUTO, eos_id: int = 0, pad_id: int = 1,
-           loops: int | None = None, stats: SpeculationStats | None = None
-           ) -> Iterator[torch.Tensor]:
+           loops: int | None = None, stats: SpeculationStats | None = None,
+           compiled: bool = False) -> Iterator[torch.Tensor]:
     """Yield the (B,) next tokens step by step, exactly as meshlm.generate.stream would (greedy: the
     same tokens; sampling: the same distribution), computed by speculative rounds. Rows that reached
     EOS yield `pad_id`. `stats` (optional) receives acceptance, tokens/s and the chosen setting.
-    `speculate` is typed (Speculation.parse turns "auto", "K_d" or "K_d:γ" into one)."""
+    `speculate` is typed (Speculation.parse turns "auto", "K_d" or "K_d:γ" into one).
+    `compiled`: the rounds and plain steps run through the model's compiled stages
+    (meshlm.generate.steps.CompiledStages; `meshlm generate --compile --speculate`)."""
     if not isinstance(speculate, Speculation):
         raise TypeError(f"speculate={speculate!r}: pass a Speculation (meshlm.generate.planner."
                         f"Speculation.parse({str(speculate)!r})); settings travel typed")
     schedule, stats = model.schedule(loops), stats if stats is not None else SpeculationStats()
     device = next(model.parameters()).device
     generator = None if s.seed is None else torch.Generator(device).manual_seed(s.seed)
-    decoder = SpeculativeDecoder(model, schedule, speculate, s, generator)
+    decoder = SpeculativeDecoder(model, schedule, speculate, s, generator, compiled)
     stats.planner = decoder.planner
     check_room(model, prompts, s)
     batch = decoder.prefill(*left_pad(prompts, pad_id, device))

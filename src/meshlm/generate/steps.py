@@ -68,8 +68,14 @@ def forward(model, schedule: tuple[int, ...], tokens: torch.Tensor,
 @functools.cache
 def compiled(dynamic: bool):
     """`step` compiled, with static or symbolic shapes (module docstring)."""
+    return _compiled(step, dynamic)
+
+
+def _compiled(fn, dynamic: bool):
+    """`fn` compiled by torch.compile (BACKEND, INDUCTOR_OPTIONS, RECOMPILE_LIMIT), called with
+    the warnings its tracing gives left out."""
     options = INDUCTOR_OPTIONS if BACKEND == "inductor" else None
-    traced = torch.compile(step, dynamic=dynamic, backend=BACKEND, options=options,
+    traced = torch.compile(fn, dynamic=dynamic, backend=BACKEND, options=options,
                            recompile_limit=RECOMPILE_LIMIT)
 
     def call(*args):
@@ -90,3 +96,54 @@ def _quiet(logger: logging.Logger):
         yield
     finally:
         logger.setLevel(level)
+
+
+def _start(model, tokens, padding, cache, exit):
+    return model.start(tokens, padding, cache, exit)
+
+
+def _advance(model, run, schedule, stop):
+    model.advance(run, schedule, stop)  # in place: Dynamo replays the run's changes
+
+
+def _readout(model, run, schedule, last):
+    return model.readout(run, schedule, last)
+
+
+@functools.cache
+def _stage(name: str):
+    """One of MeshLM's stages compiled with symbolic shapes (`CompiledStages`)."""
+    return _compiled({"start": _start, "advance": _advance, "readout": _readout}[name], True)
+
+
+class CompiledStages:
+    """A MeshLM's three stages, `start`, `advance` and `readout`, each compiled with symbolic
+    shapes (torch.compile, `BACKEND`), for decoders that run a model stage by stage over the
+    growing KVCache: self-speculation's rounds (meshlm.generate.speculative with `compiled`),
+    which draft one token at a time and verify γ + 1 at once. Decoding code runs on the model, on
+    meshlm.generate.timing.Timed or on this (or Timed around this) and cannot tell them apart.
+    Timed advances one loop step a call, so a compiled `advance` specialises to each loop step
+    (and to one token or several), not to each pair of them."""
+
+    def __init__(self, model):
+        self.model, self.config, self.scheme = model, model.config, model.scheme
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def start(self, input_ids, padding_mask=None, cache=None, exit=None):
+        return _stage("start")(self.model, input_ids, padding_mask, cache, exit)
+
+    def advance(self, run, schedule, stop=None):
+        _stage("advance")(self.model, run, schedule, stop)
+        return run
+
+    def readout(self, run, schedule, last=None):
+        return _stage("readout")(self.model, run, schedule, last)
+
+
+def forget() -> None:
+    """Drop every compiled form made so far (`compiled`, the stages), so that the next call
+    compiles with the BACKEND then set (tests trace with the eager backend)."""
+    compiled.cache_clear()
+    _stage.cache_clear()
