@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
     model, tok = opened.model, opened.tokenizer
     prompts = [tok.encode(text) for text in texts]
     check_room(model, prompts, s)  # before anything is written to stdout
-    if args.compile:
+    if args.compile and args.speculate is None:  # the static cache's extra column (speculation
+        # compiles its stages over the growing cache instead)
         compiled.check_room(model, prompts, s.max_new_tokens)
     check_loops(model, args.loops, args.max_loops)
     # the weights on 2 MB pages where a generation is long enough to pay for it
