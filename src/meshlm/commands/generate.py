@@ -87,7 +87,8 @@ def run(args: argparse.Namespace) -> int:
         code = _generate(args, model, tok, s, texts, prompts)
     # after the text, on stderr: stdout holds only the text, and an error stays the only line on
     # stderr
-    print(f"generated in {chosen.describe()}{_raced_note(raced)}{_operators_note(args)}",
+    print(f"generated in {chosen.describe()}{_raced_note(raced, bool(args.compile))}"
+          f"{_operators_note(args)}",
           file=sys.stderr, flush=True)
     return code
 
@@ -107,11 +108,11 @@ def _race(args: argparse.Namespace, model, pad_id: int, prompts: list[list[int]]
     return raced
 
 
-def _raced_note(raced: dict | None) -> str:
-    """What the race found, for the precision line."""
+def _raced_note(raced: dict | None, kept: bool) -> str:
+    """What the race found and whether the compiled step was `kept` (_race), for the precision
+    line."""
     if raced is None:
         return ""
-    kept = raced["compiled_ms"] < raced["eager_ms"]
     return (f"; decode step compiled in {raced['seconds']:.0f} s: {raced['compiled_ms']:.2f} ms "
             f"a step against {raced['eager_ms']:.2f} eager, so decoded "
             + ("compiled" if kept else "eagerly (compiling does not pay here)"))

@@ -25,10 +25,10 @@ torch.compile is lazy: Inductor runs at the first call of a shape, and caches it
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -46,6 +46,18 @@ RECOMPILE_LIMIT = 64
 # where Dynamo warns, at the first graph break on a tensor read as a number, that it broke the
 # graph there: exit's decisions are such reads, meant to stay in Python (the module docstring)
 ITEM_BREAKS = logging.getLogger("torch._dynamo.variables.tensor")
+PACKAGE = str(Path(__file__).resolve().parents[1])  # meshlm's source, as Dynamo's stacks name it
+
+
+class _OwnBreaks(logging.Filter):
+    """Drops ITEM_BREAKS' warnings about a read in meshlm's own code (the warning's stack names
+    the file); any other code's stay."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return PACKAGE not in record.getMessage()
+
+
+OWN_BREAKS = _OwnBreaks()
 
 
 def step(model, schedule: tuple[int, ...], tokens: torch.Tensor, padding: torch.Tensor | None,
@@ -77,25 +89,15 @@ def _compiled(fn, dynamic: bool):
     options = INDUCTOR_OPTIONS if BACKEND == "inductor" else None
     traced = torch.compile(fn, dynamic=dynamic, backend=BACKEND, options=options,
                            recompile_limit=RECOMPILE_LIMIT)
+    ITEM_BREAKS.addFilter(OWN_BREAKS)  # once: logging keeps a filter once; nothing a call
 
     def call(*args):
-        with warnings.catch_warnings(), _quiet(ITEM_BREAKS):
+        with warnings.catch_warnings():
             # tracing reads config.layout through its lru_cache, which Dynamo warns that it traces
             # through: harmless (the spec is a constant)
             warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools")
             return traced(*args)
     return call
-
-
-@contextlib.contextmanager
-def _quiet(logger: logging.Logger):
-    """`logger`'s warnings left out while the block runs."""
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
 
 
 def _start(model, tokens, padding, cache, exit):
