@@ -110,7 +110,7 @@ def fresh_kernel(kernel, monkeypatch, cache):
 # C flag sets that build a kernel's other paths on this CPU, as the CPUs that lack an instruction
 # set build it: each path falls back to the next where this CPU lacks its instructions too
 OLDER_CPUS = {"plain-loop": (), "without-avx512-bf16": ("-march=native", "-mno-avx512bf16"),
-              "avx2": ("-march=native", "-mno-avx512f")}
+              "avx2": ("-march=native", "-mno-avx512f", "-mno-avxvnni")}
 
 
 def built_for(kernel, flags: tuple[str, ...], folder):

@@ -10,11 +10,12 @@ import stat
 
 import pytest
 import torch
-from conftest import build, forget_kernels, tiny
+from conftest import OLDER_CPUS, build, built_for, forget_kernels, tiny
 from test_quant import assert_decodes_exactly
 
 from meshlm import decoding
 from meshlm.generate import Sampling, generate
+from meshlm.kernels.kernel import MIN_SPEEDUP
 from meshlm.model.kv_cache import KVCache
 from meshlm.quant import QuantizedLinear, quantize_model, row_kernel
 from meshlm.quant import linear as linear_module
@@ -31,11 +32,29 @@ def fresh_build(monkeypatch, tmp_path):
     forget_kernels()
 
 
-@pytest.mark.parametrize("n, k, size", [(1, 1, 1.0), (37, 200, 1e-3), (2304, 768, 1.0),
-                                        (50, 3072, 80.0), (8, 64, 0.0)])
+CASES = [(1, 1, 1.0), (37, 200, 1e-3), (2304, 768, 1.0), (50, 3072, 80.0), (8, 64, 0.0)]
+
+
+@pytest.mark.parametrize("n, k, size", CASES)
 def test_the_compiled_product_is_the_torch_ops_numbers_bit_for_bit(fresh_build, n, k, size):
     kernel = row_kernel.int8_row_kernel()
     assert kernel is not None, "this machine has a C compiler (cc or gcc): the kernel builds"
+    assert_exact_sums(kernel, n, k, size)
+    assert [p.name for p in fresh_build.iterdir()] == [p.name for p in fresh_build.glob("*.so")]
+
+
+@pytest.mark.parametrize("flags", OLDER_CPUS.values(), ids=OLDER_CPUS.keys())
+def test_the_kernel_built_for_older_cpus_sums_exactly(tmp_path, flags):
+    """The paths this CPU may not run (conftest.OLDER_CPUS: the plain loop; AVX2 without an int8
+    dot-product instruction, where vpmaddubsw multiplies |w| by q with w's sign) give the exact
+    sums, the weight -128 included, each row alone what it gives in a batch."""
+    product = built_for(row_kernel.KERNEL, flags, tmp_path)
+    assert row_kernel.KERNEL.check(product)
+    for case in CASES:
+        assert_exact_sums(product, *case)
+
+
+def assert_exact_sums(kernel, n: int, k: int, size: float) -> None:
     g = torch.Generator().manual_seed(n)
     x = torch.randn(1, k, generator=g) * size
     x[0, 0] = size * 3  # a large entry, so most of the row rounds to small integers
@@ -48,7 +67,6 @@ def test_the_compiled_product_is_the_torch_ops_numbers_bit_for_bit(fresh_build, 
     assert torch.equal(kernel(x, weight.t()), exact)
     if exact_int8_products():
         assert torch.equal(kernel(x, weight.t()), scaled_int8_products(x, weight.t()))
-    assert [p.name for p in fresh_build.iterdir()] == [p.name for p in fresh_build.glob("*.so")]
 
 
 def without_exact_int_mm(monkeypatch) -> None:
@@ -57,15 +75,17 @@ def without_exact_int_mm(monkeypatch) -> None:
         monkeypatch.setattr(module, "exact_int8_products", lambda: False)
 
 
-@pytest.mark.parametrize("int_mm", ["this CPU's", "inexact"])
+@pytest.mark.parametrize("int_mm", ["this CPU's", "this CPU's, faster at a batch", "inexact"])
 def test_decoding_through_the_kernel_gives_the_same_numbers(fresh_build, monkeypatch, int_mm):
-    """Where torch._int_mm's sums are exact the kernel takes one row and _int_mm the others; where
-    they are not (forced: a CPU without VNNI) it takes every row, so a row's numbers still do not
-    depend on the batch, and they are the exact sums' either way."""
+    """Where torch._int_mm's sums are exact the kernel takes one row and _int_mm the others, or
+    every row where its probe found it faster at a batch too; where they are not (forced: a CPU
+    without VNNI) it takes every row, so a row's numbers still do not depend on the batch, and
+    they are the exact sums' either way."""
     exact = exact_int8_products()  # this CPU's, for the layers without the kernel below
     # whether this CPU's probe finds it faster is the next tests' matter: here it is used
-    monkeypatch.setattr(row_kernel, "_probe", lambda kernel, exact: {
-        "kernel_over_torch": 2.0, "batch_kernel_over_torch": 2.0})
+    batch = 0.5 if int_mm == "this CPU's" else 2.0
+    monkeypatch.setattr(row_kernel, "_probe", lambda kernel: {
+        "kernel_over_torch": 2.0, "batch_kernel_over_torch": batch})
     if int_mm == "inexact":
         without_exact_int_mm(monkeypatch)
     model = build(tiny(spec="1+1R3+1", vocab_size=512, d_model=64))
@@ -77,8 +97,12 @@ def test_decoding_through_the_kernel_gives_the_same_numbers(fresh_build, monkeyp
             layer.row_kernel = None
     layers = [m for m in quantized.modules() if isinstance(m, QuantizedLinear)]
     assert layers and all(m.row_kernel is row_kernel.int8_row_kernel() for m in layers)
-    assert (decoding.ROW_KERNEL_NOTE if int_mm == "this CPU's" and exact else
-            decoding.ROWS_KERNEL_NOTE) in chosen.reason
+    every = int_mm != "this CPU's" or not exact
+    assert all(m.kernel_every_row == every for m in layers)
+    assert (decoding.ROWS_KERNEL_NOTE if every else decoding.ROW_KERNEL_NOTE) in chosen.reason
+    if every:
+        assert (decoding.ROWS_FASTER if exact and int_mm != "inexact" else
+                decoding.ROWS_INEXACT) in chosen.reason
     assert_decodes_exactly(quantized)  # cached, uncached, speculation, batched
     s = Sampling(max_new_tokens=10, temperature=0, stop_at_eos=False)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
@@ -105,6 +129,9 @@ def test_decoding_through_the_kernel_gives_the_same_numbers(fresh_build, monkeyp
                                  quantized.named_modules() if isinstance(m, QuantizedLinear))
         # each with the layer's own weight sums, taken once (not summed again by every call)
         assert all(torch.equal(sums, weight.sum(0, dtype=torch.int32)) for _, weight, sums in calls)
+        calls.clear()  # three rows (a prompt) go through the kernel only where it takes every row
+        assert torch.equal(quantized(ids).logits, plain(ids).logits)
+        assert bool(calls) == every and all(x.shape[0] == 3 for x, _, _ in calls)
 
 
 def fake_compiler(folder, exit_code: int) -> str:
@@ -170,40 +197,45 @@ def test_weight_only_layers_get_no_kernel(fresh_build):
 
 
 @pytest.mark.parametrize("int_mm, speedup, batch, used", [
-    ("this CPU's", 1.4, 1.2, True), ("this CPU's", 0.9, 1.2, False),
-    ("inexact", 1.4, 1.2, True), ("inexact", 1.4, 0.8, False), ("inexact", 0.9, 1.2, False)])
+    ("this CPU's", 1.4, 1.2, True), ("this CPU's", 1.4, 0.8, True),
+    ("this CPU's", 0.9, 1.2, False), ("inexact", 1.4, 1.2, True), ("inexact", 1.4, 0.8, False),
+    ("inexact", 0.9, 1.2, False)])
 def test_layers_get_the_kernel_only_where_this_machines_probe_found_it_faster(
         fresh_build, monkeypatch, int_mm, speedup, batch, used):
     """Measured once per machine (cached with its figures in machine.json), as the split layout;
     where torch._int_mm is not exact the kernel takes every row, so it must not lose much at a
-    served batch's rows either."""
+    served batch's rows either; where they are, it takes every row where it was faster at a
+    served batch's rows too, else one."""
     if int_mm == "inexact":
         without_exact_int_mm(monkeypatch)
     probes = []
     figures = {"kernel_over_torch": speedup, "batch_kernel_over_torch": batch}
     monkeypatch.setattr(row_kernel, "_probe",
-                        lambda kernel, exact: probes.append(exact) or figures)
+                        lambda kernel: probes.append(row_kernel.exact_int8_products()) or figures)
     for _ in range(2):
         quantized = quantize_model(build(tiny(spec="1+1R2+1", vocab_size=256)), 8, ("cores",),
                                    activations="int8")[0]
         assert (row_kernel.give_row_kernel(quantized) > 0) == used
+        every = not row_kernel.exact_int8_products() or batch >= MIN_SPEEDUP
+        assert row_kernel.every_row(quantized) == (used and every)
     assert probes == [row_kernel.exact_int8_products()]
     assert "int8-row-kernel" in (fresh_build.parent / "machine.json").read_text()
 
 
 @pytest.mark.parametrize("exact", [True, False])
 def test_the_probe_times_the_layers_with_and_without_the_kernel(fresh_build, monkeypatch, exact):
-    """One row; where torch._int_mm is not exact (the layers' other path then the weight-only
-    kernel) a served batch's rows too."""
+    """One row and a served batch's rows, each through the kernel and through the layers' other
+    path (torch._int_mm, or the weight-only kernel where _int_mm is not exact)."""
     monkeypatch.setattr(row_kernel, "PROBE_MB", 2)  # a quick race: the figures' shape
     if not exact:
         without_exact_int_mm(monkeypatch)
-    figures = row_kernel._probe(row_kernel.int8_row_kernel(), exact, reps=1)
-    for prefix in ("",) if exact else ("", "batch_"):
+    product, rows = row_kernel.int8_row_kernel(), []
+    figures = row_kernel._probe(lambda x, *args: rows.append(len(x)) or product(x, *args), reps=1)
+    for prefix in ("", "batch_"):
         assert figures[f"{prefix}torch_ms"] > 0 and figures[f"{prefix}kernel_ms"] > 0
         assert figures[f"{prefix}kernel_over_torch"] == pytest.approx(
             figures[f"{prefix}torch_ms"] / figures[f"{prefix}kernel_ms"])
-    assert ("batch_kernel_ms" in figures) == (not exact)
+    assert set(rows) == {1, row_kernel.BATCH_ROWS}  # the kernel's pass takes the batch too
 
 
 @pytest.mark.parametrize("opened_up", ["file", "folder"])

@@ -33,9 +33,11 @@ SPLIT_NOTE = "linear weights split per thread for one-token products"
 FP32_KERNEL_NOTE = ("linear weights in 128-column blocks, products of up to 64 rows by meshlm's "
                     "kernel compiled for this CPU")
 ROW_KERNEL_NOTE = "one-token int8 products by meshlm's kernel compiled for this CPU"
-# where torch._int_mm's sums are not exact the kernel takes every row (meshlm.quant.row_kernel)
-ROWS_KERNEL_NOTE = ("int8 products by meshlm's kernel compiled for this CPU (exact sums, which "
-                    "torch._int_mm lacks here)")
+# where torch._int_mm's sums are not exact, or it was slower at many rows too, the kernel takes
+# every row (meshlm.quant.row_kernel), for the reason that follows
+ROWS_KERNEL_NOTE = "int8 products of every row count by meshlm's kernel compiled for this CPU"
+ROWS_INEXACT = "exact sums, which torch._int_mm lacks here"
+ROWS_FASTER = f"faster than torch._int_mm here at {row_kernel.BATCH_ROWS} rows too"
 INT4_KERNEL_NOTE = "int4 x int8 products by meshlm's kernel compiled for this CPU"
 INT4_BF16_KERNEL_NOTE = "int4 weight-only products by meshlm's kernel compiled for this CPU"
 BF16_KERNEL_NOTE = (f"bf16 products of up to {bf16_linear.KERNEL_ROWS} rows by meshlm's kernel "
@@ -59,7 +61,9 @@ class Prepared:
     speedup: float = 0.0  # that layout's one-row speed over F.linear here
     fp32_missing: str | None = None  # why the fp32 kernel could not be had (fp32_rows.unavailable)
     quantized: dict | None = None  # the quantized layers (quant.calibrate.structure_of)
-    row_kernel: bool = False  # whether the int8-activation layers took the compiled row kernel
+    # whether the int8-activation layers took the compiled row kernel: at "one row" or at
+    # "every row" count (quant.row_kernel.give_row_kernel), or None
+    row_kernel: str | None = None
     row_missing: str | None = None  # why they could not (quant.row_kernel.unavailable)
     bf16_speedup: float = 0.0  # bf16 linears: the kernel's one-row speed over F.linear, if taken
     bf16_missing: str | None = None  # why the bf16 kernel could not be had (bf16_rows.unavailable)
@@ -98,6 +102,7 @@ def prepare(model: torch.nn.Module, chosen: Precision, huge: bool = False) -> Pr
     layout, speedup = split_linear.lay_out_for_decoding(model) if fp32 else (None, 0.0)
     quantized = structure_of(model)
     given = cpu and quantized is not None and row_kernel.give_row_kernel(model) > 0
+    rows = ("every row" if row_kernel.every_row(model) else "one row") if given else None
     fp32_missing = fp32_rows.unavailable() if fp32 and layout != "kernel" else None
     row_missing = row_kernel.unavailable(model) if cpu and quantized and not given else None
     int4_given = cpu and quantized is not None and int4_kernel.give(model) > 0
@@ -109,7 +114,7 @@ def prepare(model: torch.nn.Module, chosen: Precision, huge: bool = False) -> Pr
     swapped, bf16_speedup = bf16_linear.lay_out_for_decoding(model) if bf16 else (0, 0.0)
     bf16_missing = bf16_rows.unavailable() if bf16 else None
     backed = _back_weights(model) if cpu and huge else None
-    return Prepared(layout, speedup, fp32_missing, quantized, given, row_missing,
+    return Prepared(layout, speedup, fp32_missing, quantized, rows, row_missing,
                     bf16_speedup if swapped else 0.0, bf16_missing, int4_given, int4_missing,
                     int4_bf16, int4_bf16_missing, backed)
 
@@ -143,8 +148,9 @@ def described(chosen: Precision, done: Prepared) -> Precision:
     if done.quantized:  # those layers run their own kernels whatever the precision
         notes.append(describe(done.quantized))
         exact = exact_int8_products()
-        notes += _kernel((ROW_KERNEL_NOTE if exact else ROWS_KERNEL_NOTE) if done.row_kernel
-                         else None, ROW_KERNEL_MISSING, done.row_missing,
+        rows = f"{ROWS_KERNEL_NOTE} ({ROWS_FASTER if exact else ROWS_INEXACT})"
+        notes += _kernel({"one row": ROW_KERNEL_NOTE, "every row": rows}.get(done.row_kernel),
+                         ROW_KERNEL_MISSING, done.row_missing,
                          "one-token int8 products by torch._int_mm" if exact else
                          "int8 products by torch's weight-only kernel")
         notes += _kernel(INT4_KERNEL_NOTE if done.int4_kernel else None, INT4_KERNEL_MISSING,

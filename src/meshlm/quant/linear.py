@@ -188,6 +188,9 @@ class QuantizedLinear(nn.Module):
         # with int4 weights: meshlm's weight-only kernel at every row (meshlm.quant.
         # int4_bf16_kernel: fp32 sums in its own order); None: torch ops
         self.row_kernel = None
+        # int8 weights: the row kernel takes every row count, not one row only (where torch.
+        # _int_mm's sums are not exact it always does); the same numbers either way
+        self.kernel_every_row = False
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, bits: int, group_size: int = 64,
@@ -247,8 +250,9 @@ class QuantizedLinear(nn.Module):
         if exact or self.row_kernel is not None:
             weight, scales, bias, sums = self._cached("int_mm", self._int_mm_operands)
             # (M, out): each row's exact int32 sums times its scale, the same numbers either way;
-            # where torch._int_mm's are not exact the kernel takes every row
-            if self.row_kernel is not None and (rows.shape[0] == 1 or not exact):
+            # the kernel takes every row where torch._int_mm's are not exact or slower at a batch
+            if self.row_kernel is not None and (rows.shape[0] == 1 or not exact
+                                                or self.kernel_every_row):
                 products = self.row_kernel(rows, weight, sums)
             else:
                 products = scaled_int8_products(rows, weight)

@@ -13,10 +13,13 @@ KERNEL is it, checked against scaled_int8_products with exact integer sums, a ro
 as in a batch. `give_row_kernel` gives it to the layers where a probe over PROBE_MB of weights
 found them faster with it: that depends on the CPU (oneDNN may have a better kernel for it, AMX
 for one) and on the OpenMP runtime torch was built with. Where torch._int_mm's sums are exact the
-kernel takes one row and _int_mm the others (the same numbers); where they are not (no VNNI: the
-AVX2-only CPUs) it takes every row, in place of the weight-only kernel the layers fall back to
-there, so those CPUs get the exact sums too (on a 2-core Zen 5 held to AVX2: 1.8x the fallback at
-one row, 1.9x at 16, 1.7x at 512). `unavailable` names why a layer goes without it. Defined
+kernel takes one row and _int_mm the others (the same numbers), or every row where the probe found
+it faster at BATCH_ROWS too (a 2-core Zen 3 EPYC, AVX2 without VNNI, sums exactly through oneDNN
+at ~1/5 of the kernel's speed: its 32-token prefill took 2.2 s of a 64-token generation's 2.8);
+where they are not (a CPU without VNNI whose oneDNN saturates) it takes every row, in place of the
+weight-only kernel the layers fall back to there, so those CPUs get the exact sums too (on a 2-core
+Zen 5 held to AVX2: 1.8x the fallback at one row, 1.9x at 16, 1.7x at 512). `unavailable` names
+why a layer goes without it. Defined
 here, beside the arithmetic it repeats: meshlm.quant.linear, which a Hugging Face export carries
 (meshlm.hf.remote), imports no kernel code.
 """
@@ -30,7 +33,7 @@ from torch import nn
 
 from meshlm import machine
 from meshlm.kernels.fp32_rows import rows_apart
-from meshlm.kernels.kernel import Kernel
+from meshlm.kernels.kernel import MIN_SPEEDUP, Kernel
 from meshlm.quant.linear import (
     QuantizedLinear,
     cpu_int8_activation_layers,
@@ -105,17 +108,28 @@ int8_row_kernel = KERNEL.product  # () -> Product | None, once per process (.cac
 
 def give_row_kernel(model: nn.Module) -> int:
     """Give every int8-activation layer of `model` on the CPU the compiled kernel where this
-    machine has it and its probe found it the faster (kernel_speedup): at one row where
-    torch._int_mm's sums are exact (the other rows take them, the same numbers), at every row
-    count where they are not (it replaces the weight-only kernel the layers take there, so it
-    must not lose much at BATCH_ROWS). Returns how many layers got it."""
+    machine has it and its probe found it the faster (kernel_speedup): where torch._int_mm's sums
+    are exact, at one row, and at every row count where it was faster at BATCH_ROWS too (the
+    other rows take _int_mm, the same numbers); at every row count where they are not (it
+    replaces the weight-only kernel the layers take there, so it must not lose much at
+    BATCH_ROWS). Returns how many layers got it."""
     # wider rows than MAX_K keep the layers' own path (its int32 sums could overflow)
     layers = [m for m in _cpu_int8_layers(model) if m.in_features <= MAX_K]
-    floors = None if exact_int8_products() else {"batch_kernel_over_torch": BATCH_FLOOR}
+    exact = exact_int8_products()
+    floors = None if exact else {"batch_kernel_over_torch": BATCH_FLOOR}
     kernel = KERNEL.paying(kernel_speedup, floors) if layers else None
-    for layer in layers if kernel else ():
-        layer.row_kernel = kernel
-    return len(layers) if kernel else 0
+    if kernel is None:
+        return 0
+    every_row = not exact or kernel_speedup(kernel)["batch_kernel_over_torch"] >= MIN_SPEEDUP
+    for layer in layers:
+        layer.row_kernel, layer.kernel_every_row = kernel, every_row
+    return len(layers)
+
+
+def every_row(model: nn.Module) -> bool:
+    """Whether `model`'s int8-activation layers on the CPU take the kernel at every row count
+    (give_row_kernel), not at one row only."""
+    return any(m.row_kernel is not None and m.kernel_every_row for m in _cpu_int8_layers(model))
 
 
 def unavailable(model: nn.Module) -> str | None:
@@ -132,17 +146,17 @@ def _cpu_int8_layers(model: nn.Module) -> list[QuantizedLinear]:
 def kernel_speedup(kernel: Product) -> dict:
     """This machine's speed of int8-activation layers with `kernel` over the same layers without
     it (torch._int_mm where its sums are exact, else the weight-only kernel) at one row
-    (kernel_over_torch) and, where they are not exact, at BATCH_ROWS (batch_kernel_over_torch),
-    from the cache or measured now."""
+    (kernel_over_torch) and at BATCH_ROWS (batch_kernel_over_torch), from the cache or measured
+    now."""
     exact = exact_int8_products()
-    method = (f"best of 5 passes of 1{'' if exact else f' and of {BATCH_ROWS}'} rows through "
+    method = (f"best of 5 passes of 1 and of {BATCH_ROWS} rows through "
               f"{PROBE_MB} MB of {PROBE_SHAPE} int8 layers against "
               f"{'torch._int_mm' if exact else 'the weight-only kernel'}, {machine.COLD}")
     return machine.measured("int8-row-kernel", KERNEL.probed_by(method),
-                            lambda threads: _probe(kernel, exact))["value"]
+                            lambda threads: _probe(kernel))["value"]
 
 
-def _probe(kernel: Product, exact: bool, reps: int = 5) -> dict:
+def _probe(kernel: Product, reps: int = 5) -> dict:
     out, k = PROBE_SHAPE
     count = max(1, PROBE_MB * 2**20 // (out * k))
     # the values do not matter to the speed: the layers' zeros
@@ -150,13 +164,13 @@ def _probe(kernel: Product, exact: bool, reps: int = 5) -> dict:
 
     def through(product: Product | None, x: torch.Tensor):
         def passes() -> list[torch.Tensor]:
-            for layer in layers:
-                layer.row_kernel = product
+            for layer in layers:  # the kernel at every row count: what each count costs
+                layer.row_kernel, layer.kernel_every_row = product, True
             return [layer(x) for layer in layers]
         return passes
 
     figures = {}
-    for rows, prefix in ((1, ""),) + (() if exact else ((BATCH_ROWS, "batch_"),)):
+    for rows, prefix in ((1, ""), (BATCH_ROWS, "batch_")):
         x = torch.full((rows, k), -0.5, dtype=torch.float32, device=CPU)
         race = machine.race({"torch": through(None, x), "kernel": through(kernel, x)}, reps,
                             fastest="kernel", cold=True)
