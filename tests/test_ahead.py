@@ -102,7 +102,8 @@ def test_a_w4a8_model_in_bf16_ahead_of_time_reads_every_tensor_in_place(tmp_path
                               4, parts=("prelude", "cores", "coda"), activations="int8")
     with fresh_kernel(bf16_rows.KERNEL, monkeypatch, tmp_path / "cache"):
         monkeypatch.setattr(bf16_linear, "kernel_speedup",
-                            lambda kernel: {"kernel_over_linear": 2.0})
+                            lambda kernel: {"kernel_over_linear": 2.0,
+                                            "batch_kernel_over_linear": 0.5})
         device, chosen = decoding.for_decoding("bf16", model)
         assert any(isinstance(m, Bf16Linear) for m in model.modules())
         assert all(m.row_kernel is not None for m in model.modules()

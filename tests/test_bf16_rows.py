@@ -4,6 +4,7 @@ to KERNEL_ROWS rows on the nn.Linear's own weight and F.linear beyond; decoding 
 gives the logits F.linear gives to bf16 rounding; used only where its probe found it faster; where
 it cannot be had the precision line says why."""
 import copy
+import sys
 
 import pytest
 import torch
@@ -28,10 +29,10 @@ def kernel(monkeypatch, tmp_path):
         yield built
 
 
-def paid(monkeypatch, speedup: float) -> None:
-    """The probe's figure, as if measured."""
+def paid(monkeypatch, speedup: float, batch: float = 0.5) -> None:
+    """The probe's figures, as if measured: at one row and at bf16_linear.BATCH_ROWS."""
     monkeypatch.setattr(bf16_linear, "kernel_speedup", lambda kernel: {
-        "kernel_over_linear": speedup})
+        "kernel_over_linear": speedup, "batch_kernel_over_linear": batch})
 
 
 @pytest.mark.parametrize("out_features, in_features", [(256, 768), (300, 64), (5, 32), (37, 96)])
@@ -73,6 +74,15 @@ def test_short_calls_take_the_kernel_and_longer_ones_f_linear_on_the_same_weight
             torch.testing.assert_close(y.float(), linear(x).float(), rtol=1e-2, atol=1e-2)
         layer(torch.randn(2, 1, 64))  # (B, T, d) as decoding calls it
     assert calls == [*range(1, KERNEL_ROWS + 1), 2]
+    calls.clear()  # where the probe found the kernel faster at a batch too: every row count
+    layer = Bf16Linear(linear, kernel, every_row=True)
+    layer.kernel = lambda *args: calls.append(len(args[0])) or kernel(*args)
+    with torch.no_grad(), precision.autocast(CPU, BF16):
+        for rows in (1, KERNEL_ROWS + 1, 40):
+            torch.testing.assert_close(layer(torch.ones(rows, 64)).float(),
+                                       linear(torch.ones(rows, 64).bfloat16()).float(),
+                                       rtol=1e-2, atol=1e-2)
+    assert calls == [1, KERNEL_ROWS + 1, 40] and "every row" in layer.extra_repr()
 
 
 def test_an_input_that_needs_grad_takes_f_linear(kernel):
@@ -109,14 +119,21 @@ def test_bf16_decoding_through_the_kernel_gives_f_linears_logits_to_bf16_roundin
         torch.testing.assert_close(ours, theirs, rtol=0.05, atol=0.05)
 
 
-@pytest.mark.parametrize("speedup, used", [(2.0, True), (1.0, False)])
+@pytest.mark.parametrize("speedup, batch, used, every", [
+    (2.0, 0.5, True, False), (2.0, 3.0, True, True), (1.0, 3.0, False, False)])
 def test_the_kernel_is_used_only_where_its_probe_found_it_faster(kernel, monkeypatch, speedup,
-                                                                 used):
-    paid(monkeypatch, speedup)
+                                                                 batch, used, every):
+    """At up to KERNEL_ROWS rows where it was faster at one row, at every row count where it was
+    faster at BATCH_ROWS too (a CPU without bf16 arithmetic, whose F.linear has no blocked
+    kernel)."""
+    paid(monkeypatch, speedup, batch)
     model = build(tiny(d_model=64))
     _, chosen = decoding.for_decoding("bf16", model)
-    assert any(isinstance(m, Bf16Linear) for m in model.modules()) == used
-    assert (decoding.BF16_KERNEL_NOTE in chosen.reason) == used
+    layers = [m for m in model.modules() if isinstance(m, Bf16Linear)]
+    assert bool(layers) == used and bf16_linear.every_row(model) == every
+    assert all(m.kernel_rows == (sys.maxsize if every else KERNEL_ROWS) for m in layers)
+    assert (decoding.BF16_KERNEL_NOTE in chosen.reason) == (used and not every)
+    assert (decoding.BF16_ROWS_KERNEL_NOTE in chosen.reason) == every
     fp32 = build(tiny(d_model=64))
     decoding.for_decoding("auto", fp32)  # fp32 decoding never takes it
     assert not any(isinstance(m, Bf16Linear) for m in fp32.modules())
@@ -124,8 +141,10 @@ def test_the_kernel_is_used_only_where_its_probe_found_it_faster(kernel, monkeyp
 
 def test_the_probe_times_both_and_is_cached(kernel, tmp_path):
     first = bf16_linear.kernel_speedup(kernel)
-    assert first["kernel_ms"] > 0 and first["linear_ms"] > 0
-    assert first["kernel_over_linear"] == pytest.approx(first["linear_ms"] / first["kernel_ms"])
+    for prefix in ("", "batch_"):  # one row, and bf16_linear.BATCH_ROWS
+        assert first[f"{prefix}kernel_ms"] > 0 and first[f"{prefix}linear_ms"] > 0
+        assert first[f"{prefix}kernel_over_linear"] == pytest.approx(
+            first[f"{prefix}linear_ms"] / first[f"{prefix}kernel_ms"])
     assert "bf16-rows-kernel" in (tmp_path / "machine.json").read_text()
     assert bf16_linear.kernel_speedup(kernel) == first  # measured once, then read
 

@@ -42,6 +42,8 @@ INT4_KERNEL_NOTE = "int4 x int8 products by meshlm's kernel compiled for this CP
 INT4_BF16_KERNEL_NOTE = "int4 weight-only products by meshlm's kernel compiled for this CPU"
 BF16_KERNEL_NOTE = (f"bf16 products of up to {bf16_linear.KERNEL_ROWS} rows by meshlm's kernel "
                     "compiled for this CPU")
+# where its probe found it faster than F.linear at bf16_linear.BATCH_ROWS too
+BF16_ROWS_KERNEL_NOTE = "bf16 products of every row count by meshlm's kernel compiled for this CPU"
 # where a kernel could not be had (meshlm.kernels.build.why_not): named, never a silent fallback
 FP32_KERNEL_MISSING = "meshlm's fp32 kernel unavailable"
 ROW_KERNEL_MISSING = "meshlm's int8 kernel unavailable"
@@ -66,6 +68,7 @@ class Prepared:
     row_kernel: str | None = None
     row_missing: str | None = None  # why they could not (quant.row_kernel.unavailable)
     bf16_speedup: float = 0.0  # bf16 linears: the kernel's one-row speed over F.linear, if taken
+    bf16_every_row: bool = False  # whether they take it at every row count
     bf16_missing: str | None = None  # why the bf16 kernel could not be had (bf16_rows.unavailable)
     int4_kernel: bool = False  # whether the w4a8 layers took their compiled kernel
     int4_missing: str | None = None  # why they could not (quant.int4_kernel.unavailable)
@@ -115,8 +118,8 @@ def prepare(model: torch.nn.Module, chosen: Precision, huge: bool = False) -> Pr
     bf16_missing = bf16_rows.unavailable() if bf16 else None
     backed = _back_weights(model) if cpu and huge else None
     return Prepared(layout, speedup, fp32_missing, quantized, rows, row_missing,
-                    bf16_speedup if swapped else 0.0, bf16_missing, int4_given, int4_missing,
-                    int4_bf16, int4_bf16_missing, backed)
+                    bf16_speedup if swapped else 0.0, bf16 and bf16_linear.every_row(model),
+                    bf16_missing, int4_given, int4_missing, int4_bf16, int4_bf16_missing, backed)
 
 
 @torch.no_grad()
@@ -142,7 +145,9 @@ def described(chosen: Precision, done: Prepared) -> Precision:
                                          SPLIT_NOTE, done.speedup, "F.linear's"))
     elif missing:
         notes.append(f"{missing}linear layers keep F.linear")
-    bf16 = done.bf16_speedup and _measured(BF16_KERNEL_NOTE, done.bf16_speedup, "F.linear's")
+    bf16 = done.bf16_speedup and _measured(
+        BF16_ROWS_KERNEL_NOTE if done.bf16_every_row else BF16_KERNEL_NOTE, done.bf16_speedup,
+        "F.linear's")
     notes += _kernel(bf16 or None, BF16_KERNEL_MISSING, done.bf16_missing,
                      "linear layers keep F.linear")
     if done.quantized:  # those layers run their own kernels whatever the precision
