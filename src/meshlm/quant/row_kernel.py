@@ -15,13 +15,13 @@ found them faster with it: that depends on the CPU (oneDNN may have a better ker
 for one) and on the OpenMP runtime torch was built with. Where torch._int_mm's sums are exact the
 kernel takes one row and _int_mm the others (the same numbers), or every row where the probe found
 it faster at BATCH_ROWS too (a 2-core Zen 3 EPYC, AVX2 without VNNI, sums exactly through oneDNN
-at ~1/5 of the kernel's speed: its 32-token prefill took 2.2 s of a 64-token generation's 2.8);
-where they are not (a CPU without VNNI whose oneDNN saturates) it takes every row, in place of the
-weight-only kernel the layers fall back to there, so those CPUs get the exact sums too (on a 2-core
-Zen 5 held to AVX2: 1.8x the fallback at one row, 1.9x at 16, 1.7x at 512). `unavailable` names
-why a layer goes without it. Defined
-here, beside the arithmetic it repeats: meshlm.quant.linear, which a Hugging Face export carries
-(meshlm.hf.remote), imports no kernel code.
+at 1/9 of the kernel's speed at one row and 1/23 at 16: a 32-token prefill took 2.2 s of a
+64-token generation's 2.8); where they are not (a CPU without VNNI whose oneDNN saturates) it takes
+every row, in place of the weight-only kernel the layers fall back to there, so those CPUs get the
+exact sums too (on a 2-core Zen 5 held to AVX2: 1.8x the fallback at one row, 1.9x at 16, 1.7x at
+512). `unavailable` names why a layer goes without it. Defined here, beside the arithmetic it
+repeats: meshlm.quant.linear, which a Hugging Face export carries (meshlm.hf.remote), imports no
+kernel code.
 """
 from __future__ import annotations
 
