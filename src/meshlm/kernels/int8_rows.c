@@ -43,10 +43,11 @@
 #ifdef SIGNS
 /* Without an int8 dot-product instruction (the AVX2-only CPUs) the compiler's loop widened the
    values to 16 bits and multiplied those (vpmullw): ~10 GB/s of weights on a 2-core Zen 3 EPYC,
-   two fifths of its read bandwidth, 1.4-1.5x slower than this. Here vpmaddubsw multiplies |w| (unsigned, at most 128) by q with w's sign
-   (vpsignb; |q| <= 127), so each 16-bit pair sum is at most 2 * 128 * 127 < 2^15: no saturation,
-   the exact integers, 32 products an instruction; vpmaddwd by ones widens the pairs into 32-bit
-   lanes. q is stored signed (OFFSET 0), so the sum needs no weight sums. */
+   two fifths of its read bandwidth, 1.4-1.5x slower than this. Here vpmaddubsw multiplies |w|
+   (unsigned, at most 128) by q with w's sign (vpsignb; |q| <= 127), so each 16-bit pair sum is at
+   most 2 * 128 * 127 < 2^15: no saturation, the exact integers, 32 products an instruction;
+   vpmaddwd by ones widens the pairs into 32-bit lanes. q is stored signed (OFFSET 0), so the sum
+   needs no weight sums. */
 #define OFFSET 0
 static inline int32_t row_sum(const uint8_t *restrict q, const int8_t *restrict w, int64_t k) {
     const __m256i ones = _mm256_set1_epi16(1);
