@@ -85,7 +85,8 @@ def test_bad_input_to_an_operator_is_a_value_error_naming_it(call, named):
 def test_layers_too_wide_for_the_int8_operator_keep_the_torch_ops(monkeypatch):
     """The operator refuses rows over MAX_K inputs (its sums would overflow): such layers are never
     given the kernel."""
-    monkeypatch.setattr(row_kernel, "kernel_speedup", lambda kernel: {"kernel_over_torch": 2.0})
+    monkeypatch.setattr(row_kernel, "kernel_speedup", lambda kernel: {
+        "kernel_over_torch": 2.0, "batch_kernel_over_torch": 2.0})
     quantized = quantize_model(build(tiny(spec="1+1R2+1", vocab_size=256)), 8, ("cores",),
                                activations="int8")[0]
     widths = {m.in_features for m in quantized.modules() if isinstance(m, QuantizedLinear)}

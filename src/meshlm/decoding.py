@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from meshlm.kernels import bf16_rows, fp32_rows
-from meshlm.quant import int4_bf16_kernel, int4_kernel, row_kernel
+from meshlm.quant import int4_bf16_kernel, int4_kernel, int8_bf16_kernel, row_kernel
 from meshlm.quant.calibrate import describe, structure_of
 from meshlm.quant.linear import QuantizedLinear, exact_int8_products
 from meshlm.runtime import bf16_linear, huge_pages, precision, split_linear
@@ -40,6 +40,7 @@ ROWS_INEXACT = "exact sums, which torch._int_mm lacks here"
 ROWS_FASTER = f"faster than torch._int_mm here at {row_kernel.BATCH_ROWS} rows too"
 INT4_KERNEL_NOTE = "int4 x int8 products by meshlm's kernel compiled for this CPU"
 INT4_BF16_KERNEL_NOTE = "int4 weight-only products by meshlm's kernel compiled for this CPU"
+INT8_BF16_KERNEL_NOTE = "int8 weight-only products by meshlm's kernel compiled for this CPU"
 BF16_KERNEL_NOTE = (f"bf16 products of up to {bf16_linear.KERNEL_ROWS} rows by meshlm's kernel "
                     "compiled for this CPU")
 # where its probe found it faster than F.linear at bf16_linear.BATCH_ROWS too
@@ -49,6 +50,10 @@ FP32_KERNEL_MISSING = "meshlm's fp32 kernel unavailable"
 ROW_KERNEL_MISSING = "meshlm's int8 kernel unavailable"
 INT4_KERNEL_MISSING = "meshlm's int4 x int8 kernel unavailable"
 INT4_BF16_KERNEL_MISSING = "meshlm's int4 weight-only kernel unavailable"
+INT8_BF16_KERNEL_MISSING = "meshlm's int8 weight-only kernel unavailable"
+# the weight-only layers' kernels by their weights' bits: (module, note where taken, where missing)
+WEIGHT_ONLY = {4: (int4_bf16_kernel, INT4_BF16_KERNEL_NOTE, INT4_BF16_KERNEL_MISSING),
+               8: (int8_bf16_kernel, INT8_BF16_KERNEL_NOTE, INT8_BF16_KERNEL_MISSING)}
 BF16_KERNEL_MISSING = "meshlm's bf16 kernel unavailable"
 # decode steps from which collapsing the weights into 2 MB pages pays back its time: at d = 768
 # in fp32 on a 2-core Zen 5 the collapse took 0.9-1.5 s and saved 0.8-1.0 ms a step, so ~1,000-
@@ -72,10 +77,9 @@ class Prepared:
     bf16_missing: str | None = None  # why the bf16 kernel could not be had (bf16_rows.unavailable)
     int4_kernel: bool = False  # whether the w4a8 layers took their compiled kernel
     int4_missing: str | None = None  # why they could not (quant.int4_kernel.unavailable)
-    # int4 weight-only layers: their compiled kernel's one-row speed over torch's, if taken; why
-    # it could not be had (quant.int4_bf16_kernel.unavailable)
-    int4_bf16_speedup: float = 0.0
-    int4_bf16_missing: str | None = None
+    # weight-only layers, per WEIGHT_ONLY bits: (their compiled kernel's one-row speed over
+    # torch's, if taken; why it could not be had: the module's unavailable())
+    weight_only: dict[int, tuple[float, str | None]] | None = None
     huge: huge_pages.Backed | None = None  # the weights' memory on 2 MB pages (CPU only)
 
 
@@ -93,7 +97,7 @@ def prepare(model: torch.nn.Module, chosen: Precision, huge: bool = False) -> Pr
     probe found that faster (split_linear.lay_out_for_decoding), its int8-activation layers on CPU
     given the compiled row kernel where it pays (quant.row_kernel.give_row_kernel), its w4a8 layers
     on CPU their compiled kernel where this process has it (quant.int4_kernel.give), its int4
-    weight-only layers on CPU theirs where it pays (quant.int4_bf16_kernel.give), under bf16 its
+    and int8 weight-only layers on CPU theirs where they pay (WEIGHT_ONLY), under bf16 its
     nn.Linear weights stored in bf16 (precision.store_weights) and, on CPU, multiplied by the
     compiled bf16 kernel at up to four rows where it pays (bf16_linear.lay_out_for_decoding);
     with `huge`, on CPU, the memory of every tensor a step streams on 2 MB pages where Linux can
@@ -110,8 +114,8 @@ def prepare(model: torch.nn.Module, chosen: Precision, huge: bool = False) -> Pr
     row_missing = row_kernel.unavailable(model) if cpu and quantized and not given else None
     int4_given = cpu and quantized is not None and int4_kernel.give(model) > 0
     int4_missing = int4_kernel.unavailable(model) if cpu and quantized and not int4_given else None
-    int4_bf16 = int4_bf16_kernel.give(model) if cpu and quantized is not None else 0.0
-    int4_bf16_missing = int4_bf16_kernel.unavailable(model) if cpu and quantized else None
+    weight_only = {bits: (module.give(model), module.unavailable(model))
+                   for bits, (module, _, _) in WEIGHT_ONLY.items()} if cpu and quantized else None
     precision.store_weights(model, chosen)
     bf16 = cpu and chosen.dtype == torch.bfloat16
     swapped, bf16_speedup = bf16_linear.lay_out_for_decoding(model) if bf16 else (0, 0.0)
@@ -119,7 +123,7 @@ def prepare(model: torch.nn.Module, chosen: Precision, huge: bool = False) -> Pr
     backed = _back_weights(model) if cpu and huge else None
     return Prepared(layout, speedup, fp32_missing, quantized, rows, row_missing,
                     bf16_speedup if swapped else 0.0, bf16 and bf16_linear.every_row(model),
-                    bf16_missing, int4_given, int4_missing, int4_bf16, int4_bf16_missing, backed)
+                    bf16_missing, int4_given, int4_missing, weight_only, backed)
 
 
 @torch.no_grad()
@@ -161,10 +165,11 @@ def described(chosen: Precision, done: Prepared) -> Precision:
         notes += _kernel(INT4_KERNEL_NOTE if done.int4_kernel else None, INT4_KERNEL_MISSING,
                          done.int4_missing,
                          "int4 x int8 products by torch ops (many times slower)")
-        int4_bf16 = done.int4_bf16_speedup and _measured(INT4_BF16_KERNEL_NOTE,
-                                                         done.int4_bf16_speedup, "torch's")
-        notes += _kernel(int4_bf16 or None, INT4_BF16_KERNEL_MISSING, done.int4_bf16_missing,
-                         "int4 weight-only products by torch's kernel")
+        for bits, (speedup, missing) in (done.weight_only or {}).items():
+            _, note, missing_note = WEIGHT_ONLY[bits]
+            notes += _kernel(speedup and _measured(note, speedup, "torch's") or None,
+                             missing_note, missing,
+                             f"int{bits} weight-only products by torch's kernel")
     if done.huge is not None and done.huge.regions:
         backed = done.huge.bytes / 2**20
         notes.append(f"weights' memory on 2 MB pages ({backed:.0f} MB)" if backed

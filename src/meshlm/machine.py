@@ -120,6 +120,15 @@ def race(steps: dict[str, Callable[[], Any]], reps: int, fastest: str,
     return {**ratios, **{f"{name}_ms": value * 1e3 for name, value in best.items()}}
 
 
+def race_rows(steps: Callable[[int], dict[str, Callable[[], Any]]], batch: int, reps: int,
+              fastest: str = "kernel") -> dict[str, float]:
+    """race(steps(rows), cold) at one row and at `batch` rows, the batch's figures prefixed
+    "batch_": what the decoding probes measure of a kernel that may serve every row count."""
+    one = race(steps(1), reps, fastest, cold=True)
+    batched = race(steps(batch), reps, fastest, cold=True)
+    return {**one, **{f"batch_{name}": value for name, value in batched.items()}}
+
+
 def measured(name: str, method: str, measure: Callable[[int], Any]) -> dict[str, Any]:
     """The cached entry of measurement `name` of this CPU at torch's thread count (cpu_key), or
     `measure(threads)` now by `method` (lookup)."""

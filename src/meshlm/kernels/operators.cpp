@@ -6,7 +6,8 @@
    C++ (~4 us): 49 calls a token at d = 768 (and Inductor's C++ wrapper could call it without
    Python at all; measured, not turned on: docs/quantize.md). Each implementation does what the
    kernel's Python product does around the C function (meshlm.kernels.fp32_rows, .bf16_rows,
-   meshlm.quant.row_kernel, .int4_kernel, .int4_bf16_kernel): the same checks, the same output
+   meshlm.quant.row_kernel, .int4_kernel, .int4_bf16_kernel, .int8_bf16_kernel): the same checks,
+   the same output
    allocation, the same arguments, so the numbers are the same bit for bit.
 
    meshlm_register(name, function, error, size) registers the CPU implementation of meshlm::<name>
@@ -43,6 +44,7 @@ Bf16Rows bf16_rows_function = nullptr;
 Int8Row int8_row_function = nullptr;
 Int4Rows int4_rows_function = nullptr;
 Int4Rows int4_bf16_rows_function = nullptr;  // int4_bf16_rows.c: int4_rows.c's arguments
+Int8Row int8_bf16_rows_function = nullptr;  // int8_bf16_rows.c: int8_rows.c's argument types
 
 constexpr int64_t LANES = 16;                           // int4_rows.c's outputs per block
 constexpr int64_t MAX_K = (2147483647LL) / (255 * 128);  // int8_rows.c's widest exact row
@@ -115,6 +117,16 @@ at::Tensor int4_bf16_rows(const at::Tensor &x, const at::Tensor &packed, const a
                         group);
 }
 
+at::Tensor int8_bf16_rows(const at::Tensor &x, const at::Tensor &weight, const at::Tensor &scales) {
+    const at::Tensor rows = x.to(at::kBFloat16).contiguous(), w = weight.contiguous();
+    at::Tensor y = fp32_out(rows.size(0), w.size(0));
+    if (int8_bf16_rows_function(rows.data_ptr(), w.data_ptr(), scales.contiguous().data_ptr(),
+                                y.data_ptr(), rows.size(0), w.size(0), w.size(1),
+                                at::get_num_threads()))
+        throw std::bad_alloc();
+    return y;
+}
+
 // the registrations made (each kept alive: a Library's destruction removes them)
 std::vector<std::unique_ptr<torch::Library>> registrations;
 
@@ -144,6 +156,8 @@ extern "C" int meshlm_register(const char *name, void *function, char *error, si
             bind(name, int4_rows_function, function, TORCH_FN(int4_rows));
         else if (!std::strcmp(name, "int4_bf16_rows"))
             bind(name, int4_bf16_rows_function, function, TORCH_FN(int4_bf16_rows));
+        else if (!std::strcmp(name, "int8_bf16_rows"))
+            bind(name, int8_bf16_rows_function, function, TORCH_FN(int8_bf16_rows));
         else
             throw std::invalid_argument(std::string("no operator meshlm::") + name + " here");
         return 0;

@@ -26,6 +26,7 @@ from torch import nn
 
 from meshlm import machine
 from meshlm.kernels.kernel import Kernel, close_to_float64
+from meshlm.quant import weight_only
 from meshlm.quant.int4_kernel import ARGTYPES, CPU, Product, fake, packed_product
 from meshlm.quant.linear import QuantizedLinear
 
@@ -68,14 +69,9 @@ int4_bf16_rows_kernel = KERNEL.product  # () -> Product | None, once per process
 
 def give(model: nn.Module) -> float:
     """Give every int4 weight-only layer of `model` on the CPU the compiled kernel where this
-    process has it and its probe found it the faster (kernel_speedup). Returns its speed over
-    torch's kernel where given, else 0.0."""
-    layers = _cpu_layers(model)
-    floors = {"batch_kernel_over_torch": BATCH_FLOOR}
-    kernel = KERNEL.paying(kernel_speedup, floors) if layers else None
-    for layer in layers if kernel else ():
-        layer.row_kernel = kernel
-    return kernel_speedup(kernel)["kernel_over_torch"] if kernel else 0.0
+    process has it and its probe found it the faster (kernel_speedup, weight_only.give). Returns
+    its speed over torch's kernel where given, else 0.0."""
+    return weight_only.give(KERNEL, _cpu_layers(model), kernel_speedup, BATCH_FLOOR)
 
 
 def unavailable(model: nn.Module) -> str | None:
@@ -86,8 +82,7 @@ def unavailable(model: nn.Module) -> str | None:
 
 
 def _cpu_layers(model: nn.Module) -> list[QuantizedLinear]:
-    return [m for m in model.modules() if isinstance(m, QuantizedLinear) and m.bits == 4
-            and m.activations == "bf16" and m.qweight.is_cpu]
+    return weight_only.cpu_layers(model, 4)
 
 
 def kernel_speedup(kernel: Product) -> dict:
@@ -107,13 +102,10 @@ def _probe(kernel: Product, reps: int = 5) -> dict:
     ours = [tuple(t.clone() for t in layer._int4_rows_operands()) for _ in range(count)]
     packed, scales_zeros, _ = layer._int4pack_operands()
     theirs = [(packed.clone(), scales_zeros.clone()) for _ in range(count)]
-    figures = {}
-    for rows, prefix in ((1, ""), (BATCH_ROWS, "batch_")):
+
+    def steps(rows: int) -> dict:
         x = torch.full((rows, k), -0.5, dtype=torch.bfloat16, device=CPU)
-        race = machine.race(
-            {"torch": lambda x=x: [torch._weight_int4pack_mm_for_cpu(x, p, PROBE_GROUP, s)
-                                   for p, s in theirs],
-             "kernel": lambda x=x: [kernel(x, p, s, out, PROBE_GROUP) for p, s in ours]},
-            reps, fastest="kernel", cold=True)
-        figures.update({prefix + name: value for name, value in race.items()})
-    return figures
+        return {"torch": lambda: [torch._weight_int4pack_mm_for_cpu(x, p, PROBE_GROUP, s)
+                                  for p, s in theirs],
+                "kernel": lambda: [kernel(x, p, s, out, PROBE_GROUP) for p, s in ours]}
+    return machine.race_rows(steps, BATCH_ROWS, reps)

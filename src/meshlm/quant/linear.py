@@ -8,8 +8,9 @@ Scales and zeros are bf16, the precision the kernels take, so the stored numbers
 ones computed with. How the activations meet the weight (`activations`):
 
     "bf16"  weight-only: `torch._weight_int8pack_mm` / `torch._weight_int4pack_mm_for_cpu` on bf16
-            activations, fp32 accumulation; decoding on CPU may give an int4 layer meshlm's own
-            kernel (meshlm.quant.int4_bf16_kernel: the same bf16 rows, fp32 sums in its order)
+            activations, fp32 accumulation; decoding on CPU may give a layer meshlm's own kernel
+            (meshlm.quant.int4_bf16_kernel, .int8_bf16_kernel: the same bf16 rows, fp32 sums in
+            its order)
     "int8"  each activation row rounded to int8 with its own scale,
             x[m, k] ≈ s[m] · a[m, k], s[m] = max_k |x[m, k]| / 127; `torch._int_mm` sums a · q in
             int32 (exact) and y[m, n] = (sum · s[m]) · scale[n] in fp32: the int8 dot-product
@@ -184,9 +185,9 @@ class QuantizedLinear(nn.Module):
         self._operands: dict[str, tuple[tuple, tuple]] = {}
         # int8 activations: a compiled drop-in with the same numbers that decoding may give the
         # layer, for int8 weights at one row (meshlm.quant.row_kernel: scaled_int8_products), for
-        # int4 at every row (meshlm.quant.int4_kernel: int4_int8_products); bf16 activations
-        # with int4 weights: meshlm's weight-only kernel at every row (meshlm.quant.
-        # int4_bf16_kernel: fp32 sums in its own order); None: torch ops
+        # int4 at every row (meshlm.quant.int4_kernel: int4_int8_products); bf16 activations:
+        # meshlm's weight-only kernel at every row (meshlm.quant.int4_bf16_kernel and
+        # .int8_bf16_kernel: fp32 sums in their own order); None: torch ops
         self.row_kernel = None
         # int8 weights: the row kernel takes every row count, not one row only (where torch.
         # _int_mm's sums are not exact it always does); the same numbers either way
@@ -265,8 +266,9 @@ class QuantizedLinear(nn.Module):
         return torch.addcmul(bias, products, factor)  # fewer calls: decoding's cost
 
     def _weight_only_product(self, rows: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, out)
-        if self.row_kernel is not None:  # int4: the rows in bf16, fp32 sums (module docstring)
-            y = self._packed_int4_product(rows)
+        if self.row_kernel is not None:  # the rows in bf16, fp32 sums (module docstring)
+            y = self._packed_int4_product(rows) if self.bits == 4 else \
+                self.row_kernel(rows, self.qweight, self.scales)
             return y if self.bias is None else y + self.bias
         y = self._bf16_kernel(rows.to(torch.bfloat16)).to(rows.dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)

@@ -169,10 +169,7 @@ def _probe(kernel: Product, reps: int = 5) -> dict:
             return [layer(x) for layer in layers]
         return passes
 
-    figures = {}
-    for rows, prefix in ((1, ""), (BATCH_ROWS, "batch_")):
+    def steps(rows: int) -> dict:
         x = torch.full((rows, k), -0.5, dtype=torch.float32, device=CPU)
-        race = machine.race({"torch": through(None, x), "kernel": through(kernel, x)}, reps,
-                            fastest="kernel", cold=True)
-        figures.update({prefix + name: value for name, value in race.items()})
-    return figures
+        return {"torch": through(None, x), "kernel": through(kernel, x)}
+    return machine.race_rows(steps, BATCH_ROWS, reps)

@@ -113,13 +113,10 @@ def kernel_speedup(kernel: bf16_rows.Product) -> dict:
 def _probe(kernel: bf16_rows.Product, reps: int = 5) -> dict:
     # the values do not matter to the speed (no denormals): filled, not drawn, to be quick
     weights = [torch.full(shape, 0.01, dtype=torch.bfloat16) for shape in KERNEL_PROBE_SHAPES]
-    figures = {}
-    for rows, prefix in ((1, ""), (BATCH_ROWS, "batch_")):
+
+    def steps(rows: int) -> dict:
         x = {w.shape[1]: torch.full((rows, w.shape[1]), 0.5, dtype=torch.bfloat16)
              for w in weights}
-        race = machine.race(
-            {"linear": lambda x=x: [F.linear(x[w.shape[1]], w) for w in weights],
-             "kernel": lambda x=x: [kernel(x[w.shape[1]], w, None) for w in weights]},
-            reps, fastest="kernel", cold=True)
-        figures.update({prefix + name: value for name, value in race.items()})
-    return figures
+        return {"linear": lambda: [F.linear(x[w.shape[1]], w) for w in weights],
+                "kernel": lambda: [kernel(x[w.shape[1]], w, None) for w in weights]}
+    return machine.race_rows(steps, BATCH_ROWS, reps)
