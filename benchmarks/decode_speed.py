@@ -15,7 +15,8 @@ Comparisons (targets from the Hugging Face / generation issue):
      through plain F.linear, bf16 (weights stored in bf16; products of one or two rows by the
      kernel meshlm.kernels.bf16_rows compiles where it pays, "bf16 F.linear" without it), int8,
      int4, w8a8 (int8 weights and activations; meshlm.quant, every layer and the head;
-     "w8a8 _int_mm" without the one-row kernel meshlm.quant.row_kernel compiles) and w4a8 (int4
+     "w8a8 _int_mm" without the kernel meshlm.quant.row_kernel compiles; "int8 torch's" without
+     the weight-only one meshlm.quant.int8_bf16_kernel compiles) and w4a8 (int4
      weights, int8 activations, by the kernel meshlm.quant.int4_kernel compiles), each with the
      weights `meshlm generate` decodes with, and with the weight bytes each reads per token
      against this core's measured copy bandwidth:
@@ -136,6 +137,7 @@ def versus_transformers(args) -> None:
               "meshlm w4a8": decoding_copy(quantize_model(ours, 4, PARTS, activations="int8")[0],
                                            "auto")[0]}
     models["meshlm w8a8 _int_mm"] = without_row_kernel(models["meshlm w8a8"])
+    models["meshlm int8 torch's"] = without_row_kernel(models["meshlm int8"])
     models["meshlm fp32 split bmm"] = split_without_kernel(ours)
     prompt = torch.randint(2, args.vocab, (1, args.prompt),
                            generator=torch.Generator().manual_seed(0))
@@ -171,7 +173,8 @@ def versus_transformers(args) -> None:
                  ("meshlm fp32", "transformers bf16"), ("meshlm bf16", "transformers bf16"),
                  ("meshlm bf16", "meshlm bf16 F.linear"),
                  ("meshlm bf16", "transformers fp32"), ("meshlm int8", "transformers fp32"),
-                 ("meshlm int8", "meshlm fp32"), ("meshlm w8a8", "transformers fp32"),
+                 ("meshlm int8", "meshlm fp32"), ("meshlm int8", "meshlm int8 torch's"),
+                 ("meshlm w8a8", "transformers fp32"),
                  ("meshlm w8a8", "meshlm fp32"), ("meshlm w8a8", "meshlm int8"),
                  ("meshlm w8a8", "meshlm w8a8 _int_mm"), ("meshlm w8a8 _int_mm", "meshlm fp32"),
                  ("meshlm int4", "meshlm fp32"), ("meshlm w4a8", "meshlm fp32"),
@@ -197,8 +200,9 @@ def split_without_kernel(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def without_row_kernel(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of a decoding-ready w8a8 model whose one-row products go through torch._int_mm, not
-    the kernel meshlm.quant.row_kernel compiled: what that kernel buys."""
+    """A copy of a decoding-ready int8 model whose products go through torch's kernels
+    (torch._int_mm for w8a8, torch._weight_int8pack_mm for weight-only), not the kernel meshlm
+    compiled (meshlm.quant.row_kernel, .int8_bf16_kernel): what that kernel buys."""
     import copy
 
     from meshlm.quant import QuantizedLinear
