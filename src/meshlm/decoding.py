@@ -99,7 +99,8 @@ def prepare(model: torch.nn.Module, chosen: Precision, huge: bool = False) -> Pr
     on CPU their compiled kernel where this process has it (quant.int4_kernel.give), its int4
     and int8 weight-only layers on CPU theirs where they pay (WEIGHT_ONLY), under bf16 its
     nn.Linear weights stored in bf16 (precision.store_weights) and, on CPU, multiplied by the
-    compiled bf16 kernel at up to four rows where it pays (bf16_linear.lay_out_for_decoding);
+    compiled bf16 kernel at up to four rows where it pays, at every row count where it pays at
+    a batch too (bf16_linear.lay_out_for_decoding);
     with `huge`, on CPU, the memory of every tensor a step streams on 2 MB pages where Linux can
     (runtime.huge_pages: up to ~3 s a GB once, for 1.05-1.12x a step in fp32 at d = 768 and
     within the noise at the narrower precisions, so asked for by a server and by a generation of
