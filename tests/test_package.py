@@ -28,13 +28,15 @@ from meshlm.kernels import bf16_rows, build, fp32_rows
 from meshlm.kernels.kernel import compiled_operators  # as a compiled step: operators.cpp built
 from meshlm.quant import int4_bf16_kernel as int4_bf16_rows
 from meshlm.quant import int4_kernel as int4_rows, row_kernel as int8_rows
-ALL = (fp32_rows, bf16_rows, int8_rows, int4_rows, int4_bf16_rows)
+from meshlm.quant import int8_bf16_kernel as int8_bf16_rows
+ALL = (fp32_rows, bf16_rows, int8_rows, int4_rows, int4_bf16_rows, int8_bf16_rows)
 print(json.dumps({"package": meshlm.__file__,
                   "fp32_rows": fp32_rows.fp32_rows_kernel() is not None,
                   "bf16_rows": bf16_rows.bf16_rows_kernel() is not None,
                   "int8_rows": int8_rows.int8_row_kernel() is not None,
                   "int4_rows": int4_rows.int4_rows_kernel() is not None,
                   "int4_bf16_rows": int4_bf16_rows.int4_bf16_rows_kernel() is not None,
+                  "int8_bf16_rows": int8_bf16_rows.int8_bf16_rows_kernel() is not None,
                   "operators": compiled_operators() or [k.KERNEL.implemented for k in ALL],
                   "why_not": [build.why_not(k.KERNEL.source) for k in ALL]}))
 """
@@ -149,7 +151,7 @@ def test_the_installed_wheel_ships_every_c_kernel_and_decodes_with_the_checkouts
     sources = c_sources()
     assert {"meshlm/kernels/fp32_rows.c", "meshlm/kernels/bf16_rows.c",
             "meshlm/kernels/int8_rows.c", "meshlm/kernels/int4_rows.c",
-            "meshlm/kernels/int4_bf16_rows.c",
+            "meshlm/kernels/int4_bf16_rows.c", "meshlm/kernels/int8_bf16_rows.c",
             "meshlm/kernels/operators.cpp"} <= set(sources)
     names = zipfile.ZipFile(installed.wheel).namelist()
     assert set(sources) <= set(names), "the wheel lacks C kernel sources (package-data)"
@@ -175,7 +177,8 @@ def test_the_installed_wheel_ships_every_c_kernel_and_decodes_with_the_checkouts
     meshlm = [sys.executable, str(installed.site / "bin" / "meshlm")]
     assert decode(meshlm, folder, elsewhere, env) == checkout_decoded
     # every kernel this machine can have was built from the installed sources
-    kernels = ("fp32_rows", "bf16_rows", "int8_rows", "int4_rows", "int4_bf16_rows")
+    kernels = ("fp32_rows", "bf16_rows", "int8_rows", "int4_rows", "int4_bf16_rows",
+               "int8_bf16_rows")
     if all(checkout[k] for k in kernels):
         built = {p.name.split("-")[0] for p in (tmp_path / "cache" / "kernels").glob("*.so")}
         cpp = checkout["operators"] == ["c++"] * len(kernels)  # operators.cpp built here
