@@ -119,7 +119,7 @@ int int8_bf16_rows_product(const uint16_t *restrict x, const int8_t *restrict w,
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t first = b * BLOCK, last = first + BLOCK < n ? first + BLOCK : n;
-        if (b + AHEAD < blocks)  /* the hardware's prefetch does not run this far ahead */
+        if (b + AHEAD < blocks)  /* as int8_rows.c asks for its rows ahead (not measured here) */
             for (int64_t j = 0; j < BLOCK * k; j += 64)
                 __builtin_prefetch(w + (first + AHEAD * BLOCK) * k + j);
         for (int64_t r = 0; r < m; r += 2)  /* the block from the cache after the first rows */
