@@ -151,8 +151,9 @@ def report(args: argparse.Namespace, err: BaseException) -> int:
         message, code = describe_os_error(err), RUNTIME
     else:
         message, code = str(err), err.exit_code
-    print(f"meshlm {args.command}: {'stopped' if code >= 128 else 'error'}: {message}",
-          file=sys.stderr)
+    if not getattr(err, "reported", False):
+        print(f"meshlm {args.command}: {'stopped' if code >= 128 else 'error'}: {message}",
+              file=sys.stderr)
     return code
 
 

@@ -14,9 +14,11 @@ from typing import Any, TypeVar
 
 
 class MeshlmError(Exception):
-    """Base class: the message names the problem and the fix."""
+    """Base class: the message names the problem and the fix. `reported`: the code that raised it
+    has printed the line already (it could not count on living until the CLI prints it)."""
 
     exit_code = 1
+    reported = False
 
 
 class ConfigError(MeshlmError, ValueError):

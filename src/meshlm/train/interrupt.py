@@ -51,6 +51,11 @@ class StopRequest:
                  "checkpoint (press Ctrl-C again to abort at once, losing the steps since the "
                  "last checkpoint)")
 
+    def mute(self) -> None:
+        """Signals from now on are recorded without a word: the run has failed and said why, and
+        torchrun's SIGTERM to the survivors must not print a promise of a checkpoint after that."""
+        self.log = lambda message: None
+
     def requested(self, env=None) -> bool:
         """True when any rank got a signal (one tiny all-reduce per step under torchrun)."""
         if env is None or not env.distributed:

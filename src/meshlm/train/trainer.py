@@ -205,7 +205,7 @@ class Trainer(Checkpointing):
         watch = RankWatch(self.env, self.cfg.collective_timeout)
         try:
             # handlers stay while it looks
-            with StopRequest(self.log) as stop, watch, watch.naming_failures():
+            with StopRequest(self.log) as stop, watch, watch.naming_failures(stop):
                 while self.step < self.total_steps:
                     watch.beat(self.step)
                     if stop.requested(self.env):

@@ -3,8 +3,8 @@
 process-group timeout.
 
     watch = RankWatch(env, timeout_s)      # under torchrun; a no-op in one process
-    with watch, watch.naming_failures():   # starts the watchdog thread; a failed collective is
-                                             named
+    with stop, watch, watch.naming_failures(stop):  # starts the watchdog thread; a failed
+                                                    # collective is named
         ... watch.beat(step) at the start of every step ...
 
 Each rank records a heartbeat in the process group's store (the TCPStore torchrun provides) at the
@@ -156,17 +156,28 @@ class RankWatch:
                                 "last checkpoint")
 
     @contextlib.contextmanager
-    def naming_failures(self):
+    def naming_failures(self, stop=None):
         """Inside the block, a collective that fails because a peer went away or timed out is
-        re-raised as the DistributedError `failure` makes (while the signal handlers of an enclosing
-        StopRequest still hold: torchrun's SIGTERM to the survivors must not cut the diagnosis
-        short)."""
+        re-raised as the DistributedError `failure` makes, printed here first (`reported`): torchrun
+        SIGTERMs the survivors as soon as it reaps the dead rank, and once the enclosing
+        StopRequest `stop` restores the default handlers on the way out, that signal ends the
+        process before the CLI could print anything. `stop` is muted before the line, so that
+        signal adds no word after it."""
         try:
             yield
         except Exception as err:
-            if self.store is not None and is_collective_failure(err):
-                raise self.failure(err) from err
-            raise
+            if self.store is None or not is_collective_failure(err):
+                raise
+            error = self.failure(err)
+            if stop is not None:
+                stop.mute()
+            self.report(str(error))
+            error.reported = True
+            raise error from err
+
+    def report(self, message: str) -> None:
+        """The CLI's error line, printed by this rank now."""
+        print(f"meshlm train: error: {message}", file=self.out, flush=True)
 
     # -- the watchdog thread -----------------------------------------------------------------------
     def _watch(self) -> None:
@@ -177,8 +188,7 @@ class RankWatch:
             culprits = self.culprits()
             if culprits and not self._stop.is_set():
                 why = f"no step for train.collective_timeout={self.timeout_s:g}s"
-                print(f"meshlm train: error: {self.message(culprits, why)}", file=self.out,
-                      flush=True)
+                self.report(self.message(culprits, why))
                 # the main thread is blocked inside the collective: nothing else can end it
                 os._exit(1)
 
