@@ -119,7 +119,7 @@ def ahead(kernel, functions: dict, args, clock) -> None:
             return generate(model, prompts, s, compile="aot")
 
     tokens = {name: tokens_of(f) for name, f in functions.items()}  # the first builds the step
-    args.batch = 1
+    args.batch, args.exit, args.speculate = 1, None, None  # step_ms decodes plainly, one row
     ms, reading = step_ms({name: (model, chosen, "aot", lambda f=f: bind(f))
                            for name, f in functions.items()}, prompts, s, args, clock)
     shares = read_shares(model, ms, reading, args.batch)

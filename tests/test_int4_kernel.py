@@ -59,6 +59,21 @@ def test_the_kernel_is_the_torch_ops_numbers_at_every_row_count(fresh_build, k, 
                        y)
 
 
+@pytest.mark.parametrize("nibbles, sign", [(0xFF, 1.0), (0xFF, -1.0), (0x00, 1.0)])
+def test_the_largest_sums_stay_exact(fresh_build, nibbles, sign):
+    """Every weight 15 (or 0) against activations rounded to ±127 (a constant row): the AVX2
+    path's 16-bit pair sums reach their bound (4 chunks' 8 pair sums a lane, 8 · 2 · 15 · 127 =
+    30480 < 2^15) and stay exact."""
+    kernel = int4_kernel.int4_rows_kernel()
+    k, n, group = 512, 40, 128
+    layer, _ = w4a8(k, n, group)
+    layer.qweight.fill_(nibbles)
+    x = torch.full((2, k), sign * 0.75)
+    packed, sz = layer._int4_rows_operands()
+    y = kernel(x, packed, sz, n, group)
+    assert torch.equal(y, int4_int8_products(x, layer.stored(), group))
+
+
 @pytest.mark.parametrize("policy", ["auto", "bf16"])  # bf16 forced, as native-bf16 CPUs run it
 def test_decoding_takes_the_kernel_and_keeps_every_token(fresh_build, policy):
     torch.manual_seed(0)

@@ -32,8 +32,8 @@
    load and its unpacking), and every (row, output) is computed the same way whatever the number
    of rows, so a row's outputs do not depend on the batch. Blocks are split over `threads` OpenMP
    threads. Without AVX512-VNNI, AVX2's vpmaddubsw and vpmaddwd take the same sums in two halves
-   of 8 lanes, and without AVX2 a plain C loop runs over the same layout (the same integers, the
-   same float steps). */
+   of 8 lanes (each row's rounding vectorised too), and without AVX2 a plain C loop runs over the
+   same layout (the same integers, the same float steps). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -55,16 +55,18 @@
 
 #define LANES 16
 #define CHUNK 8
-/* bytes ahead of the chunk being read that the VNNI loops ask the cache for (prefetcht0): a
+/* bytes ahead of the chunk being read that the loops ask the cache for (prefetcht0): with VNNI a
    decoded w4a8 token 1.04-1.14x at one thread, 0.98-1.02x at two (a 2-core Zen 5, the AOT step:
    benchmarks/kernel_versions.py --aot); with the hardware prefetcher alone one thread did not
-   stream its weights as fast as it reads */
+   stream its weights as fast as it reads. On a 2-core Zen 3 (AVX2) it took the AVX2 loop's pass
+   over a d = 768 stack from memory 1.23-1.34x (2-16 KB ahead alike, within the noise) */
 #define PREFETCH 8192
 
 /* one row's rounding: a (k int8), A (G int32 group sums); returns s. With AVX512 16 values a
-   step: the maximum is exact in any order (a NaN is passed over, as fmaxf passes it), the division
-   is IEEE's and the rounding to nearest even is nearbyintf's, so the numbers are the plain loop's
-   (which called libm's fmaxf once a value: ~85 us a token at d = 768) */
+   step, with AVX2 8: the maximum is exact in any order (a NaN is passed over, as fmaxf passes it),
+   the division is IEEE's and the rounding to nearest even is nearbyintf's, and each integer's low
+   byte is kept (vpmovdb's truncation), so the numbers are the plain loop's (which called libm's
+   fmaxf once a value: ~85 us a token at d = 768; ~4 us a call of the 49 on a Zen 3) */
 static float quantize_row(const float *restrict x, int64_t k, int64_t group, int8_t *restrict a,
                           int32_t *restrict sums) {
     float amax = 0.0f;
@@ -74,6 +76,15 @@ static float quantize_row(const float *restrict x, int64_t k, int64_t group, int
     for (; j + 16 <= k; j += 16)
         top = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(x + j)), top);
     amax = _mm512_reduce_max_ps(top);
+#elif defined(__AVX2__)
+    __m256 top = _mm256_setzero_ps();
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    for (; j + 8 <= k; j += 8)  /* maxps returns its second operand where the first is a NaN */
+        top = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + j), magnitude), top);
+    float eight[8];
+    _mm256_storeu_ps(eight, top);
+    for (int l = 0; l < 8; l++)
+        amax = eight[l] > amax ? eight[l] : amax;
 #endif
     for (; j < k; j++)
         amax = fmaxf(amax, fabsf(x[j]));
@@ -86,6 +97,20 @@ static float quantize_row(const float *restrict x, int64_t k, int64_t group, int
         __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + j), scale),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         _mm_storeu_si128((__m128i *)(a + j), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(r)));
+    }
+#elif defined(__AVX2__)
+    const __m256 scale = _mm256_set1_ps(s);
+    /* each 32-bit integer's low byte, as vpmovdb truncates: bytes 0-3 of each 128-bit half */
+    const __m256i low_bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                               -1, -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1,
+                                               -1, -1, -1, -1, -1, -1);
+    for (; j + 8 <= k; j += 8) {
+        __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(x + j), scale),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m256i bytes = _mm256_shuffle_epi8(_mm256_cvtps_epi32(r), low_bytes);
+        int32_t first = _mm256_cvtsi256_si32(bytes), second = _mm256_extract_epi32(bytes, 4);
+        memcpy(a + j, &first, 4);
+        memcpy(a + j + 4, &second, 4);
     }
 #endif
     for (; j < k; j++)
@@ -113,6 +138,16 @@ static inline int32_t four_bytes(const int8_t *a) {
     int32_t four;
     memcpy(&four, a, 4);
     return four;
+}
+#endif
+
+#ifdef AVX2
+#define PAIRS 4 /* chunks whose 16-bit pair sums add up before widening (block_row) */
+
+/* eight bf16 values (their bits) as the fp32 they stand for, exactly */
+static inline __m256 widen8(const uint16_t *bits) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)bits)), 16));
 }
 #endif
 
@@ -225,37 +260,48 @@ static void block_row(const uint8_t *restrict w, const uint16_t *restrict sz,
     }
     _mm512_storeu_ps(out, _mm512_mul_ps(acc, _mm512_set1_ps(s)));
 #elif defined(AVX2)
-    /* the same sums in two halves of 8 lanes: vpmaddubsw multiplies unsigned nibbles by signed
-       activations into 16-bit pair sums (at most 2 * 15 * 127: no saturation), vpmaddwd adds
-       those pairs into each lane's 32-bit sum */
+    /* the same sums in two halves of 8 lanes (h0, h1), both in one pass so that each chunk's
+       activations are broadcast once: vpmaddubsw multiplies unsigned nibbles by signed
+       activations into 16-bit pair sums (at most 2 * 15 * 127 = 3810); up to PAIRS chunks of them
+       (8 pair sums a lane, at most 30480 < 2^15: exact) add up in 16 bits before one vpmaddwd
+       widens them into each lane's 32-bit sum */
     const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-    for (int half = 0; half < 2; half++) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t g = 0; g < groups; g++) {
-            __m256i total = _mm256_setzero_si256();
-            for (int64_t c = 0; c < chunks; c++) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i t0 = _mm256_setzero_si256(), t1 = t0;
+        for (int64_t c0 = 0; c0 < chunks; c0 += PAIRS) {
+            const int64_t end = c0 + PAIRS < chunks ? c0 + PAIRS : chunks;
+            __m256i h0 = _mm256_setzero_si256(), h1 = h0;
+            for (int64_t c = c0; c < end; c++) {
                 const int64_t j = (g * chunks + c) * CHUNK;
-                __m256i packed = _mm256_loadu_si256(
-                    (const __m256i *)(w + j * LANES / 2 + half * 32));
-                __m256i pairs = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(_mm256_and_si256(packed, low),
-                                         _mm256_set1_epi32(four_bytes(a + j))),
-                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(packed, 4), low),
-                                         _mm256_set1_epi32(four_bytes(a + j + 4))));
-                total = _mm256_add_epi32(total, _mm256_madd_epi16(pairs, ones));
+                const uint8_t *chunk = w + j * LANES / 2;
+                _mm_prefetch((const char *)(chunk + PREFETCH), _MM_HINT_T0);
+                const __m256i lo = _mm256_set1_epi32(four_bytes(a + j));
+                const __m256i hi = _mm256_set1_epi32(four_bytes(a + j + 4));
+                __m256i p0 = _mm256_loadu_si256((const __m256i *)chunk);
+                __m256i p1 = _mm256_loadu_si256((const __m256i *)(chunk + 32));
+                h0 = _mm256_add_epi16(h0, _mm256_add_epi16(
+                    _mm256_maddubs_epi16(_mm256_and_si256(p0, low), lo),
+                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p0, 4), low), hi)));
+                h1 = _mm256_add_epi16(h1, _mm256_add_epi16(
+                    _mm256_maddubs_epi16(_mm256_and_si256(p1, low), lo),
+                    _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p1, 4), low), hi)));
             }
-            total = _mm256_sub_epi32(total, _mm256_set1_epi32(8 * sums[g]));
-            const uint16_t *scale = sz + g * 2 * LANES + half * 8, *zero = scale + LANES;
-            __m256 sc = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)scale)), 16));
-            __m256 ze = _mm256_castsi256_ps(_mm256_slli_epi32(
-                _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)zero)), 16));
-            __m256 t = _mm256_add_ps(_mm256_mul_ps(sc, _mm256_cvtepi32_ps(total)),
-                                     _mm256_mul_ps(ze, _mm256_set1_ps((float)sums[g])));
-            acc = _mm256_add_ps(acc, t);
+            t0 = _mm256_add_epi32(t0, _mm256_madd_epi16(h0, ones));
+            t1 = _mm256_add_epi32(t1, _mm256_madd_epi16(h1, ones));
         }
-        _mm256_storeu_ps(out + half * 8, _mm256_mul_ps(acc, _mm256_set1_ps(s)));
+        const __m256i eight = _mm256_set1_epi32(8 * sums[g]);
+        const __m256 sum = _mm256_set1_ps((float)sums[g]);
+        const uint16_t *scale = sz + g * 2 * LANES, *zero = scale + LANES;
+        acc0 = _mm256_add_ps(acc0, _mm256_add_ps(
+            _mm256_mul_ps(widen8(scale), _mm256_cvtepi32_ps(_mm256_sub_epi32(t0, eight))),
+            _mm256_mul_ps(widen8(zero), sum)));
+        acc1 = _mm256_add_ps(acc1, _mm256_add_ps(
+            _mm256_mul_ps(widen8(scale + 8), _mm256_cvtepi32_ps(_mm256_sub_epi32(t1, eight))),
+            _mm256_mul_ps(widen8(zero + 8), sum)));
     }
+    _mm256_storeu_ps(out, _mm256_mul_ps(acc0, _mm256_set1_ps(s)));
+    _mm256_storeu_ps(out + 8, _mm256_mul_ps(acc1, _mm256_set1_ps(s)));
 #else
     float acc[LANES] = {0};
     for (int64_t g = 0; g < groups; g++) {
