@@ -23,8 +23,9 @@ eager ones.
 --no-matmul splits a token's time: the fp32 model as decoded, and the same model with every weight
 product (each linear and the output layer) replaced by a slice of its input (a view the compiler
 fuses); what is left (norms, rotary, attention over the cache, the scheme's own math, sampling over
-the vocabulary, the Python and dispatch around them) is the non-matmul time per token, eager and
-compiled.
+the vocabulary, the Python and dispatch around them) is the non-matmul time per token, eager,
+compiled by torch.compile and compiled ahead of time (AOTInductor, no guards or generated Python
+around it; plain decoding only).
 
 A model of --spec at d = 768, 12 heads, a 50,304-word vocabulary (random weights), greedy, batch
 --batch, a 32-token prompt, --new-tokens new ones with EOS ignored; each round runs eager and
@@ -218,13 +219,16 @@ def step_ms(runs: dict, prompts, s, args, clock) -> tuple[dict, float]:
 
 def split(model, prompts, s, args, clock) -> None:
     """ms a decoded token (step_ms) of the fp32 model as decoded and of its copy without weight
-    products, eager and compiled."""
+    products, eager, compiled by torch.compile and (plain decoding only) ahead of time."""
     full, chosen = decoding_copy(model, "auto")
     bare = without_products(model)
+    modes = {"eager": False, "compiled": True}
+    if args.exit is None and args.speculate is None:  # the AOT step decodes plainly only
+        modes["ahead"] = "aot"
     runs = {(what, mode): (m, chosen, c) for what, m in (("whole", full), ("no-matmul", bare))
-            for mode, c in (("eager", False), ("compiled", True))}
+            for mode, c in modes.items()}
     ms, _ = step_ms(runs, prompts, s, args, clock)
-    for mode in ("eager", "compiled"):
+    for mode in modes:
         whole, bare_ms = ms["whole", mode], ms["no-matmul", mode]
         print(f"  {mode:9s} {whole:6.2f} ms a token; without weight products {bare_ms:5.2f} ms "
               f"(the products {whole - bare_ms:.2f} ms)", flush=True)
@@ -249,7 +253,8 @@ def main() -> None:
     p.add_argument("--aot", action="store_true",
                    help="the step compiled ahead of time (AOTInductor) against torch.compile's")
     p.add_argument("--no-matmul", action="store_true",
-                   help="fp32 only: the per-token time without weight products, eager and compiled")
+                   help="fp32 only: the per-token time without weight products, eager, "
+                        "jit- and AOT-compiled")
     p.add_argument("--precisions", type=precisions, default=PRECISIONS,
                    help="these precisions only (comma-separated)")
     p.add_argument("--exit", type=ExitRule.parse, default=None, metavar="RULE",
