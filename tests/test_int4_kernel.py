@@ -59,12 +59,15 @@ def test_the_kernel_is_the_torch_ops_numbers_at_every_row_count(fresh_build, k, 
                        y)
 
 
+@pytest.mark.parametrize("flags", [None, *OLDER_CPUS.values()], ids=["native", *OLDER_CPUS])
 @pytest.mark.parametrize("nibbles, sign", [(0xFF, 1.0), (0xFF, -1.0), (0x00, 1.0)])
-def test_the_largest_sums_stay_exact(fresh_build, nibbles, sign):
-    """Every weight 15 (or 0) against activations rounded to ±127 (a constant row): the AVX2
-    path's 16-bit pair sums reach their bound (4 chunks' 8 pair sums a lane, 8 · 2 · 15 · 127 =
-    30480 < 2^15) and stay exact."""
-    kernel = int4_kernel.int4_rows_kernel()
+def test_the_largest_sums_stay_exact(fresh_build, tmp_path, flags, nibbles, sign):
+    """Every weight 15 (or 0) against activations rounded to ±127 (a constant row), in this CPU's
+    build and the older CPUs' (the AVX2 path on any x86 CPU): the AVX2 path's 16-bit pair sums
+    reach their bound (4 chunks' 8 pair sums a lane, 8 · 2 · 15 · 127 = 30480 < 2^15) and stay
+    exact."""
+    kernel = (int4_kernel.int4_rows_kernel() if flags is None
+              else built_for(int4_kernel.KERNEL, flags, tmp_path))
     k, n, group = 512, 40, 128
     layer, _ = w4a8(k, n, group)
     layer.qweight.fill_(nibbles)

@@ -65,8 +65,9 @@ def fake(x: torch.Tensor, packed: torch.Tensor, sz: torch.Tensor, n: int,
 
 def _same_numbers(product: Product) -> bool:
     """Whether `product` gives int4_int8_products' numbers bit for bit: ragged widths, 1 to 9 rows,
-    rows of very different scales, rounding ties, an all-zero row, the extreme weights and a width
-    past the last 16 (the rounding's plain tail)."""
+    rows of very different scales, rounding ties, an all-zero row, the extreme weights (against a
+    constant row: every activation −127, the largest sums) and a width past the last 16 (the
+    rounding's plain tail)."""
     g = torch.Generator(device=CPU).manual_seed(0)
     for (n, k, group), rows in zip(((37, 128, 32), (64, 768, 64), (16, 256, 256), (5, 72, 8)),
                                    (1, 3, 9, 2)):
@@ -74,7 +75,7 @@ def _same_numbers(product: Product) -> bool:
         x *= torch.logspace(-3, 2, rows, device=CPU)[:, None]
         x[0, :8] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5, 126.5, -126.5], device=CPU)
         if rows > 2:
-            x[1] = 0.0
+            x[1], x[2] = 0.0, -0.75
         layer = QuantizedLinear(k, n, False, 4, group, activations="int8").to(CPU)
         stored = quantize_weight(torch.randn(n, k, generator=g, device=CPU), 4, group)
         stored["qweight"][0] = 0xFF  # q = 15 throughout: the largest sums
