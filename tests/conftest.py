@@ -107,6 +107,15 @@ def fresh_kernel(kernel, monkeypatch, cache):
         forget_kernels()
 
 
+def probe_says(monkeypatch, module, ratio: float, batch: float = 1.0) -> None:
+    """The probe of a weight-only kernel `module` (meshlm.quant.int4_bf16_kernel, .int8_bf16_kernel)
+    answers as if this machine had measured the kernel `ratio` times torch's speed at one row and
+    `batch` times at a served batch's rows."""
+    monkeypatch.setattr(module, "kernel_speedup",
+                        lambda kernel: {"kernel_over_torch": ratio,
+                                        "batch_kernel_over_torch": batch})
+
+
 # C flag sets that build a kernel's other paths on this CPU, as the CPUs that lack an instruction
 # set build it: each path falls back to the next where this CPU lacks its instructions too
 OLDER_CPUS = {"plain-loop": (), "without-avx512-bf16": ("-march=native", "-mno-avx512bf16"),

@@ -6,7 +6,7 @@ precision line, and where it cannot be built the layers keep torch's kernel and 
 why."""
 import pytest
 import torch
-from conftest import OLDER_CPUS, build, built_for, fresh_kernel, tiny
+from conftest import OLDER_CPUS, build, built_for, fresh_kernel, probe_says, tiny
 from test_quant import assert_decodes_exactly
 
 from meshlm import decoding
@@ -23,11 +23,7 @@ def kernel(monkeypatch, tmp_path):
 
 
 def paying(monkeypatch, ratio: float, batch: float = 1.0) -> None:
-    """The probe's figures, as if measured: `ratio` times torch's speed at one row, `batch` at a
-    served batch's rows."""
-    monkeypatch.setattr(int8_bf16_kernel, "kernel_speedup",
-                        lambda kernel: {"kernel_over_torch": ratio,
-                                        "batch_kernel_over_torch": batch})
+    probe_says(monkeypatch, int8_bf16_kernel, ratio, batch)
 
 
 def int8(k: int, n: int, bias: bool = True) -> QuantizedLinear:
