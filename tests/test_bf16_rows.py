@@ -4,7 +4,6 @@ to KERNEL_ROWS rows on the nn.Linear's own weight and F.linear beyond; decoding 
 gives the logits F.linear gives to bf16 rounding; used only where its probe found it faster; where
 it cannot be had the precision line says why."""
 import copy
-import sys
 
 import pytest
 import torch
@@ -131,7 +130,7 @@ def test_the_kernel_is_used_only_where_its_probe_found_it_faster(kernel, monkeyp
     _, chosen = decoding.for_decoding("bf16", model)
     layers = [m for m in model.modules() if isinstance(m, Bf16Linear)]
     assert bool(layers) == used and bf16_linear.every_row(model) == every
-    assert all(m.kernel_rows == (sys.maxsize if every else KERNEL_ROWS) for m in layers)
+    assert all(m.every_row == every for m in layers)
     assert (decoding.BF16_KERNEL_NOTE in chosen.reason) == (used and not every)
     assert (decoding.BF16_ROWS_KERNEL_NOTE in chosen.reason) == every
     fp32 = build(tiny(d_model=64))

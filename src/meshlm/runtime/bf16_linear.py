@@ -19,8 +19,6 @@ every row count where it was that much faster at BATCH_ROWS too.
 """
 from __future__ import annotations
 
-import sys
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -49,15 +47,15 @@ class Bf16Linear(nn.Linear):
         super().__init__(linear.in_features, linear.out_features, linear.bias is not None,
                          device="meta")
         self.weight, self.bias = linear.weight, linear.bias  # the same parameters, not copies
-        self.kernel = kernel
-        self.kernel_rows = sys.maxsize if every_row else KERNEL_ROWS  # the most rows it takes
+        self.kernel, self.every_row = kernel, every_row
         # fp32 for the kernel's sums (exact from bf16); derived, so not in the state dict
         self.register_buffer("bias_fp32", None if linear.bias is None else
                              linear.bias.detach().float(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if (rows.shape[0] > self.kernel_rows or not rows.is_cpu or not self.weight.is_cpu
+        if (rows.shape[0] > KERNEL_ROWS and not self.every_row or not rows.is_cpu
+                or not self.weight.is_cpu
                 or self.weight.dtype != torch.bfloat16
                 or torch.is_grad_enabled() and (rows.requires_grad or self.weight.requires_grad)):
             return super().forward(x)
@@ -65,7 +63,7 @@ class Bf16Linear(nn.Linear):
         return y.to(torch.bfloat16).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        rows = "every row" if self.kernel_rows == sys.maxsize else f"up to {self.kernel_rows} rows"
+        rows = "every row" if self.every_row else f"up to {KERNEL_ROWS} rows"
         return f"{super().extra_repr()}, compiled kernel at {rows}"
 
 
@@ -97,8 +95,7 @@ def lay_out_for_decoding(model: nn.Module) -> tuple[int, float]:
 
 def every_row(model: nn.Module) -> bool:
     """Whether `model`'s Bf16Linear layers take the kernel at every row count."""
-    return any(isinstance(m, Bf16Linear) and m.kernel_rows == sys.maxsize
-               for m in model.modules())
+    return any(isinstance(m, Bf16Linear) and m.every_row for m in model.modules())
 
 
 def kernel_speedup(kernel: bf16_rows.Product) -> dict:
