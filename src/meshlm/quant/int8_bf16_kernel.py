@@ -91,18 +91,14 @@ def give(model: nn.Module) -> float:
     """Give every int8 weight-only layer of `model` on the CPU the compiled kernel where this
     process has it and its probe found it the faster (kernel_speedup, weight_only.give). Returns
     its speed over torch's kernel where given, else 0.0."""
-    return weight_only.give(KERNEL, _cpu_layers(model), kernel_speedup, BATCH_FLOOR)
+    return weight_only.give(KERNEL, model, 8, kernel_speedup, BATCH_FLOOR)
 
 
 def unavailable(model: nn.Module) -> str | None:
     """Why `model`'s int8 weight-only layers on the CPU go without the kernel because this process
     could not have it (one line: the problem and its fix); None where it has it or has no such
     layer."""
-    return KERNEL.unavailable() if _cpu_layers(model) else None
-
-
-def _cpu_layers(model: nn.Module) -> list[QuantizedLinear]:
-    return weight_only.cpu_layers(model, 8)
+    return weight_only.unavailable(KERNEL, model, 8)
 
 
 def kernel_speedup(kernel: Product) -> dict:

@@ -19,12 +19,20 @@ def cpu_layers(model: nn.Module, bits: int) -> list[QuantizedLinear]:
             and m.activations == "bf16" and m.qweight.is_cpu]
 
 
-def give(kernel: Kernel, layers: list[QuantizedLinear], speedup: Callable[[Callable], dict],
+def give(kernel: Kernel, model: nn.Module, bits: int, speedup: Callable[[Callable], dict],
          floor: float) -> float:
-    """Give `layers` `kernel`'s product where this process has it and its probe (`speedup`, the
-    module's kernel_speedup) found it the faster. Returns its one-row speed over torch's kernel
-    where given, else 0.0."""
+    """Give `model`'s `bits`-bit weight-only layers on the CPU `kernel`'s product where this
+    process has it and its probe (`speedup`, the module's kernel_speedup) found it the faster.
+    Returns its one-row speed over torch's kernel where given, else 0.0."""
+    layers = cpu_layers(model, bits)
     product = kernel.paying(speedup, {"batch_kernel_over_torch": floor}) if layers else None
     for layer in layers if product else ():
         layer.row_kernel = product
     return speedup(product)["kernel_over_torch"] if product else 0.0
+
+
+def unavailable(kernel: Kernel, model: nn.Module, bits: int) -> str | None:
+    """Why `model`'s `bits`-bit weight-only layers on the CPU go without `kernel` because this
+    process could not have it (Kernel.unavailable: one line, the problem and its fix); None where
+    it has it or has no such layer."""
+    return kernel.unavailable() if cpu_layers(model, bits) else None
