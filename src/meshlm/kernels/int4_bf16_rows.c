@@ -31,10 +31,13 @@
    sums a row (one per pair, or per byte t with the low and the high nibble of byte t to the
    same one) keep four chains apart, and every row takes exactly these steps whether it runs
    alone or among four that share each load and its unpacking: a row's outputs do not depend on
-   the batch. With AVX2 (no AVX512) the same multiply-adds run eight outputs at a time, a block
-   in two passes over its chunks (the second reads them from the cache), two rows sharing each
-   load: at one row 2.4x torch's kernel held to AVX2 on a 2-core Zen 5, where that converts
-   every weight too. Blocks are split over `threads` OpenMP threads. Without AVX2 a plain C loop
+   the batch. With AVX2 (no AVX512) the same multiply-adds run eight outputs a vector, a block's
+   two halves in one pass (each broadcast activation serving both; two sums a half, as 16
+   registers hold two rows' of them), two rows sharing each load: at one row 2.4x torch's kernel
+   held to AVX2 on a 2-core Zen 5, where that converts every weight too. (A block in two passes
+   of eight outputs with four sums each, the second pass from the cache, was 0.82-0.87x at one
+   row and 1.10x at 16 with one thread on a 2-core Zen 3, 0.86-0.94x with two.) Blocks are split
+   over `threads` OpenMP threads. Without AVX2 a plain C loop
    runs over the same layout (its own rounding: its sums are not fused; a machine runs one of the
    four for every row). */
 #include <stdint.h>
@@ -78,12 +81,14 @@ static void widen_row(const uint16_t *restrict bits, int64_t k, int64_t group,
 }
 
 /* the vectors the block skeleton and the multiply-add path work in: V holds VLANES floats of a
-   block's outputs (all 16 with AVX512; with AVX2 a half, so a block is two passes over its chunks,
-   the second from the cache), VI their 32-bit words, ROWS the rows that share each load */
+   block's outputs (all 16 with AVX512; with AVX2 a half: HALVES vectors a block), VI their 32-bit
+   words, ROWS the rows that share each load, SUMS the sums a row keeps for each vector */
 #if defined(__AVX512F__)
 #define VECTOR 1
 #define VLANES 16
+#define HALVES 1
 #define ROWS 4
+#define SUMS 4
 typedef __m512 V;
 typedef __m512i VI;
 #define v_zero _mm512_setzero_ps
@@ -107,7 +112,9 @@ static inline V widen_v(const uint16_t *bits) {
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VECTOR 1
 #define VLANES 8
-#define ROWS 2 /* 16 registers: two rows' four sums each (four rows' spill: 0.9x at 16 rows) */
+#define HALVES 2
+#define ROWS 2 /* 16 registers: two rows' two sums for each half, four weight vectors */
+#define SUMS 2 /* four a half spill: 0.85x at one row (a 2-core Zen 3) */
 typedef __m256 V;
 typedef __m256i VI;
 #define v_zero _mm256_setzero_ps
@@ -155,10 +162,10 @@ static inline Unpack unpack_init(void) {
     return (Unpack){_mm512_loadu_si512((const void *)words)};
 }
 
-/* chunk c's (at w, k index j) products added to p[r][t], R rows (x: their pairs, pair_row) */
+/* chunk c's (at w, k index j) products added to p[r][0][t], R rows (x: their pairs, pair_row) */
 static inline __attribute__((always_inline)) void chunk(
-        V p[ROWS][4], const Unpack *u, const uint8_t *restrict w, const uint32_t *restrict x,
-        int64_t j, int64_t k, const int R) {
+        V p[ROWS][HALVES][SUMS], const Unpack *u, const uint8_t *restrict w,
+        const uint32_t *restrict x, int64_t j, int64_t k, const int R) {
     _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
     const __m512i packed = _mm512_loadu_si512((const void *)w);
     const __m512bh q[4] = {
@@ -168,7 +175,7 @@ static inline __attribute__((always_inline)) void chunk(
         (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(packed, 12), u->table)};
     for (int r = 0; r < R; r++)
         for (int t = 0; t < 4; t++)
-            p[r][t] = _mm512_dpbf16_ps(p[r][t], q[t], (__m512bh)_mm512_set1_epi32(
+            p[r][0][t] = _mm512_dpbf16_ps(p[r][0][t], q[t], (__m512bh)_mm512_set1_epi32(
                 (int)x[(r * (k / CHUNK) + j / CHUNK) * 4 + t]));
 }
 typedef uint32_t Row; /* what a row's activations are to chunk(): bf16 pairs */
@@ -187,20 +194,29 @@ static inline Unpack unpack_init(void) {
     return u;
 }
 
-/* chunk c's (at w, k index j; VLANES outputs) products added to p[r][t], R rows (x: them
-   widened) */
+/* chunk c's (at w, k index j; the block's 16 outputs, VLANES a vector) products added to
+   p[r][h][t % SUMS], R rows (x: them widened); each broadcast activation serves every half */
 static inline __attribute__((always_inline)) void chunk(
-        V p[ROWS][4], const Unpack *u, const uint8_t *restrict w, const float *restrict x,
-        int64_t j, int64_t k, const int R) {
+        V p[ROWS][HALVES][SUMS], const Unpack *u, const uint8_t *restrict w,
+        const float *restrict x, int64_t j, int64_t k, const int R) {
     _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
-    const VI packed = vi_load(w);
-    const VI lows = vi_and(packed, u->low), highs = vi_and(vi_srli(packed, 4), u->low);
+    VI lows[HALVES], highs[HALVES];
+    for (int h = 0; h < HALVES; h++) {
+        const VI packed = vi_load(w + h * VLANES * 4);
+        lows[h] = vi_and(packed, u->low), highs[h] = vi_and(vi_srli(packed, 4), u->low);
+    }
     for (int t = 0; t < 4; t++) {
-        const V lo = v_of_int(vi_shuffle(lows, u->spread[t]));
-        const V hi = v_of_int(vi_shuffle(highs, u->spread[t]));
+        V lo[HALVES], hi[HALVES];
+        for (int h = 0; h < HALVES; h++) {
+            lo[h] = v_of_int(vi_shuffle(lows[h], u->spread[t]));
+            hi[h] = v_of_int(vi_shuffle(highs[h], u->spread[t]));
+        }
         for (int r = 0; r < R; r++) {
-            p[r][t] = v_fmadd(lo, v_set1(x[r * k + j + t]), p[r][t]);
-            p[r][t] = v_fmadd(hi, v_set1(x[r * k + j + 4 + t]), p[r][t]);
+            const V xl = v_set1(x[r * k + j + t]), xh = v_set1(x[r * k + j + 4 + t]);
+            for (int h = 0; h < HALVES; h++)
+                p[r][h][t % SUMS] = v_fmadd(lo[h], xl, p[r][h][t % SUMS]);
+            for (int h = 0; h < HALVES; h++)
+                p[r][h][t % SUMS] = v_fmadd(hi[h], xh, p[r][h][t % SUMS]);
         }
     }
 }
@@ -208,42 +224,54 @@ typedef float Row; /* what a row's activations are to chunk(): fp32 */
 #endif
 
 #if defined(VECTOR)
-/* the 16 outputs of a block for R rows (R = 1 or ROWS once inlined), VLANES at a time: each
-   chunk's bytes are loaded and unpacked once for the R rows; every row's steps are the same for
-   either R */
+/* a row's SUMS sums of one vector added up, in a fixed order */
+static inline V total_of(const V s[SUMS]) {
+#if SUMS == 4
+    return v_add(v_add(s[0], s[1]), v_add(s[2], s[3]));
+#else
+    return v_add(s[0], s[1]);
+#endif
+}
+
+/* the 16 outputs of a block for R rows (R = 1 or ROWS once inlined), HALVES vectors of VLANES:
+   each chunk's bytes are loaded and unpacked once for the R rows; every row's steps are the same
+   for either R */
 static inline __attribute__((always_inline)) void block(
         const uint8_t *restrict w, const uint16_t *restrict sz, const Row *restrict x,
         const float *restrict sums, int64_t k, int64_t group, float *restrict out, int64_t n,
         const int R) {
     const int64_t groups = k / group, chunks = group / CHUNK;
     const Unpack u = unpack_init();
-    for (int h = 0; h < LANES / VLANES; h++) {
-        V acc[ROWS];
+    V acc[ROWS][HALVES];
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < HALVES; h++)
+            acc[r][h] = v_zero();
+    for (int64_t g = 0; g < groups; g++) {
+        V p[ROWS][HALVES][SUMS];
         for (int r = 0; r < R; r++)
-            acc[r] = v_zero();
-        for (int64_t g = 0; g < groups; g++) {
-            V p[ROWS][4];
-            for (int r = 0; r < R; r++)
-                for (int t = 0; t < 4; t++)
-                    p[r][t] = v_zero();
-            for (int64_t c = 0; c < chunks; c++) {
-                const int64_t j = (g * chunks + c) * CHUNK;
-                chunk(p, &u, w + j * LANES / 2 + h * VLANES * 4, x, j, k, R);
-            }
+            for (int h = 0; h < HALVES; h++)
+                for (int s = 0; s < SUMS; s++)
+                    p[r][h][s] = v_zero();
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t j = (g * chunks + c) * CHUNK;
+            chunk(p, &u, w + j * LANES / 2, x, j, k, R);
+        }
+        for (int h = 0; h < HALVES; h++) {
             const uint16_t *scale = sz + g * 2 * LANES + h * VLANES, *zero = scale + LANES;
             const V sc = widen_v(scale), ze = widen_v(zero);
             for (int r = 0; r < R; r++) {
                 const float sum = sums[r * groups + g];
-                V total = v_add(v_add(p[r][0], p[r][1]), v_add(p[r][2], p[r][3]));
+                V total = total_of(p[r][h]);
 #ifndef DOT  /* P[g] − 8 · X[g]; vdpbf16ps summed q − 8 already */
                 total = v_sub(total, v_set1(8.0f * sum));
 #endif
-                acc[r] = v_add(acc[r], v_add(v_mul(sc, total), v_mul(ze, v_set1(sum))));
+                acc[r][h] = v_add(acc[r][h], v_add(v_mul(sc, total), v_mul(ze, v_set1(sum))));
             }
         }
-        for (int r = 0; r < R; r++)
-            v_store(out + r * n + h * VLANES, acc[r]);
     }
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < HALVES; h++)
+            v_store(out + r * n + h * VLANES, acc[r][h]);
 }
 #else
 typedef float Row;
