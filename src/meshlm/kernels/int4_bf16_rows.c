@@ -36,10 +36,10 @@
    registers hold two rows' of them), two rows sharing each load: at one row 2.4x torch's kernel
    held to AVX2 on a 2-core Zen 5, where that converts every weight too. (A block in two passes
    of eight outputs with four sums each, the second pass from the cache, was 0.82-0.87x at one
-   row and 1.10x at 16 with one thread on a 2-core Zen 3, 0.86-0.94x with two.) Blocks are split
-   over `threads` OpenMP threads. Without AVX2 a plain C loop
-   runs over the same layout (its own rounding: its sums are not fused; a machine runs one of the
-   four for every row). */
+   row and 1.11-1.14x at 16 with one thread on a 2-core Zen 3, 0.83-0.94x at both with two.)
+   Blocks are split over `threads` OpenMP threads. Without AVX2 a plain C loop runs over the same
+   layout (its own rounding: its sums are not fused; a machine runs one of the four for every
+   row). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
