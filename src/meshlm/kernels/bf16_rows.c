@@ -13,8 +13,8 @@
    does not run far enough ahead of these short rows. A tile's rows are two pairs from two places
    in the matrix, pair p and pair p + half of the pairs, so that a thread reads two streams at
    once: one core of a 2-core Zen 3 VM read 256 MB at 12.4-12.7 GB/s as one sequential stream and
-   16.4-17.8 as two to sixteen (the kernel from memory at one row, one thread: 1.16-1.19x). The
-   tiles are split over `threads` OpenMP threads.
+   16.4-17.8 as two to sixteen (the kernel from memory at one row, one thread: 1.16-1.24x; at 16
+   rows on two threads 0.87-0.90x). The tiles are split over `threads` OpenMP threads.
 
    Why: a decoded token is a matrix-vector product bound by streaming the weights. On a 2-core
    Intel Xeon with AMX, oneDNN's bf16 F.linear at one row reads the weights of a 12-layer d = 768
@@ -90,7 +90,8 @@ INLINE float acc_sum(Acc v) {
 #define ROWS 4
 #endif
 
-/* tile row o: weight row o of the pair at `at`, or row o - PAIR of the pair `gap` rows later */
+/* tile row o: row o from the tile's `w` (its first pair), or row o - PAIR of the pair `gap` rows
+   later */
 #define ROW(o) ((o) < PAIR ? (o) : (o) - PAIR + gap)
 
 #if defined(VECTOR)
