@@ -130,8 +130,8 @@ INLINE void tile(const uint16_t *restrict x, const uint16_t *restrict w, float *
 }
 #endif
 
-/* `rows` rows against the weight rows of pairs at `at` and `gap` rows later (a full tile), or
-   against `outs` rows from `at` one output at a time (outs < OUT; the same operations per output
+/* `rows` rows against the pairs of weight rows at `w` and `gap` rows later (a full tile), or
+   against `outs` rows from `w` one output at a time (outs < OUT; the same operations per output
    either way) */
 static void block(const uint16_t *restrict x, const uint16_t *restrict w, float *restrict y,
                   int64_t k, int64_t n, int64_t gap, int64_t rows, int64_t outs) {

@@ -86,7 +86,6 @@ static void widen_row(const uint16_t *restrict bits, int64_t k, int64_t group,
 #if defined(__AVX512F__)
 #define VECTOR 1
 #define VLANES 16
-#define HALVES 1
 #define ROWS 4
 #define SUMS 4
 typedef __m512 V;
@@ -112,7 +111,6 @@ static inline V widen_v(const uint16_t *bits) {
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VECTOR 1
 #define VLANES 8
-#define HALVES 2
 #define ROWS 2 /* 16 registers: two rows' two sums for each half, four weight vectors */
 #define SUMS 2 /* four a half spill: 0.85x at one row (a 2-core Zen 3) */
 typedef __m256 V;
@@ -134,6 +132,10 @@ static inline V widen_v(const uint16_t *bits) {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)bits));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
+#endif
+
+#if defined(VECTOR)
+#define HALVES (LANES / VLANES) /* vectors a block's outputs take */
 #endif
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
