@@ -1,12 +1,12 @@
 """Decoding through the compiled step (meshlm generate --compile; meshlm.generate.compiled) against
 the eager decoder, side by side in one run, at every precision `meshlm generate` decodes in: fp32
 under the default policy (its weight layout and kernel as this machine's probes chose), bf16 (its
-kernel where it pays; "bf16 F.linear" without it, what bf16 decoding was before), int8 with int8
-activations (w8a8), int4 and int4 with int8 activations (w4a8). Prints tokens/s, the ratio, the
-first compiled call's seconds (the compile, with whatever Inductor had cached on disk), the weights
-read eager and compiled as a share of this machine's read bandwidth (a step's weight bytes times
-steps/s; the bandwidth measured in the same rounds, step_ms) and whether the greedy tokens are the
-eager ones.
+kernel where it pays; "bf16 F.linear" without it, what bf16 decoding was before), int8 weight-only
+(int8), int8 with int8 activations (w8a8), int4 and int4 with int8 activations (w4a8). Prints
+tokens/s, the ratio, the first compiled call's seconds (the compile, with whatever Inductor had
+cached on disk), the weights read eager and compiled as a share of this machine's read bandwidth (a
+step's weight bytes times steps/s; the bandwidth measured in the same rounds, step_ms) and whether
+the greedy tokens are the eager ones.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/compile_decode.py --threads 1
     .venv/bin/python benchmarks/compile_decode.py --spec 2+4R2+2 --scheme mesh --threads 2
@@ -50,7 +50,7 @@ from benchkit import (
     weight_bytes_per_token,
 )
 
-PRECISIONS = ("fp32", "bf16", "bf16 F.linear", "w8a8", "int4", "w4a8")
+PRECISIONS = ("fp32", "bf16", "bf16 F.linear", "int8", "w8a8", "int4", "w4a8")
 
 
 def variant(model, name: str, huge: bool = False) -> tuple:
@@ -62,7 +62,8 @@ def variant(model, name: str, huge: bool = False) -> tuple:
         return bf16_without_kernel(model)
     if name in ("fp32", "bf16"):
         return decoding_copy(model, "auto" if name == "fp32" else "bf16", huge)
-    bits, activations = {"w8a8": (8, "int8"), "int4": (4, "bf16"), "w4a8": (4, "int8")}[name]
+    bits, activations = {"int8": (8, "bf16"), "w8a8": (8, "int8"), "int4": (4, "bf16"),
+                          "w4a8": (4, "int8")}[name]
     quantized = quantize_model(copy.deepcopy(model), bits, PARTS, activations=activations)[0]
     return decoding_copy(quantized, "auto", huge)
 
@@ -145,7 +146,7 @@ def operators(model, prompts, s, args, clock) -> None:
     compiled_operators()
     print("  implemented:", {k.name: k.implemented for k in KERNELS})
     for name, (laid_out, chosen) in laid_out_variants.items():
-        if name in ("bf16 F.linear", "int4"):  # no meshlm kernel in them
+        if name == "bf16 F.linear":  # no meshlm kernel in it
             continue
         runs = {"C++": (laid_out, chosen, True),
                 "Python": (python_operators(laid_out), chosen, True)}

@@ -11,15 +11,16 @@ ratio, and whether the two give the same numbers bit for bit.
     .venv/bin/python benchmarks/kernel_versions.py --kernel int8_row --layers 2 --vocab 768 --hot
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/kernel_versions.py --kernel int4_rows \
         --threads 1 --aot
+    .venv/bin/python benchmarks/kernel_versions.py --kernel int8_bf16_rows --threads 2 --aot
 
 --aot times the versions where decoding spends most of its time: inside the decode step compiled
 ahead of time (`meshlm generate --aot`), which calls the kernel through its C++ operator without
-Python, so a version's cost per call counts as it does there. A vanilla model of --layers layers
-at --d-model with --vocab words, quantized as the kernel's precision decodes (w4a8, int4 or
-w8a8), generates --new-tokens tokens after a 32-token prompt with the operator bound to each
-version in turn (meshlm.kernels.operators.register rebinds it); a token's time is the difference
-of that and a one-token generation, and the weights it reads are given as a share of the read
-bandwidth measured in the same rounds.
+Python, so a version's cost per call counts as it does there. A vanilla model of --layers layers at
+--d-model with --vocab words, quantized as the kernel's precision decodes (w4a8, int4, int8
+weight-only or w8a8), generates --new-tokens tokens after a 32-token prompt with the operator bound
+to each version in turn (meshlm.kernels.operators.register rebinds it); a token's time is the
+difference of that and a one-token generation, and the weights it reads are given as a share of the
+read bandwidth measured in the same rounds.
 
 Cross-process timings of two code versions drift with a shared VM's read bandwidth (it moved
 between 22 and 77 GB/s within an hour on a 2-core Zen 5); here both builds run in the same rounds.
@@ -43,23 +44,27 @@ from meshlm.quant import QuantizedLinear
 from meshlm.quant.int4_bf16_kernel import KERNEL as INT4_BF16
 from meshlm.quant.int4_kernel import KERNEL as INT4
 from meshlm.quant.int4_kernel import give as give_int4
+from meshlm.quant.int8_bf16_kernel import KERNEL as INT8_BF16
 from meshlm.quant.row_kernel import KERNEL as INT8
 from meshlm.quant.row_kernel import give_row_kernel
 
 
-def give_int4_bf16(layers) -> bool:
-    """The int4 weight-only kernel to every layer, whether or not its probe finds it faster than
-    torch's here (int4_bf16_kernel.give asks that): the versions are what is compared."""
-    product = INT4_BF16.product()
-    for m in layers if product else ():
-        m.row_kernel = product
-    return product is not None
+def giving(kernel):
+    """A `give` of a weight-only kernel to every layer, whether or not its probe finds it faster
+    than torch's here (weight_only.give asks that): the versions are what is compared."""
+    def give(layers) -> bool:
+        product = kernel.product()
+        for m in layers if product else ():
+            m.row_kernel = product
+        return product is not None
+    return give
 
 
 # kernel name -> (its Kernel, the QuantizedLinear arguments of its layers, how layers are given it)
 KERNELS = {"int4_rows": (INT4, {"bits": 4, "group_size": 64, "activations": "int8"}, give_int4),
            "int4_bf16_rows": (INT4_BF16, {"bits": 4, "group_size": 64, "activations": "bf16"},
-                              give_int4_bf16),
+                              giving(INT4_BF16)),
+           "int8_bf16_rows": (INT8_BF16, {"bits": 8, "activations": "bf16"}, giving(INT8_BF16)),
            "int8_row": (INT8, {"bits": 8, "activations": "int8"}, give_row_kernel)}
 
 
@@ -83,7 +88,8 @@ def function_at(kernel, revision: str | None, folder: Path):
 
 
 # kernel name -> the precision (compile_decode.variant) whose layers call it
-PRECISION = {"int4_rows": "w4a8", "int4_bf16_rows": "int4", "int8_row": "w8a8"}
+PRECISION = {"int4_rows": "w4a8", "int4_bf16_rows": "int4", "int8_bf16_rows": "int8",
+             "int8_row": "w8a8"}
 
 
 def ahead(kernel, functions: dict, args, clock) -> None:
