@@ -52,8 +52,7 @@ def _agrees(product: Product) -> bool:
     numbers) on full and ragged tiles, and each row alone exactly what it gives in a batch of
     five."""
     g = torch.Generator(device=CPU).manual_seed(0)
-    # full tiles; a ragged edge (19 pairs of weight rows: the middle pair and the last row go
-    # one output at a time)
+    # full tiles; a ragged edge (39 weight rows: the last three go one output at a time)
     for out_features, in_features in ((256, 768), (39, 64)):
         weight = torch.randn(out_features, in_features, generator=g, device=CPU).bfloat16()
         bias = torch.randn(out_features, generator=g, device=CPU)
