@@ -1,9 +1,9 @@
 """fp32 linear layers for decoding: F.linear over the (out, in) weight against SplitLinear
 (meshlm.runtime.split_linear: transposed, one block of output columns per thread, one bmm) and
-against SplitLinear in 128-column blocks multiplied by the kernel meshlm.kernels.fp32_rows compiles
-(where this machine builds it), on the weights of a decoder stack too large for the caches
-(default: 12 layers of d = 768 and a 50,304-word head, 0.5 GB), at each row count a decode call can
-have. Prints the speed ratios per row count.
+against SplitLinear in column blocks (fp32_rows.WIDTH wide) multiplied by the kernel
+meshlm.kernels.fp32_rows compiles (where this machine builds it), on the weights of a decoder stack
+too large for the caches (default: 12 layers of d = 768 and a 50,304-word head, 0.5 GB), at each row
+count a decode call can have. Prints the speed ratios per row count.
 
     .venv/bin/python benchmarks/split_linear.py                      # torch's threads
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/split_linear.py --threads 1
@@ -126,8 +126,9 @@ def main() -> None:
         layouts["kernel"] = [SplitLinear.for_kernel(m, kernel) for m in linears]
     megabytes = sum(m.weight.numel() for m in linears) * 4 / 1e6
     print(f"{len(linears)} fp32 weights, {megabytes:.0f} MB, {threads} threads, {args.rounds} "
-          f"rounds (medians); split: a block per thread, torch.bmm; kernel: 128-column blocks, "
-          f"meshlm.kernels.fp32_rows up to {KERNEL_ROWS} rows{'' if kernel else ' (not built)'}")
+          f"rounds (medians); split: a block per thread, torch.bmm; kernel: "
+          f"{fp32_rows.WIDTH}-column blocks, meshlm.kernels.fp32_rows up to {KERNEL_ROWS} rows"
+          f"{'' if kernel else ' (not built)'}")
     for rows in map(int, args.rows.split(",")):
         inputs = {m.in_features: torch.randn(rows, m.in_features) for m in linears}
 

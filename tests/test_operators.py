@@ -44,7 +44,7 @@ def test_each_operator_gives_its_products_numbers_bit_for_bit():
     fp32, bf16, int8, int4, int4_bf16 = products()
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(300, 64, generator=g), torch.randn(300, generator=g)
-    blocks, x = fp32_rows.as_blocks(weight, 128), torch.randn(5, 64, generator=g)
+    blocks, x = fp32_rows.as_blocks(weight, fp32_rows.WIDTH), torch.randn(5, 64, generator=g)
     for b in (bias, None):  # a ragged last block, with and without a bias
         assert torch.equal(torch.ops.meshlm.fp32_rows(x, blocks, b, 300), fp32(x, blocks, b, 300))
     weight = torch.randn(37, 64, generator=g).bfloat16()
@@ -70,7 +70,7 @@ def test_each_operator_gives_its_products_numbers_bit_for_bit():
     (lambda: torch.ops.meshlm.bf16_rows(torch.randn(1, 30), torch.randn(4, 30).bfloat16(), None),
      "in_features 30 is not a multiple"),
     (lambda: torch.ops.meshlm.fp32_rows(torch.randn(1, 8), torch.randn(1, 8, 200), None, 200),
-     "blocks 200 wide, at most 128"),
+     f"blocks 200 wide, at most {fp32_rows.WIDTH}"),
     (lambda: torch.ops.meshlm.int8_row(torch.randn(1, row_kernel.MAX_K + 1),
                                        torch.ones(row_kernel.MAX_K + 1, 2, dtype=torch.int8), None),
      f"{row_kernel.MAX_K + 1} inputs overflow its int32 sums")])

@@ -11,56 +11,72 @@
 
    Why a plain loop: a decoded token is a matrix-vector product bound by streaming the weights. A
    full block is TILE columns of k rows, read once, front to back, into TILE accumulators held in
-   registers (two rows at a time share each weight read); the blocks are split over `threads`
-   OpenMP threads (the runtime torch's own kernels use). On a 2-core Zen 5 this reads the weights
-   at 23-29 GB/s on every shape, where torch.bmm over a block per thread reads 14-29 depending on
-   the block's width (docs/quantize.md). */
+   registers; a tile is four full blocks from four places of the matrix, blocks p, p + F/4,
+   p + F/2 and p + 3F/4 of the F full ones (the rest one at a time after), read side by side, so
+   each thread reads four streams at once (their 4 x TILE sums fill the 16 AVX2 registers; two
+   rows at a time share each weight read, two blocks at a time). The tiles are split over
+   `threads` OpenMP threads (the runtime torch's own kernels use). On a 2-core Zen 5 one block of
+   128 columns at a time read the weights at 23-29 GB/s on every shape, where torch.bmm over a
+   block per thread reads 14-29 depending on the block's width (docs/quantize.md); on a 2-core
+   Zen 3 VM, where one core read 10.5 GB/s as one stream and 17.7 as four, four 32-column blocks
+   at a time read 1.24-1.32x as fast at one thread and 1.09-1.15x at two. */
 #include <stdint.h>
 #include <string.h>
 
-#define TILE 128
+#define TILE 32
+#define PLACES 4
+#define INLINE static inline __attribute__((always_inline))
 
-/* one row over a full block: y[0 .. TILE) */
-static void one_row(const float *restrict x, const float *restrict block, float *restrict y,
-                    int64_t k) {
-    float a[TILE];
-    for (int t = 0; t < TILE; t++)
-        a[t] = 0.0f;
+/* ROWS rows x, x + k (1 or 2) through `count` full blocks (count x ROWS <= PLACES once inlined
+   with constants, so the sums stay in registers): y[q] + r * n, TILE columns each */
+INLINE void full_blocks(const float *restrict x, const float *const *block, float *const *y,
+                        int64_t k, int64_t n, const int rows, const int count) {
+    float a[2][PLACES][TILE];
+    for (int r = 0; r < rows; r++)
+        for (int q = 0; q < count; q++)
+            for (int t = 0; t < TILE; t++)
+                a[r][q][t] = 0.0f;
     for (int64_t j = 0; j < k; j++) {
-        const float *w = block + j * TILE;
-        float x0 = x[j];
+        const float x0 = x[j], x1 = rows > 1 ? x[k + j] : 0.0f;
+        for (int q = 0; q < count; q++) {
+            const float *w = block[q] + j * TILE;
 #pragma omp simd
-        for (int t = 0; t < TILE; t++)
-            a[t] += x0 * w[t];
-    }
-    memcpy(y, a, sizeof a);
-}
-
-/* rows x and x + k over a full block, each weight read once for both: y and y + n */
-static void two_rows(const float *restrict x, const float *restrict block, float *restrict y,
-                     int64_t k, int64_t n) {
-    float a[TILE], b[TILE];
-    for (int t = 0; t < TILE; t++) {
-        a[t] = 0.0f;
-        b[t] = 0.0f;
-    }
-    for (int64_t j = 0; j < k; j++) {
-        const float *w = block + j * TILE;
-        float x0 = x[j], x1 = x[k + j];
-#pragma omp simd
-        for (int t = 0; t < TILE; t++) {
-            a[t] += x0 * w[t];
-            b[t] += x1 * w[t];
+            for (int t = 0; t < TILE; t++) {
+                a[0][q][t] += x0 * w[t];
+                if (rows > 1)
+                    a[1][q][t] += x1 * w[t];
+            }
         }
     }
-    memcpy(y, a, sizeof a);
-    memcpy(y + n, b, sizeof b);
+    for (int r = 0; r < rows; r++)
+        for (int q = 0; q < count; q++)
+            memcpy(y[q] + r * n, a[r][q], sizeof a[r][q]);
 }
 
-/* one row over a narrow block (w < TILE columns), the first `cols` of them kept: one_row's loop
-   with the width known only at run time, kept apart from it on purpose. one_row's compile-time
-   TILE is what lets the compiler hold the accumulators in registers; a shared run-time width
-   would lose that for the full blocks that carry nearly all the weights */
+/* every row through `count` full blocks (PLACES, or 1): two rows against two blocks at a time, a
+   last odd row against all of them */
+INLINE void tile(const float *restrict x, const float *const *block, float *const *y, int64_t m,
+                 int64_t k, int64_t n, const int count) {
+    int64_t r = 0;
+    for (; r + 2 <= m; r += 2)
+        for (int q = 0; q < count; q += 2) {
+            float *at[2] = {y[q] + r * n, count > 1 ? y[q + 1] + r * n : NULL};
+            if (count > 1)
+                full_blocks(x + r * k, block + q, at, k, n, 2, 2);
+            else
+                full_blocks(x + r * k, block + q, at, k, n, 2, 1);
+        }
+    if (r < m) {
+        float *at[PLACES];
+        for (int q = 0; q < count; q++)
+            at[q] = y[q] + r * n;
+        full_blocks(x + r * k, block, at, k, n, 1, count);
+    }
+}
+
+/* one row over a narrow block (w < TILE columns), the first `cols` of them kept: the loop with the
+   width known only at run time, kept apart from the full blocks' on purpose: their compile-time
+   TILE is what lets the compiler hold the accumulators in registers */
 static void narrow_row(const float *restrict x, const float *restrict block, float *restrict y,
                        int64_t k, int64_t w, int64_t cols) {
     float a[TILE];
@@ -75,19 +91,9 @@ static void narrow_row(const float *restrict x, const float *restrict block, flo
     memcpy(y, a, cols * sizeof(float));
 }
 
-/* every row through a full block: into its TILE columns of y (n per row) */
-static void full_block(const float *restrict x, const float *restrict block, float *restrict y,
-                       int64_t m, int64_t k, int64_t n) {
-    int64_t r = 0;
-    for (; r + 2 <= m; r += 2)
-        two_rows(x + r * k, block, y + r * n, k, n);
-    if (r < m)
-        one_row(x + r * k, block, y + r * n, k);
-}
-
 /* every row through a narrow block (w < TILE) or the last, padded one (computed in full, the kept
-   columns copied): `cols` columns of y. Not inlined: beside full_block's loops it made the
-   compiler keep full blocks' accumulators out of registers (1.3-1.8x slower, measured) */
+   columns copied): `cols` columns of y. Not inlined: beside the full blocks' loops it made the
+   compiler keep their accumulators out of registers (1.3-1.8x slower, measured) */
 __attribute__((noinline)) static void partial_block(const float *restrict x,
                                                     const float *restrict block,
                                                     float *restrict y, int64_t m, int64_t k,
@@ -97,7 +103,9 @@ __attribute__((noinline)) static void partial_block(const float *restrict x,
         if (w < TILE) {
             narrow_row(x + r * k, block, y + r * n, k, w, cols);
         } else {
-            one_row(x + r * k, block, full, k);
+            const float *blocks[1] = {block};
+            float *at[1] = {full};
+            full_blocks(x + r * k, blocks, at, k, n, 1, 1);
             memcpy(y + r * n, full, cols * sizeof(float));
         }
     }
@@ -108,19 +116,31 @@ int fp32_rows_product(const float *restrict x, const float *restrict blocks,
                       int64_t k, int64_t w, int64_t n, int threads) {
     if (w > TILE || w < 1)
         return 1;
+    /* the F full blocks: tiles of PLACES (tile p: blocks p, p + part, ...), then the rest */
+    const int64_t full = w == TILE ? n / TILE : 0, part = full / PLACES;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t p = 0; p < parts; p++) {
-        int64_t first = p * w, cols = n - first < w ? n - first : w;
-        if (cols <= 0)
-            continue;
-        if (w == TILE && cols == TILE)
-            full_block(x, blocks + p * k * w, y + first, m, k, n);
-        else
-            partial_block(x, blocks + p * k * w, y + first, m, k, w, n, cols);
-        if (bias)
-            for (int64_t r = 0; r < m; r++)
-                for (int64_t t = 0; t < cols; t++)
-                    y[r * n + first + t] += bias[first + t];
+    for (int64_t p = 0; p < part; p++) {
+        const float *block[PLACES];
+        float *at[PLACES];
+        for (int q = 0; q < PLACES; q++) {
+            block[q] = blocks + (p + q * part) * k * TILE;
+            at[q] = y + (p + q * part) * TILE;
+        }
+        tile(x, block, at, m, k, n, PLACES);
     }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = PLACES * part; b < parts; b++) {
+        const int64_t first = b * w, cols = n - first < w ? n - first : w;
+        const float *block = blocks + b * k * w;
+        float *at = y + first;
+        if (b < full)
+            tile(x, &block, &at, m, k, n, 1);
+        else if (cols > 0)
+            partial_block(x, block, y + first, m, k, w, n, cols);
+    }
+    if (bias)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t i = 0; i < n; i++)
+                y[r * n + i] += bias[i];
     return 0;
 }

@@ -1,14 +1,15 @@
 """fp32 products for decoding through a kernel compiled on this machine (fp32_rows.c).
 
 A decoded token is a matrix-vector product per layer, bound by streaming the weights. With the
-weight in column blocks up to WIDTH columns wide (`as_blocks`), a plain C loop reads each block
-front to back into accumulators held in registers, two rows per pass: over a 12-layer d = 768
-stack with a 50,304-word head, 1.5-1.75x torch.bmm's speed over meshlm.runtime.split_linear's
-per-thread blocks at one row, and faster at every row count up to 64 (docs/quantize.md). Each
-output is one in-order sum, the same operations for a row whatever else is in the call, so a row's
-outputs do not depend on the batch, bit for bit; they are F.linear's fp32 product to rounding.
-Whether torch's own ops keep rows apart depends on the BLAS and the CPU (`rows_apart` tells: on an
-Intel Xeon with AMX, F.linear computes one row differently from two).
+weight in column blocks up to WIDTH columns wide (`as_blocks`), a plain C loop reads four blocks
+from four places at once, front to back, into accumulators held in registers (two rows a pass
+against two of them): with one 128-wide block at a time, over a 12-layer d = 768 stack with a
+50,304-word head, 1.5-1.75x torch.bmm's speed over meshlm.runtime.split_linear's per-thread blocks
+at one row, and faster at every row count up to 64 (docs/quantize.md). Each output is one in-order
+sum, the same operations for a row whatever else is in the call, so a row's outputs do not depend on
+the batch, bit for bit; they are F.linear's fp32 product to rounding. Whether torch's own ops keep
+rows apart depends on the BLAS and the CPU (`rows_apart` tells: on an Intel Xeon with AMX, F.linear
+computes one row differently from two).
 
 `fp32_rows_kernel()` is the product where this process has it (KERNEL: checked against a float64
 product, and each row alone against the same row in a batch, bit for bit), else None, and
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from meshlm.kernels.kernel import Kernel, close_to_float64
 
 CPU = torch.device("cpu")
-WIDTH = 128  # the widest block the kernel takes (fp32_rows.c's TILE)
+WIDTH = 32  # the widest block the kernel takes (fp32_rows.c's TILE)
 
 # (rows (M, in) fp32, blocks (P, in, w ≤ WIDTH) fp32, bias (out,) or None, out) -> (M, out)
 Product = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None", int], torch.Tensor]

@@ -66,7 +66,7 @@ at::Tensor fp32_rows(const at::Tensor &rows_in, const at::Tensor &blocks,
                            rows.size(0), blocks.size(0), blocks.size(1), blocks.size(2),
                            out_features, at::get_num_threads()))
         throw std::invalid_argument("fp32 row product: blocks " + std::to_string(blocks.size(2)) +
-                                    " wide, at most 128");
+                                    " wide, at most 32");  // fp32_rows.c's TILE
     return y;
 }
 

@@ -10,9 +10,10 @@ F.linear's speed at one row with two threads, 1.2-2.0x at 2-64 rows, 1.03x at 25
 (P = 1: the transposed layout alone) 1.24x at one row, 1.41x at two, 0.96-1.01x from four on.
 Decoding that model runs 1.59-1.80x faster (benchmarks/decode_speed.py --versus-transformers).
 
-With a C compiler the blocks can be 128 columns wide and multiplied by a kernel compiled for the
-CPU instead (meshlm.kernels.fp32_rows: ~25 GB/s on every shape, where bmm's speed depends on the
-block's width), up to KERNEL_ROWS rows; bmm takes longer calls over the same blocks.
+With a C compiler the blocks can be KERNEL_WIDTH (32) columns wide and multiplied by a kernel
+compiled for the CPU instead (meshlm.kernels.fp32_rows: four blocks from four places at once, where
+bmm's speed depends on the block's width), up to KERNEL_ROWS rows; bmm takes longer calls over the
+same blocks (0.89-0.92x its speed over 128-column blocks on a 2-core Zen 3).
 
 `split_linears(model)` swaps every plain nn.Linear of a model for a `SplitLinear` holding the same
 numbers (`kernel=` for the kernel's blocks), and `split_tied_head(model)` gives a tied MeshLM a
