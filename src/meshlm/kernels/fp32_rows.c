@@ -27,8 +27,8 @@
 #define PLACES 4
 #define INLINE static inline __attribute__((always_inline))
 
-/* ROWS rows x, x + k (1 or 2) through `count` full blocks (count x ROWS <= PLACES once inlined
-   with constants, so the sums stay in registers): y[q] + r * n, TILE columns each */
+/* `rows` rows x, x + k (1 or 2) through `count` full blocks (rows x count <= PLACES once inlined
+   with constants, so the sums stay in registers): into y[q] + r * n, TILE columns each */
 INLINE void full_blocks(const float *restrict x, const float *const *block, float *const *y,
                         int64_t k, int64_t n, const int rows, const int count) {
     float a[2][PLACES][TILE];
