@@ -111,6 +111,15 @@ __attribute__((noinline)) static void partial_block(const float *restrict x,
     }
 }
 
+/* + b on `cols` columns of every row of y from column `first`, in the thread that wrote them */
+static void add_bias(float *restrict y, const float *restrict bias, int64_t first, int64_t cols,
+                     int64_t m, int64_t n) {
+    if (bias)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t t = 0; t < cols; t++)
+                y[r * n + first + t] += bias[first + t];
+}
+
 int fp32_rows_product(const float *restrict x, const float *restrict blocks,
                       const float *restrict bias, float *restrict y, int64_t m, int64_t parts,
                       int64_t k, int64_t w, int64_t n, int threads) {
@@ -127,6 +136,8 @@ int fp32_rows_product(const float *restrict x, const float *restrict blocks,
             at[q] = y + (p + q * part) * TILE;
         }
         tile(x, block, at, m, k, n, PLACES);
+        for (int q = 0; q < PLACES; q++)
+            add_bias(y, bias, (p + q * part) * TILE, TILE, m, n);
     }
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = PLACES * part; b < parts; b++) {
@@ -137,10 +148,7 @@ int fp32_rows_product(const float *restrict x, const float *restrict blocks,
             tile(x, &block, &at, m, k, n, 1);
         else if (cols > 0)
             partial_block(x, block, y + first, m, k, w, n, cols);
+        add_bias(y, bias, first, cols > 0 ? cols : 0, m, n);
     }
-    if (bias)
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t i = 0; i < n; i++)
-                y[r * n + i] += bias[i];
     return 0;
 }
