@@ -23,11 +23,15 @@
    (vdpbf16ps treats denormal inputs and results as zero: ~1e-38, far inside the check). That
    is 12 vector operations a chunk where the fused multiply-adds below take 27: 1.7x the
    weights a second from cache at one row on a 2-core Zen 5, and, with the next lines fetched
-   ahead (PREFETCH), 1.25x from memory. Without it, two masks split a chunk's 64 bytes into low
-   and high nibbles, a byte shuffle (vpshufb) takes byte t of every lane out zero-extended, one
-   conversion makes it a float, one fused multiply-add adds its product with the broadcast
-   x[8c + t] to the running sum (with a shift and a mask for each value instead, 1.13-1.18x
-   slower at one row on a 2-core Zen 5; at 16 rows the multiply-adds bound it either way). Four
+   ahead (PREFETCH), 1.25x from memory. Without it, one mask (vpand) keeps the nibble of a
+   chunk's place p where it lies in every lane: q · 2^s, s = SHIFT[p] (0, 8, 16, 24 for the low
+   nibbles of bytes 0-3, 4, 12, 20 for the high ones; the top nibble is shifted down to q), one
+   conversion makes that a float exactly (four significant bits), one fused multiply-add adds its
+   product with the broadcast x[8c + p] · 2^-s (the row scaled once a call, `unshift_row`: exact
+   for |x| above 2^-102) to the running sum: exactly q · x[8c + p], the numbers a byte shuffle
+   taking byte t out zero-extended gave before (vpshufb runs on two of a Zen 3's four vector
+   pipes, vpand on all four: 1.10-1.18x at one row, 1.57x at 16, on a 2-core Zen 3; a shift and a
+   mask for each value were 1.13-1.18x slower than the shuffle at one row on a 2-core Zen 5). Four
    sums a row (one per pair, or per byte t with the low and the high nibble of byte t to the
    same one) keep four chains apart, and every row takes exactly these steps whether it runs
    alone or among four that share each load and its unpacking: a row's outputs do not depend on
@@ -101,8 +105,6 @@ typedef __m512i VI;
 #define vi_load(p) _mm512_loadu_si512((const void *)(p))
 #define vi_and _mm512_and_si512
 #define vi_srli _mm512_srli_epi32
-#define vi_shuffle _mm512_shuffle_epi8
-#define vi_set1_8 _mm512_set1_epi8
 /* VLANES bf16 (their bits) as fp32, exactly */
 static inline V widen_v(const uint16_t *bits) {
     __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)bits));
@@ -126,8 +128,6 @@ typedef __m256i VI;
 #define vi_load(p) _mm256_loadu_si256((const __m256i *)(p))
 #define vi_and _mm256_and_si256
 #define vi_srli _mm256_srli_epi32
-#define vi_shuffle _mm256_shuffle_epi8
-#define vi_set1_8 _mm256_set1_epi8
 static inline V widen_v(const uint16_t *bits) {
     __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)bits));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
@@ -182,36 +182,46 @@ static inline __attribute__((always_inline)) void chunk(
 }
 typedef uint32_t Row; /* what a row's activations are to chunk(): bf16 pairs */
 #elif defined(VECTOR)
-/* the unpacking's constants: the nibble mask, and spread[t] taking byte t of every 32-bit lane
-   out zero-extended (vpshufb, within each 128 bits) */
-typedef struct { VI low, spread[4]; } Unpack;
+/* where the mask of a chunk's place p (k index 8c + p) leaves its nibble: q 2^SHIFT[p] (place 7,
+   the lane's top nibble, is shifted down to q instead), and the scale its activation takes */
+static const int SHIFT[CHUNK] = {0, 8, 16, 24, 4, 12, 20, 0};
+static const float UNSHIFT[CHUNK] = {1.0f, 0x1p-8f, 0x1p-16f, 0x1p-24f, 0x1p-4f, 0x1p-12f,
+                                     0x1p-20f, 1.0f};
+
+/* a widened row as chunk() takes it: x[j] · 2^-SHIFT[j % 8], exact (above 2^-102 in magnitude) */
+static void unshift_row(float *restrict x, int64_t k) {
+    for (int64_t j = 0; j < k; j++)
+        x[j] = x[j] * UNSHIFT[j % CHUNK];
+}
+
+/* the unpacking's constants: mask[p] keeps the nibble of place p in every 32-bit lane */
+typedef struct { VI mask[CHUNK - 1]; } Unpack;
 static inline Unpack unpack_init(void) {
-    Unpack u = {.low = vi_set1_8(0x0F)};
-    for (int t = 0; t < 4; t++) {
+    Unpack u;
+    for (int p = 0; p < CHUNK - 1; p++) {
         uint32_t words[VLANES];
         for (int i = 0; i < VLANES; i++)
-            words[i] = 0x80808000u | (uint32_t)(4 * (i % 4) + t);
-        u.spread[t] = vi_load(words);
+            words[i] = (uint32_t)0x0F << SHIFT[p];
+        u.mask[p] = vi_load(words);
     }
     return u;
 }
 
 /* chunk c's (at w, k index j; the block's 16 outputs, VLANES a vector) products added to
-   p[r][h][t % SUMS], R rows (x: them widened); each broadcast activation serves every half */
+   p[r][h][t % SUMS], R rows (x: them widened, unshift_row); each broadcast activation serves
+   every half */
 static inline __attribute__((always_inline)) void chunk(
         V p[ROWS][HALVES][SUMS], const Unpack *u, const uint8_t *restrict w,
         const float *restrict x, int64_t j, int64_t k, const int R) {
     _mm_prefetch((const char *)(w + PREFETCH), _MM_HINT_T0);
-    VI lows[HALVES], highs[HALVES];
-    for (int h = 0; h < HALVES; h++) {
-        const VI packed = vi_load(w + h * VLANES * 4);
-        lows[h] = vi_and(packed, u->low), highs[h] = vi_and(vi_srli(packed, 4), u->low);
-    }
+    VI packed[HALVES];
+    for (int h = 0; h < HALVES; h++)
+        packed[h] = vi_load(w + h * VLANES * 4);
     for (int t = 0; t < 4; t++) {
         V lo[HALVES], hi[HALVES];
         for (int h = 0; h < HALVES; h++) {
-            lo[h] = v_of_int(vi_shuffle(lows[h], u->spread[t]));
-            hi[h] = v_of_int(vi_shuffle(highs[h], u->spread[t]));
+            lo[h] = v_of_int(vi_and(packed[h], u->mask[t]));
+            hi[h] = v_of_int(t < 3 ? vi_and(packed[h], u->mask[4 + t]) : vi_srli(packed[h], 28));
         }
         for (int r = 0; r < R; r++) {
             const V xl = v_set1(x[r * k + j + t]), xh = v_set1(x[r * k + j + 4 + t]);
@@ -331,6 +341,8 @@ int int4_bf16_rows_product(const uint16_t *restrict x, const uint8_t *restrict w
         widen_row(x + r * k, k, group, wide + r * k, sums + r * groups);
 #ifdef DOT
         pair_row(x + r * k, k, pairs + r * k / 2);
+#elif defined(VECTOR)
+        unshift_row(wide + r * k, k);
 #endif
     }
     const int64_t n = n_blocks * LANES;
