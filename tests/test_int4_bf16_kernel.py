@@ -46,6 +46,20 @@ def test_the_kernel_is_the_float64_product_and_a_row_the_same_in_any_batch(kerne
     assert torch.equal(alone, y)
 
 
+def test_tiny_and_huge_activations_keep_the_float64_product(kernel):
+    """The AVX2 loop multiplies each nibble kept in place (q 2^s) by its activation scaled by
+    2^-s: exact down to |x| ~ 2^-102, below which only digits far under fp32's rounding of the
+    sum are lost; rows from 1e-35 to 1e30 stay the float64 product, finite, alone or batched."""
+    layer = int4(768, 48, 64, bias=False)
+    packed, sz = layer._int4_rows_operands()
+    x = torch.randn(6, 768) * torch.tensor([1e-35, 1e-31, 1e-20, 1.0, 1e20, 1e30])[:, None]
+    y = kernel(x, packed, sz, 48, 64)
+    assert torch.isfinite(y).all()
+    assert close_to_float64(y, x.bfloat16().float(), layer.weight_fp32(), None)
+    alone = torch.cat([kernel(x[i:i + 1], packed, sz, 48, 64) for i in range(6)])
+    assert torch.equal(alone, y)
+
+
 @pytest.mark.parametrize("policy", ["auto", "bf16"])  # bf16 forced, as native-bf16 CPUs run it
 def test_decoding_takes_the_kernel_where_it_pays_and_keeps_tokens_exact(kernel, monkeypatch,
                                                                         policy):
