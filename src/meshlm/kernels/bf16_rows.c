@@ -150,6 +150,15 @@ static void block(const uint16_t *restrict x, const uint16_t *restrict w, float 
     }
 }
 
+/* the bias added to outputs first .. first + cols of every row (none without one) */
+static void add_bias(float *restrict y, const float *restrict bias, int64_t first, int64_t cols,
+                     int64_t m, int64_t n) {
+    if (bias)
+        for (int64_t r = 0; r < m; r++)
+            for (int64_t t = 0; t < cols; t++)
+                y[r * n + first + t] += bias[first + t];
+}
+
 int bf16_rows_product(const uint16_t *restrict x, const uint16_t *restrict w,
                       const float *restrict bias, float *restrict y, int64_t m, int64_t k,
                       int64_t n, int threads) {
@@ -157,16 +166,16 @@ int bf16_rows_product(const uint16_t *restrict x, const uint16_t *restrict w,
         return 1;
     const int64_t part = n / OUT;  /* tile t: weight rows t, t + part, t + 2 part, t + 3 part */
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < part; t++)
+    for (int64_t t = 0; t < part; t++) {
         for (int64_t r = 0; r < m; r += ROWS)
             block(x + r * k, w + t * k, y + r * n + t, k, n, part, m - r < ROWS ? m - r : ROWS,
                   OUT);
+        for (int o = 0; o < OUT; o++)  /* by the thread that wrote the tile's outputs */
+            add_bias(y, bias, t + o * part, 1, m, n);
+    }
     for (int64_t r = 0; r < m; r += ROWS)  /* the last n % OUT weight rows */
         block(x + r * k, w + part * OUT * k, y + r * n + part * OUT, k, n, 0,
               m - r < ROWS ? m - r : ROWS, n - part * OUT);
-    if (bias)
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t i = 0; i < n; i++)
-                y[r * n + i] += bias[i];
+    add_bias(y, bias, part * OUT, n - part * OUT, m, n);
     return 0;
 }
