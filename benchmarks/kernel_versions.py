@@ -68,17 +68,24 @@ KERNELS = {"int4_rows": (INT4, {"bits": 4, "group_size": 64, "activations": "int
            "int8_row": (INT8, {"bits": 8, "activations": "int8"}, give_row_kernel)}
 
 
+def file_at(path: Path, revision: str) -> str:
+    """The checkout's file `path` as committed at `revision`."""
+    relative = path.relative_to(Path(__file__).resolve().parents[1])
+    return subprocess.run(["git", "show", f"{revision}:{relative.as_posix()}"],
+                          capture_output=True, text=True, check=True).stdout
+
+
 def function_at(kernel, revision: str | None, folder: Path):
     """The kernel's C function (bound by ctypes) built from its source at `revision` (None: the
     working tree's file)."""
     source = kernel.source
     if revision is not None:
-        relative = source.relative_to(Path(__file__).resolve().parents[1])
-        text = subprocess.run(["git", "show", f"{revision}:{relative.as_posix()}"],
-                              capture_output=True, text=True, check=True).stdout
+        text = file_at(source, revision)
         if kernel is INT8 and "int64_t m," not in text:  # before 6fc3f37: one row, no m
             raise SystemExit(f"int8_row at {revision} takes one row (no m argument): compare "
                              "builds from 6fc3f37 on")
+        for header in build.INCLUDE.findall(text):  # the headers it includes, at that revision
+            (folder / header).write_text(file_at(source.parent / header, revision))
         source = folder / source.name
         source.write_text(text)
     library = build.library(source)

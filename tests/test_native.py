@@ -188,6 +188,28 @@ def test_the_library_is_built_once_and_reused(fresh_build):
     assert library.stat().st_mtime_ns == built
 
 
+def test_a_kernel_is_keyed_by_the_headers_it_includes(fresh_build, tmp_path):
+    """A source including a header of its folder (as the row kernels include rows.h): editing
+    the header builds a new library with it; a header missing from the install is named."""
+    from meshlm.kernels import build as kernel_build
+
+    folder = tmp_path / "sources"
+    folder.mkdir()
+    source, header = folder / "answer.c", folder / "value.h"
+    source.write_text('#include "value.h"\nint answer(void) { return VALUE; }\n')
+    answers = []
+    for value in (41, 42):
+        header.write_text(f"#define VALUE {value}\n")
+        library = kernel_build.library(source)
+        assert library is not None, kernel_build.why_not(source)
+        answers.append(library.answer())
+    assert answers == [41, 42] and len(list(fresh_build.glob("answer-*.so"))) == 2
+    header.unlink()
+    assert kernel_build.library(source) is None
+    assert kernel_build.why_not(source).startswith("its header value.h, which answer.c includes, "
+                                                   "is missing from the install")
+
+
 def test_weight_only_layers_get_no_kernel(fresh_build):
     model = build(tiny(spec="1+1R2+1", vocab_size=256))
     quantized = quantize_model(model, 8, ("cores",), activations="bf16")[0]

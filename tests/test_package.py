@@ -52,10 +52,10 @@ def run(args: list[str], cwd: Path, env: dict[str, str]) -> str:
 
 
 def c_sources() -> list[str]:
-    """Every C and C++ source the checkout has under src/meshlm, as the package's paths name
-    them."""
-    return sorted(p.relative_to(ROOT / "src").as_posix()
-                  for pattern in ("*.c", "*.cpp") for p in (ROOT / "src" / "meshlm").rglob(pattern))
+    """Every C and C++ source and header the checkout has under src/meshlm, as the package's
+    paths name them."""
+    return sorted(p.relative_to(ROOT / "src").as_posix() for pattern in ("*.c", "*.cpp", "*.h")
+                  for p in (ROOT / "src" / "meshlm").rglob(pattern))
 
 
 def copy_checkout(folder: Path) -> Path:
@@ -152,7 +152,7 @@ def test_the_installed_wheel_ships_every_c_kernel_and_decodes_with_the_checkouts
     assert {"meshlm/kernels/fp32_rows.c", "meshlm/kernels/bf16_rows.c",
             "meshlm/kernels/int8_rows.c", "meshlm/kernels/int4_rows.c",
             "meshlm/kernels/int4_bf16_rows.c", "meshlm/kernels/int8_bf16_rows.c",
-            "meshlm/kernels/operators.cpp"} <= set(sources)
+            "meshlm/kernels/operators.cpp", "meshlm/kernels/rows.h"} <= set(sources)
     names = zipfile.ZipFile(installed.wheel).namelist()
     assert set(sources) <= set(names), "the wheel lacks C kernel sources (package-data)"
     assert all((installed.site / name).is_file() for name in sources)
@@ -182,7 +182,8 @@ def test_the_installed_wheel_ships_every_c_kernel_and_decodes_with_the_checkouts
     if all(checkout[k] for k in kernels):
         built = {p.name.split("-")[0] for p in (tmp_path / "cache" / "kernels").glob("*.so")}
         cpp = checkout["operators"] == ["c++"] * len(kernels)  # operators.cpp built here
-        assert built == {Path(name).stem for name in sources} - (set() if cpp else {"operators"})
+        libraries = {Path(name).stem for name in sources if not name.endswith(".h")}
+        assert built == libraries - (set() if cpp else {"operators"})
 
     # an install that lacks the sources says so on the precision line, and decodes the same text
     bare = tmp_path / "bare"

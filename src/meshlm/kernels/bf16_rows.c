@@ -31,6 +31,7 @@
 #define VECTOR 1
 #include <immintrin.h>
 #endif
+#include "rows.h"
 
 #define OUT 4   /* weight rows a tile, from four places */
 #define AHEAD 4 /* rows */
@@ -148,15 +149,6 @@ static void block(const uint16_t *restrict x, const uint16_t *restrict w, float 
 #endif
     default: tile(x, w, y, k, n, gap, ROWS, OUT); /* rows == ROWS */
     }
-}
-
-/* the bias added to outputs first .. first + cols of every row (none without one) */
-static void add_bias(float *restrict y, const float *restrict bias, int64_t first, int64_t cols,
-                     int64_t m, int64_t n) {
-    if (bias)
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t t = 0; t < cols; t++)
-                y[r * n + first + t] += bias[first + t];
 }
 
 int bf16_rows_product(const uint16_t *restrict x, const uint16_t *restrict w,

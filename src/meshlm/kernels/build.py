@@ -5,7 +5,9 @@ meshlm.machine), keyed by the source, the compiler and the CPU, and loads it; a 
 the kernels' torch operators, meshlm.kernels.operators) with the C++ compiler ($CXX, else c++ or
 g++) against the installed torch's headers and libraries, keyed by torch's version too; None where
 that cannot be done (the source missing from the install, no compiler, a failed build) or
-MESHLM_NATIVE=0, and then `why_not(source)` names the reason and its fix. A library is code this
+MESHLM_NATIVE=0, and then `why_not(source)` names the reason and its fix. A source may include
+headers of its own folder (`#include "name.h"`, kernels' shared pieces): they key its library too,
+so editing one rebuilds every kernel that includes it. A library is code this
 process runs: one that another user could have written (not owned by this user, or its file or
 folder writable by group or others) is not loaded. Delete the folder to rebuild. OpenMP comes from
 the runtime torch itself loads, so the kernels share its threads.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -27,6 +30,7 @@ from meshlm.data.cache_dir import cache_dir, untrusted
 
 # tried in order: the first set this compiler accepts is built
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O3",))
+INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)  # a local header
 CXX_FLAG_SETS = (("-O2", "-std=c++20"), ("-O2", "-std=c++17"))  # torch's headers want C++17 or 20
 BUILD_SECONDS = 60
 # per source: why the latest library() call returned None (why_not)
@@ -92,9 +96,14 @@ def _load(source: Path) -> tuple[ctypes.CDLL | None, str]:
                                  timeout=BUILD_SECONDS).stdout
     except (OSError, subprocess.SubprocessError) as err:
         return None, f"the C compiler {cc} did not run ({err}); set $CC to a working one"
+    try:
+        text = source_text(source)
+    except FileNotFoundError as err:
+        return None, (f"its header {Path(err.filename).name}, which {source.name} includes, is "
+                      f"missing from the install ({source.parent}); reinstall meshlm from a "
+                      "wheel or sdist that ships it")
     extra = [torch.__version__, *_torch_flags()] if cpp else []
-    key = hashlib.sha256("\n".join([source.read_text(), cc, version, machine.cpu_id(), *extra])
-                         .encode())
+    key = hashlib.sha256("\n".join([text, cc, version, machine.cpu_id(), *extra]).encode())
     target = cache_dir() / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
     failed = None if target.is_file() else _compile(cc, source, target, cpp)
     if failed:
@@ -106,6 +115,22 @@ def _load(source: Path) -> tuple[ctypes.CDLL | None, str]:
         return ctypes.CDLL(str(target)), ""
     except OSError as err:
         return None, f"{target} did not load ({err}); delete it to rebuild"
+
+
+def source_text(source: Path) -> str:
+    """`source`'s text, then that of every header of its own folder it includes (`#include
+    "name"`, and theirs, each once): what its library is keyed by. FileNotFoundError names a
+    missing one."""
+    texts, seen, todo = [], set(), [source]
+    while todo:
+        path = todo.pop(0)
+        if path in seen:
+            continue
+        seen.add(path)
+        text = path.read_text()
+        texts.append(text)
+        todo += [source.parent / name for name in INCLUDE.findall(text)]
+    return "\n".join(texts)
 
 
 def _compile(cc: str, source: Path, target: Path, cpp: bool = False) -> str | None:

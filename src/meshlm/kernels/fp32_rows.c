@@ -22,6 +22,7 @@
    at a time read 1.24-1.32x as fast at one thread and 1.09-1.15x at two. */
 #include <stdint.h>
 #include <string.h>
+#include "rows.h"
 
 #define TILE 32
 #define PLACES 4
@@ -109,15 +110,6 @@ __attribute__((noinline)) static void partial_block(const float *restrict x,
             memcpy(y + r * n, full, cols * sizeof(float));
         }
     }
-}
-
-/* + b on `cols` columns of every row of y from column `first`, in the thread that wrote them */
-static void add_bias(float *restrict y, const float *restrict bias, int64_t first, int64_t cols,
-                     int64_t m, int64_t n) {
-    if (bias)
-        for (int64_t r = 0; r < m; r++)
-            for (int64_t t = 0; t < cols; t++)
-                y[r * n + first + t] += bias[first + t];
 }
 
 int fp32_rows_product(const float *restrict x, const float *restrict blocks,
