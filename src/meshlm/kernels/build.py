@@ -30,9 +30,9 @@ from meshlm.data.cache_dir import cache_dir, untrusted
 
 # tried in order: the first set this compiler accepts is built
 FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O3",))
-INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)  # a local header
 CXX_FLAG_SETS = (("-O2", "-std=c++20"), ("-O2", "-std=c++17"))  # torch's headers want C++17 or 20
 BUILD_SECONDS = 60
+INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)  # a local header
 # per source: why the latest library() call returned None (why_not)
 _WHY_NOT: dict[Path, str] = {}
 

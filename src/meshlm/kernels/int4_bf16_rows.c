@@ -183,15 +183,19 @@ static inline __attribute__((always_inline)) void chunk(
 typedef uint32_t Row; /* what a row's activations are to chunk(): bf16 pairs */
 #elif defined(VECTOR)
 /* where the mask of a chunk's place p (k index 8c + p) leaves its nibble: q 2^SHIFT[p] (place 7,
-   the lane's top nibble, is shifted down to q instead), and the scale its activation takes */
+   the lane's top nibble, is shifted down to q instead) */
 static const int SHIFT[CHUNK] = {0, 8, 16, 24, 4, 12, 20, 0};
-static const float UNSHIFT[CHUNK] = {1.0f, 0x1p-8f, 0x1p-16f, 0x1p-24f, 0x1p-4f, 0x1p-12f,
-                                     0x1p-20f, 1.0f};
 
 /* a widened row as chunk() takes it: x[j] · 2^-SHIFT[j % 8], exact (above 2^-102 in magnitude) */
 static void unshift_row(float *restrict x, int64_t k) {
+    float scale[CHUNK];
+    for (int p = 0; p < CHUNK; p++) {
+        scale[p] = 1.0f;
+        for (int s = 0; s < SHIFT[p]; s++)
+            scale[p] *= 0.5f;  /* exact: a power of two */
+    }
     for (int64_t j = 0; j < k; j++)
-        x[j] = x[j] * UNSHIFT[j % CHUNK];
+        x[j] = x[j] * scale[j % CHUNK];
 }
 
 /* the unpacking's constants: mask[p] keeps the nibble of place p in every 32-bit lane */
