@@ -84,8 +84,12 @@ def function_at(kernel, revision: str | None, folder: Path):
         if kernel is INT8 and "int64_t m," not in text:  # before 6fc3f37: one row, no m
             raise SystemExit(f"int8_row at {revision} takes one row (no m argument): compare "
                              "builds from 6fc3f37 on")
-        for header in build.INCLUDE.findall(text):  # the headers it includes, at that revision
-            (folder / header).write_text(file_at(source.parent / header, revision))
+        todo = build.includes(text)  # the headers it includes (and theirs), at that revision
+        while todo:
+            header = todo.pop()
+            if not (folder / header).exists():
+                (folder / header).write_text(file_at(source.parent / header, revision))
+                todo += build.includes((folder / header).read_text())
         source = folder / source.name
         source.write_text(text)
     library = build.library(source)

@@ -196,7 +196,9 @@ def test_a_kernel_is_keyed_by_the_headers_it_includes(fresh_build, tmp_path):
     folder = tmp_path / "sources"
     folder.mkdir()
     source, header = folder / "answer.c", folder / "value.h"
-    source.write_text('#include "value.h"\nint answer(void) { return VALUE; }\n')
+    # an include in a comment is none: no such header is needed
+    source.write_text('#include "value.h"\n/* as in\n#include "example.h"\n */\n'
+                      '// #include "other.h"\nint answer(void) { return VALUE; }\n')
     answers = []
     for value in (41, 42):
         header.write_text(f"#define VALUE {value}\n")

@@ -33,6 +33,7 @@ FLAG_SETS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-fopenmp"), ("-O3",)
 CXX_FLAG_SETS = (("-O2", "-std=c++20"), ("-O2", "-std=c++17"))  # torch's headers want C++17 or 20
 BUILD_SECONDS = 60
 INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)  # a local header
+COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.DOTALL)  # what the include scan skips
 # per source: why the latest library() call returned None (why_not)
 _WHY_NOT: dict[Path, str] = {}
 
@@ -117,6 +118,12 @@ def _load(source: Path) -> tuple[ctypes.CDLL | None, str]:
         return None, f"{target} did not load ({err}); delete it to rebuild"
 
 
+def includes(text: str) -> list[str]:
+    """The names of the local headers (`#include "name"`) a C source's `text` includes; one
+    inside a comment is none (the compiler skips it too)."""
+    return INCLUDE.findall(COMMENT.sub("", text))
+
+
 def source_text(source: Path) -> str:
     """`source`'s text, then that of every header of its own folder it includes (`#include
     "name"`, and theirs, each once): what its library is keyed by. FileNotFoundError names a
@@ -129,7 +136,7 @@ def source_text(source: Path) -> str:
         seen.add(path)
         text = path.read_text()
         texts.append(text)
-        todo += [source.parent / name for name in INCLUDE.findall(text)]
+        todo += [source.parent / name for name in includes(text)]
     return "\n".join(texts)
 
 
