@@ -238,6 +238,26 @@ def test_speculation_through_compiled_stages_decodes_plain_greedy(traced_only, s
         assert stats.rounds > 0 and traced_only["stats"]["unique_graphs"] == graphs
 
 
+def test_a_prompt_through_the_compiled_stages_breaks_no_graph(traced_only):
+    """Several tokens with no past and no padding (a prefill) through steps.CompiledStages, their
+    length symbolic: each stage traces whole (SDPA is told `is_causal` as a bool, where the length
+    comparison had been a SymBool it refused, breaking the graph), for two lengths, and the
+    logits are the eager model's."""
+    from meshlm.generate.steps import CompiledStages
+    from meshlm.model.kv_cache import KVCache
+    model = build(tiny(scheme="mesh", spec="1+1R2+1", vocab_size=128, context_length=96))
+    stages, schedule = CompiledStages(model), model.schedule()
+
+    def logits(runner, ids):
+        run = runner.start(ids, None, KVCache())
+        return runner.readout(runner.advance(run, schedule), schedule)
+    with torch.no_grad():
+        for n in (5, 7):
+            ids = torch.randint(0, 128, (2, n), generator=torch.Generator().manual_seed(n))
+            torch.testing.assert_close(logits(stages, ids), logits(model, ids))
+    assert traced_only["graph_break"] == {}
+
+
 @pytest.mark.slow
 def test_compiled_exit_decodes_the_eager_tokens():
     """The same through Inductor: greedy tokens equal eager exit's, in a left-padded batch (the

@@ -116,7 +116,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     # symbolic lengths that comparison is no bool.)
     if q.shape[-2] == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
         return one_query(q, k, v, mask)
-    is_causal = mask is None and q.shape[-2] > 1
+    # decided by a branch, so that a compiled forward of several tokens with no past and no
+    # padding passes SDPA a bool: with a symbolic length the comparison is a SymBool, which SDPA
+    # refuses (the graph broke there)
+    is_causal = False
+    if mask is None and q.shape[-2] > 1:
+        is_causal = True
     gqa = k.shape[1] != q.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                           enable_gqa=gqa)
