@@ -17,6 +17,8 @@ the greedy tokens are the eager ones.
         --precisions fp32,int4 --threads 2   # per-token exit, eager and compiled
     .venv/bin/python benchmarks/compile_decode.py --spec 1+2R4+1 --scheme mesh --speculate 2:3 \
         --precisions fp32,int4 --threads 2   # self-speculation, eager and compiled stages
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/compile_decode.py --spec 2+2R4+2 --scheme mesh \
+        --stages --threads 1 --context 512   # a plain token through speculation's compiled stages
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/compile_decode.py --aot --threads 1 \
         --precisions int4,w4a8   # --precisions: those alone (with --aot)
 
@@ -26,6 +28,12 @@ fuses); what is left (norms, rotary, attention over the cache, the scheme's own 
 the vocabulary, the Python and dispatch around them) is the non-matmul time per token, eager,
 compiled by torch.compile and compiled ahead of time (AOTInductor, no guards or generated Python
 around it; plain decoding only).
+
+--stages bounds what compiling speculation over a static cache could buy: a plain token (fp32 as
+decoded) through the static compiled step (`--compile`), through the compiled stages that
+`--compile --speculate` runs its rounds on (steps.CompiledStages, timed for the planner, one call a
+stage and loop step, over the growing cache), through the symbolic step serving runs
+(PlainDecoder(compiled=True)) and eagerly; a round's forwards are such stage calls.
 
 A model of --spec at d = 768, 12 heads, a 50,304-word vocabulary (random weights), greedy, batch
 --batch, a 32-token prompt, --new-tokens new ones with EOS ignored; each round runs eager and
@@ -235,6 +243,52 @@ def split(model, prompts, s, args, clock) -> None:
               f"(the products {whole - bare_ms:.2f} ms)", flush=True)
 
 
+def stages(model, prompts, args, clock) -> None:
+    """ms a plain decoded token (fp32 as decoded; 32 steps a round after an eager prefill) through
+    the static compiled step, the compiled stages (timed, as speculation's rounds run them), the
+    symbolic compiled step and eagerly, in interleaved rounds after 48 warm-up steps each."""
+    from meshlm.generate import PlainDecoder, left_pad
+    from meshlm.generate.compiled import CompiledDecoder
+    from meshlm.generate.steps import CompiledStages
+    from meshlm.generate.timing import Timed
+
+    class Unrecorded:  # the planner's costs, which a plain token's timing does not need
+        def add(self, stage, n, seconds):
+            pass
+    laid_out, steps = decoding_copy(model, "fp32")[0], 32
+    need = len(prompts[0]) + 49 + steps * (args.rounds + 1)
+    if need > args.context:
+        raise SystemExit(f"--stages decodes {need} positions: pass --context {need} or more")
+    schedule, ids = laid_out.schedule(), left_pad(prompts, 1, torch.device("cpu"))
+
+    def greedy(logits):
+        return logits.argmax(-1)
+    decoders = {
+        "static compiled step": CompiledDecoder(laid_out, schedule, greedy, 49 + steps * (
+            args.rounds + 1)),
+        "compiled stages": PlainDecoder(Timed(CompiledStages(laid_out), Unrecorded()), schedule,
+                                        greedy),
+        "symbolic compiled step": PlainDecoder(laid_out, schedule, greedy, compiled=True),
+        "eager": PlainDecoder(laid_out, schedule, greedy)}
+    runs = {}
+    with torch.no_grad():
+        for name, decoder in decoders.items():
+            eager = name == "compiled stages"  # the rounds' prefill is eager
+            batch = (PlainDecoder(laid_out, schedule, greedy) if eager else decoder).prefill(*ids)
+
+            def run(decoder=decoder, batch=batch, n=steps, grow=eager):
+                for _ in range(n):
+                    if grow:  # the cache grows outside the stages, as speculation grows it
+                        batch.kv.reserve(2)
+                    decoder.step(batch)
+            run(n=48)
+            runs[name] = run
+        ms = {k: 1e3 * v / steps for k, v in interleaved_medians(runs, args.rounds, clock).items()}
+    for name, value in ms.items():
+        print(f"  {name:23s} {value:6.2f} ms a token "
+              f"({value / ms['static compiled step']:.2f}x the static step's)", flush=True)
+
+
 def main() -> None:
     from meshlm.config import ModelConfig
     from meshlm.generate import Sampling, generate
@@ -256,6 +310,9 @@ def main() -> None:
     p.add_argument("--no-matmul", action="store_true",
                    help="fp32 only: the per-token time without weight products, eager, "
                         "jit- and AOT-compiled")
+    p.add_argument("--stages", action="store_true",
+                   help="fp32 only: a plain token through the static compiled step, "
+                        "speculation's compiled stages, the symbolic step and eagerly")
     p.add_argument("--precisions", type=precisions, default=PRECISIONS,
                    help="these precisions only (comma-separated)")
     p.add_argument("--exit", type=ExitRule.parse, default=None, metavar="RULE",
@@ -279,6 +336,8 @@ def main() -> None:
           f"tokens, {torch.get_num_threads()} threads, {args.rounds} rounds (medians)")
     if args.no_matmul:
         return split(model, prompts, s, args, clock)
+    if args.stages:
+        return stages(model, prompts, args, clock)
     if args.operators:
         return operators(model, prompts, s, args, clock)
     if args.aot:
