@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="decode through one step compiled by torch.compile over a static KV cache "
                         "where a race against the eager step finds it faster (at the full depth "
                         "or with --exit; with --speculate its rounds through compiled stages; the "
-                        "first call compiles for seconds)")
+                        "first call compiles for seconds, minutes with --speculate at d = 768; "
+                        "Inductor keeps its kernels on disk)")
     p.add_argument("--aot", action="store_true",
                    help="--compile with the step compiled ahead of time by AOTInductor: no "
                         "per-token guards or Python (~20 s the first time a model's shape is "
