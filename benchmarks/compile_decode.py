@@ -244,9 +244,9 @@ def split(model, prompts, s, args, clock) -> None:
 
 
 def stages(model, prompts, args, clock) -> None:
-    """ms a plain decoded token (fp32 as decoded; 32 steps a round after an eager prefill) through
-    the static compiled step, the compiled stages (timed, as speculation's rounds run them), the
-    symbolic compiled step and eagerly, in interleaved rounds after 48 warm-up steps each."""
+    """ms a plain decoded token (fp32 as decoded; `steps` steps a round after an eager prefill)
+    through the static compiled step, the compiled stages (timed, as speculation's rounds run them),
+    the symbolic compiled step and eagerly, in interleaved rounds after `warm` steps each."""
     from meshlm.generate import PlainDecoder, left_pad
     from meshlm.generate.compiled import CompiledDecoder
     from meshlm.generate.steps import CompiledStages
@@ -255,17 +255,18 @@ def stages(model, prompts, args, clock) -> None:
     class Unrecorded:  # the planner's costs, which a plain token's timing does not need
         def add(self, stage, n, seconds):
             pass
-    laid_out, steps = decoding_copy(model, "fp32")[0], 32
-    need = len(prompts[0]) + 49 + steps * (args.rounds + 1)
-    if need > args.context:
-        raise SystemExit(f"--stages decodes {need} positions: pass --context {need} or more")
+    laid_out, steps, warm = decoding_copy(model, "fp32")[0], 32, 48
+    # the prefill's token, the warm-up steps, interleaved_medians' untimed call and its rounds
+    new_tokens = 1 + warm + steps * (args.rounds + 1)
+    if len(prompts[0]) + new_tokens > args.context:
+        raise SystemExit(f"--stages decodes {len(prompts[0]) + new_tokens} positions: pass "
+                         f"--context {len(prompts[0]) + new_tokens} or more")
     schedule, ids = laid_out.schedule(), left_pad(prompts, 1, torch.device("cpu"))
 
     def greedy(logits):
         return logits.argmax(-1)
     decoders = {
-        "static compiled step": CompiledDecoder(laid_out, schedule, greedy, 49 + steps * (
-            args.rounds + 1)),
+        "static compiled step": CompiledDecoder(laid_out, schedule, greedy, new_tokens),
         "compiled stages": PlainDecoder(Timed(CompiledStages(laid_out), Unrecorded()), schedule,
                                         greedy),
         "symbolic compiled step": PlainDecoder(laid_out, schedule, greedy, compiled=True),
@@ -281,7 +282,7 @@ def stages(model, prompts, args, clock) -> None:
                     if grow:  # the cache grows outside the stages, as speculation grows it
                         batch.kv.reserve(2)
                     decoder.step(batch)
-            run(n=48)
+            run(n=warm)
             runs[name] = run
         ms = {k: 1e3 * v / steps for k, v in interleaved_medians(runs, args.rounds, clock).items()}
     for name, value in ms.items():
