@@ -42,9 +42,10 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     stream = torch.ones(args.megabytes * 2**20 // 4)
-    times = {(name, when): [] for name in ops(args.d_model) for when in ("cold", "warm")}
+    calls = ops(args.d_model)
+    times = {(name, when): [] for name in calls for when in ("cold", "warm")}
     for _ in range(args.rounds):
-        for name, op in ops(args.d_model).items():
+        for name, op in calls.items():
             stream.sum()  # the weights' stream
             for when in ("cold", "warm"):
                 start = time.perf_counter()
@@ -52,7 +53,7 @@ def main() -> None:
                 times[name, when].append(time.perf_counter() - start)
     print(f"{args.threads} thread(s), after reading {args.megabytes} MB; medians of "
           f"{args.rounds} rounds")
-    for name in ops(args.d_model):
+    for name in calls:
         cold, warm = (1e6 * statistics.median(times[name, w]) for w in ("cold", "warm"))
         print(f"  {name:24s} cold {cold:7.1f} us, warm {warm:6.1f} us ({cold / warm:.1f}x)")
 

@@ -274,10 +274,12 @@ def stages(model, prompts, args, clock) -> None:
     runs = {}
     with torch.no_grad():
         for name, decoder in decoders.items():
-            eager = name == "compiled stages"  # the rounds' prefill is eager
-            batch = (PlainDecoder(laid_out, schedule, greedy) if eager else decoder).prefill(*ids)
+            # every prefill is eager; the stages' own would run through them, so theirs is a
+            # plain decoder's, as speculation's rounds prefill
+            staged = name == "compiled stages"
+            batch = (PlainDecoder(laid_out, schedule, greedy) if staged else decoder).prefill(*ids)
 
-            def run(decoder=decoder, batch=batch, n=steps, grow=eager):
+            def run(decoder=decoder, batch=batch, n=steps, grow=staged):
                 for _ in range(n):
                     if grow:  # the cache grows outside the stages, as speculation grows it
                         batch.kv.reserve(2)

@@ -88,8 +88,9 @@ def function_at(kernel, revision: str | None, folder: Path):
         while todo:
             header = todo.pop()
             if not (folder / header).exists():
-                (folder / header).write_text(file_at(source.parent / header, revision))
-                todo += build.includes((folder / header).read_text())
+                included = file_at(source.parent / header, revision)
+                (folder / header).write_text(included)
+                todo += build.includes(included)
         source = folder / source.name
         source.write_text(text)
     library = build.library(source)
