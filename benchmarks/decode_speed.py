@@ -23,6 +23,8 @@ Comparisons (targets from the Hugging Face / generation issue):
          .venv/bin/python benchmarks/decode_speed.py --versus-transformers --d-model 768 \
              --heads 12 \
              --vocab 50304 --new-tokens 64 --rounds 3 --threads 1
+     With --aot, also meshlm fp32 and w8a8 through the decode step compiled ahead of time
+     (`meshlm generate --aot`, the same weights; its compilation in the warm-up call, untimed).
   3. (--append) the cache's in-place appends vs. appending by concatenation (each step copying every
      slot's whole history), MeSH cached; it shows at long contexts:
          .venv/bin/python benchmarks/decode_speed.py --append --skip-uncached --prompt 1024 \
@@ -116,9 +118,10 @@ def versus_transformers(args) -> None:
     from meshlm.runtime import precision
 
     torch.manual_seed(0)
+    # one column past the new tokens: --aot's static cache holds the decoded token's own
     cfg = ModelConfig(spec=str(args.layers), d_model=args.d_model, n_heads=args.heads,
                       vocab_size=args.vocab,
-                      context_length=args.prompt + args.new_tokens, scheme="vanilla",
+                      context_length=args.prompt + args.new_tokens + 1, scheme="vanilla",
                       scale_embeddings=False)
     ours = MeshLM(cfg).eval()
     hf = GPTNeoXForCausalLM(GPTNeoXConfig(**hf_config_kwargs(cfg, BACKBONES["neox"]))).eval()
@@ -139,6 +142,11 @@ def versus_transformers(args) -> None:
     models["meshlm w8a8 _int_mm"] = without_row_kernel(models["meshlm w8a8"])
     models["meshlm int8 torch's"] = without_row_kernel(models["meshlm int8"])
     models["meshlm fp32 split bmm"] = split_without_kernel(ours)
+    pairs = PAIRS
+    if args.aot:  # the same models through the AOT-compiled step (step() below)
+        models["meshlm fp32 AOT"], models["meshlm w8a8 AOT"] = (models["meshlm fp32"],
+                                                                models["meshlm w8a8"])
+        pairs += AOT_PAIRS
     prompt = torch.randint(2, args.vocab, (1, args.prompt),
                            generator=torch.Generator().manual_seed(0))
     s = Sampling(max_new_tokens=args.new_tokens, temperature=0, stop_at_eos=False)
@@ -152,7 +160,8 @@ def versus_transformers(args) -> None:
                                    min_new_tokens=args.new_tokens,
                                    do_sample=False, pad_token_id=0)
                 else:
-                    generate(model, prompt.tolist(), s)
+                    generate(model, prompt.tolist(), s,
+                             compile="aot" if name.endswith(" AOT") else False)
         return run
 
     t = interleaved_medians({name: step(name, m) for name, m in models.items()}, args.rounds,
@@ -167,21 +176,26 @@ def versus_transformers(args) -> None:
         moved = weight_bytes_per_token(models[name]) * r
         print(f"  {name:<20} {r:7.2f} tokens/s  weights {moved / 1e9:5.2f} GB/s = "
               f"{moved / reading:4.0%} of read, {moved / copying:4.0%} of copy bandwidth")
-    for a, b in (("meshlm fp32", "transformers fp32"), ("meshlm fp32", "meshlm fp32 F.linear"),
-                 ("meshlm fp32", "meshlm fp32 split bmm"),
-                 ("meshlm fp32 split bmm", "transformers fp32"),
-                 ("meshlm fp32", "transformers bf16"), ("meshlm bf16", "transformers bf16"),
-                 ("meshlm bf16", "meshlm bf16 F.linear"),
-                 ("meshlm bf16", "transformers fp32"), ("meshlm int8", "transformers fp32"),
-                 ("meshlm int8", "meshlm fp32"), ("meshlm int8", "meshlm int8 torch's"),
-                 ("meshlm w8a8", "transformers fp32"),
-                 ("meshlm w8a8", "meshlm fp32"), ("meshlm w8a8", "meshlm int8"),
-                 ("meshlm w8a8", "meshlm w8a8 _int_mm"), ("meshlm w8a8 _int_mm", "meshlm fp32"),
-                 ("meshlm int4", "meshlm fp32"), ("meshlm w4a8", "meshlm fp32"),
-                 ("meshlm w4a8", "meshlm int4"), ("meshlm w4a8", "meshlm w8a8"),
-                 ("meshlm w4a8", "transformers fp32"), ("meshlm bf16", "meshlm fp32")):
+    for a, b in pairs:
         print(f"{a} / {b}: {rate[a] / rate[b]:.2f}x")
 
+
+# the ratios versus_transformers prints
+PAIRS = (("meshlm fp32", "transformers fp32"), ("meshlm fp32", "meshlm fp32 F.linear"),
+         ("meshlm fp32", "meshlm fp32 split bmm"),
+         ("meshlm fp32 split bmm", "transformers fp32"),
+         ("meshlm fp32", "transformers bf16"), ("meshlm bf16", "transformers bf16"),
+         ("meshlm bf16", "meshlm bf16 F.linear"),
+         ("meshlm bf16", "transformers fp32"), ("meshlm int8", "transformers fp32"),
+         ("meshlm int8", "meshlm fp32"), ("meshlm int8", "meshlm int8 torch's"),
+         ("meshlm w8a8", "transformers fp32"),
+         ("meshlm w8a8", "meshlm fp32"), ("meshlm w8a8", "meshlm int8"),
+         ("meshlm w8a8", "meshlm w8a8 _int_mm"), ("meshlm w8a8 _int_mm", "meshlm fp32"),
+         ("meshlm int4", "meshlm fp32"), ("meshlm w4a8", "meshlm fp32"),
+         ("meshlm w4a8", "meshlm int4"), ("meshlm w4a8", "meshlm w8a8"),
+         ("meshlm w4a8", "transformers fp32"), ("meshlm bf16", "meshlm fp32"))
+AOT_PAIRS = (("meshlm fp32 AOT", "transformers fp32"), ("meshlm fp32 AOT", "meshlm fp32"),
+             ("meshlm w8a8 AOT", "meshlm w8a8"), ("meshlm w8a8 AOT", "meshlm fp32 AOT"))
 
 CPU = torch.device("cpu")
 
@@ -232,6 +246,8 @@ def main() -> None:
                    help="also MeSH cached with appends by concatenation")
     p.add_argument("--versus-transformers", action="store_true",
                    help="comparison 4 (module docstring) only")
+    p.add_argument("--aot", action="store_true",
+                   help="with --versus-transformers: also fp32 and w8a8 through `generate --aot`")
     p.add_argument("--layers", type=int, default=12,
                    help="with --versus-transformers: the vanilla stack's depth")
     args = p.parse_args()
