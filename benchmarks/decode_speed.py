@@ -23,8 +23,9 @@ Comparisons (targets from the Hugging Face / generation issue):
          .venv/bin/python benchmarks/decode_speed.py --versus-transformers --d-model 768 \
              --heads 12 \
              --vocab 50304 --new-tokens 64 --rounds 3 --threads 1
-     With --aot, also meshlm fp32 and w8a8 through the decode step compiled ahead of time
-     (`meshlm generate --aot`, the same weights; its compilation in the warm-up call, untimed).
+     With --aot, also each meshlm precision (not the "without" rows) through the decode step
+     compiled ahead of time (`meshlm generate --aot`, the same weights; its compilation in the
+     warm-up call, untimed).
   3. (--append) the cache's in-place appends vs. appending by concatenation (each step copying every
      slot's whole history), MeSH cached; it shows at long contexts:
          .venv/bin/python benchmarks/decode_speed.py --append --skip-uncached --prompt 1024 \
@@ -144,9 +145,9 @@ def versus_transformers(args) -> None:
     models["meshlm fp32 split bmm"] = split_without_kernel(ours)
     pairs = PAIRS
     if args.aot:  # the same models through the AOT-compiled step (step() below)
-        models["meshlm fp32 AOT"], models["meshlm w8a8 AOT"] = (models["meshlm fp32"],
-                                                                models["meshlm w8a8"])
-        pairs += AOT_PAIRS
+        for name in AOT:
+            models[f"{name} AOT"] = models[name]
+        pairs += tuple((f"{name} AOT", name) for name in AOT) + AOT_PAIRS
     prompt = torch.randint(2, args.vocab, (1, args.prompt),
                            generator=torch.Generator().manual_seed(0))
     s = Sampling(max_new_tokens=args.new_tokens, temperature=0, stop_at_eos=False)
@@ -194,8 +195,10 @@ PAIRS = (("meshlm fp32", "transformers fp32"), ("meshlm fp32", "meshlm fp32 F.li
          ("meshlm int4", "meshlm fp32"), ("meshlm w4a8", "meshlm fp32"),
          ("meshlm w4a8", "meshlm int4"), ("meshlm w4a8", "meshlm w8a8"),
          ("meshlm w4a8", "transformers fp32"), ("meshlm bf16", "meshlm fp32"))
-AOT_PAIRS = (("meshlm fp32 AOT", "transformers fp32"), ("meshlm fp32 AOT", "meshlm fp32"),
-             ("meshlm w8a8 AOT", "meshlm w8a8"), ("meshlm w8a8 AOT", "meshlm fp32 AOT"))
+# with --aot: these through `generate --aot` too, each against itself eager, and these ratios
+AOT = ("meshlm fp32", "meshlm bf16", "meshlm int8", "meshlm w8a8", "meshlm int4", "meshlm w4a8")
+AOT_PAIRS = (("meshlm fp32 AOT", "transformers fp32"), ("meshlm bf16 AOT", "transformers fp32"),
+             ("meshlm w8a8 AOT", "meshlm fp32 AOT"), ("meshlm w4a8 AOT", "meshlm int4 AOT"))
 
 CPU = torch.device("cpu")
 
@@ -247,7 +250,7 @@ def main() -> None:
     p.add_argument("--versus-transformers", action="store_true",
                    help="comparison 4 (module docstring) only")
     p.add_argument("--aot", action="store_true",
-                   help="with --versus-transformers: also fp32 and w8a8 through `generate --aot`")
+                   help="with --versus-transformers: each precision through `generate --aot` too")
     p.add_argument("--layers", type=int, default=12,
                    help="with --versus-transformers: the vanilla stack's depth")
     args = p.parse_args()
