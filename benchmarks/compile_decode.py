@@ -249,12 +249,10 @@ def stages(model, prompts, args, clock) -> None:
     the symbolic compiled step and eagerly, in interleaved rounds after `warm` steps each."""
     from meshlm.generate import PlainDecoder, left_pad
     from meshlm.generate.compiled import CompiledDecoder
+    from meshlm.generate.planner import Costs
     from meshlm.generate.steps import CompiledStages
     from meshlm.generate.timing import Timed
 
-    class Unrecorded:  # the planner's costs, which a plain token's timing does not need
-        def add(self, stage, n, seconds):
-            pass
     laid_out, steps, warm = decoding_copy(model, "fp32")[0], 32, 48
     # the prefill's token, the warm-up steps, interleaved_medians' untimed call and its rounds
     new_tokens = 1 + warm + steps * (args.rounds + 1)
@@ -267,8 +265,8 @@ def stages(model, prompts, args, clock) -> None:
         return logits.argmax(-1)
     decoders = {
         "static compiled step": CompiledDecoder(laid_out, schedule, greedy, new_tokens),
-        "compiled stages": PlainDecoder(Timed(CompiledStages(laid_out), Unrecorded()), schedule,
-                                        greedy),
+        "compiled stages": PlainDecoder(Timed(CompiledStages(laid_out), Costs(schedule)),
+                                        schedule, greedy),
         "symbolic compiled step": PlainDecoder(laid_out, schedule, greedy, compiled=True),
         "eager": PlainDecoder(laid_out, schedule, greedy)}
     runs = {}
